@@ -1,0 +1,1 @@
+"""One module per sink. Exporters take finished frames (dicts) and know nothing of probes."""

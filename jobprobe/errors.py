@@ -1,0 +1,21 @@
+"""Typed errors. Everything deep inside raises one of these; only the CLI turns them into exit codes."""
+
+
+class JobprobeError(Exception):
+    """Base of every error jobprobe raises on purpose."""
+
+
+class BadInput(JobprobeError):
+    """The user asked for something that does not exist or cannot be (CLI exit code 2)."""
+
+
+class TargetGone(JobprobeError):
+    """The job we were attached to has ended: its cgroup was removed, or its last process exited."""
+
+
+class ProbeUnavailable(JobprobeError):
+    """A probe cannot run on this host or for this target. The message is the reason shown to the user."""
+
+
+class ProbeFailed(JobprobeError):
+    """A probe that was running has failed; it is stopped and reported, the others go on."""

@@ -1,0 +1,66 @@
+"""What this host can do, detected at run time (never assumed). Every path takes a root so tests use fixture trees."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def find_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The first cgroup2 mount point in mountinfo (pure cgroup v2 at /sys/fs/cgroup, hybrid at .../unified)."""
+    try:
+        text = Path(mountinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        # "<id> <parent> <maj:min> <root> <mountpoint> <opts> [optional...] - <fstype> <source> <superopts>"
+        left, _, right = line.partition(" - ")
+        if right.split(" ", 1)[0] == "cgroup2":
+            return left.split(" ")[4].replace("\\040", " ")
+    return None
+
+
+@dataclass
+class Host:
+    """Facts about the machine, gathered once. Probes' check() read these; nothing here has side effects."""
+
+    proc: str = "/proc"
+    sys: str = "/sys"
+    mountinfo: str = "/proc/self/mountinfo"
+    is_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+    node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
+    kernel: str = field(default_factory=platform.release)
+
+    @property
+    def cgroup2(self) -> str | None:
+        return find_cgroup2_mount(self.mountinfo)
+
+    @property
+    def has_pmu(self) -> bool:
+        return Path(self.sys, "bus/event_source/devices/cpu").exists()
+
+    @property
+    def has_btf(self) -> bool:
+        return Path(self.sys, "kernel/btf/vmlinux").exists()
+
+    def tracepoint_exists(self, category: str, event: str) -> bool:
+        for base in ("kernel/tracing", "kernel/debug/tracing"):
+            if Path(self.sys, base, "events", category, event).is_dir():
+                return True
+        return False
+
+    def online_cpus(self) -> list[int]:
+        return parse_cpu_list(Path(self.sys, "devices/system/cpu/online").read_text())
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,5,7-8' -> [0, 1, 2, 3, 5, 7, 8]"""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus

@@ -1,0 +1,263 @@
+"""What we attach to: a cgroup2 group, a process tree, a SLURM job, or a command we start ourselves.
+
+A target answers three questions for the probes: which cgroup (if any), which processes now, and is the job still
+there. Every file read takes a root so the unit tests run on fixture trees.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from jobprobe.errors import BadInput, TargetGone
+from jobprobe.host import find_cgroup2_mount
+
+
+def read_ppid(proc: str, pid: int) -> int | None:
+    """Parent PID from /proc/PID/stat, or None if the process is gone. The comm field may hold spaces and ')'."""
+    try:
+        data = Path(proc, str(pid), "stat").read_bytes()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    return int(rest[1])
+
+
+def list_pids(proc: str) -> list[int]:
+    return [int(d) for d in os.listdir(proc) if d.isdigit()]
+
+
+class Target:
+    """Base: a job we watch. kind is "cgroup" (membership by cgroup2 id) or "pids" (membership by tgid)."""
+
+    kind = "pids"
+    job = "job"
+    cgroup_path: str | None = None
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "job": self.job}
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Called once per tick before the probes sample; raises TargetGone when the job has ended."""
+
+    def close(self) -> None:
+        """Release what the target made (a cgroup we created, a child we started). Idempotent."""
+
+
+class CgroupTarget(Target):
+    kind = "cgroup"
+
+    def __init__(self, path: str, mountinfo: str = "/proc/self/mountinfo", job: str | None = None):
+        mount = find_cgroup2_mount(mountinfo)
+        if mount is None:
+            raise BadInput("no cgroup2 hierarchy is mounted on this host (see /proc/self/mountinfo)")
+        p = Path(path)
+        if not p.is_absolute() or not str(p).startswith(mount.rstrip("/") + "/") and str(p) != mount:
+            p = Path(mount, str(path).lstrip("/"))
+        if not (p / "cgroup.procs").is_file():
+            raise BadInput(f"cgroup {path} does not exist (looked for {p} in the cgroup2 hierarchy at {mount})")
+        self.mount = mount
+        self.cgroup_path = str(p)
+        self.job = job or p.name
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "job": self.job, "cgroup": self.cgroup_path}
+
+    def dirs(self) -> list[str]:
+        """The job's cgroup and all its descendants (SLURM steps, container sub-groups)."""
+        out = []
+        for root, subdirs, _ in os.walk(self.cgroup_path):
+            out.append(root)
+        return out
+
+    def cgroup_ids(self) -> list[int]:
+        """cgroup2 ids as bpf_get_current_cgroup_id() returns them: the directories' inode numbers."""
+        ids = []
+        for d in self.dirs():
+            try:
+                ids.append(os.stat(d).st_ino)
+            except FileNotFoundError:
+                pass
+        return ids
+
+    def pids(self) -> list[int]:
+        pids: list[int] = []
+        for d in self.dirs():
+            try:
+                pids.extend(int(x) for x in Path(d, "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        return pids
+
+    def refresh(self) -> None:
+        if not Path(self.cgroup_path, "cgroup.procs").exists():
+            raise TargetGone(f"cgroup {self.cgroup_path} was removed")
+
+
+class PidTreeTarget(Target):
+    """A set of root processes and every descendant, including those forked after attach.
+
+    Descendants are found by parent PID; a process stays a member until it exits, even if its parent dies first
+    and it is re-parented outside the tree.
+    """
+
+    kind = "pids"
+
+    def __init__(self, roots: Iterable[int], proc: str = "/proc", job: str | None = None,
+                 extra_roots: Callable[[], Iterable[int]] | None = None):
+        self.proc = proc
+        self.roots = [int(r) for r in roots]
+        missing = [r for r in self.roots if not Path(proc, str(r)).is_dir()]
+        if not self.roots or missing:
+            raise BadInput(f"process {missing[0] if missing else '(none)'} does not exist")
+        self.job = job or f"pid-{self.roots[0]}"
+        self._extra_roots = extra_roots
+        self._members: set[int] = set(self.roots)
+        self._scan()
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "job": self.job, "roots": self.roots}
+
+    def _scan(self) -> None:
+        alive = set(list_pids(self.proc))
+        members = self._members & alive
+        if self._extra_roots is not None:
+            members |= set(self._extra_roots()) & alive
+        parent = {p: read_ppid(self.proc, p) for p in alive - members}
+        grew = True
+        while grew:  # add children of members until nothing new joins (a fork chain may be deep)
+            new = {p for p, pp in parent.items() if pp in members}
+            grew = bool(new)
+            members |= new
+            for p in new:
+                del parent[p]
+        self._members = members
+
+    def pids(self) -> list[int]:
+        return sorted(self._members)
+
+    def refresh(self) -> None:
+        self._scan()
+        if not self._members:
+            raise TargetGone(f"every process of {self.job} has exited")
+
+
+def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
+    """Where SLURM's cgroup/v2 plugin puts a job: .../system.slice/slurmstepd.scope/job_<id> (or any job_<id>)."""
+    for cand in (Path(mount, "system.slice", "slurmstepd.scope", f"job_{job_id}"),):
+        if cand.is_dir():
+            return str(cand)
+    for root, subdirs, _ in os.walk(mount):
+        if f"job_{job_id}" in subdirs:
+            return str(Path(root, f"job_{job_id}"))
+        # don't descend into other jobs' trees
+        subdirs[:] = [d for d in subdirs if not d.startswith("job_")]
+    return None
+
+
+def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
+    try:
+        out = subprocess.run([scontrol, "listpids", str(job_id)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BadInput(f"cannot run {scontrol} to find SLURM job {job_id}: {err}") from err
+    if out.returncode != 0:
+        return []
+    pids = []
+    for line in out.stdout.splitlines()[1:]:  # header: PID JOBID STEPID LOCALID GLOBALID
+        cols = line.split()
+        if cols and cols[0].isdigit():
+            pids.append(int(cols[0]))
+    return pids
+
+
+def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str = "/proc",
+                 scontrol: str = "scontrol") -> Target:
+    if not str(job_id).isdigit():
+        raise BadInput(f"SLURM job id must be a number, got {job_id!r}")
+    mount = find_cgroup2_mount(mountinfo)
+    if mount:
+        cg = slurm_job_cgroup(job_id, mount)
+        if cg:
+            return CgroupTarget(cg, mountinfo=mountinfo, job=str(job_id))
+    pids = scontrol_listpids(job_id, scontrol)
+    if not pids:
+        raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")
+    # New steps are started by slurmstepd, outside the tree: ask scontrol again at most every 5 s.
+    last = [time.monotonic()]
+
+    def more() -> list[int]:
+        if time.monotonic() - last[0] < 5:
+            return []
+        last[0] = time.monotonic()
+        return scontrol_listpids(job_id, scontrol)
+
+    return PidTreeTarget(pids, proc=proc, job=str(job_id), extra_roots=more)
+
+
+class CommandTarget(CgroupTarget):
+    """`-- CMD ARGS…`: a fresh cgroup2 group that we create, CMD started inside it, the group removed at the end."""
+
+    def __init__(self, argv: list[str], mountinfo: str = "/proc/self/mountinfo", job: str | None = None,
+                 parent: str = "jobprobe"):
+        mount = find_cgroup2_mount(mountinfo)
+        if mount is None:
+            raise BadInput("no cgroup2 hierarchy is mounted on this host; use --pid instead of -- CMD")
+        if not argv:
+            raise BadInput("nothing to run after --")
+        name = f"{Path(argv[0]).name}-{os.getpid()}-{int(time.time())}"
+        path = Path(mount, parent, name)
+        try:
+            path.mkdir(parents=True)
+        except OSError as err:
+            raise BadInput(f"cannot create cgroup {path}: {err.strerror}") from err
+        self.argv = argv
+        self.proc_handle: subprocess.Popen | None = None
+        self._made = path
+        super().__init__(str(path), mountinfo=mountinfo, job=job or name)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "command": shlex.join(self.argv)}
+
+    def launch(self) -> subprocess.Popen:
+        """Start CMD inside the group (the child joins it before exec, so nothing of CMD runs outside)."""
+        procs = Path(self.cgroup_path, "cgroup.procs")
+
+        def join() -> None:
+            procs.write_text(str(os.getpid()))
+
+        try:
+            self.proc_handle = subprocess.Popen(self.argv, preexec_fn=join)
+        except OSError as err:
+            self.close()
+            raise BadInput(f"cannot run {self.argv[0]}: {err.strerror}") from err
+        return self.proc_handle
+
+    def refresh(self) -> None:
+        if self.proc_handle is not None and self.proc_handle.poll() is not None and not self.pids():
+            raise TargetGone(f"{self.argv[0]} exited with code {self.proc_handle.returncode}")
+
+    def close(self) -> None:
+        if self._made is None:
+            return
+        # Processes CMD left behind would keep the group busy: move them to the parent before removing it.
+        for pid in self.pids():
+            try:
+                Path(self._made.parent, "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass
+        for d in sorted(self.dirs(), key=len, reverse=True):
+            for _ in range(50):
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)  # a just-exited task may still be leaving the group
+        self._made = None
