@@ -1,0 +1,98 @@
+"""Shared fixtures. Tiers: unit (no privilege), kernel (root: real BPF/perf on real cgroups), integration.
+
+Kernel-tier tests are marked `kernel`; they skip only when not root, saying so. CI runs as root, so there they run.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobprobe.host import find_cgroup2_mount
+
+TESTS = Path(__file__).resolve().parent
+IS_ROOT = os.geteuid() == 0
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_root = pytest.mark.skip(reason="needs root (real BPF, perf_event and cgroups); CI runs as root")
+    for item in items:
+        if "kernel" in item.keywords and not IS_ROOT:
+            item.add_marker(skip_root)
+
+
+class Cgroup:
+    """A real cgroup2 group made for one test and removed after it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir(parents=True)
+
+    @property
+    def id(self) -> int:
+        return os.stat(self.path).st_ino
+
+    def spawn(self, argv: list[str], **kw) -> subprocess.Popen:
+        procs = self.path / "cgroup.procs"
+        return subprocess.Popen(argv, preexec_fn=lambda: procs.write_text(str(os.getpid())), **kw)
+
+    def cpu_usage_ns(self) -> int:
+        return self.cpu_stat()["usage_usec"] * 1000
+
+    def cpu_stat(self) -> dict[str, int]:
+        out = {}
+        for line in (self.path / "cpu.stat").read_text().splitlines():
+            k, v = line.split()
+            out[k] = int(v)
+        return out
+
+    def pids(self) -> list[int]:
+        return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
+
+    def remove(self) -> None:
+        root = self.path.parent
+        for pid in self.pids() if self.path.exists() else []:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.02)
+
+
+@pytest.fixture
+def cgroup2_mount() -> str:
+    mount = find_cgroup2_mount()
+    if mount is None:
+        pytest.skip("no cgroup2 hierarchy mounted on this host")
+    return mount
+
+
+@pytest.fixture
+def make_cgroup(cgroup2_mount, request):
+    made: list[Cgroup] = []
+
+    def make(name: str | None = None) -> Cgroup:
+        name = name or f"{request.node.name[:40]}-{len(made)}".replace("[", "-").replace("]", "")
+        cg = Cgroup(Path(cgroup2_mount, "jobprobe-test", f"{name}-{os.getpid()}"))
+        made.append(cg)
+        return cg
+
+    yield make
+    for cg in made:
+        cg.remove()
+
+
+def workload(name: str, *args) -> list[str]:
+    """argv of a workload in tests/workloads.py (a plain Python process, the same interpreter)."""
+    return [sys.executable, str(TESTS / "workloads.py"), name, *map(str, args)]

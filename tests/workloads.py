@@ -1,0 +1,50 @@
+"""Workloads with known behaviour, run as separate processes by the tests.
+
+    burn SECONDS            busy loop on one core
+    sleepwake N USEC        N sleeps of USEC microseconds (N voluntary context switches, give or take)
+    forktree DEPTH SECONDS  a chain of DEPTH processes, each forking the next after 0.2 s, all burning
+    exit CODE               exit with CODE
+"""
+import os
+import sys
+import time
+
+
+def burn(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        for _ in range(10000):
+            x += 1
+
+
+def sleepwake(n: int, usec: int) -> None:
+    for _ in range(n):
+        time.sleep(usec / 1e6)
+
+
+def forktree(depth: int, seconds: float) -> None:
+    time.sleep(0.2)
+    if depth > 1 and os.fork() == 0:
+        forktree(depth - 1, seconds)
+        os._exit(0)
+    burn(seconds)
+    try:
+        while True:
+            os.wait()
+    except ChildProcessError:
+        pass
+
+
+if __name__ == "__main__":
+    what, args = sys.argv[1], sys.argv[2:]
+    if what == "burn":
+        burn(float(args[0]))
+    elif what == "sleepwake":
+        sleepwake(int(args[0]), int(args[1]))
+    elif what == "forktree":
+        forktree(int(args[0]), float(args[1]))
+    elif what == "exit":
+        sys.exit(int(args[0]))
+    else:
+        sys.exit(f"unknown workload {what}")
