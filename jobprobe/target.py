@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -210,6 +211,8 @@ class CommandTarget(CgroupTarget):
             raise BadInput("no cgroup2 hierarchy is mounted on this host; use --pid instead of -- CMD")
         if not argv:
             raise BadInput("nothing to run after --")
+        if shutil.which(argv[0]) is None:
+            raise BadInput(f"cannot run {argv[0]}: command not found")
         name = f"{Path(argv[0]).name}-{os.getpid()}-{int(time.time())}"
         path = Path(mount, parent, name)
         try:
@@ -260,4 +263,8 @@ class CommandTarget(CgroupTarget):
                     break
                 except OSError:
                     time.sleep(0.02)  # a just-exited task may still be leaving the group
+        try:
+            self._made.parent.rmdir()  # our parent group, if no other jobprobe uses it now
+        except OSError:
+            pass
         self._made = None

@@ -1,0 +1,232 @@
+"""jobprobe's command line: run (attach and sample), probes (what can run here), read (decode a frame file).
+
+Bad input gets one line on stderr and exit code 2; nothing deeper than this module exits the process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+from jobprobe import __version__
+from jobprobe.errors import BadInput, JobprobeError
+from jobprobe.frame import MalformedFrame, StreamReader
+from jobprobe.host import Host
+
+EXIT_BAD_INPUT = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, not usage + error
+        raise BadInput(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="jobprobe", description="Per-job probes for training clusters: one frame per job per tick.")
+    p.add_argument("--version", action="version", version=f"jobprobe {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+
+    r = sub.add_parser("run", help="attach to a job and sample it every interval",
+                       usage="jobprobe run (--cgroup PATH | --pid PID | --slurm-job ID | -- CMD ARGS...) [options]")
+    tgt = r.add_mutually_exclusive_group()
+    tgt.add_argument("--cgroup", metavar="PATH", help="cgroup2 group: absolute, or relative to the cgroup2 mount")
+    tgt.add_argument("--pid", type=int, metavar="PID", help="a process and every descendant, also those forked later")
+    tgt.add_argument("--slurm-job", metavar="ID", help="a SLURM job: its cgroup2 group, else its PIDs from scontrol")
+    r.add_argument("--job", metavar="NAME", help="job name in frames (default: from the target)")
+    r.add_argument("--probes", metavar="SPEC",
+                   help="'sched,perf' exactly these; '+pystacks,-sched' standard set plus/minus; 'all'")
+    r.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds per tick (default 1.0)")
+    r.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
+    r.add_argument("--out", metavar="FILE", help="append msgpack frames to FILE")
+    r.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate FILE when it passes MB (FILE.1, FILE.2 …)")
+    r.add_argument("--stdout", nargs="?", const="human", choices=["human", "json"],
+                   help="a human line per tick (default when no --out), or 'json': one JSON frame per line")
+
+    sub.add_parser("probes", help="list every probe: default, fields and units, can it run here").add_argument(
+        "--json", action="store_true", help="as JSON")
+
+    rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
+    rd.add_argument("file")
+    rd.add_argument("--format", choices=["jsonl", "table"], default="jsonl")
+    return p
+
+
+# ---- probes ------------------------------------------------------------------------------------------------
+def cmd_probes(args, host: Host) -> int:
+    from jobprobe.registry import all_probes
+    reg = all_probes()
+    rows = []
+    for name, cls in reg.items():
+        why = cls(host).check(host)
+        rows.append({"name": name, "default": cls.default, "runs_here": why is None, "why_not": why,
+                     "summary": cls.summary,
+                     "fields": {k: {"type": f.type, "unit": f.unit, "meaning": f.meaning}
+                                for k, f in cls.fields.items()}})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for row in rows:
+        state = "runs here" if row["runs_here"] else f"cannot run here: {row['why_not']}"
+        print(f"{row['name']:<10} {'default on ' if row['default'] else 'default off'}  {state}")
+        print(f"           {row['summary']}")
+        for k, f in row["fields"].items():
+            print(f"             {k:<24} {f['type']:<9} {f['unit']:<8} {f['meaning']}")
+    return 0
+
+
+# ---- read --------------------------------------------------------------------------------------------------
+def _table(frames: list[dict]) -> str:
+    cols: dict[str, None] = {}
+    rows = []
+    for f in frames:
+        if f["kind"] != "sample":
+            continue
+        row = {"seq": str(f["seq"]), "time": time.strftime("%H:%M:%S", time.localtime(f["t"])),
+               "dt": f"{f['dt']:.3f}"}
+        for probe, fields in f.get("probes", {}).items():
+            for k, v in fields.items():
+                if isinstance(v, (int, float, str)) or v is None:
+                    row[f"{probe}.{k}"] = "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
+        cols.update(dict.fromkeys(row))
+        rows.append(row)
+    names = list(cols)
+    width = {c: max(len(c), *(len(r.get(c, "")) for r in rows)) for c in names} if rows else {}
+    lines = ["  ".join(c.rjust(width[c]) for c in names)]
+    lines += ["  ".join(r.get(c, "").rjust(width[c]) for c in names) for r in rows]
+    return "\n".join(lines)
+
+
+def cmd_read(args) -> int:
+    try:
+        fp = open(args.file, "rb")
+    except OSError as err:
+        raise BadInput(f"cannot open {args.file}: {err.strerror}") from err
+    reader = StreamReader(fp)
+    frames: list[dict] = []
+    err: MalformedFrame | None = None
+    with fp:
+        try:
+            for frame in reader:
+                if args.format == "jsonl":
+                    print(json.dumps(frame, separators=(",", ":"), default=str))
+                else:
+                    frames.append(frame)
+        except MalformedFrame as e:
+            err = e
+    if args.format == "table":
+        print(_table(frames))
+    sys.stdout.flush()
+    if reader.truncated:
+        off, left = reader.truncated
+        print(f"jobprobe: warning: {args.file}: last frame cut short at byte {off} ({left} bytes dropped); "
+              f"{reader.count} frames read", file=sys.stderr)
+    if err is not None:
+        raise BadInput(f"{args.file}: {err}; {reader.count} frames read before it")
+    return 0
+
+
+# ---- run ---------------------------------------------------------------------------------------------------
+def make_target(args, command: list[str]):
+    from jobprobe.target import CgroupTarget, CommandTarget, PidTreeTarget, slurm_target
+    given = [x for x in (args.cgroup, args.pid, args.slurm_job) if x is not None]
+    if command and given:
+        raise BadInput("give either a target option (--cgroup/--pid/--slurm-job) or -- CMD, not both")
+    if command:
+        return CommandTarget(command, job=args.job)
+    if args.cgroup is not None:
+        return CgroupTarget(args.cgroup, job=args.job)
+    if args.pid is not None:
+        return PidTreeTarget([args.pid], job=args.job)
+    if args.slurm_job is not None:
+        return slurm_target(args.slurm_job)
+    raise BadInput("no target: give --cgroup PATH, --pid PID, --slurm-job ID or -- CMD ARGS...")
+
+
+def cmd_run(args, command: list[str], host: Host) -> int:
+    from exporters.file import FileExporter
+    from exporters.stdout import StdoutExporter
+    from jobprobe.registry import all_probes, parse_probes
+    from jobprobe.sampler import Sampler
+    from jobprobe.target import CommandTarget
+
+    if args.interval <= 0:
+        raise BadInput(f"--interval must be positive, got {args.interval}")
+    reg = all_probes()
+    names = parse_probes(args.probes, reg)
+    if not host.is_root:
+        need = [n for n in names if reg[n].needs_root]
+        if need:
+            raise BadInput(f"not root: probes {', '.join(need)} need root (BPF, perf_event on cgroups); "
+                           f"run as root or choose --probes {','.join(n for n in names if n not in need) or 'self'}")
+    target = make_target(args, command)
+    exporters = []
+    try:
+        if args.out:
+            try:
+                exporters.append(FileExporter(args.out, args.out_max_mb))
+            except OSError as err:
+                raise BadInput(f"cannot write {args.out}: {err.strerror}") from err
+        if args.stdout or not args.out:
+            exporters.append(StdoutExporter(args.stdout or "human"))
+        sampler = Sampler(target, [reg[n](host) for n in names], exporters, args.interval, host)
+
+        def on_signal(signum, _frame):
+            sampler.stop_event.set()
+            child = getattr(target, "proc_handle", None)
+            if child is not None and child.poll() is None:
+                child.send_signal(signum)
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            sampler.start()
+            child = None
+            if isinstance(target, CommandTarget):
+                child = target.launch()
+                # Wake the loop as soon as CMD exits, so its last partial interval is sampled at once.
+                threading.Thread(target=lambda: (child.wait(), sampler.stop_event.set()), daemon=True).start()
+            reason = sampler.run(args.duration)
+            logging.getLogger("jobprobe").info("stopped: %s", reason)
+        finally:
+            sampler.stop()
+        if child is not None:
+            child.wait()
+            return child.returncode if child.returncode >= 0 else 128 - child.returncode
+        return 0
+    finally:
+        target.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1:]
+    logging.basicConfig(format="jobprobe: %(message)s", level=logging.WARNING, stream=sys.stderr)
+    host = Host()
+    try:
+        args = build_parser().parse_args(argv)
+        if command and args.cmd != "run":
+            raise BadInput("-- CMD is only for 'jobprobe run'")
+        if args.cmd == "probes":
+            return cmd_probes(args, host)
+        if args.cmd == "read":
+            return cmd_read(args)
+        return cmd_run(args, command, host)
+    except BadInput as err:
+        print(f"jobprobe: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except JobprobeError as err:
+        print(f"jobprobe: error: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Frames: one msgpack map per job per tick (schema v1, docs/FRAMES.md). Self-delimiting in a stream.
+
+Every frame: v, kind, node, job, seq (per node and job, from 0, no gaps), t (end of interval, UNIX s), dt (s).
+"""
+from __future__ import annotations
+
+import time
+from typing import IO, Any, Iterator
+
+import msgpack
+
+from jobprobe.errors import JobprobeError
+
+SCHEMA_VERSION = 1
+KINDS = ("hello", "sample", "event", "stacks", "trace")
+REQUIRED = {"v": int, "kind": str, "node": str, "job": str, "seq": int, "t": (int, float), "dt": (int, float)}
+
+
+class MalformedFrame(JobprobeError):
+    """Bytes that are not a valid frame. `offset` is where in the stream it starts."""
+
+    def __init__(self, msg: str, offset: int | None = None):
+        super().__init__(msg if offset is None else f"{msg} (at byte {offset})")
+        self.offset = offset
+
+
+class FrameBuilder:
+    """Stamps frames for one node and job with consecutive seq numbers."""
+
+    def __init__(self, node: str, job: str):
+        self.node, self.job, self.seq = node, job, 0
+
+    def _frame(self, kind: str, t: float, dt: float, **body: Any) -> dict:
+        f = {"v": SCHEMA_VERSION, "kind": kind, "node": self.node, "job": self.job, "seq": self.seq,
+             "t": round(t, 6), "dt": round(dt, 6), **body}
+        self.seq += 1
+        return f
+
+    def hello(self, **body: Any) -> dict:
+        return self._frame("hello", time.time(), 0.0, **body)
+
+    def sample(self, t: float, dt: float, probes: dict, status: dict) -> dict:
+        return self._frame("sample", t, dt, probes=probes, status=status)
+
+    def event(self, t: float, name: str, **body: Any) -> dict:
+        return self._frame("event", t, 0.0, event=name, **body)
+
+
+def encode(frame: dict) -> bytes:
+    return msgpack.packb(frame, use_bin_type=True)
+
+
+def validate(frame: Any, offset: int | None = None) -> dict:
+    if not isinstance(frame, dict):
+        raise MalformedFrame(f"not a frame: a msgpack {type(frame).__name__}, expected a map", offset)
+    for key, typ in REQUIRED.items():
+        if key not in frame:
+            raise MalformedFrame(f"frame has no {key!r} field", offset)
+        if not isinstance(frame[key], typ) or isinstance(frame[key], bool):
+            raise MalformedFrame(f"frame field {key!r} has type {type(frame[key]).__name__}", offset)
+    if frame["kind"] not in KINDS:
+        raise MalformedFrame(f"unknown frame kind {frame['kind']!r}", offset)
+    return frame
+
+
+def decode(data: bytes) -> dict:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise MalformedFrame(f"not msgpack: {err}") from err
+    return validate(obj)
+
+
+class StreamReader:
+    """Iterate the frames of a stream. A last frame cut short (a writer killed mid-write, a file still being
+    written) ends the iteration; `truncated` then holds how many bytes were left over at which offset."""
+
+    def __init__(self, fp: IO[bytes], chunk: int = 1 << 16):
+        self.fp, self.chunk = fp, chunk
+        self.truncated: tuple[int, int] | None = None   # (offset, bytes left)
+        self.count = 0
+
+    def __iter__(self) -> Iterator[dict]:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=64 << 20)
+        fed = end = 0   # end: where the last whole frame ended (tell() moves inside a partial one)
+        while True:
+            data = self.fp.read(self.chunk)
+            if data:
+                unpacker.feed(data)
+                fed += len(data)
+            while True:
+                offset = end
+                try:
+                    obj = unpacker.unpack()
+                except msgpack.OutOfData:
+                    break
+                except (ValueError, msgpack.UnpackException) as err:
+                    raise MalformedFrame(f"corrupt stream: {err}", offset) from err
+                end = unpacker.tell()
+                self.count += 1
+                yield validate(obj, offset)
+            if not data:
+                break
+        if fed > end:
+            self.truncated = (end, fed - end)

@@ -1,0 +1,127 @@
+"""The tick loop: start probes on a target, sample them every interval on the monotonic clock (no drift),
+build one frame per tick and hand it to the exporters. A probe that fails is stopped and reported; the rest go on."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+from jobprobe import __version__
+from jobprobe.errors import ProbeUnavailable, TargetGone
+from jobprobe.frame import FrameBuilder, encode
+from jobprobe.host import Host
+from jobprobe.probe import Probe
+from jobprobe.target import Target
+
+log = logging.getLogger("jobprobe.sampler")
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1][:300] if text else type(err).__name__
+
+
+class Sampler:
+    def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
+                 host: Host | None = None, clock: Callable[[], float] = time.monotonic):
+        self.target = target
+        self.probes = {p.name: p for p in probes}
+        self.exporters = list(exporters)
+        self.interval = float(interval)
+        self.host = host or Host()
+        self.clock = clock
+        self.builder = FrameBuilder(self.host.node, target.job)
+        self.status: dict[str, str] = {}
+        self.running: dict[str, Probe] = {}
+        self.stop_event = threading.Event()
+        self.end_reason: str | None = None
+        self._last = 0.0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> dict:
+        for name, probe in self.probes.items():
+            why = probe.check(self.host)
+            if why is None:
+                try:
+                    probe.start(self.target)
+                except ProbeUnavailable as err:
+                    why = _reason(err)
+                except Exception as err:  # a probe bug must not take the agent down
+                    log.exception("probe %s failed to start", name)
+                    why = f"failed to start: {_reason(err)}"
+            if why is None:
+                self.running[name] = probe
+                self.status[name] = "ok"
+            else:
+                self.status[name] = f"unavailable: {why}"
+        self._last = self.clock()
+        hello = self.builder.hello(kernel=self.host.kernel, version=__version__, interval=self.interval,
+                                   target=self.target.describe(), probes=dict(self.status))
+        self._emit(hello)
+        return hello
+
+    def stop(self) -> None:
+        # Teardown order: probes first (release kernel objects), then exporters (flush what was built).
+        for name in list(self.running):
+            self._stop_probe(name)
+        for exp in self.exporters:
+            try:
+                exp.close()
+            except Exception:
+                log.exception("exporter %s failed to close", exp)
+
+    def _stop_probe(self, name: str) -> None:
+        probe = self.running.pop(name, None)
+        if probe is not None:
+            try:
+                probe.stop()
+            except Exception:
+                log.exception("probe %s failed to stop", name)
+
+    # ---- one tick ----------------------------------------------------------------------------------------
+    def tick(self) -> dict:
+        now = self.clock()
+        dt, self._last = now - self._last, now
+        t = time.time()
+        values = {}
+        for name, probe in list(self.running.items()):
+            try:
+                values[name] = probe.sample()
+            except Exception as err:
+                log.warning("probe %s failed: %s", name, err)
+                self.status[name] = f"failed: {_reason(err)}"
+                self._stop_probe(name)
+        frame = self.builder.sample(t, dt, values, dict(self.status))
+        self._emit(frame)
+        return frame
+
+    def _emit(self, frame: dict) -> None:
+        data = encode(frame)
+        for exp in self.exporters:
+            try:
+                exp.write(frame, data)
+            except Exception as err:  # a full disk or a closed pipe loses that sink, not the others
+                log.error("exporter %s failed: %s", exp, err)
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def run(self, duration: float | None = None) -> str:
+        """Tick until stopped, the job ends, or `duration` seconds pass. Returns why it ended."""
+        t0 = self._last
+        k = 1
+        while True:
+            deadline = t0 + k * self.interval
+            if duration is not None:
+                deadline = min(deadline, t0 + duration)
+            self.stop_event.wait(max(0.0, deadline - self.clock()))
+            try:
+                self.target.refresh()
+            except TargetGone as err:
+                self.end_reason = str(err)
+            self.tick()  # the last, partial interval too: nothing collected is lost
+            if self.stop_event.is_set() or self.end_reason:
+                return self.end_reason or "stopped"
+            if duration is not None and self.clock() - t0 >= duration - 1e-6:
+                return "duration reached"
+            # Skip ticks we overran (a stalled host) instead of firing them back to back: no drift, no burst.
+            k = max(k + 1, int((self.clock() - t0) / self.interval) + 1)

@@ -1,0 +1,184 @@
+"""cgroup — the job's own accounting: CPU time, memory, I/O bytes, read from the kernel's files.
+
+Hooks: cgroup2 cpu.stat, memory.current/memory.peak, io.stat for cgroup targets; /proc/PID/{stat,status,io} for
+process-tree targets and for controllers that a hybrid (v1+v2) host keeps on v1. Kernel: cgroup2 cpu.stat needs
+4.15+, memory.peak 5.19+ (older: the highest value seen). Cost: a few small file reads per tick (~0.1 ms), no root
+needed for the job's own files. Per-process figures lose the CPU and I/O of a process between its last sample and
+its exit; cgroup figures lose nothing.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jobprobe.errors import ProbeUnavailable
+from jobprobe.probe import Field, Probe, delta
+from jobprobe.target import Target
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def read_kv(path: Path) -> dict[str, int] | None:
+    """'key value' lines (cpu.stat, memory.stat) → dict, or None if the file does not exist."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().lstrip("-").isdigit():
+            out[k] = int(v)
+    return out
+
+
+def read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def io_stat_bytes(path: Path) -> tuple[int, int] | None:
+    """Sum rbytes and wbytes over every device line of a cgroup2 io.stat; None if there is no io.stat."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    rd = wr = 0
+    for line in text.splitlines():
+        for item in line.split()[1:]:
+            k, _, v = item.partition("=")
+            if k == "rbytes":
+                rd += int(v)
+            elif k == "wbytes":
+                wr += int(v)
+    return rd, wr
+
+
+def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
+    """CPU (ns), RSS (bytes) and I/O bytes of one process from /proc; None if it has gone."""
+    base = Path(proc, str(pid))
+    try:
+        stat = (base / "stat").read_bytes()
+        statm = (base / "statm").read_text().split()
+    except OSError:
+        return None
+    f = stat[stat.rfind(b")") + 2:].split()
+    # fields after comm: state(0) ppid(1) ... utime(11) stime(12)
+    out = {"user": int(f[11]) * 1_000_000_000 // CLK_TCK, "system": int(f[12]) * 1_000_000_000 // CLK_TCK,
+           "rss": int(statm[1]) * PAGE, "rd": 0, "wr": 0}
+    io = read_kv_colon(base / "io")
+    if io:
+        out["rd"], out["wr"] = io.get("read_bytes", 0), io.get("write_bytes", 0)
+    return out
+
+
+def read_kv_colon(path: Path) -> dict[str, int] | None:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    return {k: int(v) for k, _, v in (ln.partition(": ") for ln in text.splitlines()) if v.strip().isdigit()}
+
+
+class PerPid:
+    """Per-interval deltas of per-process counters. A process alive at start counts from its value then; one
+    that appears later counts from zero (it was born in this interval); one that exits drops out."""
+
+    def __init__(self):
+        self.prev: dict[int, dict[str, int]] = {}
+        self.primed = False
+
+    def update(self, now: dict[int, dict[str, int]], keys: tuple[str, ...]) -> dict[str, int]:
+        out = dict.fromkeys(keys, 0)
+        if self.primed:
+            zero = dict.fromkeys(keys, 0)
+            for pid, vals in now.items():
+                before = self.prev.get(pid, zero)
+                for k in keys:
+                    out[k] += max(0, vals[k] - before[k])
+        self.prev, self.primed = now, True
+        return out
+
+
+class CgroupProbe(Probe):
+    name = "cgroup"
+    default = True
+    summary = "the job's own accounting: CPU time, memory, I/O bytes (cgroup2 files, /proc)"
+    fields = {
+        "cpu_user_ns": Field("int", "ns", "CPU time in user mode this interval"),
+        "cpu_system_ns": Field("int", "ns", "CPU time in kernel mode this interval"),
+        "mem_bytes": Field("int", "bytes", "memory now: memory.current, else the sum of the processes' RSS"),
+        "mem_peak_bytes": Field("int", "bytes", "highest memory so far: memory.peak, else the highest mem_bytes seen"),
+        "io_read_bytes": Field("int", "bytes", "bytes read from storage this interval (io.stat rbytes, else /proc/PID/io)"),
+        "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else /proc/PID/io)"),
+        "nprocs": Field("int", "count", "processes in the job now"),
+    }
+
+    def __init__(self, host=None):
+        super().__init__(host)
+        self.target: Target | None = None
+        self.cg: Path | None = None
+        self.prev: dict[str, int] = {}
+        self.perpid = PerPid()
+        self.peak = 0
+
+    def start(self, target: Target) -> None:
+        self.target = target
+        self.cg = Path(target.cgroup_path) if target.cgroup_path else None
+        if self.cg is not None and read_kv(self.cg / "cpu.stat") is None:
+            raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
+        self.prev = {}
+        self.perpid = PerPid()
+        self.peak = 0
+        self.prev = self._read()  # baseline: the first sample reports this interval only
+
+    def _read(self) -> dict[str, int]:
+        proc = self.host.proc
+        need_proc = self.cg is None
+        cur: dict[str, int] = {}
+        if self.cg is not None:
+            cpu = read_kv(self.cg / "cpu.stat")
+            if cpu is None:
+                raise ProbeUnavailable(f"{self.cg} has gone")
+            cur["user"] = cpu.get("user_usec", 0) * 1000
+            cur["system"] = cpu.get("system_usec", 0) * 1000
+            mem = read_int(self.cg / "memory.current")
+            if mem is not None:  # the memory controller is on cgroup2 here
+                cur["mem"] = mem
+                peak = read_int(self.cg / "memory.peak")
+                if peak is not None:
+                    cur["peak"] = peak
+            io = io_stat_bytes(self.cg / "io.stat")
+            if io is not None:
+                cur["rd"], cur["wr"] = io
+            need_proc = mem is None or io is None
+        pids = self.target.pids()
+        cur["nprocs"] = len(pids)
+        if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
+            per = {p: c for p in pids if (c := proc_counters(proc, p)) is not None}
+            d = self.perpid.update(per, ("user", "system", "rd", "wr"))
+            cur.setdefault("mem", sum(c["rss"] for c in per.values()))
+            for k in ("user", "system", "rd", "wr"):
+                if k not in cur:
+                    cur[f"d_{k}"] = d[k]  # already a delta
+        return cur
+
+    def sample(self) -> dict:
+        cur = self._read()
+        prev, self.prev = self.prev, cur
+
+        def d(k: str) -> int:
+            if f"d_{k}" in cur:
+                return cur[f"d_{k}"]
+            return delta(cur[k], prev.get(k, cur[k]))
+
+        self.peak = max(self.peak, cur.get("peak", 0), cur["mem"])
+        return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
+                "mem_peak_bytes": self.peak, "io_read_bytes": d("rd"), "io_write_bytes": d("wr"),
+                "nprocs": cur["nprocs"]}
+
+    def stop(self) -> None:
+        self.target = None
