@@ -97,8 +97,9 @@ class StreamReader:
                 except (ValueError, msgpack.UnpackException) as err:
                     raise MalformedFrame(f"corrupt stream: {err}", offset) from err
                 end = unpacker.tell()
+                frame = validate(obj, offset)
                 self.count += 1
-                yield validate(obj, offset)
+                yield frame
             if not data:
                 break
         if fed > end:

@@ -18,13 +18,14 @@ from jobprobe.host import find_cgroup2_mount
 
 
 def read_ppid(proc: str, pid: int) -> int | None:
-    """Parent PID from /proc/PID/stat, or None if the process is gone. The comm field may hold spaces and ')'."""
+    """Parent PID from /proc/PID/stat, or None if the process is gone or a zombie (it has ended; only its exit
+    status waits to be collected). The comm field may hold spaces and ')'."""
     try:
         data = Path(proc, str(pid), "stat").read_bytes()
     except OSError:
         return None
     rest = data[data.rfind(b")") + 2:].split()
-    return int(rest[1])
+    return None if rest[0] in (b"Z", b"X") else int(rest[1])
 
 
 def list_pids(proc: str) -> list[int]:
@@ -126,11 +127,12 @@ class PidTreeTarget(Target):
         return {"kind": self.kind, "job": self.job, "roots": self.roots}
 
     def _scan(self) -> None:
-        alive = set(list_pids(self.proc))
+        parent = {p: read_ppid(self.proc, p) for p in list_pids(self.proc)}
+        alive = {p for p, pp in parent.items() if pp is not None}
         members = self._members & alive
         if self._extra_roots is not None:
             members |= set(self._extra_roots()) & alive
-        parent = {p: read_ppid(self.proc, p) for p in alive - members}
+        parent = {p: pp for p, pp in parent.items() if pp is not None and p not in members}
         grew = True
         while grew:  # add children of members until nothing new joins (a fork chain may be deep)
             new = {p for p, pp in parent.items() if pp in members}

@@ -66,8 +66,9 @@ def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
     except OSError:
         return None
     f = stat[stat.rfind(b")") + 2:].split()
-    # fields after comm: state(0) ppid(1) ... utime(11) stime(12)
-    out = {"user": int(f[11]) * 1_000_000_000 // CLK_TCK, "system": int(f[12]) * 1_000_000_000 // CLK_TCK,
+    # fields after comm: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14)
+    ns = 1_000_000_000 // CLK_TCK
+    out = {"user": int(f[11]) * ns, "system": int(f[12]) * ns, "cuser": int(f[13]) * ns, "csystem": int(f[14]) * ns,
            "rss": int(statm[1]) * PAGE, "rd": 0, "wr": 0}
     io = read_kv_colon(base / "io")
     if io:
@@ -85,21 +86,35 @@ def read_kv_colon(path: Path) -> dict[str, int] | None:
 
 class PerPid:
     """Per-interval deltas of per-process counters. A process alive at start counts from its value then; one
-    that appears later counts from zero (it was born in this interval); one that exits drops out."""
+    that appears later counts from zero (it was born in this interval).
 
-    def __init__(self):
+    A process that exits takes with it what it did since the last sample — unless a member reaps it: the parent's
+    cutime/cstime then grow by the child's whole total. `child` maps a key to that counterpart; what a parent's
+    counterpart grows by, beyond what we had already counted of the children that went away, is the lost tail.
+    Only the tail of a process reaped outside the job (the job's root) is lost."""
+
+    def __init__(self, child: dict[str, str] | None = None):
         self.prev: dict[int, dict[str, int]] = {}
         self.primed = False
+        self.child = child or {}
+        self.pending = dict.fromkeys(self.child, 0)
 
     def update(self, now: dict[int, dict[str, int]], keys: tuple[str, ...]) -> dict[str, int]:
         out = dict.fromkeys(keys, 0)
-        if self.primed:
-            zero = dict.fromkeys(keys, 0)
-            for pid, vals in now.items():
-                before = self.prev.get(pid, zero)
-                for k in keys:
-                    out[k] += max(0, vals[k] - before[k])
-        self.prev, self.primed = now, True
+        prev, self.prev = self.prev, now
+        if not self.primed:
+            self.primed = True
+            return out
+        for pid, vals in now.items():
+            before = prev.get(pid)
+            for k in keys:
+                out[k] += max(0, vals[k] - (before[k] if before else 0))
+        gone = prev.keys() - now.keys()
+        for k, ck in self.child.items():
+            self.pending[k] += sum(prev[p][k] + prev[p][ck] for p in gone)
+            grew = sum(max(0, v[ck] - (prev[p][ck] if p in prev else 0)) for p, v in now.items())
+            out[k] += max(0, grew - self.pending[k])
+            self.pending[k] = max(0, self.pending[k] - grew)
         return out
 
 
@@ -122,7 +137,7 @@ class CgroupProbe(Probe):
         self.target: Target | None = None
         self.cg: Path | None = None
         self.prev: dict[str, int] = {}
-        self.perpid = PerPid()
+        self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.peak = 0
 
     def start(self, target: Target) -> None:
@@ -131,7 +146,7 @@ class CgroupProbe(Probe):
         if self.cg is not None and read_kv(self.cg / "cpu.stat") is None:
             raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
         self.prev = {}
-        self.perpid = PerPid()
+        self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.peak = 0
         self.prev = self._read()  # baseline: the first sample reports this interval only
 

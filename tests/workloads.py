@@ -2,6 +2,8 @@
 
     burn SECONDS            busy loop on one core
     sleepwake N USEC        N sleeps of USEC microseconds (N voluntary context switches, give or take)
+    switches N USEC         sleepwake, then print this process's own "voluntary nonvoluntary" switch counts
+                            from /proc/self/status (the kernel's count, an independent check for probes)
     forktree DEPTH SECONDS  a chain of DEPTH processes, each forking the next after 0.2 s, all burning
     exit CODE               exit with CODE
 """
@@ -23,6 +25,12 @@ def sleepwake(n: int, usec: int) -> None:
         time.sleep(usec / 1e6)
 
 
+def switches(n: int, usec: int) -> None:
+    sleepwake(n, usec)
+    status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+    print(int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]), flush=True)
+
+
 def forktree(depth: int, seconds: float) -> None:
     time.sleep(0.2)
     if depth > 1 and os.fork() == 0:
@@ -42,6 +50,8 @@ if __name__ == "__main__":
         burn(float(args[0]))
     elif what == "sleepwake":
         sleepwake(int(args[0]), int(args[1]))
+    elif what == "switches":
+        switches(int(args[0]), int(args[1]))
     elif what == "forktree":
         forktree(int(args[0]), float(args[1]))
     elif what == "exit":

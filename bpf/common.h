@@ -1,0 +1,76 @@
+/* common.h — job membership, shared by every eBPF probe (inlined by bpf.source() where a probe includes it).
+ *
+ * What: two maps say which job slot (0..MAX_SLOTS-1) the current task belongs to, so that every handler can
+ *   drop events of other processes after one or two hash lookups, and aggregate per slot in the kernel.
+ *     job_of_cgroup  cgroup2 id -> slot   filled by user space (the job's group and its descendants)
+ *     job_of_tgid    tgid -> slot         filled by user space with the job's processes at attach; kept current
+ *                                         here: forks of a member join, exits leave (no stale keys, no leaks)
+ *   cgroup v2 hosts use the first; hybrid / v1 hosts (SLURM jobs left in the v2 root) the second.
+ * Hooks: tracepoints sched:sched_process_fork, sched:sched_process_exit.
+ * Oldest kernel: 4.18 (bpf_get_current_cgroup_id; BPF on tracepoints needs 4.7). The sched_process_exit field
+ *   group_dead (recent kernels only) is used when user space says it exists (-DJOB_EXIT_HAS_GROUP_DEAD).
+ * Cost: job_slot_current() is one hash lookup for cgroup members, two for everything else (~50-100 ns);
+ *   fork/exit add one lookup and at most one update/delete per process or thread created or ended.
+ *
+ * Handlers are plain functions, attached by name from user space (job_fork → sched:sched_process_fork, job_exit →
+ * sched:sched_process_exit), not bcc's auto-attached TRACEPOINT_PROBE: when one program of several fails to load,
+ * bcc's constructor raises with the others already attached and no object left to detach them with.
+ * A probe that keeps per-thread state defines JOB_ON_EXIT_HOOK and `static inline void job_exit_hook(u32 tid)`
+ * before including this file: the exit handler calls it, since a program has one handler per tracepoint.
+ */
+#define MAX_SLOTS 64
+#define MAX_MEMBER_TASKS 65536
+
+BPF_HASH(job_of_cgroup, u64, u32, 4096);
+/* Keyed by tgid for processes, but fork cannot tell a new thread from a new process (the tracepoint has no
+ * clone flags), so members' threads get a key too (their tid); it is deleted when the thread exits. */
+BPF_HASH(job_of_tgid, u32, u32, MAX_MEMBER_TASKS);
+
+/* The job slot of the task running now, or -1. Cgroup first: on v2 hosts that is the only lookup for members. */
+static inline int job_slot_current(void)
+{
+    u64 cg = bpf_get_current_cgroup_id();
+    u32 *slot = job_of_cgroup.lookup(&cg);
+    if (!slot) {
+        u32 tgid = bpf_get_current_pid_tgid() >> 32;
+        slot = job_of_tgid.lookup(&tgid);
+        if (!slot)
+            return -1;
+    }
+    return *slot < MAX_SLOTS ? (int)*slot : -1;
+}
+
+/* Runs in the parent's context. args->parent_pid is the forking *thread*'s id, which is not a key when a worker
+ * thread forks, so the parent's tgid comes from the helper instead. */
+int job_fork(struct tracepoint__sched__sched_process_fork *args)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    u32 *slot = job_of_tgid.lookup(&tgid);
+    if (slot) {
+        u32 child = args->child_pid, s = *slot;
+        job_of_tgid.update(&child, &s);
+    }
+    return 0;
+}
+
+/* Runs in the exiting task's context, once per thread. */
+int job_exit(struct tracepoint__sched__sched_process_exit *args)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id, tgid = id >> 32;
+#ifdef JOB_EXIT_HAS_GROUP_DEAD
+    /* Precise: a leader that ends early (pthread_exit in main) keeps the process a member until its last
+     * thread is gone. */
+    if (tid != tgid)
+        job_of_tgid.delete(&tid);
+    if (args->group_dead)
+        job_of_tgid.delete(&tgid);
+#else
+    /* Without group_dead the leader's exit ends membership; its other threads exit right after in practice. */
+    job_of_tgid.delete(&tid);
+#endif
+#ifdef JOB_ON_EXIT_HOOK
+    job_exit_hook(tid);
+#endif
+    return 0;
+}

@@ -1,0 +1,90 @@
+"""Reference training job, CPU: a small ResNet-style CNN on synthetic images, a fixed number of steps.
+
+    python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
+
+Uses PyTorch when it imports; otherwise a NumPy stand-in with the same shape of work (a two-layer network trained
+with plain matrix products) so that the demo runs anywhere. Prints one line at the end: steps, seconds, framework.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def torch_job(a) -> None:
+    import torch
+    from torch import nn
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self, c: int):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                      nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+
+        def forward(self, x):
+            return torch.relu(x + self.body(x))
+
+    c = a.width
+    model = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
+                          *[Block(c) for _ in range(a.blocks)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(c, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    x = torch.randn(a.batch, 3, a.size, a.size)
+    y = torch.randint(0, 10, (a.batch,))
+    for _ in range(a.steps):
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+
+
+def numpy_job(a) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    d = 3 * a.size * a.size
+    x = rng.standard_normal((a.batch * 4, d), dtype=np.float32)
+    y = rng.integers(0, 10, a.batch * 4)
+    w1 = rng.standard_normal((d, a.width * 16), dtype=np.float32) * 0.01
+    w2 = rng.standard_normal((a.width * 16, 10), dtype=np.float32) * 0.01
+    for _ in range(a.steps):
+        h = np.maximum(x @ w1, 0)
+        logits = h @ w2
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1
+        gw2 = h.T @ p / len(y)
+        gh = (p @ w2.T) * (h > 0)
+        w1 -= 0.01 * (x.T @ gh / len(y))
+        w2 -= 0.01 * gw2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--numpy", action="store_true", help="use the NumPy stand-in even if PyTorch imports")
+    a = ap.parse_args()
+    t0 = time.monotonic()
+    framework = "numpy"
+    if not a.numpy:
+        try:
+            import torch  # noqa: F401
+            framework = "torch"
+        except ImportError:
+            pass
+    (torch_job if framework == "torch" else numpy_job)(a)
+    print(f"train_cpu: {a.steps} steps in {time.monotonic() - t0:.2f} s ({framework})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

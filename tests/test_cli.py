@@ -1,0 +1,146 @@
+"""The command line end to end: real processes, real cgroups. Bad input gets one line and exit code 2."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IS_ROOT, workload
+from jobprobe.host import find_cgroup2_mount
+
+JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
+
+
+def jp(*args, **kw):
+    return subprocess.run([*JOBPROBE, *map(str, args)], capture_output=True, text=True, timeout=60, **kw)
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, res
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jobprobe: error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--cgroup", "/no/such/group", "--probes", "cgroup"], "does not exist"),
+    (["run", "--pid", "4194303", "--probes", "cgroup"], "process 4194303 does not exist"),
+    (["run", "--pid", "1", "--probes", "cgroup,bogus"], "unknown probe 'bogus'; valid probes:"),
+    (["run", "--probes", "cgroup", "--", "/no/such/cmd"], "command not found"),
+    (["run", "--probes", "cgroup"], "no target"),
+    (["run", "--pid", "1", "--interval", "0", "--probes", "cgroup"], "--interval must be positive"),
+    (["run", "--pid", "notanumber"], "invalid int value"),
+    (["read", "/no/such/file"], "cannot open"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    one_line_error(jp(*args), needle)
+
+
+def test_slurm_job_that_does_not_exist(tmp_path):
+    fake = tmp_path / "scontrol"   # a named fake: this test only checks the error path, not SLURM itself
+    fake.write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    one_line_error(jp("run", "--slurm-job", "999999", "--probes", "cgroup", env=env), "SLURM job 999999")
+
+
+def test_not_root_names_the_probes_that_need_it():
+    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *JOBPROBE,
+                          "run", "--pid", "1", "--probes", "all"], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    if not IS_ROOT:
+        pytest.skip("needs root to drop to an unprivileged user")
+    one_line_error(res, "not root", "need root")
+
+
+def test_read_a_cut_file_keeps_frames_and_says_so(tmp_path):
+    out = tmp_path / "f.mpk"
+    res = jp("run", "--pid", os.getpid(), "--probes", "self", "--interval", "0.1", "--duration", "0.5", "--out", out)
+    assert res.returncode == 0, res.stderr
+    data = out.read_bytes()
+    (tmp_path / "cut.mpk").write_bytes(data[:-3])
+    res = jp("read", tmp_path / "cut.mpk")
+    frames = [json.loads(x) for x in res.stdout.splitlines()]
+    assert res.returncode == 0 and frames[0]["kind"] == "hello" and len(frames) >= 4
+    assert "last frame cut short" in res.stderr
+    table = jp("read", out, "--format", "table")
+    assert table.returncode == 0 and "self.cpu_ns" in table.stdout.splitlines()[0]
+    (tmp_path / "bad.mpk").write_bytes(data + b"\x93\x01\x02\x03" + data)
+    res = jp("read", tmp_path / "bad.mpk")
+    assert res.returncode == 2 and "not a frame" in res.stderr and len(res.stdout.splitlines()) == len(frames) + 1
+
+
+def run_json(*args):
+    res = jp("run", "--stdout", "json", *args)
+    frames = [json.loads(x) for x in res.stdout.splitlines()]
+    return res, frames
+
+
+@pytest.mark.kernel
+def test_command_exit_code_and_its_cgroup_is_removed():
+    res, frames = run_json("--probes", "cgroup", "--interval", "0.2", "--", *workload("exit", 7))
+    assert res.returncode == 7, res.stderr
+    cg = frames[0]["target"]["cgroup"]
+    assert cg.startswith(find_cgroup2_mount()) and not os.path.exists(cg)
+    assert [f["seq"] for f in frames] == list(range(len(frames)))
+
+
+@pytest.mark.kernel
+def test_command_cpu_is_attributed_and_interval_has_no_drift():
+    res, frames = run_json("--probes", "cgroup,self", "--interval", "0.25", "--", *workload("burn", 2))
+    assert res.returncode == 0, res.stderr
+    samples = [f for f in frames if f["kind"] == "sample"]
+    cpu = sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"] for f in samples)
+    assert 1.9e9 < cpu < 2.5e9
+    # ticks sit on a grid start + k*interval: no drift accumulates over the run
+    t0 = frames[0]["t"]
+    for k, f in enumerate(samples[:-1], start=1):
+        assert abs(f["t"] - (t0 + 0.25 * k)) < 0.1, (k, f["t"] - t0)
+    assert all(f["status"] == {"cgroup": "ok", "self": "ok"} for f in samples)
+
+
+@pytest.mark.kernel
+def test_pid_follows_children_forked_after_attach(make_cgroup):
+    cg = make_cgroup()  # only so that the kernel keeps an independent CPU total for the same processes
+    root = cg.spawn(workload("forktree", 3, 1.5))
+    res, frames = run_json("--pid", root.pid, "--probes", "cgroup", "--interval", "0.2")
+    root.wait()
+    assert res.returncode == 0, res.stderr
+    samples = [f for f in frames if f["kind"] == "sample"]
+    assert max(f["probes"]["cgroup"]["nprocs"] for f in samples) == 3
+    cpu = sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"] for f in samples)
+    want = cg.cpu_usage_ns()
+    assert abs(cpu - want) / want < 0.06, (cpu, want)   # /proc ticks; the root's last interval leaves with it
+
+
+def fd_kinds(pid):
+    kinds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            kinds.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return kinds
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("spec,want_bpf,want_perf", [("cgroup,self", False, False), ("sched", True, None),
+                                                      ("perf", False, True), ("all,-sched,-perf", False, False)])
+def test_probe_off_means_detached(spec, want_bpf, want_perf):
+    """A probe switched off leaves no BPF program or perf_event fd in the agent; switched on, it has them."""
+    proc = subprocess.Popen([*JOBPROBE, "run", "--probes", spec, "--stdout", "json", "--", "sleep", "3"],
+                            stdout=subprocess.PIPE, text=True)
+    hello = json.loads(proc.stdout.readline())
+    time.sleep(0.5)
+    kinds = fd_kinds(proc.pid)
+    proc.wait(timeout=30)
+    assert all(v == "ok" for v in hello["probes"].values()), hello["probes"]
+    assert any("bpf-prog" in k for k in kinds) == want_bpf, kinds
+    if want_perf is not None:  # (BPF tracepoint attachments are perf_event fds too)
+        assert any("perf_event" in k for k in kinds) == want_perf, kinds

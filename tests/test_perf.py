@@ -1,0 +1,315 @@
+"""perf probe: unit tests of the perf_event wrapper (struct layout, parsing, scaling, deltas, pid bookkeeping) and
+kernel-tier tests that compare the counts with the kernel's own cgroup cpu.stat on real workloads.
+
+Why the kernel tests allow for steal time: perf's task-clock runs on perf_clock(), which keeps ticking while the
+hypervisor runs another guest on our vCPU, whereas cpu.stat's usage_usec comes from rq_clock_task(), which has
+paravirt steal time subtracted (CONFIG_PARAVIRT_TIME_ACCOUNTING). On a busy VM perf is higher by up to the steal
+of the run (measured here: +0.7..+7% with 0.1..0.26 s of steal over a 3 s burner); on bare metal that bound is ~0.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import workload
+from jobprobe.errors import ProbeUnavailable, TargetGone
+from jobprobe.host import Host
+from jobprobe.probe import Field
+from jobprobe.target import CgroupTarget, PidTreeTarget, Target
+from probes import _perf
+from probes.perf import PerfProbe
+
+SW_FIELDS = {"task_clock_ns", "context_switches", "cpu_migrations", "page_faults", "running_ratio"}
+HW_FIELDS = {"cycles", "instructions", "cache_misses", "branch_misses", "ipc"}
+
+
+# ---------------------------------------------------------------- unit tier
+
+def test_attr_layout_matches_the_kernel_abi():
+    assert ctypes.sizeof(_perf.PerfEventAttr) == _perf.PERF_ATTR_SIZE_VER5 == 112
+    off = {name: getattr(_perf.PerfEventAttr, name).offset for name, _ in _perf.PerfEventAttr._fields_}
+    assert (off["config"], off["read_format"], off["flags"], off["config1"]) == (8, 32, 40, 56)
+    assert (off["branch_sample_type"], off["clockid"], off["sample_regs_intr"]) == (72, 92, 96)
+    a = _perf.make_attr("task_clock", 7, disabled=True, inherit=True)
+    assert (a.type, a.config, a.size, a.read_format, a.flags) == (1, 1, 112, 7, 0b11)
+    assert _perf.make_attr("cycles", 0).type == _perf.PERF_TYPE_HARDWARE
+
+
+def test_scale_for_multiplexing():
+    assert _perf.scale(1000, 100, 100) == 1000        # ran the whole time
+    assert _perf.scale(1000, 100, 25) == 4000         # ran a quarter of the time: extrapolate
+    assert _perf.scale(0, 100, 0) == 0                # never scheduled
+    assert _perf.scale(500, 0, 0) == 500              # nothing to scale by
+
+
+def test_parse_group_matches_members_by_id():
+    buf = struct.pack("=QQQ", 2, 1000, 500) + struct.pack("=QQQQ", 11, 70, 22, 71)
+    assert _perf.parse_group(buf) == (1000, 500, {70: 11, 71: 22})
+
+
+class FakeSource(_perf.Source):
+    events = ("cycles", "instructions")
+
+    def __init__(self, readings):
+        super().__init__()
+        self.readings = iter(readings)
+
+    def read(self):
+        return next(self.readings)
+
+
+def test_source_delta_scales_each_interval_by_its_own_ratio():
+    src = FakeSource([({"cycles": 100, "instructions": 200}, 1000, 1000),   # not multiplexed
+                      ({"cycles": 150, "instructions": 300}, 2000, 1500),   # ran half of this interval
+                      ({"cycles": 150, "instructions": 300}, 2000, 1500)])  # not scheduled at all
+    assert src.delta() == ({"cycles": 100, "instructions": 200}, 1.0)
+    assert src.delta() == ({"cycles": 100, "instructions": 200}, 0.5)
+    assert src.delta() == ({"cycles": 0, "instructions": 0}, None)
+
+
+def test_source_delta_survives_a_counter_wrap():
+    top = (1 << 64) - 10
+    src = FakeSource([({"cycles": top, "instructions": 0}, 10, 10), ({"cycles": 5, "instructions": 0}, 20, 20)])
+    src.delta()
+    assert src.delta()[0]["cycles"] == 15
+
+
+def test_explain_gives_actionable_reasons():
+    assert _perf.explain(OSError(errno.ENOENT, "x"), "cycles", "cgroup /a cpu 0").startswith("no hardware PMU")
+    assert "not permitted" in _perf.explain(OSError(errno.EACCES, "x"), "task_clock", "thread 1")
+    assert "ulimit" in _perf.explain(OSError(errno.EMFILE, "x"), "task_clock", "thread 1")
+    assert "not a cgroup2" in _perf.explain(OSError(errno.EBADF, "x"), "task_clock", "cgroup /tmp cpu 0")
+
+
+def test_close_fds_is_idempotent():
+    r, w = os.pipe()
+    fds = [r, w]
+    _perf.close_fds(fds)
+    _perf.close_fds(fds)
+    assert fds == []
+    with pytest.raises(OSError):
+        os.fstat(r)
+
+
+def test_fields_declared_and_check_needs_root():
+    assert SW_FIELDS | HW_FIELDS == set(PerfProbe.fields)
+    assert all(isinstance(f, Field) and f.type in ("int", "float") for f in PerfProbe.fields.values())
+    assert PerfProbe().check(Host(is_root=False)) == "needs root"
+
+
+def _fake_proc(root: Path, parents: dict[int, int]) -> None:
+    for pid, ppid in parents.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "stat").write_text(f"{pid} (py thon) S {ppid} 1 1 0")
+
+
+class ListTarget(Target):
+    def __init__(self, pids):
+        self.now = list(pids)
+
+    def pids(self):
+        return self.now
+
+
+def test_new_pids_opened_only_when_not_inherited(tmp_path, monkeypatch):
+    # 10 was counted at start. 11 forked from 10 later (inherited), 12 from 11 (inherited too). 20 is a new root
+    # from outside (opened), and 21, its child seen in the same round, existed before our open of 20 (opened).
+    _fake_proc(tmp_path, {10: 1, 11: 10, 12: 11, 20: 1, 21: 20})
+    probe = PerfProbe(Host(proc=str(tmp_path)))
+    opened = []
+    monkeypatch.setattr(probe, "_attach", lambda pid: (opened.append(pid), probe._seen.add(pid))[0] or True)
+    target = ListTarget([10])
+    probe.start(target)
+    assert opened == [10]
+    target.now = [10, 11, 12, 20, 21]
+    probe.sample()
+    probe.sample()
+    assert opened == [10, 20, 21]  # each pid decided once, in the first round it shows up
+
+
+# ---------------------------------------------------------------- kernel tier
+
+def steal_ns() -> int:
+    """Hypervisor steal time of all CPUs so far (/proc/stat, 8th value of the cpuN lines)."""
+    ticks = sum(int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("cpu") and not line.startswith("cpu "))
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def assert_cpu_close(perf_ns: int, kernel_ns: int, steal: int, rel: float) -> None:
+    """perf agrees with cpu.stat within rel, plus at most the steal time of the run on the high side."""
+    assert kernel_ns * (1 - rel) <= perf_ns <= kernel_ns * (1 + rel) + steal, \
+        f"perf {perf_ns / 1e9:.3f} s vs cpu.stat {kernel_ns / 1e9:.3f} s (steal {steal / 1e9:.3f} s)"
+
+
+def run_sampling(probes, procs, targets=(), every=0.3) -> list[int]:
+    """Sample each probe every `every` s until all procs exit, then once more; sum task_clock_ns per probe."""
+    total = [0] * len(probes)
+    done = False
+    while not done:
+        done = all(p.poll() is not None for p in procs)
+        time.sleep(0 if done else every)
+        for t in targets:
+            try:
+                t.refresh()  # the agent refreshes targets before each sample
+            except TargetGone:
+                pass  # the last one exited: the final sample below still collects its counts
+        for i, probe in enumerate(probes):
+            frame = probe.sample()
+            assert set(frame) == SW_FIELDS and all(v >= 0 for v in frame.values())
+            total[i] += frame["task_clock_ns"]
+    return total
+
+
+@pytest.mark.kernel
+def test_cgroup_burner_matches_cpu_stat(make_cgroup):
+    cg = make_cgroup()
+    probe = PerfProbe()
+    probe.start(CgroupTarget(str(cg.path)))
+    try:
+        assert len(probe.fds) == 4 * len(Host().online_cpus())
+        s0 = steal_ns()
+        burner = cg.spawn(workload("burn", 3))
+        (total,) = run_sampling([probe], [burner])
+        assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02)
+        assert total > 1.5e9
+    finally:
+        probe.stop()
+
+
+@pytest.mark.kernel
+def test_cgroup_ignores_a_busy_process_outside(make_cgroup):
+    job, other = make_cgroup("job"), make_cgroup("other")
+    probe = PerfProbe()
+    probe.start(CgroupTarget(str(job.path)))
+    try:
+        s0 = steal_ns()
+        procs = [job.spawn(workload("burn", 3)), other.spawn(workload("burn", 3))]
+        (total,) = run_sampling([probe], procs)
+        mine, theirs = job.cpu_usage_ns(), other.cpu_usage_ns()
+        assert_cpu_close(total, mine, steal_ns() - s0, 0.02)
+        assert theirs > 1e9 and total < mine + theirs / 2, (total, mine, theirs)
+    finally:
+        probe.stop()
+
+
+@pytest.mark.kernel
+def test_pid_tree_counts_children_forked_after_attach(make_cgroup):
+    # The forktree runs in a cgroup so the kernel's cpu.stat and a cgroup-mode probe give independent figures.
+    cg = make_cgroup()
+    by_cgroup = PerfProbe()
+    by_cgroup.start(CgroupTarget(str(cg.path)))
+    by_pids = PerfProbe()
+    try:
+        tree = cg.spawn(workload("forktree", 3, 2))
+        target = PidTreeTarget([tree.pid])
+        by_pids.start(target)
+        u0, s0 = cg.cpu_usage_ns(), steal_ns()
+        by_cgroup.sample()  # both probes count from here
+        pids_total, cg_total = run_sampling([by_pids, by_cgroup], [tree], [target])
+        assert_cpu_close(pids_total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.03)
+        assert abs(pids_total - cg_total) <= 0.03 * cg_total, (pids_total, cg_total)
+        assert pids_total > 2.5e9  # 3 burners × 2 s on 2 cores
+        assert len(by_pids.fds) == 4  # the children were inherited, never opened separately
+    finally:
+        by_pids.stop()
+        by_cgroup.stop()
+
+
+@pytest.mark.kernel
+def test_pid_tree_opens_a_new_root_from_outside(make_cgroup):
+    # A second job step started by something outside the tree (slurmstepd) must get its own counters.
+    cg = make_cgroup()
+    first = cg.spawn(workload("burn", 2))
+    extra: list[int] = []
+    target = PidTreeTarget([first.pid], extra_roots=lambda: extra)
+    probe = PerfProbe()
+    probe.start(target)
+    try:
+        u0, s0 = cg.cpu_usage_ns(), steal_ns()
+        second = cg.spawn(workload("burn", 1.5))
+        extra.append(second.pid)
+        (total,) = run_sampling([probe], [first, second], [target], every=0.1)
+        assert len(probe.fds) == 8
+        # The second step's start-up before its first sample is missed: allow for it on the low side.
+        assert_cpu_close(total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.05)
+    finally:
+        probe.stop()
+
+
+class NotACgroup(Target):
+    kind = "cgroup"
+
+    def __init__(self, path):
+        self.cgroup_path = path
+
+
+@pytest.mark.kernel
+def test_stop_closes_every_fd_and_failed_start_leaks_none(make_cgroup, tmp_path):
+    def fd_count() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    cg = make_cgroup()
+    before = fd_count()
+    probe = PerfProbe()
+    probe.start(CgroupTarget(str(cg.path)))
+    assert fd_count() == before + len(probe.fds) > before
+    sleeper = subprocess.Popen(workload("sleepwake", 50, 10000))
+    try:
+        probe.start(PidTreeTarget([sleeper.pid]))  # a restart releases the old counters first
+        assert probe.fds and fd_count() == before + len(probe.fds)
+        probe.stop()
+        assert probe.fds == [] and fd_count() == before
+        probe.stop()
+        assert fd_count() == before
+        with pytest.raises(ProbeUnavailable, match="not a cgroup2"):
+            probe.start(NotACgroup(str(tmp_path)))
+        assert probe.fds == [] and fd_count() == before
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.kernel
+def test_no_pmu_means_software_fields_only_with_a_reason(make_cgroup, tmp_path):
+    # A /sys without the PMU device, so this runs the same on any host.
+    cpu = tmp_path / "devices/system/cpu"
+    cpu.mkdir(parents=True)
+    (cpu / "online").write_text(Path("/sys/devices/system/cpu/online").read_text())
+    cg = make_cgroup()
+    probe = PerfProbe(Host(sys=str(tmp_path)))
+    probe.start(CgroupTarget(str(cg.path)))
+    try:
+        assert set(probe.sample()) == SW_FIELDS
+        assert set(probe.unavailable) == HW_FIELDS
+        assert all(r.startswith("no hardware PMU") for r in probe.unavailable.values())
+    finally:
+        probe.stop()
+    if not Host().has_pmu:  # and on this host, the kernel itself says so
+        with pytest.raises(ProbeUnavailable, match="no hardware PMU"):
+            _perf.TaskEvent(os.getpid(), "cycles")
+
+
+@pytest.mark.kernel
+@pytest.mark.pmu
+def test_pmu_counts_cycles_and_ipc(make_cgroup):
+    if not Host().has_pmu:
+        pytest.skip("no hardware PMU on this host")
+    cg = make_cgroup()
+    probe = PerfProbe()
+    probe.start(CgroupTarget(str(cg.path)))
+    try:
+        cg.spawn(workload("burn", 1)).wait()
+        frame = probe.sample()
+        assert set(frame) == SW_FIELDS | HW_FIELDS, probe.unavailable
+        assert frame["cycles"] > 1e8 and frame["instructions"] > 1e8 and frame["ipc"] > 0
+        assert 0 < frame["running_ratio"] <= 1.0
+    finally:
+        probe.stop()
