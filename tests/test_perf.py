@@ -216,7 +216,9 @@ def test_pid_tree_counts_children_forked_after_attach(make_cgroup):
         pids_total, cg_total = run_sampling([by_pids, by_cgroup], [tree], [target])
         assert_cpu_close(pids_total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.03)
         assert abs(pids_total - cg_total) <= 0.03 * cg_total, (pids_total, cg_total)
-        assert pids_total > 2.5e9  # 3 burners × 2 s on 2 cores
+        # 3 burners × 2 s on 2 cores is ~4 s alone, but CI's 2 cores are shared: the cpu.stat match above is the
+        # real proof that the children were counted; this floor only says that they ran.
+        assert pids_total > 1.5e9
         assert len(by_pids.fds) == 4  # the children were inherited, never opened separately
     finally:
         by_pids.stop()
