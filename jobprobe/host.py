@@ -39,7 +39,14 @@ class Host:
 
     @property
     def has_pmu(self) -> bool:
-        return Path(self.sys, "bus/event_source/devices/cpu").exists()
+        """A core PMU is registered: 'cpu' on x86, 'cpu_core'/'cpu_atom' on hybrid Intel, 'armv8_*' on Arm."""
+        devs = Path(self.sys, "bus/event_source/devices")
+        try:
+            names = [d.name for d in devs.iterdir()]
+        except OSError:
+            return False
+        return any(n in ("cpu", "cpu_core", "cpu_atom") or n.startswith(("armv8", "armv7", "arm_cortex"))
+                   for n in names)
 
     @property
     def has_btf(self) -> bool:

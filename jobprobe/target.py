@@ -45,6 +45,11 @@ class Target:
     def pids(self) -> list[int]:
         raise NotImplementedError
 
+    def ended_pids(self) -> list[int]:
+        """Members that have exited but are not yet reaped (zombies): gone from pids(), but /proc still holds
+        their final CPU and I/O totals, so a probe can count their last interval."""
+        return []
+
     def refresh(self) -> None:
         """Called once per tick before the probes sample; raises TargetGone when the job has ended."""
 
@@ -121,6 +126,7 @@ class PidTreeTarget(Target):
         self.job = job or f"pid-{self.roots[0]}"
         self._extra_roots = extra_roots
         self._members: set[int] = set(self.roots)
+        self._ended: list[int] = []
         self._scan()
 
     def describe(self) -> dict:
@@ -129,6 +135,7 @@ class PidTreeTarget(Target):
     def _scan(self) -> None:
         parent = {p: read_ppid(self.proc, p) for p in list_pids(self.proc)}
         alive = {p for p, pp in parent.items() if pp is not None}
+        self._ended = sorted(p for p in self._members if p in parent and parent[p] is None)
         members = self._members & alive
         if self._extra_roots is not None:
             members |= set(self._extra_roots()) & alive
@@ -144,6 +151,9 @@ class PidTreeTarget(Target):
 
     def pids(self) -> list[int]:
         return sorted(self._members)
+
+    def ended_pids(self) -> list[int]:
+        return self._ended
 
     def refresh(self) -> None:
         self._scan()

@@ -173,7 +173,7 @@ class CgroupProbe(Probe):
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
-            per = {p: c for p in pids if (c := proc_counters(proc, p)) is not None}
+            per = {p: c for p in pids + self.target.ended_pids() if (c := proc_counters(proc, p)) is not None}
             d = self.perpid.update(per, ("user", "system", "rd", "wr"))
             cur.setdefault("mem", sum(c["rss"] for c in per.values()))
             for k in ("user", "system", "rd", "wr"):

@@ -97,7 +97,7 @@ def test_cpu_time_of_a_burner_matches_cpu_stat(make_cgroup):
     got = run_probe_until_exit(probe, job)
     outsider.wait()
     want = cg.cpu_usage_ns()
-    assert want > 1.5e9
+    assert want > 0.5e9   # (2 s of wall time; less CPU when the host is busy)
     assert abs(got - want) / want < 0.02, (got, want)
 
 
@@ -110,6 +110,6 @@ def test_pid_tree_cpu_time_includes_children_forked_later(make_cgroup):
     probe.start(PidTreeTarget([root.pid]))
     got = run_probe_until_exit(probe, root, period=0.25)
     want = cg.cpu_usage_ns()
-    assert want > 2.0e9
+    assert want > 0.5e9
     # /proc counts in clock ticks, and the root's own last interval goes with it (reaped outside the job)
     assert abs(got - want) / want < 0.05, (got, want)
