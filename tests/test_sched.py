@@ -137,6 +137,38 @@ def test_cgroup_switches_match_the_kernels_count(probe, make_cgroup):
 
 
 @pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["cgroup", "pids"])
+def test_switches_agree_with_perf_context_switches_for_the_same_job(probe, make_cgroup, kind):
+    """Two independent mechanisms on the same job and window: eBPF tracepoints vs perf's software counter."""
+    from probes.perf import PerfProbe
+    perf = PerfProbe()
+    cg = make_cgroup()
+    if kind == "cgroup":
+        target = CgroupTarget(str(cg.path))
+        probe.start(target)
+        perf.start(target)
+        proc = cg.spawn(workload("switches", 3000, 300), stdout=subprocess.PIPE, text=True)
+    else:
+        proc = cg.spawn([sys.executable, "-c", "import sys,time; sys.stdin.readline(); "
+                         "import runpy; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+                         *workload("switches", 3000, 300)[1:]],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        target = PidTreeTarget([proc.pid])
+        probe.start(target)
+        perf.start(target)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    try:
+        switches_of(proc)
+        s, p = probe.sample(), perf.sample()
+    finally:
+        perf.stop()
+    print(f"{kind}: sched {job_switches(s)} switches, perf context_switches {p['context_switches']}")
+    assert p["context_switches"] >= 3000
+    assert abs(job_switches(s) - p["context_switches"]) <= 0.05 * p["context_switches"]
+
+
+@pytest.mark.kernel
 def test_busy_process_outside_the_group_adds_nothing(probe, make_cgroup):
     cg = make_cgroup()
     probe.start(CgroupTarget(str(cg.path)))
