@@ -190,7 +190,8 @@ def cmd_run(args, command: list[str], host: Host) -> int:
                 # Wake the loop as soon as CMD exits, so its last partial interval is sampled at once.
                 threading.Thread(target=lambda: (child.wait(), sampler.stop_event.set()), daemon=True).start()
             reason = sampler.run(args.duration)
-            logging.getLogger("jobprobe").info("stopped: %s", reason)
+            if sampler.end_reason:  # the job ended on its own (not a signal, not --duration): say so once
+                logging.getLogger("jobprobe").warning("job ended: %s", reason)
         finally:
             sampler.stop()
         if child is not None:

@@ -88,6 +88,8 @@ class Sampler:
         for name, probe in list(self.running.items()):
             try:
                 values[name] = probe.sample()
+            except TargetGone as err:  # the job vanished under this probe: nothing more to read, not a failure
+                self.end_reason = self.end_reason or str(err)
             except Exception as err:
                 log.warning("probe %s failed: %s", name, err)
                 self.status[name] = f"failed: {_reason(err)}"

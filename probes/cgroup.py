@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from jobprobe.errors import ProbeUnavailable
+from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
 
@@ -157,7 +157,7 @@ class CgroupProbe(Probe):
         if self.cg is not None:
             cpu = read_kv(self.cg / "cpu.stat")
             if cpu is None:
-                raise ProbeUnavailable(f"{self.cg} has gone")
+                raise TargetGone(f"cgroup {self.cg} was removed")
             cur["user"] = cpu.get("user_usec", 0) * 1000
             cur["system"] = cpu.get("system_usec", 0) * 1000
             mem = read_int(self.cg / "memory.current")

@@ -149,3 +149,24 @@ def test_probe_off_means_detached(spec, want_bpf, want_perf):
     assert any("bpf-prog" in k for k in kinds) == want_bpf, kinds
     if want_perf is not None:  # (BPF tracepoint attachments are perf_event fds too)
         assert any("perf_event" in k for k in kinds) == want_perf, kinds
+
+
+@pytest.mark.kernel
+def test_cgroup_removed_while_attached_ends_cleanly(make_cgroup):
+    """The job ends under us: its processes exit and its group is removed. jobprobe writes the last frame, says
+    why it stopped, and exits 0; every frame it wrote is there."""
+    cg = make_cgroup()
+    job = cg.spawn(workload("burn", 1.0))
+    proc = subprocess.Popen([*JOBPROBE, "run", "--cgroup", str(cg.path), "--stdout", "json", "--interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hello = json.loads(proc.stdout.readline())
+    job.wait()
+    cg.remove()
+    out, err = proc.communicate(timeout=30)
+    frames = [hello] + [json.loads(x) for x in out.splitlines()]
+    assert proc.returncode == 0, err
+    assert err.strip() == f"jobprobe: job ended: cgroup {cg.path} was removed"
+    assert [f["seq"] for f in frames] == list(range(len(frames)))
+    assert all(v == "ok" for v in frames[-1]["status"].values()), frames[-1]["status"]
+    cpu = sum(f["probes"]["perf"]["task_clock_ns"] for f in frames[1:])
+    assert cpu > 0.3e9

@@ -1,0 +1,136 @@
+"""Unit tier: the tick loop, with named fake probes and a fake target (no kernel needed for what is tested here:
+failure isolation, status reporting, scheduling without drift, the last partial interval)."""
+import itertools
+
+from jobprobe.errors import ProbeUnavailable, TargetGone
+from jobprobe.host import Host
+from jobprobe.probe import Probe
+from jobprobe.sampler import Sampler
+from jobprobe.target import Target
+
+
+class FakeTarget(Target):
+    job = "fakejob"
+
+    def __init__(self, ticks_alive=None):
+        self.ticks_alive = ticks_alive
+        self.refreshes = 0
+
+    def pids(self):
+        return [1]
+
+    def refresh(self):
+        self.refreshes += 1
+        if self.ticks_alive is not None and self.refreshes > self.ticks_alive:
+            raise TargetGone("fake job ended")
+
+
+class CountingFake(Probe):
+    name = "countfake"
+
+    def start(self, target):
+        self.n, self.stopped = 0, 0
+
+    def sample(self):
+        self.n += 1
+        return {"n": self.n}
+
+    def stop(self):
+        self.stopped += 1
+
+
+class FailsOnThirdFake(CountingFake):
+    name = "failfake"
+
+    def sample(self):
+        if self.n == 2:
+            raise RuntimeError("device fell off the bus\nwith detail")
+        return super().sample()
+
+
+class UnavailableFake(Probe):
+    name = "nofake"
+
+    def start(self, target):
+        raise ProbeUnavailable("no such hardware here")
+
+
+class NeedsRootFake(Probe):
+    name = "rootfake"
+    needs_root = True
+
+
+class Recorder:
+    def __init__(self):
+        self.frames, self.closed = [], False
+
+    def write(self, frame, data):
+        self.frames.append(frame)
+
+    def close(self):
+        self.closed = True
+
+
+class FakeClock:
+    """Monotonic time that advances only when the sampler waits (plus `work` per call, to mimic slow ticks)."""
+
+    def __init__(self, work=0.0):
+        self.now, self.work = 100.0, work
+
+    def __call__(self):
+        self.now += self.work
+        return self.now
+
+
+def make(probes, target=None, clock=None, interval=1.0):
+    rec = Recorder()
+    host = Host(is_root=False, node="n1", kernel="k")
+    s = Sampler(target or FakeTarget(), probes, [rec], interval=interval, host=host, clock=clock or FakeClock())
+    clock = s.clock
+    s.stop_event.wait = lambda timeout=None: setattr(clock, "now", clock.now + (timeout or 0)) or False
+    return s, rec
+
+
+def test_failing_probe_is_stopped_and_reported_while_others_go_on():
+    good, bad = CountingFake(), FailsOnThirdFake()
+    s, rec = make([good, bad, UnavailableFake(), NeedsRootFake()], target=FakeTarget(ticks_alive=5))
+    hello = s.start()
+    assert hello["probes"] == {"countfake": "ok", "failfake": "ok", "nofake": "unavailable: no such hardware here",
+                               "rootfake": "unavailable: needs root"}
+    assert s.run() == "fake job ended"
+    s.stop()
+    samples = rec.frames[1:]
+    assert [f["probes"]["countfake"]["n"] for f in samples] == [1, 2, 3, 4, 5, 6]  # the last, partial tick too
+    assert [f["probes"].get("failfake") for f in samples[:3]] == [{"n": 1}, {"n": 2}, None]
+    assert samples[2]["status"]["failfake"] == "failed: with detail"
+    assert all(f["status"]["failfake"].startswith("failed") for f in samples[2:])
+    assert bad.stopped == 1 and good.stopped == 1 and rec.closed
+    assert [f["seq"] for f in rec.frames] == list(range(7))
+
+
+def test_ticks_stay_on_the_grid_and_skip_overruns():
+    clock = FakeClock()
+    s, rec = make([CountingFake()], clock=clock, interval=0.5)
+    s.start()
+    t0 = clock.now
+    stamps = []
+    orig = s.tick
+
+    def tick():
+        stamps.append(clock.now - t0)
+        if len(stamps) == 3:
+            clock.now += 1.2          # one slow tick: overruns two deadlines
+        return orig()
+
+    s.tick = tick
+    s.run(duration=4.0)
+    assert stamps[:3] == [0.5, 1.0, 1.5]
+    assert stamps[3] == 3.0            # 2.0 and 2.5 were missed: skipped, not fired back to back
+    assert stamps[-1] == 4.0 and all(abs(x * 2 - round(x * 2)) < 1e-9 for x in stamps)
+
+
+def test_dt_is_measured_not_assumed():
+    s, rec = make([CountingFake()], interval=1.0)
+    s.start()
+    s.run(duration=2.5)
+    assert [f["dt"] for f in rec.frames[1:]] == [1.0, 1.0, 0.5]
