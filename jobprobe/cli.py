@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
-    rd.add_argument("--format", choices=["jsonl", "table"], default="jsonl")
+    rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
+                    help="jsonl: a frame per line; table: a row per sample; summary: per field n/mean/p50/max/sum")
     return p
 
 
@@ -100,6 +101,24 @@ def _table(frames: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _summary(frames: list[dict]) -> str:
+    """Per numeric field over the sample frames: n, mean, median, max, sum. The first and last samples cover
+    partial intervals (start-up, the job's end), so rates are better judged from the median."""
+    series: dict[str, list[float]] = {}
+    for f in frames:
+        if f["kind"] == "sample":
+            for probe, fields in f.get("probes", {}).items():
+                for k, v in fields.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        series.setdefault(f"{probe}.{k}", []).append(v)
+    lines = [f"{'field':<34} {'n':>5} {'mean':>14} {'p50':>14} {'max':>14} {'sum':>16}"]
+    for k, xs in series.items():
+        ys = sorted(xs)
+        lines.append(f"{k:<34} {len(xs):>5} {sum(xs) / len(xs):>14.6g} {ys[len(ys) // 2]:>14.6g} {ys[-1]:>14.6g} "
+                     f"{sum(xs):>16.6g}")
+    return "\n".join(lines)
+
+
 def cmd_read(args) -> int:
     try:
         fp = open(args.file, "rb")
@@ -119,6 +138,8 @@ def cmd_read(args) -> int:
             err = e
     if args.format == "table":
         print(_table(frames))
+    elif args.format == "summary":
+        print(_summary(frames))
     sys.stdout.flush()
     if reader.truncated:
         off, left = reader.truncated
@@ -190,7 +211,8 @@ def cmd_run(args, command: list[str], host: Host) -> int:
                 # Wake the loop as soon as CMD exits, so its last partial interval is sampled at once.
                 threading.Thread(target=lambda: (child.wait(), sampler.stop_event.set()), daemon=True).start()
             reason = sampler.run(args.duration)
-            if sampler.end_reason:  # the job ended on its own (not a signal, not --duration): say so once
+            if sampler.end_reason and not isinstance(target, CommandTarget):
+                # the job ended on its own (not a signal, not --duration, not CMD's exit): say so once
                 logging.getLogger("jobprobe").warning("job ended: %s", reason)
         finally:
             sampler.stop()
