@@ -49,6 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("probes", help="list every probe: default, fields and units, can it run here").add_argument(
         "--json", action="store_true", help="as JSON")
 
+    b = sub.add_parser("bench", help="benchmarks: what the probes cost a job")
+    bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
+    ov = bsub.add_parser("overhead", help="paired runs of CMD without and with each config; slowdown with 95% interval",
+                         usage="jobprobe bench overhead [--config C ...] [options] -- CMD ARGS...")
+    ov.add_argument("--config", action="append", metavar="C",
+                    help="'std' (standard set), 'std+pystacks', 'std-perf', or a --probes spec ('sched'); repeat")
+    ov.add_argument("--interval", type=float, default=1.0, metavar="S")
+    ov.add_argument("--max-runs", type=int, default=40, metavar="N", help="stop after N runs in all (default 40)")
+    ov.add_argument("--max-minutes", type=float, default=30.0, metavar="M", help="stop after M minutes (default 30)")
+    ov.add_argument("--min-pairs", type=int, default=3, metavar="N")
+    ov.add_argument("--tolerance-pp", type=float, default=0.5, metavar="PP",
+                    help="settled when the last three estimates agree within PP percentage points (default 0.5)")
+    ov.add_argument("--warmup", type=int, default=1, metavar="N", help="runs without jobprobe first, not counted")
+    ov.add_argument("--seed", type=int)
+    ov.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    ov.add_argument("--markdown", metavar="FILE", help="write the tables as markdown")
+
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
@@ -224,6 +241,27 @@ def cmd_run(args, command: list[str], host: Host) -> int:
         target.close()
 
 
+def cmd_bench(args, command: list[str], host: Host) -> int:
+    from jobprobe.bench.overhead import OverheadBench, write_outputs
+    if not host.is_root:
+        raise BadInput("not root: the overhead kit creates cgroups and runs jobprobe's probes")
+    if not command:
+        raise BadInput("nothing to run: jobprobe bench overhead [--config C ...] -- CMD ARGS...")
+    for c in args.config or []:
+        _check_config(c)
+    bench = OverheadBench(command, args.config or ["std"], interval=args.interval, max_runs=args.max_runs,
+                          max_minutes=args.max_minutes, min_pairs=args.min_pairs, tol=args.tolerance_pp / 100,
+                          warmup=args.warmup, seed=args.seed)
+    print(write_outputs(bench.run(), args.json, args.markdown))
+    return 0
+
+
+def _check_config(config: str) -> None:
+    from jobprobe.bench.overhead import config_probes
+    from jobprobe.registry import all_probes, parse_probes
+    parse_probes(config_probes(config), all_probes())   # raises BadInput naming an unknown probe
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
@@ -234,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
     host = Host()
     try:
         args = build_parser().parse_args(argv)
-        if command and args.cmd != "run":
-            raise BadInput("-- CMD is only for 'jobprobe run'")
+        if command and args.cmd not in ("run", "bench"):
+            raise BadInput("-- CMD is only for 'jobprobe run' and 'jobprobe bench'")
         if args.cmd == "probes":
             return cmd_probes(args, host)
         if args.cmd == "read":
             return cmd_read(args)
+        if args.cmd == "bench":
+            return cmd_bench(args, command, host)
         return cmd_run(args, command, host)
     except BadInput as err:
         print(f"jobprobe: error: {err}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""The benchmark kit: what each probe costs the job (`jobprobe bench overhead`). Benchmarks are not tests."""

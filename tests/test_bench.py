@@ -1,0 +1,112 @@
+"""The overhead kit: statistics on synthetic series with known answers, and end to end on a tiny job."""
+import io
+import json
+import math
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import workload
+from jobprobe.bench.overhead import OverheadBench, config_probes, markdown
+from jobprobe.bench.stats import Series, estimate, median, t975
+
+
+def test_t_quantiles():
+    assert t975(1) == 12.706 and t975(30) == 2.042
+    assert abs(t975(60) - 2.000) < 2e-3 and abs(t975(120) - 1.980) < 2e-3 and abs(t975(10 ** 6) - 1.96) < 1e-3
+
+
+def test_estimate_known_answer():
+    # slowdowns 1%, 2%, 3%: mean 2%, sd 1%, half-width t(2) * 1% / sqrt(3)
+    e = estimate([0.01, 0.02, 0.03])
+    half = 4.303 * 0.01 / math.sqrt(3)
+    assert e.n == 3 and math.isclose(e.mean, 0.02) and math.isclose(e.lo, 0.02 - half)
+    assert math.isclose(e.hi, 0.02 + half)
+    assert estimate([0.05]).lo == -math.inf and math.isnan(estimate([]).mean)
+
+
+def test_paired_series_recovers_a_known_slowdown_under_drift():
+    """A machine that drifts slower over time, and a collector that adds exactly 2%: pairs cancel the drift."""
+    rng = random.Random(7)
+    s = Series("x")
+    for i in range(200):
+        base = 10.0 * (1 + 0.002 * i) * (1 + rng.gauss(0, 0.01))
+        s.add(base, base * 1.02 * (1 + rng.gauss(0, 0.01)))
+    e = s.estimate()
+    assert e.lo < 0.02 < e.hi and e.hi - e.lo < 0.006
+
+
+def test_interval_covers_the_truth_about_95_percent_of_the_time():
+    rng = random.Random(3)
+    hits = 0
+    for _ in range(400):
+        e = estimate([rng.gauss(0.01, 0.02) for _ in range(8)])
+        hits += e.lo <= 0.01 <= e.hi
+    assert 0.92 <= hits / 400 <= 0.98
+
+
+def test_stop_rule_last_three_within_half_a_point():
+    s = Series("x")
+    for b, w in [(10, 10.5), (10, 10.0), (10, 10.1)]:
+        s.add(b, w)
+    # estimates: 5%, 2.5%, 2% → spread 3 pp: not settled
+    assert not s.settled()
+    s.add(10, 10.1)       # 1.75%: last three 2.5, 2.0, 1.75 → 0.75 pp
+    assert not s.settled()
+    s.add(10, 10.15)      # 1.7%: last three 2.0, 1.75, 1.7 → 0.3 pp
+    assert s.settled() and not s.settled(tol=0.001)
+    assert median([3, 1, 2]) == 2 and median([4, 1, 2, 3]) == 2.5
+
+
+@pytest.mark.parametrize("config,spec", [("std", None), ("std+pystacks", "+pystacks"),
+                                         ("std+pystacks-perf", "+pystacks,-perf"), ("sched", "sched"),
+                                         ("cgroup,perf", "cgroup,perf")])
+def test_config_names(config, spec):
+    assert config_probes(config) == spec
+
+
+def test_markdown_tables_have_the_seed_shape():
+    res = {"command": ["job"], "interval": 1.0, "runs": 4, "stopped_by": "run budget", "minutes": 1.0,
+           "job_seconds_median": 10.0, "node": "n", "kernel": "k", "cpus": 2,
+           "configs": {"std": {"probes": "standard", "pairs": 2, "slowdown": 0.0037, "lo": -0.0004, "hi": 0.0078,
+                               "settled": False, "collector_cores": 0.0012, "collector_peak_bytes": 20 << 20,
+                               "collector_written_bps": 600, "job_memory_added_bytes": 0, "network_sent_bps": 0}}}
+    md = markdown(res)
+    assert "| std | +0.37% | -0.04 to +0.78 | 2 | no |" in md
+    assert "| std | 0.0012 cores | 20 MiB | none | 0 B/s | 0.59 KiB/s |" in md
+
+
+@pytest.mark.kernel
+def test_kit_end_to_end_on_a_tiny_job(tmp_path):
+    """Two configs, a small budget: every run happens, pairs are counted, the collector's cost is read from its
+    own frames, and the JSON and markdown outputs agree."""
+    progress = io.StringIO()
+    bench = OverheadBench(workload("burn", 0.3), ["std", "cgroup"], interval=0.2, max_runs=8, warmup=1, seed=5,
+                          workdir=str(tmp_path), progress=progress)
+    res = bench.run()
+    assert res["runs"] == 8 and res["stopped_by"].startswith("run budget")
+    for c in ("std", "cgroup"):
+        r = res["configs"][c]
+        assert r["pairs"] == 2 and len(r["seconds_with"]) == 2
+        assert all(0.25 < t < 5 for t in r["seconds_with"] + r["seconds_without"])
+        assert 0 <= r["collector_cores"] < 0.5 and r["collector_peak_bytes"] > 5 << 20
+        assert r["collector_written_bps"] > 0
+    assert progress.getvalue().count("runs") == 4          # a progress line per pair
+    assert not list(tmp_path.glob("*.mpk"))                # frame files are removed after reading
+
+
+@pytest.mark.kernel
+def test_cli_bench_writes_json_and_markdown(tmp_path):
+    j, m = tmp_path / "r.json", tmp_path / "r.md"
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "bench", "overhead", "--config", "cgroup",
+                          "--max-runs", "2", "--warmup", "0", "--interval", "0.2", "--json", j, "--markdown", m,
+                          "--", *workload("burn", 0.2)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(j.read_text())
+    assert data["configs"]["cgroup"]["pairs"] == 1
+    assert m.read_text().strip() in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "jobprobe.cli", "bench", "overhead", "--config", "nope", "--",
+                          "true"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown probe 'nope'" in bad.stderr
