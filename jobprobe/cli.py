@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--seed", type=int)
     ov.add_argument("--json", metavar="FILE", help="write the results as JSON")
     ov.add_argument("--markdown", metavar="FILE", help="write the tables as markdown")
+
+    pe = bsub.add_parser("peers", help="jobprobe's collector cost beside node_exporter's, same job and interval",
+                         usage="jobprobe bench peers [--interval S] [--json FILE] -- CMD ARGS...")
+    pe.add_argument("--interval", type=float, default=1.0, metavar="S")
+    pe.add_argument("--json", metavar="FILE")
 
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
@@ -244,9 +250,17 @@ def cmd_run(args, command: list[str], host: Host) -> int:
 def cmd_bench(args, command: list[str], host: Host) -> int:
     from jobprobe.bench.overhead import OverheadBench, write_outputs
     if not host.is_root:
-        raise BadInput("not root: the overhead kit creates cgroups and runs jobprobe's probes")
+        raise BadInput("not root: the benchmarks create cgroups and run jobprobe's probes")
     if not command:
-        raise BadInput("nothing to run: jobprobe bench overhead [--config C ...] -- CMD ARGS...")
+        raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
+    if args.bench == "peers":
+        from pathlib import Path
+        from jobprobe.bench import peers
+        res = peers.run_peers(command, args.interval, Path(f"/tmp/jobprobe-bench-{os.getpid()}"))
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(peers.markdown(res))
+        return 0
     for c in args.config or []:
         _check_config(c)
     bench = OverheadBench(command, args.config or ["std"], interval=args.interval, max_runs=args.max_runs,

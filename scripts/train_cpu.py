@@ -1,6 +1,9 @@
-"""Reference training job, CPU: a small ResNet-style CNN on synthetic images, a fixed number of steps.
+"""Reference training job: a small ResNet-style CNN on synthetic images, a fixed number of steps.
 
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
+                                [--device cpu|cuda]
+
+scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
 Uses PyTorch when it imports; otherwise a NumPy stand-in with the same shape of work (a two-layer network trained
 with plain matrix products) so that the demo runs anywhere. Prints one line at the end: steps, seconds, framework.
@@ -32,15 +35,19 @@ def torch_job(a) -> None:
     model = nn.Sequential(nn.Conv2d(3, c, 3, stride=2, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
                           *[Block(c) for _ in range(a.blocks)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(c, 10))
+    dev = torch.device(a.device)
+    model = model.to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    x = torch.randn(a.batch, 3, a.size, a.size)
-    y = torch.randint(0, 10, (a.batch,))
+    x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
+    y = torch.randint(0, 10, (a.batch,), device=dev)
     for _ in range(a.steps):
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def numpy_job(a) -> None:
@@ -64,7 +71,7 @@ def numpy_job(a) -> None:
         w2 -= 0.01 * gw2
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=32)
@@ -73,7 +80,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--numpy", action="store_true", help="use the NumPy stand-in even if PyTorch imports")
-    a = ap.parse_args()
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (PyTorch only)")
+    a = ap.parse_args(argv)
     t0 = time.monotonic()
     framework = "numpy"
     if not a.numpy:
@@ -83,7 +91,9 @@ def main() -> None:
         except ImportError:
             pass
     (torch_job if framework == "torch" else numpy_job)(a)
-    print(f"train_cpu: {a.steps} steps in {time.monotonic() - t0:.2f} s ({framework})", flush=True)
+    if framework == "numpy" and a.device != "cpu":
+        raise SystemExit(f"--device {a.device} needs PyTorch")
+    print(f"train: {a.steps} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device})", flush=True)
 
 
 if __name__ == "__main__":
