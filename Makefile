@@ -1,7 +1,7 @@
 # The two commands (see README): `make demo` and `make test`. Both set everything up first and are idempotent.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-unit clean
+.PHONY: setup demo test test-unit bench clean
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,10 @@ demo:
 
 test: setup
 	bash scripts/test.sh
+
+bench:
+	bash scripts/setup.sh --torch --bench
+	bash scripts/bench.sh
 
 test-unit: setup
 	$(PY) -m pytest -q -m "not kernel and not integration"

@@ -72,6 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--interval", type=float, default=1.0, metavar="S")
     pe.add_argument("--json", metavar="FILE")
 
+    ev = bsub.add_parser("events", help="ns an eBPF probe adds per kernel event, on vs off, with bcc's tool as peer")
+    ev.add_argument("--probe", default="sched")
+    ev.add_argument("--rounds", type=int, default=15)
+    ev.add_argument("--n", type=int, default=100_000, help="workload size (round trips, calls)")
+    ev.add_argument("--no-peer", action="store_true", help="skip the peer tool")
+    ev.add_argument("--seed", type=int)
+    ev.add_argument("--json", metavar="FILE")
+
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
@@ -251,6 +259,14 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
     from jobprobe.bench.overhead import OverheadBench, write_outputs
     if not host.is_root:
         raise BadInput("not root: the benchmarks create cgroups and run jobprobe's probes")
+    if args.bench == "events":
+        from pathlib import Path
+        from jobprobe.bench import events
+        res = events.bench_events(args.probe, args.rounds, args.n, not args.no_peer, args.seed, progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(events.markdown(res))
+        return 0
     if not command:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
     if args.bench == "peers":

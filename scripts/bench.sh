@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# `make bench`: reproduce docs/PERFORMANCE.md's tables on this machine.
+#   BENCH_MINUTES  budget of the overhead kit (default 40)   BENCH_STEPS  reference job size (default 40)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p out/bench
+minutes=${BENCH_MINUTES:-40}
+steps=${BENCH_STEPS:-40}
+job=(.venv/bin/python scripts/train_cpu.py --steps "$steps")
+jp=.venv/bin/jobprobe
+
+echo "== collector cost beside node_exporter (same job, 1 s interval)"
+$jp bench peers --json out/bench/peers.json -- "${job[@]}" | tee out/bench/peers.md
+
+echo "== per-event cost of the eBPF probes (on vs off, interleaved), with bcc's runqlat as a peer"
+$jp bench events --json out/bench/events.json | tee out/bench/events.md
+
+echo "== job slowdown per config: paired runs, up to $minutes minutes"
+$jp bench overhead --config std --config std-perf --config std-sched --config cgroup,self \
+    --max-minutes "$minutes" --max-runs 400 --json out/bench/overhead.json --markdown out/bench/overhead.md \
+    -- "${job[@]}"
