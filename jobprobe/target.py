@@ -198,9 +198,6 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         cg = slurm_job_cgroup(job_id, mount)
         if cg:
             return CgroupTarget(cg, mountinfo=mountinfo, job=str(job_id))
-    pids = scontrol_listpids(job_id, scontrol)
-    if not pids:
-        raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")
     # New steps are started by slurmstepd, outside the tree: ask scontrol again at most every 5 s.
     last = [time.monotonic()]
 
@@ -210,7 +207,18 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         last[0] = time.monotonic()
         return scontrol_listpids(job_id, scontrol)
 
-    return PidTreeTarget(pids, proc=proc, job=str(job_id), extra_roots=more)
+    for _ in range(3):
+        # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
+        # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
+        # not exist"). The check below can still lose that race, by microseconds; then ask again.
+        pids = [p for p in scontrol_listpids(job_id, scontrol) if Path(proc, str(p)).is_dir()]
+        if not pids:
+            break
+        try:
+            return PidTreeTarget(pids, proc=proc, job=str(job_id), extra_roots=more)
+        except BadInput:
+            continue
+    raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")
 
 
 class CommandTarget(CgroupTarget):
