@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Set up a node (or a developer machine) for jobprobe. Idempotent: run it as often as you like.
-#   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), linux-perf for cross-checks
+#   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), linux-perf for cross-checks, SLURM and munge
+#     (the tests start a one-node cluster), prometheus-node-exporter (the peer in `jobprobe bench peers`)
 #   - kernel headers for the running kernel, or the nearest packaged ones linked under /lib/modules/$(uname -r)
 #   - a .venv in which `import bcc` works, with jobprobe installed (editable) and the extras named in $EXTRAS
-# Usage: scripts/setup.sh [--torch]      (--torch also installs PyTorch CPU for the reference job, best effort)
+# Usage: scripts/setup.sh [--torch] [--bench]   (--torch also installs PyTorch CPU for the reference job, best effort;
+#                                              --bench is accepted for `make bench`: it needs nothing more today)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
@@ -17,7 +19,8 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # ---- Debian packages -------------------------------------------------------------------------
 need=()
-for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 slurm-wlm slurm-client munge; do
+for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 slurm-wlm slurm-client munge \
+         prometheus-node-exporter; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -110,3 +110,16 @@ def test_cli_bench_writes_json_and_markdown(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jobprobe.cli", "bench", "overhead", "--config", "nope", "--",
                           "true"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown probe 'nope'" in bad.stderr
+
+
+@pytest.mark.kernel
+def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
+    """node_exporter (the peer, a real server on loopback) is scraped once per interval while jobprobe runs."""
+    from jobprobe.bench.peers import markdown as peers_md, run_peers
+    res = run_peers(workload("burn", 1.5), 0.25, tmp_path)
+    j, n = res["jobprobe"], res["node_exporter"]
+    assert 1.2 < res["seconds"] < 10
+    assert abs(n["scrapes"] - res["seconds"] / 0.25) <= 2          # one scrape per interval
+    assert n["scraped_bps"] > 1000 and n["peak_bytes"] > 1 << 20 and n["cores"] > 0
+    assert 0 <= j["cores"] < 0.5 and j["peak_bytes"] > 5 << 20 and j["written_bps"] > 0
+    assert "| node_exporter, scraped every 0.25 s |" in peers_md(res)
