@@ -5,6 +5,7 @@ voluntary_ctxt_switches + nonvoluntary_ctxt_switches), printed by the workload i
 """
 from __future__ import annotations
 
+import ctypes as ct
 import os
 import re
 import subprocess
@@ -18,8 +19,8 @@ import bpf
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, SchedProbe, exit_has_group_dead, interval, proc_gone,
-                          trim_log, zero_reading)
+from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, SchedProbe, SlotStats, exit_has_group_dead, interval,
+                          proc_gone, trim_log, zero_reading)
 from tests.conftest import workload
 
 # ---------------------------------------------------------------- unit
@@ -79,8 +80,13 @@ def test_python_and_c_agree_on_layout():
     src = bpf.source("sched")
     assert re.search(rf"#define NBUCKETS {NBUCKETS}\b", src)
     struct = src[src.index("struct slot_stats {"):]
-    for name in COUNTERS:
-        assert f"u64 {name};" in struct[:struct.index("};")]
+    body = struct[struct.index("{") + 1:struct.index("};")]
+    # The C members in order, each u64 (arrays with their length), against the ctypes struct read from the map.
+    members = re.findall(r"^\s*u64 (\w+)(?:\[(\w+)\])?;", body, re.M)
+    assert [(n, 8 * (NBUCKETS if d == "NBUCKETS" else 1)) for n, d in members] == \
+        [(n, ct.sizeof(t)) for n, t in SlotStats._fields_]
+    assert [n for n, _ in members][:len(COUNTERS)] == list(COUNTERS)
+    assert ct.sizeof(SlotStats) == 8 * (len(COUNTERS) + NBUCKETS)
     for _, fn in HANDLERS:
         assert re.search(rf"^int {fn}\(struct tracepoint__", src, re.M), fn
 
@@ -94,11 +100,13 @@ def test_check_reports_why(tmp_path):
 
 
 def bpf_fds(kind: str = "prog") -> int:
-    """Open fds of this process that are BPF programs ("prog") or maps ("map")."""
+    """Open fds of this process that are BPF programs ("prog"), maps ("map") or perf events ("perf": the
+    tracepoint attachments)."""
+    want = "anon_inode:[perf_event]" if kind == "perf" else f"anon_inode:bpf-{kind}"
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == f"anon_inode:bpf-{kind}"
+            n += os.readlink(f"/proc/self/fd/{fd}") == want
         except OSError:
             pass  # the fd of the listing itself, already closed
     return n
@@ -250,12 +258,15 @@ def test_runq_latency_when_the_job_waits_for_a_cpu(probe, make_cgroup):
 
 @pytest.mark.kernel
 def test_stop_leaves_no_bpf_program_fd(probe):
-    before, maps = bpf_fds("prog"), bpf_fds("map")
+    before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
     probe.start(PidTreeTarget([os.getpid()]))
     assert bpf_fds("prog") == before + len(HANDLERS)
+    assert bpf_fds("perf") == perf + len(HANDLERS)     # one attachment per tracepoint, held here
+    assert bpf_fds("map") == maps + 4                  # job_of_cgroup, job_of_tgid, start, stats
+    assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
-    assert bpf_fds("prog") == before and bpf_fds("map") == maps
+    assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf
     probe.stop()                                       # idempotent
     assert probe.sample() == {}
 
@@ -270,12 +281,12 @@ def test_failed_start_says_why_and_releases_everything(probe, monkeypatch, old, 
     real = bpf.source("sched")
     assert old in real
     monkeypatch.setattr(bpf, "source", lambda name: real.replace(old, new))
-    before, maps = bpf_fds("prog"), bpf_fds("map")
+    before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
     with pytest.raises(ProbeUnavailable, match=said) as err:
         probe.start(PidTreeTarget([os.getpid()]))
     print(f"sched: {err.value}")
     assert len(str(err.value)) < 2000                  # trimmed to the last lines of the log
-    assert bpf_fds("prog") == before and bpf_fds("map") == maps
+    assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf
 
 
 FORK_STORM = """
@@ -312,7 +323,7 @@ def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead
         # Each child waited for a CPU once after wake_up_new_task: counted only if fork made it a member.
         assert s["runq_events"] >= 2000
         assert probe.members() == {root.pid}
-        start = {k.value for k in probe.bpf[b"start"].keys()}
+        start = set(probe.loaded.maps["start"].keys())
         assert all(Path(f"/proc/{tid}").exists() for tid in start), "off-CPU entries of exited tasks"
     finally:
         root.communicate("\n", timeout=30)

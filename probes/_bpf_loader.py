@@ -1,0 +1,99 @@
+"""_bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
+
+Run by probes/_bpf.load() as `python -m probes._bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
+Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…]};
+compiles it with bcc, attaches each function to its tracepoint in the given order, by name (not bcc's auto-attached
+TRACEPOINT_PROBE: when one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached
+and no object left to detach them), and replies with ONE message: JSON metadata plus, as SCM_RIGHTS, the fds of
+every program, every attachment (perf_event) and every map. Any failure replies {"error": ...} with no fds; bcc's
+compiler and verifier logs go to stderr, which the agent reads from a file.
+Hooks: whatever the request names. Oldest kernel: that of the program loaded. Cost: ~135 MiB of RSS (bcc, LLVM)
+  and ~0.4-0.6 s (sched.c in a 6.18 VM), for the lifetime of this process only.
+
+It always leaves with os._exit, skipping bcc's atexit cleanup: that cleanup issues PERF_EVENT_IOC_DISABLE on the
+very perf events the agent now holds (the same open files) and tears LLVM down for nothing. Tracepoint programs
+survive the disable (checked on 6.18: a tracepoint runs its BPF programs whether or not the perf event is enabled),
+but nothing here should depend on that for other attach types.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+
+def describe_maps(lib: Any, module: int) -> list[dict[str, Any]]:
+    """Every map bcc created for the module, from libbcc's table registry (ids 0..n-1). bcc's Python wrapper
+    declares only some of these functions, so their signatures are set here."""
+    sigs = {"bpf_num_tables": (ct.c_size_t, [ct.c_void_p]),
+            "bpf_table_name": (ct.c_char_p, [ct.c_void_p, ct.c_size_t]),
+            "bpf_table_fd_id": (ct.c_int, [ct.c_void_p, ct.c_size_t]),
+            "bpf_table_type_id": (ct.c_int, [ct.c_void_p, ct.c_size_t]),
+            "bpf_table_key_size_id": (ct.c_size_t, [ct.c_void_p, ct.c_size_t]),
+            "bpf_table_leaf_size_id": (ct.c_size_t, [ct.c_void_p, ct.c_size_t]),
+            "bpf_table_max_entries_id": (ct.c_size_t, [ct.c_void_p, ct.c_size_t])}
+    for fn, (res, args) in sigs.items():
+        getattr(lib, fn).restype, getattr(lib, fn).argtypes = res, args
+    out = []
+    for i in range(lib.bpf_num_tables(module)):
+        fd = lib.bpf_table_fd_id(module, i)
+        if fd < 0:                  # a table declared but not created (extern/shared from another module)
+            continue
+        out.append({"name": lib.bpf_table_name(module, i).decode(), "sys_fd": fd,
+                    "type": lib.bpf_table_type_id(module, i), "key_size": lib.bpf_table_key_size_id(module, i),
+                    "value_size": lib.bpf_table_leaf_size_id(module, i),
+                    "max_entries": lib.bpf_table_max_entries_id(module, i)})
+    return out
+
+
+def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    from bcc import BPF
+    from bcc.libbcc import lib
+
+    # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
+    b = BPF(text=req["text"].encode(), cflags=list(req["cflags"]))
+    fds: list[int] = []
+    progs: dict[str, int] = {}
+    links = []
+    for tp, fn in req["tracepoints"]:
+        b.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+        if fn not in progs:
+            progs[fn] = len(fds)
+            fds.append(b.funcs[fn.encode()].fd)
+        links.append({"tracepoint": tp, "prog": fn, "fd": len(fds)})
+        fds.append(b.tracepoint_fds[tp.encode()])
+    maps = describe_maps(lib, b.module)
+    for m in maps:
+        m["fd"] = len(fds)
+        fds.append(m.pop("sys_fd"))
+    meta = {"progs": [{"name": n, "fd": i} for n, i in progs.items()], "links": links, "maps": maps,
+            "nfds": len(fds)}
+    return meta, fds
+
+
+def main(argv: list[str]) -> None:
+    sock = socket.socket(fileno=int(argv[1]))
+    try:
+        meta, fds = load(json.loads(sys.stdin.read()))
+    except Exception as err:  # bcc raises bare Exception for compile, verifier and attach errors
+        why = str(err) if type(err) is Exception else f"{type(err).__name__}: {err}"
+        sock.send(json.dumps({"error": why, "nfds": 0}).encode())
+        sys.stderr.flush()
+        os._exit(1)
+    if len(fds) > 253:  # SCM_MAX_FD; no probe comes near it
+        sock.send(json.dumps({"error": f"{len(fds)} fds are more than one message can carry", "nfds": 0}).encode())
+        os._exit(1)
+    socket.send_fds(sock, [json.dumps(meta).encode()], fds)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv)
+    except BaseException as err:  # a broken socket, a bad request: say it on stderr, never run bcc's atexit
+        print(f"_bpf_loader: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        os._exit(2)

@@ -1,0 +1,376 @@
+"""The loader/reader split (probes/_bpf.py, probes/_bpf_loader.py): unit tests of the bpf(2) attr packing, per-CPU
+sizing and the fd-passing reply, then real programs and maps on the real kernel (kernel tier).
+
+Independent references: the UAPI header compiled by gcc (struct offsets, enum values), the kernel's own view of
+each map (BPF_OBJ_GET_INFO_BY_FD), a workload's own /proc/self/status switch counts, and /proc/PID/maps.
+"""
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobprobe.errors import ProbeUnavailable
+from jobprobe.target import CgroupTarget
+from probes import _bpf
+from probes.sched import SchedProbe
+from tests.conftest import TESTS, workload
+
+TEST_C = TESTS / "bpf_loader_test.c"
+ROOT = TESTS.parent
+MiB = 1 << 20
+
+
+class PC(ct.Structure):
+    """tests/bpf_loader_test.c struct pc: 12 bytes, so per-CPU buffers pad it to 16."""
+    _fields_ = [("switches", ct.c_uint32), ("tag", ct.c_uint32), ("spare", ct.c_uint32)]
+
+
+def load_test(cflags=(), tracepoints=()) -> _bpf.Loaded:
+    return _bpf.load("loader_test", ["-w", *cflags], list(tracepoints), text=TEST_C.read_text())
+
+
+def open_fds(kind: str | None = None) -> int:
+    """This process's open fds: all of them, or only BPF programs / maps ("prog", "map") or perf events ("perf")."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        want = {"prog": "anon_inode:bpf-prog", "map": "anon_inode:bpf-map", "perf": "anon_inode:[perf_event]"}
+        n += kind is None or target == want[kind]
+    return n
+
+
+# ---------------------------------------------------------------- unit: attr packing, sizing, the reply
+
+UAPI_CHECK = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <linux/bpf.h>
+#define OFF(t, f) printf("%s %zu\n", #t "." #f, offsetof(t, f))
+int main(void) {
+  OFF(union bpf_attr, map_fd); OFF(union bpf_attr, key); OFF(union bpf_attr, value);
+  OFF(union bpf_attr, next_key); OFF(union bpf_attr, flags);
+  OFF(union bpf_attr, batch.in_batch); OFF(union bpf_attr, batch.out_batch); OFF(union bpf_attr, batch.keys);
+  OFF(union bpf_attr, batch.values); OFF(union bpf_attr, batch.count); OFF(union bpf_attr, batch.map_fd);
+  OFF(union bpf_attr, batch.elem_flags); OFF(union bpf_attr, batch.flags);
+  OFF(union bpf_attr, info.bpf_fd); OFF(union bpf_attr, info.info_len); OFF(union bpf_attr, info.info);
+  OFF(struct bpf_prog_info, type); OFF(struct bpf_prog_info, id); OFF(struct bpf_prog_info, name);
+  OFF(struct bpf_prog_info, run_time_ns); OFF(struct bpf_prog_info, run_cnt);
+  OFF(struct bpf_map_info, type); OFF(struct bpf_map_info, key_size); OFF(struct bpf_map_info, value_size);
+  OFF(struct bpf_map_info, max_entries); OFF(struct bpf_map_info, name);
+  printf("cmds %d %d %d %d %d %d %d %d\n", BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM, BPF_MAP_DELETE_ELEM,
+         BPF_MAP_GET_NEXT_KEY, BPF_OBJ_GET_INFO_BY_FD, BPF_MAP_LOOKUP_BATCH, BPF_ENABLE_STATS, BPF_STATS_RUN_TIME);
+  printf("percpu %d %d %d %d\n", BPF_MAP_TYPE_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY,
+         BPF_MAP_TYPE_LRU_PERCPU_HASH, BPF_MAP_TYPE_PERCPU_CGROUP_STORAGE);
+  printf("flags %d %d %d\n", BPF_ANY, BPF_NOEXIST, BPF_EXIST);
+  return 0;
+}
+"""
+
+
+def test_attr_layout_matches_the_uapi_header(tmp_path):
+    """Offsets of every field we pack, against the C compiler's view of <linux/bpf.h>."""
+    if not shutil.which("gcc") or not Path("/usr/include/linux/bpf.h").exists():
+        pytest.skip("needs gcc and <linux/bpf.h> (linux-libc-dev) to compile the reference")
+    (tmp_path / "uapi.c").write_text(UAPI_CHECK)
+    subprocess.run(["gcc", "-o", str(tmp_path / "uapi"), str(tmp_path / "uapi.c")], check=True)
+    out = subprocess.run([str(tmp_path / "uapi")], capture_output=True, text=True, check=True).stdout
+    c = dict(line.rsplit(" ", 1) for line in out.splitlines() if not line.startswith(("cmds", "percpu", "flags")))
+    ours = {"union bpf_attr": (_bpf.ElemAttr, ""), "union bpf_attr.batch": (_bpf.BatchAttr, "batch."),
+            "union bpf_attr.info": (_bpf.InfoAttr, "info."), "struct bpf_prog_info": (_bpf.ProgInfo, ""),
+            "struct bpf_map_info": (_bpf.MapInfo, "")}
+    checked = 0
+    for key, off in c.items():
+        owner, field = key.rsplit(".", 1)
+        struct_, prefix = ours[owner]
+        name = "value" if field == "next_key" else field    # they share offset 16 in the union
+        assert getattr(struct_, name).offset == int(off), key
+        checked += 1
+    assert checked == 26
+    lines = {ln.split()[0]: list(map(int, ln.split()[1:])) for ln in out.splitlines()
+             if ln.startswith(("cmds", "percpu", "flags"))}
+    assert lines["cmds"] == [_bpf.MAP_LOOKUP_ELEM, _bpf.MAP_UPDATE_ELEM, _bpf.MAP_DELETE_ELEM, _bpf.MAP_GET_NEXT_KEY,
+                             _bpf.OBJ_GET_INFO_BY_FD, _bpf.MAP_LOOKUP_BATCH, _bpf.ENABLE_STATS, _bpf.STATS_RUN_TIME]
+    assert set(lines["percpu"]) == _bpf.PERCPU_TYPES
+    assert lines["flags"] == [_bpf.ANY, _bpf.NOEXIST, _bpf.EXIST]
+
+
+def test_attr_sizes_without_a_compiler():
+    assert (ct.sizeof(_bpf.ElemAttr), ct.sizeof(_bpf.BatchAttr), ct.sizeof(_bpf.InfoAttr)) == (32, 56, 16)
+    assert (_bpf.BatchAttr.count.offset, _bpf.BatchAttr.map_fd.offset) == (32, 36)
+    assert (_bpf.ProgInfo.run_time_ns.offset, _bpf.ProgInfo.run_cnt.offset, ct.sizeof(_bpf.ProgInfo)) == (192, 200,
+                                                                                                         208)
+
+
+def test_possible_cpus_and_percpu_stride(tmp_path):
+    f = tmp_path / "devices/system/cpu/possible"
+    f.parent.mkdir(parents=True)
+    for text, n in (("0\n", 1), ("0-3\n", 4), ("0,2-3\n", 3), ("0-63\n", 64)):
+        f.write_text(text)
+        assert _bpf.possible_cpus(str(tmp_path)) == n
+    assert [_bpf.percpu_stride(s) for s in (1, 8, 12, 16, 256)] == [8, 8, 16, 16, 256]
+
+
+class FakeKernel:
+    """Stands in for sys_bpf: one hash map of 4-byte keys in a dict, batch ops refused (a kernel before 5.6)."""
+
+    def __init__(self, value_len: int):
+        self.data: dict[bytes, bytes] = {}
+        self.value_len, self.calls = value_len, []
+
+    def __call__(self, cmd: int, attr: ct.Structure) -> int:
+        self.calls.append(cmd)
+        if cmd == _bpf.MAP_LOOKUP_BATCH:
+            raise OSError(errno.EINVAL, "unknown command")
+        key = ct.string_at(attr.key, 4) if attr.key else None
+        if cmd == _bpf.MAP_UPDATE_ELEM:
+            self.data[key] = ct.string_at(attr.value, self.value_len)
+        elif cmd == _bpf.MAP_LOOKUP_ELEM:
+            if key not in self.data:
+                raise FileNotFoundError(errno.ENOENT, "no key")
+            ct.memmove(attr.value, self.data[key], self.value_len)
+        elif cmd == _bpf.MAP_GET_NEXT_KEY:
+            keys = sorted(self.data)
+            later = [k for k in keys if key is None or k > key]
+            if not later:
+                raise FileNotFoundError(errno.ENOENT, "last key")
+            ct.memmove(attr.value, later[0], 4)
+        return 0
+
+
+def test_percpu_values_are_padded_to_8_bytes_per_cpu(monkeypatch):
+    fake = FakeKernel(value_len=3 * 16)
+    monkeypatch.setattr(_bpf, "sys_bpf", fake)
+    m = _bpf.Map(7, "pc", 6, 4, 12, 4, ncpus=3).typed(ct.c_uint32, PC)
+    assert m.percpu and m.stride == 16
+    m.update(2, [PC(i, 100 + i, 0) for i in range(3)])
+    raw = fake.data[struct.pack("I", 2)]
+    assert [struct.unpack_from("III", raw, 16 * i) for i in range(3)] == [(i, 100 + i, 0) for i in range(3)]
+    assert raw[12:16] == raw[28:32] == b"\0" * 4                     # the padding the kernel expects
+    assert [(v.switches, v.tag) for v in m.lookup(2)] == [(0, 100), (1, 101), (2, 102)]
+    with pytest.raises(ValueError, match="3 CPUs"):
+        m.update(2, [PC()])
+
+
+def test_items_fall_back_to_per_key_lookups_when_batch_is_refused(monkeypatch):
+    fake = FakeKernel(value_len=8)
+    monkeypatch.setattr(_bpf, "sys_bpf", fake)
+    m = _bpf.Map(7, "h", 1, 4, 8, 64).typed(ct.c_uint32, ct.c_uint64)
+    for k in (5, 1, 3):
+        m.update(k, k * 10)
+    assert m.items() == [(1, 10), (3, 30), (5, 50)] and m.keys() == [1, 3, 5]
+    assert not m._batch_ok
+    fake.calls.clear()
+    m.items()
+    assert _bpf.MAP_LOOKUP_BATCH not in fake.calls                 # asked once, then remembered
+    assert m.lookup(2) is None and 3 in m and 2 not in m
+
+
+def test_typed_checks_sizes_and_raw_bytes_work_untyped():
+    m = _bpf.Map(-1, "h", 1, 4, 8, 64)
+    with pytest.raises(ValueError, match="key type c_ulong is 8 bytes"):
+        m.typed(ct.c_uint64, ct.c_uint64)
+    with pytest.raises(TypeError):
+        m._key_buf(5)                                              # an int needs a key type
+    with pytest.raises(ValueError, match="3 bytes given"):
+        m._key_buf(b"abc")
+    assert m._key_buf(b"abcd").raw == b"abcd" and m._key_buf(ct.c_uint32(1)).raw == b"\1\0\0\0"
+
+
+def test_receive_takes_fds_close_on_exec_and_closes_them_on_a_bad_reply():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    r, w = os.pipe()
+    try:
+        socket.send_fds(b, [json.dumps({"nfds": 2}).encode()], [r, w])
+        meta, fds = _bpf.receive(a)
+        assert meta == {"nfds": 2} and len(fds) == 2
+        assert all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in fds)
+        for fd in fds:
+            os.close(fd)
+        before = open_fds()
+        socket.send_fds(b, [json.dumps({"nfds": 1}).encode()], [r, w])     # says 1, sends 2
+        with pytest.raises(OSError, match="sent 2 fds"):
+            _bpf.receive(a)
+        assert open_fds() == before
+        b.close()
+        with pytest.raises(OSError, match="without a reply"):
+            _bpf.receive(a)
+    finally:
+        os.close(r), os.close(w), a.close(), b.close()
+
+
+# ---------------------------------------------------------------- kernel tier
+
+
+def switches_of(proc: subprocess.Popen) -> int:
+    out, _ = proc.communicate(timeout=120)
+    return sum(map(int, out.split()[-2:]))
+
+
+def prog_exists(prog_id: int) -> bool:
+    """Whether the kernel still has a program with this id (BPF_PROG_GET_FD_BY_ID = 13)."""
+    try:
+        fd = _bpf.sys_bpf(13, ct.c_uint32(prog_id))
+    except FileNotFoundError:
+        return False
+    os.close(fd)
+    return True
+
+
+@pytest.mark.kernel
+def test_programs_stay_attached_after_the_loader_exits(make_cgroup):
+    """The sched probe, through its real code path: the loader is gone, the job's switches are still counted."""
+    probe = SchedProbe()
+    cg = make_cgroup()
+    probe.start(CgroupTarget(str(cg.path)))
+    try:
+        pid = probe.loaded.loader_pid
+        assert pid > 0 and not Path(f"/proc/{pid}").exists(), "the loader should have exited and been reaped"
+        ids = [_bpf.prog_info(fd).id for fd in probe.loaded.progs.values()]
+        proc = cg.spawn(workload("switches", 1000, 500), stdout=subprocess.PIPE, text=True)
+        expected = switches_of(proc)
+        s = probe.sample()
+        got = s["voluntary_switches"] + s["involuntary_switches"]
+        print(f"loader {pid} gone; sched counted {got} switches, the workload's own count {expected}")
+        assert expected >= 1000 and abs(got - expected) <= 0.05 * expected
+    finally:
+        probe.stop()
+    # Closing our fds was the last reference: the programs are freed (after an RCU grace period), not left behind.
+    deadline = time.monotonic() + 5
+    while any(map(prog_exists, ids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(prog_exists, ids))
+
+
+AGENT = r"""
+import json, os, sys, time
+from jobprobe.target import PidTreeTarget
+from probes.sched import SchedProbe
+p = SchedProbe()
+p.start(PidTreeTarget([os.getpid()]))
+switches = 0
+for _ in range(3):
+    for _ in range(50):
+        time.sleep(0.001)
+    s = p.sample()
+    switches += s["voluntary_switches"] + s["involuntary_switches"]
+loader = p.loaded.loader_pid
+libs = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if any(x in ln for x in ("libbcc", "LLVM", "clang"))})
+st = dict(ln.split(":", 1) for ln in open("/proc/self/status").read().splitlines())
+p.stop()
+print(json.dumps({"libs": libs, "bcc": any(m == "bcc" or m.startswith("bcc.") for m in sys.modules),
+                  "rss_kib": int(st["VmRSS"].split()[0]), "hwm_kib": int(st["VmHWM"].split()[0]),
+                  "switches": switches, "loader_alive": os.path.exists(f"/proc/{loader}")}))
+"""
+
+
+@pytest.mark.kernel
+def test_agent_process_never_maps_bcc_or_llvm_and_stays_small():
+    """A fresh process loads the sched probe the real way and samples; cwd "/" checks the loader is found anyway."""
+    out = subprocess.run([sys.executable, "-c", AGENT], cwd="/", capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.splitlines()[-1])
+    print(f"agent: RSS {r['rss_kib'] / 1024:.1f} MiB, peak {r['hwm_kib'] / 1024:.1f} MiB, libs {r['libs']}, "
+          f"{r['switches']} switches")
+    assert r["libs"] == [] and not r["bcc"] and not r["loader_alive"]
+    assert r["switches"] >= 100                      # it measured itself: 150 sleeps
+    assert r["rss_kib"] * 1024 < 40 * MiB and r["hwm_kib"] * 1024 < 40 * MiB
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("cflags, tracepoints, said", [
+    (["-DBREAK_COMPILE"], [("sched:sched_switch", "on_switch")], r"Failed to compile BPF module .*error: expected ';'"),
+    (["-DBREAK_VERIFIER"], [("sched:sched_switch", "on_switch")],
+     r"Failed to load BPF program b'on_switch': .*(invalid access to map value|unbounded)"),
+    ([], [("sched:no_such_event", "on_switch")], r"Failed to attach BPF program b'on_switch'"),
+    ([], [("sched:sched_switch", "no_such_function")], r"Unknown program b'no_such_function'"),
+], ids=["compile", "verifier", "no-tracepoint", "no-function"])
+def test_a_failed_load_says_why_and_leaves_no_fd(cflags, tracepoints, said):
+    before = {k: open_fds(k) for k in ("prog", "map", "perf", None)}
+    with pytest.raises(ProbeUnavailable, match=said) as err:
+        load_test(cflags, tracepoints)
+    print(f"loader_test: {err.value}")
+    assert str(err.value).startswith("cannot load bpf/loader_test.c: ") and len(str(err.value)) < 2000
+    assert {k: open_fds(k) for k in before} == before     # no program, map, perf event, socket or log file
+
+
+@pytest.mark.kernel
+def test_hash_map_ops_match_the_kernels_view(monkeypatch):
+    with load_test() as loaded:                           # maps only: nothing attached
+        assert loaded.progs == {} and loaded.links == [] and set(loaded.maps) == {"counts", "percpu", "watch"}
+        for m in loaded.maps.values():                    # what the loader said, against the kernel's own record
+            info = _bpf.map_info(m.fd)
+            assert (info.type, info.key_size, info.value_size, info.max_entries, info.name.decode()) == \
+                (m.type, m.key_size, m.value_size, m.max_entries, m.name)
+        m = loaded.maps["counts"]
+        m.update(struct.pack("I", 5), struct.pack("Q", 9))          # raw bytes, untyped
+        assert m.lookup(struct.pack("I", 5)) == struct.pack("Q", 9) and m.lookup(b"\0" * 4) is None
+        m.typed(ct.c_uint32, ct.c_uint64)
+        assert m.delete(5) and not m.delete(5)
+        for k in range(300):
+            m.update(k, k * k)
+        assert m.lookup(7) == 49 and 7 in m and 300 not in m
+        with pytest.raises(FileExistsError):
+            m.update(7, 0, flags=_bpf.NOEXIST)
+        with pytest.raises(FileNotFoundError):
+            m.update(1000, 0, flags=_bpf.EXIST)
+        assert sorted(m.keys()) == list(range(300))
+        monkeypatch.setattr(_bpf, "BATCH", 64)            # several batch calls, the last one ending in ENOENT
+        assert sorted(m.items()) == [(k, k * k) for k in range(300)] and m._batch_ok
+        m._batch_ok = False
+        assert sorted(m.items()) == [(k, k * k) for k in range(300)]
+        assert m.delete(7) and m.lookup(7) is None and len(m.keys()) == 299
+    assert m.fd == -1                                     # closed: a stale Map cannot reach a reused fd number
+
+
+@pytest.mark.kernel
+def test_percpu_array_ops():
+    with load_test() as loaded:
+        pa = loaded.maps["percpu"].typed(ct.c_uint32, PC)
+        assert pa.percpu and (pa.value_size, pa.stride, pa.ncpus) == (12, 16, _bpf.possible_cpus())
+        vals = [PC(i + 1, 100 + i, 7) for i in range(pa.ncpus)]
+        pa.update(2, vals)
+        assert [(v.switches, v.tag, v.spare) for v in pa.lookup(2)] == [(i + 1, 100 + i, 7) for i in range(pa.ncpus)]
+        items = pa.items()
+        assert [k for k, _ in items] == [0, 1, 2, 3] and pa._batch_ok
+        assert [v.tag for v in items[2][1]] == [100 + i for i in range(pa.ncpus)]
+        assert all(v.switches == 0 for v in items[0][1])
+        pa._batch_ok = False
+        assert [[bytes(v) for v in vs] for _, vs in pa.items()] == [[bytes(v) for v in vs] for _, vs in items]
+        with pytest.raises(OSError) as err:
+            pa.delete(0)                                  # arrays have no delete
+        assert err.value.errno == errno.EINVAL
+        assert pa.lookup(4) is None                       # past max_entries
+
+
+@pytest.mark.kernel
+def test_kernel_written_percpu_counts_match_the_workloads_own(make_cgroup):
+    cg = make_cgroup()
+    with load_test(tracepoints=[("sched:sched_switch", "on_switch")]) as loaded:
+        assert set(loaded.progs) == {"on_switch"} and [t for t, _, _ in loaded.links] == ["sched:sched_switch"]
+        loaded.maps["watch"].typed(ct.c_uint64, ct.c_uint32).update(cg.id, 1)
+        pa = loaded.maps["percpu"].typed(ct.c_uint32, PC)
+        with _bpf.stats_enabled():
+            proc = cg.spawn(workload("switches", 1000, 500), stdout=subprocess.PIPE, text=True)
+            expected = switches_of(proc)
+            stats = loaded.prog_stats()["on_switch"]
+        got = sum(v.switches for v in pa.lookup(0))
+        print(f"per-CPU {[v.switches for v in pa.lookup(0)]} sum {got}, the workload's own count {expected}; "
+              f"on_switch ran {stats.run_cnt} times, {stats.run_time_ns / max(stats.run_cnt, 1):.0f} ns each")
+        assert expected >= 1000 and abs(got - expected) <= 0.05 * expected
+        assert stats.run_cnt >= got and stats.run_time_ns > 0      # it runs for every switch on the node
