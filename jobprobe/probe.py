@@ -7,6 +7,11 @@ from jobprobe.host import Host
 from jobprobe.target import Target
 
 
+# sample() may return, under this key, a list of one-off events: {"event": name, "t": UNIX time (optional), ...}.
+# The sampler sends each as an `event` frame right after the tick's sample frame (docs/FRAMES.md).
+EVENTS_KEY = "_events"
+
+
 class Field(NamedTuple):
     """One field a probe emits: msgpack type, unit, meaning. docs/FRAMES.md lists every one of them."""
 
@@ -35,7 +40,8 @@ class Probe:
         """Acquire everything; on failure release what was acquired and raise ProbeUnavailable."""
 
     def sample(self) -> dict[str, Any]:
-        """This interval's values only: deltas since the previous sample (or since start)."""
+        """This interval's values only: deltas since the previous sample (or since start). One-off events go in
+        a list under EVENTS_KEY."""
         return {}
 
     def stop(self) -> None:

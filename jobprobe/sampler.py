@@ -11,7 +11,7 @@ from jobprobe import __version__
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.frame import FrameBuilder, encode
 from jobprobe.host import Host
-from jobprobe.probe import Probe
+from jobprobe.probe import EVENTS_KEY, Probe
 from jobprobe.target import Target
 
 log = logging.getLogger("jobprobe.sampler")
@@ -85,9 +85,13 @@ class Sampler:
         dt, self._last = now - self._last, now
         t = time.time()
         values = {}
+        events: list[dict] = []
         for name, probe in list(self.running.items()):
             try:
                 values[name] = probe.sample()
+                # Things that happened once (an OOM kill, a GPU XID error) travel as event frames of their own.
+                for ev in values[name].pop(EVENTS_KEY, None) or ():
+                    events.append({"probe": name, **ev})
             except TargetGone as err:  # the job vanished under this probe: nothing more to read, not a failure
                 self.end_reason = self.end_reason or str(err)
             except Exception as err:
@@ -96,6 +100,8 @@ class Sampler:
                 self._stop_probe(name)
         frame = self.builder.sample(t, dt, values, dict(self.status))
         self._emit(frame)
+        for ev in events:
+            self._emit(self.builder.event(ev.pop("t", t), ev.pop("event"), **ev))
         return frame
 
     def _emit(self, frame: dict) -> None:

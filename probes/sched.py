@@ -13,25 +13,17 @@ Off-CPU time is added when a thread runs again, so a long sleep lands in the int
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes as ct
-import importlib.util
-from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe.probe import Field, Probe, delta, log2_percentile
-from jobprobe.target import Target
-from probes import _bpf
+from jobprobe.probe import Field, delta, log2_percentile
 from probes._bpf import trim_log  # noqa: F401  (re-exported: the probe's error messages are trimmed with it)
+from probes._bpfprobe import BpfProbe, exit_has_group_dead, proc_gone  # noqa: F401  (re-exported for tests)
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
 COUNTERS = ("voluntary", "involuntary", "offcpu_ns", "runq_ns", "runq_events")
-# (tracepoint, handler in bpf/common.h or bpf/sched.c). Membership first: forks are followed before we register.
+# (tracepoint, handler in bpf/sched.c); the membership handlers of bpf/common.h come first (BpfProbe).
 HANDLERS = (
-    ("sched:sched_process_fork", "job_fork"),
-    ("sched:sched_process_exit", "job_exit"),
     ("sched:sched_switch", "on_switch"),
     ("sched:sched_wakeup", "on_wakeup"),
     ("sched:sched_wakeup_new", "on_wakeup_new"),
@@ -41,25 +33,6 @@ HANDLERS = (
 class SlotStats(ct.Structure):
     """bpf/sched.c struct slot_stats, one per job slot and CPU (the map checks the size at start)."""
     _fields_ = [(name, ct.c_uint64) for name in COUNTERS] + [("runq_hist", ct.c_uint64 * NBUCKETS)]
-
-
-def exit_has_group_dead(sys_root: str = "/sys") -> bool:
-    """Whether sched_process_exit carries group_dead (recent kernels), read from the tracepoint's format file."""
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            return "group_dead" in Path(sys_root, base, "events/sched/sched_process_exit/format").read_text()
-        except OSError:
-            continue
-    return False
-
-
-def proc_gone(proc: str, pid: int) -> bool:
-    """True when pid has exited: no /proc entry, or a zombie/dead task (its exit tracepoint has fired)."""
-    try:
-        stat = Path(proc, str(pid), "stat").read_bytes()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
 def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +55,7 @@ def zero_reading() -> dict[str, Any]:
     return {**{k: 0 for k in COUNTERS}, "hist": [0] * NBUCKETS}
 
 
-class SchedProbe(Probe):
+class SchedProbe(BpfProbe):
     name = "sched"
     default = True
     needs_root = True
@@ -102,114 +75,16 @@ class SchedProbe(Probe):
         "runq_events": Field("int", "count", "times a job thread went from runnable to running"),
     }
 
-    def __init__(self, host: Host | None = None, slot: int = 0):
-        super().__init__(host)
-        self.slot = slot          # job slot in the shared maps (one job per probe instance for now)
-        self.loaded: _bpf.Loaded | None = None   # fds of programs, attachments and maps while started
-        self.target: Target | None = None
-        self._cg_ids: set[int] = set()
-        self._last = zero_reading()
+    bpf_name = "sched"
+    handlers = HANDLERS
+    map_types = {"start": (ct.c_uint32, None), "stats": (ct.c_uint32, SlotStats)}
 
-    def check(self, host: Host) -> str | None:
-        why = super().check(host)
-        if why:
-            return why
-        missing = [tp for tp, _ in HANDLERS if not host.tracepoint_exists(*tp.split(":"))]
-        if missing:
-            return f"tracepoint {missing[0]} not found in tracefs"
-        if importlib.util.find_spec("bcc") is None:
-            return "bcc (python3-bpfcc) is not importable"
-        return None
-
-    def start(self, target: Target) -> None:
-        cflags = ["-w"]
-        if exit_has_group_dead(self.host.sys):
-            cflags.append("-DJOB_EXIT_HAS_GROUP_DEAD")
-        self.target = target
-        try:
-            # Compiled and attached in a loader subprocess; ProbeUnavailable carries the compiler/verifier's words.
-            self.loaded = _bpf.load("sched", cflags, HANDLERS, sys_root=self.host.sys)
-            maps = self.loaded.maps
-            maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
-            maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
-            maps["start"].typed(ct.c_uint32)
-            maps["stats"].typed(ct.c_uint32, SlotStats)
-            self._register()
-            self._last = self._reading()
-        except ProbeUnavailable:
-            self.stop()
-            raise
-        except (OSError, KeyError, ValueError) as err:  # /proc and /sys; a full map (E2BIG); a layout mismatch
-            self.stop()
-            raise ProbeUnavailable(f"cannot register the job with the sched probe: {err}") from err
-
-    def _register(self) -> None:
-        """Put the job's cgroups or processes in the membership maps. For a PID tree, the in-kernel fork handler
-        follows forks only of processes already in the map, so the tree is scanned again afterwards to catch
-        children forked between the first scan and the insert."""
-        target = self.target
-        if target is None:
-            return
-        if target.kind == "cgroup":
-            self._sync_cgroups()
-            return
-        self._add_pids(target.pids())
-        with contextlib.suppress(TargetGone):  # every process already exited: nothing more to add
-            target.refresh()
-        self._add_pids(target.pids())
-
-    def _sync_cgroups(self) -> None:
-        """Add ids of groups created since the last call (new steps, sub-containers), drop those removed."""
-        table = self.loaded.maps["job_of_cgroup"]
-        ids = set(self.target.cgroup_ids())
-        for cg in ids - self._cg_ids:
-            table.update(cg, self.slot)
-        for cg in self._cg_ids - ids:
-            table.delete(cg)
-        self._cg_ids = ids
-
-    def _add_pids(self, pids: list[int]) -> None:
-        table = self.loaded.maps["job_of_tgid"]
-        for pid in pids:
-            if pid in table:
-                continue
-            table.update(pid, self.slot)
-            # Insert first, then look: a process that exits after the look finds its key and deletes it in the
-            # kernel; one that exited before it is removed here. Either way no stale key stays.
-            if proc_gone(self.host.proc, pid):
-                table.delete(pid)
-
-    def members(self) -> set[int]:
-        """tgids (and member threads' tids) in the kernel's job_of_tgid map for this probe's slot."""
-        if self.loaded is None:
-            return set()
-        return {k for k, v in self.loaded.maps["job_of_tgid"].items() if v == self.slot}
-
-    def _reading(self) -> dict[str, Any]:
+    def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs."""
         per_cpu = self.loaded.maps["stats"].lookup(self.slot)
         out = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS}
         out["hist"] = [sum(s.runq_hist[i] for s in per_cpu) for i in range(NBUCKETS)]
         return out
 
-    def sample(self) -> dict[str, Any]:
-        if self.loaded is None:
-            return {}
-        # Processes the kernel cannot see arrive (a cgroup made after attach, a SLURM step started by slurmstepd
-        # outside the tree): the target has been refreshed by the sampler; add what is new.
-        if self.target is not None:
-            if self.target.kind == "cgroup":
-                self._sync_cgroups()
-            else:
-                self._add_pids(self.target.pids())
-        now = self._reading()
-        out = interval(now, self._last)
-        self._last = now
-        return out
-
-    def stop(self) -> None:
-        """Detach every tracepoint, close program and map fds. Idempotent."""
-        loaded, self.loaded = self.loaded, None
-        self._cg_ids, self.target = set(), None
-        if loaded is not None:
-            loaded.close()
+    def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+        return interval(now, before)

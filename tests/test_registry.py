@@ -63,3 +63,9 @@ def test_every_probe_has_its_test_file_and_docs():
         assert f"## {name}" in probes_md, f"probe {name} is not in docs/PROBES.md"
         for field in cls.fields:
             assert f"`{name}.{field}`" in frames_md, f"{name}.{field} is not documented in docs/FRAMES.md"
+
+
+def test_frames_doc_tables_are_generated_from_the_declarations():
+    import subprocess, sys
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "frames_doc.py"), "--check"])
+    assert res.returncode == 0, "docs/FRAMES.md is out of date: run python scripts/frames_doc.py"

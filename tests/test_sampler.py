@@ -134,3 +134,27 @@ def test_dt_is_measured_not_assumed():
     s.start()
     s.run(duration=2.5)
     assert [f["dt"] for f in rec.frames[1:]] == [1.0, 1.0, 0.5]
+
+
+class EventFake(CountingFake):
+    name = "eventfake"
+
+    def sample(self):
+        out = super().sample()
+        if self.n == 2:
+            out["_events"] = [{"event": "oom_kill", "pid": 42, "t": 123.5}, {"event": "xid", "code": 79}]
+        return out
+
+
+def test_probe_events_become_event_frames_after_the_sample():
+    s, rec = make([EventFake()], target=FakeTarget(ticks_alive=2))
+    s.start()
+    s.run()
+    kinds = [(f["kind"], f.get("event")) for f in rec.frames]
+    assert kinds == [("hello", None), ("sample", None), ("sample", None), ("event", "oom_kill"), ("event", "xid"),
+                     ("sample", None)]
+    oom, xid = rec.frames[3], rec.frames[4]
+    assert oom["probe"] == "eventfake" and oom["pid"] == 42 and oom["t"] == 123.5 and oom["dt"] == 0.0
+    assert xid["code"] == 79 and xid["t"] == rec.frames[2]["t"]
+    assert "_events" not in rec.frames[2]["probes"]["eventfake"]
+    assert [f["seq"] for f in rec.frames] == list(range(6))

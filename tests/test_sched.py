@@ -87,7 +87,7 @@ def test_python_and_c_agree_on_layout():
         [(n, ct.sizeof(t)) for n, t in SlotStats._fields_]
     assert [n for n, _ in members][:len(COUNTERS)] == list(COUNTERS)
     assert ct.sizeof(SlotStats) == 8 * (len(COUNTERS) + NBUCKETS)
-    for _, fn in HANDLERS:
+    for _, fn in SchedProbe().all_handlers():
         assert re.search(rf"^int {fn}\(struct tracepoint__", src, re.M), fn
 
 
@@ -260,8 +260,8 @@ def test_runq_latency_when_the_job_waits_for_a_cpu(probe, make_cgroup):
 def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
     probe.start(PidTreeTarget([os.getpid()]))
-    assert bpf_fds("prog") == before + len(HANDLERS)
-    assert bpf_fds("perf") == perf + len(HANDLERS)     # one attachment per tracepoint, held here
+    assert bpf_fds("prog") == before + len(probe.all_handlers())
+    assert bpf_fds("perf") == perf + len(probe.all_handlers())   # one attachment per tracepoint, held here
     assert bpf_fds("map") == maps + 4                  # job_of_cgroup, job_of_tgid, start, stats
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
