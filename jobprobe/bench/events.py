@@ -9,6 +9,7 @@ interval. Times are wall time of the whole workload, so this is the cost the job
 """
 from __future__ import annotations
 
+import ctypes as ct
 import json
 import os
 import random
@@ -23,6 +24,9 @@ from jobprobe.bench.overhead import _rmdir, _wait_for_hello
 from jobprobe.bench.stats import estimate, median
 from jobprobe.errors import BadInput
 from jobprobe.host import find_cgroup2_mount
+from probes import _bpf
+
+PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13
 
 # probe → (micro-workload, peer tool from Debian's bpfcc-tools measuring the same events, its argv)
 CASES = {
@@ -33,32 +37,82 @@ CASES = {
 class Collector:
     """A collector running during one workload run: our agent on the group, or a peer tool."""
 
-    def __init__(self, argv: list[str], ready: str | None = None, out: Path | None = None):
-        self.argv, self.ready, self.out = argv, ready, out
+    def __init__(self, argv: list[str], ready: str | None = None, out: Path | None = None,
+                 stop_signal: int = signal.SIGTERM):
+        self.argv, self.ready, self.out, self.stop_signal = argv, ready, out, stop_signal
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self):
         if self.out is not None:
             self.out.unlink(missing_ok=True)
+        # stderr to a file, not a pipe nobody drains while the workload runs (a chatty tool would block on it)
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE)
+                                     stderr=subprocess.DEVNULL if self.out is None else subprocess.PIPE)
         if self.out is not None:
             _wait_for_hello(self.out, self.proc)
         else:
             # a bcc tool prints its banner ("Tracing ...") once its programs are attached
             line = self.proc.stdout.readline().decode()
             if self.ready not in line:
-                raise BadInput(f"{self.argv[0]} did not start: {line.strip()} {self.proc.stderr.read().decode()}")
+                raise BadInput(f"{self.argv[0]} did not start: {line.strip()}")
         return self
 
     def __exit__(self, *exc):
+        # Our agent stops on SIGINT (it installs its own handler). A peer tool is stopped with SIGTERM: a Python
+        # tool started from a background shell inherits SIGINT ignored and would never see Ctrl-C.
         if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(self.stop_signal)
             try:
-                self.proc.communicate(timeout=30)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.communicate()
+                self.proc.wait()
+
+
+class _IdAttr(ct.Structure):
+    """union bpf_attr for PROG_GET_NEXT_ID / PROG_GET_FD_BY_ID."""
+    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
+
+
+def program_stats() -> dict[int, tuple[str, int, int]]:
+    """Every BPF program on the node: id → (name, run_time_ns, run_cnt). The counters only move while stats are
+    enabled (probes._bpf.stats_enabled)."""
+    out: dict[int, tuple[str, int, int]] = {}
+    attr = _IdAttr(id=0)
+    while True:
+        try:
+            _bpf.sys_bpf(PROG_GET_NEXT_ID, attr)
+        except OSError:
+            return out    # ENOENT: no more programs
+        attr.id = attr.next_id
+        try:
+            fd = _bpf.sys_bpf(PROG_GET_FD_BY_ID, _IdAttr(id=attr.id))
+        except OSError:
+            continue      # unloaded meanwhile
+        try:
+            info = _bpf.prog_info(fd)
+            out[attr.id] = (info.name.decode(errors="replace"), info.run_time_ns, info.run_cnt)
+        finally:
+            os.close(fd)
+
+
+def per_program_cost(collector, workload: str, n: int, group: Path) -> dict[str, dict]:
+    """ns per run of each program the collector loaded, measured by the kernel (bpf_stats) over one workload run:
+    the most direct per-event figure, free of wall-clock noise."""
+    before = set(program_stats())
+    with collector():
+        ours = {i for i in program_stats() if i not in before}
+        with _bpf.stats_enabled():
+            start = {i: v for i, v in program_stats().items() if i in ours}
+            run_workload(workload, n, group)
+            end = program_stats()
+    out = {}
+    for i, (name, t0, c0) in start.items():
+        if i in end:
+            _, t1, c1 = end[i]
+            if c1 > c0:
+                out[name] = {"ns_per_run": (t1 - t0) / (c1 - c0), "runs": c1 - c0}
+    return out
 
 
 def run_workload(workload: str, n: int, group: Path) -> dict:
@@ -85,7 +139,8 @@ def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer:
     out = workdir / "events.mpk"
     modes = {"off": None,
              probe: lambda: Collector([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(group),
-                                       f"--probes={probe}", "--out", str(out)], out=out)}
+                                       f"--probes={probe}", "--out", str(out)], out=out,
+                                      stop_signal=signal.SIGINT)}
     if peer and shutil.which(peer_argv[0]):
         modes[peer_argv[0]] = lambda: Collector(peer_argv, ready="Tracing")
     rng = random.Random(seed)
@@ -109,6 +164,7 @@ def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer:
                 progress.write(f"round {r + 1}/{rounds}: " + "  ".join(
                     f"{m} {times[m][-1] / events[-1]:.0f} ns/{res['unit']}" for m in modes) + "\n")
                 progress.flush()
+        programs = {m: per_program_cost(modes[m], workload, n, group) for m in modes if modes[m] is not None}
     finally:
         _rmdir(group)
         out.unlink(missing_ok=True)
@@ -122,7 +178,7 @@ def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer:
         added = [(t - b) / e for t, b, e in zip(times[m], times["off"], events)]
         est = estimate(added)
         result["modes"][m] = {"added_ns": est.mean, "lo": est.lo, "hi": est.hi,
-                              "ratio": median(times[m]) / median(times["off"])}
+                              "ratio": median(times[m]) / median(times["off"]), "programs": programs[m]}
     return result
 
 
@@ -134,4 +190,9 @@ def markdown(res: dict) -> str:
              f"| What was on | Added per {res['unit']} | 95% interval | Workload time ratio |", "| - | - | - | - |"]
     for m, r in res["modes"].items():
         lines.append(f"| {m} | {r['added_ns']:+.0f} ns | {r['lo']:+.0f} to {r['hi']:+.0f} ns | {r['ratio']:.3f} |")
+    lines += ["", "Per program, measured by the kernel (bpf_stats) over one more run of the workload:", "",
+              "| What was on | Program | ns per run | Runs |", "| - | - | - | - |"]
+    for m, r in res["modes"].items():
+        for name, p in sorted(r["programs"].items(), key=lambda kv: -kv[1]["runs"]):
+            lines.append(f"| {m} | `{name}` | {p['ns_per_run']:.0f} | {p['runs']} |")
     return "\n".join(lines)
