@@ -15,7 +15,7 @@ EVENTS_KEY = "_events"
 class Field(NamedTuple):
     """One field a probe emits: msgpack type, unit, meaning. docs/FRAMES.md lists every one of them."""
 
-    type: str     # int | float | list[int] | map | str
+    type: str     # int | float | bool | str | list[int] | list[str] | list[map] | map
     unit: str     # ns, bytes, count, ratio, us, ...
     meaning: str
 

@@ -1,0 +1,344 @@
+"""_nvml — the gpu probe's one door to NVML, through nvidia-ml-py's `pynvml` (which loads libnvidia-ml.so.1).
+
+What this adds to the binding:
+- Sticky unsupported: a call a GPU refuses (NVML_ERROR_NOT_SUPPORTED, NO_PERMISSION) is recorded for that GPU, one
+  the driver lacks (FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH) for every GPU; either is reported once (`fresh`)
+  and never called again. Where the binding has an older name for the same thing (…ClocksThrottleReasons before
+  driver 535, nvmlDeviceGetMemoryInfo before _v2) the older one is tried before giving up.
+- A GPU that falls off the bus (NVML_ERROR_GPU_IS_LOST) raises GpuLost: the probe marks it lost and goes on.
+- Counters become per-interval deltas (energy, volatile ECC, NVLink KiB); GPM metrics come from two samples, the
+  previous tick's and this one's; XID errors are drained from one event set with timeout 0, never waited for.
+
+Needs: nvidia-ml-py >= 12 and a driver that has the functions (R450+ for most; GPM: Hopper and R520+; NVLink
+throughput fields: R515+). Cost: about 15 NVML calls per job GPU per tick; nvmlDeviceGetPcieThroughput measures over
+a 20 ms window inside the driver, the slowest call here.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+from jobprobe.probe import delta
+
+log = logging.getLogger("jobprobe.gpu")
+
+LIBRARY = "libnvidia-ml.so.1"      # the name pynvml dlopen()s on Linux
+GPU_IS_LOST, TIMEOUT = 15, 10      # NVML_ERROR_*
+STICKY_GPU = {3: "not supported", 4: "no permission"}                      # this GPU will not, ever
+MISSING = {13: "function not found", 25: "argument version mismatch"}       # this driver cannot, for any GPU
+XID_EVENT = 0x8                    # nvmlEventTypeXidCriticalError
+ALL_LINKS = 0xFFFFFFFF             # scopeId: nvml.h "a scopeId of UINT_MAX returns aggregate value … across all links"
+NVLINK_FIELDS = {"nvlink_tx_bytes": 138, "nvlink_rx_bytes": 139}   # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, KiB
+NVLINK_LINK_COUNT = 91             # NVML_FI_DEV_NVLINK_LINK_COUNT
+GPM_METRICS = {"gpm_sm_active_pct": 2, "gpm_sm_occupancy_pct": 3,          # NVML_GPM_METRIC_SM_UTIL, SM_OCCUPANCY,
+               "gpm_tensor_active_pct": 5, "gpm_dram_bw_pct": 10}          # ANY_TENSOR_UTIL, DRAM_BW_UTIL
+CLOCK_EVENT_NAMES = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                     0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+                     0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+# Simple gauges: field, metric (the unit of "unsupported"), binding function, its extra arguments, scale.
+GAUGES = (("sm_clock_mhz", "sm_clock", "nvmlDeviceGetClockInfo", (1,), 1),            # NVML_CLOCK_SM
+          ("mem_clock_mhz", "mem_clock", "nvmlDeviceGetClockInfo", (2,), 1),          # NVML_CLOCK_MEM
+          ("power_mw", "power", "nvmlDeviceGetPowerUsage", (), 1),
+          ("temp_c", "temperature", "nvmlDeviceGetTemperature", (0,), 1),             # NVML_TEMPERATURE_GPU
+          # NVML reports KB/s; NVML's KB is 1024 bytes (its NVLink counters say KiB outright)
+          ("pcie_tx_bytes_per_s", "pcie", "nvmlDeviceGetPcieThroughput", (0,), 1024),
+          ("pcie_rx_bytes_per_s", "pcie", "nvmlDeviceGetPcieThroughput", (1,), 1024))
+
+
+def decode_reasons(mask: int) -> list[str]:
+    names = [name for bit, name in CLOCK_EVENT_NAMES.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_EVENT_NAMES)
+    return names + [f"bit{b}" for b in range(64) if rest >> b & 1]
+
+
+class GpuLost(Exception):
+    """NVML says this GPU has fallen off the bus (NVML_ERROR_GPU_IS_LOST)."""
+
+
+class Gpu:
+    def __init__(self, index: int, handle=None):
+        self.index, self.handle = index, handle
+        self.uuid: str | None = None
+        self.name: str | None = None
+        self.minor: int | None = None           # /dev/nvidiaN: what a v1 device cgroup lists as 195:N
+        self.lost = False                         # fell off the bus: never asked anything again
+        self.unsupported: set[str] = set()
+        self.prev: dict[str, int] = {}           # counters at the last read, for deltas
+        self.gpm: list | None = None             # [previous sample, spare sample] while GPM runs
+        self.nvlinks: int | None = None          # set when the driver refuses the all-links scope: sum per link
+        # Event data names the GPU by handle: compare the pointers' values.
+        self.addr = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+
+
+class Nvml:
+    def __init__(self, nv):
+        self.nv = nv
+        self.gpus: list[Gpu] = []
+        self.missing: set[str] = set()           # metrics this driver lacks, for every GPU
+        self.fresh: list[str] = []               # unsupported found since take_fresh(): reported once
+        self.eventset = None
+        self.inited = False
+        names = {"memory": ["_memory_v2", "nvmlDeviceGetMemoryInfo"],
+                 "clock_event_reasons": ["nvmlDeviceGetCurrentClocksEventReasons",
+                                         "nvmlDeviceGetCurrentClocksThrottleReasons"],
+                 "compute_processes": ["nvmlDeviceGetComputeRunningProcesses_v3",
+                                       "nvmlDeviceGetComputeRunningProcesses_v2"],
+                 "graphics_processes": ["nvmlDeviceGetGraphicsRunningProcesses_v3",
+                                        "nvmlDeviceGetGraphicsRunningProcesses_v2"],
+                 "mps_processes": ["nvmlDeviceGetMPSComputeRunningProcesses_v3"]}
+        # metric → the functions to try, newest first; one the driver lacks is dropped for good (all GPUs)
+        self.fns = {m: [f for n in ns if (f := getattr(self, n, None) or getattr(nv, n, None))]
+                    for m, ns in names.items()}
+
+    def _memory_v2(self, handle):
+        return self.nv.nvmlDeviceGetMemoryInfo(handle, version=self.nv.nvmlMemory_v2)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def open(self) -> None:
+        """nvmlInit, every GPU's handle and identity, one event set for XIDs. Raises NVMLError from nvmlInit."""
+        nv = self.nv
+        nv.nvmlInit()
+        self.inited = True
+        for i in range(nv.nvmlDeviceGetCount()):
+            try:
+                g = Gpu(i, nv.nvmlDeviceGetHandleByIndex(i))
+            except nv.NVMLError as err:     # lost before we came, or unusable: keep its place, say why
+                log.warning("GPU %d: %s", i, err)
+                g = Gpu(i)
+                g.lost = err.value == GPU_IS_LOST
+                if not g.lost:
+                    self.fresh.append(f"gpu{i}.handle")
+                self.gpus.append(g)
+                continue
+            self.gpus.append(g)
+            try:
+                g.uuid = self.call(g, "uuid", fn=nv.nvmlDeviceGetUUID)
+                g.name = self.call(g, "name", fn=nv.nvmlDeviceGetName)
+                g.minor = self.call(g, "minor", fn=nv.nvmlDeviceGetMinorNumber)
+            except GpuLost:
+                g.lost = True
+        self.eventset = self.call_global("xid", nv.nvmlEventSetCreate)
+        for g in self.live() if self.eventset is not None else ():
+            try:
+                self.call(g, "xid", XID_EVENT, self.eventset, fn=nv.nvmlDeviceRegisterEvents)
+            except GpuLost:
+                g.lost = True
+
+    def close(self) -> None:
+        """Free GPM samples and the event set, then nvmlShutdown. Idempotent; errors here are only logged."""
+        nv = self.nv
+        for g in self.gpus:
+            self.forget(g)
+        if self.eventset is not None:
+            self._quiet(nv.nvmlEventSetFree, self.eventset)
+            self.eventset = None
+        if self.inited:
+            self.inited = False
+            self._quiet(nv.nvmlShutdown)
+
+    def _quiet(self, fn, *args) -> None:
+        """Teardown: what fails here can only be logged."""
+        try:
+            fn(*args)
+        except self.nv.NVMLError as err:
+            log.debug("%s: %s", fn.__name__, err)
+
+    def live(self) -> list[Gpu]:
+        """GPUs we can ask: a handle, and still on the bus."""
+        return [g for g in self.gpus if g.handle is not None and not g.lost]
+
+    def take_fresh(self) -> list[str]:
+        fresh, self.fresh = self.fresh, []
+        return fresh
+
+    # ---- calls -------------------------------------------------------------------------------------------
+    def call(self, g: Gpu, metric: str, *args, fn=None):
+        """fn(g.handle, *args) (or the metric's functions in turn). None when the metric is unsupported (recorded
+        once, never asked again) or failed this once. Raises GpuLost."""
+        if metric in self.missing or metric in g.unsupported:
+            return None
+        fns = self.fns[metric] if fn is None else [fn]
+        while fns:
+            try:
+                return fns[0](g.handle, *args)
+            except self.nv.NVMLError as err:
+                code = err.value
+                if code == GPU_IS_LOST:
+                    raise GpuLost(f"GPU {g.index}: {err}") from err
+                if code in MISSING:   # this driver lacks it: try its older name for the same thing, if any
+                    fns.pop(0)
+                    continue
+                if code in STICKY_GPU:
+                    g.unsupported.add(metric)
+                    self.fresh.append(f"gpu{g.index}.{metric}")
+                else:                 # transient (timeout, unknown): absent this tick, asked again next
+                    log.debug("GPU %d %s: %s", g.index, metric, err)
+                return None
+        self.missing.add(metric)      # no function left for it in this driver (or this binding): every GPU
+        self.fresh.append(metric)
+        return None
+
+    def call_global(self, metric: str, fn, *args):
+        if metric in self.missing:
+            return None
+        try:
+            return fn(*args)
+        except self.nv.NVMLError as err:
+            if err.value in MISSING or err.value in STICKY_GPU:
+                self.missing.add(metric)
+                self.fresh.append(metric)
+            else:
+                log.debug("%s: %s", metric, err)
+            return None
+
+    # ---- what runs on a GPU ------------------------------------------------------------------------------
+    def processes(self, g: Gpu) -> dict[int, int | None] | None:
+        """pid → bytes of GPU memory (None where NVML cannot tell) from the compute, graphics and MPS lists;
+        None when no list could be read. Raises GpuLost."""
+        out: dict[int, int | None] = {}
+        seen = False
+        for metric in ("compute_processes", "graphics_processes", "mps_processes"):
+            procs = self.call(g, metric)
+            if procs is None:
+                continue
+            seen = True
+            for p in procs:   # one process may be on two lists: count its memory once
+                mem = p.usedGpuMemory
+                out[p.pid] = mem if out.get(p.pid) is None else max(out[p.pid], mem or 0)
+        return out if seen else None
+
+    # ---- per-tick values -----------------------------------------------------------------------------------
+    def prime(self, g: Gpu, counters: bool) -> None:
+        """Baselines for a GPU that just became the job's: the first GPM sample, and (at start) the counters, so
+        that the next read reports deltas over one whole interval."""
+        if counters:
+            g.prev = self.counters(g)
+        if "gpm" in g.unsupported or "gpm" in self.missing:
+            return
+        support = self.call(g, "gpm", fn=self.nv.nvmlGpmQueryDeviceSupport)
+        if support is not None and not support.isSupportedDevice:
+            g.unsupported.add("gpm")
+            self.fresh.append(f"gpu{g.index}.gpm")
+        elif support is not None:
+            samples = [self.call_global("gpm", self.nv.nvmlGpmSampleAlloc) for _ in range(2)]
+            g.gpm = [s for s in samples if s is not None]
+            if len(g.gpm) < 2 or self.call(g, "gpm", g.gpm[0], fn=self.nv.nvmlGpmSampleGet) is None:
+                self.free_gpm(g)
+
+    def forget(self, g: Gpu) -> None:
+        """Drop a GPU's baselines: it left the job, or is lost."""
+        g.prev = {}
+        self.free_gpm(g)
+
+    def free_gpm(self, g: Gpu) -> None:
+        for s in g.gpm or ():
+            self._quiet(self.nv.nvmlGpmSampleFree, s)
+        g.gpm = None
+
+    def counters(self, g: Gpu) -> dict[str, int]:
+        """Running totals now: energy (mJ), volatile ECC counts, NVLink data (bytes)."""
+        nv, now = self.nv, {}
+        v = self.call(g, "energy", fn=nv.nvmlDeviceGetTotalEnergyConsumption)
+        if v is not None:
+            now["energy_mj"] = v
+        for key, err_type in (("ecc_corrected", 0), ("ecc_uncorrected", 1)):   # NVML_MEMORY_ERROR_TYPE_*
+            v = self.call(g, "ecc", err_type, 0, fn=nv.nvmlDeviceGetTotalEccErrors)  # 0: NVML_VOLATILE_ECC
+            if v is not None:
+                now[key] = v
+        now.update(self._nvlink(g))
+        return now
+
+    def _nvlink(self, g: Gpu) -> dict[str, int]:
+        # Ask for the all-links aggregate explicitly: pynvml leaves scopeId 0 (link 0 only) for a bare field id.
+        if g.nvlinks is None:
+            got = self.call(g, "nvlink", [(f, ALL_LINKS) for f in NVLINK_FIELDS.values()],
+                            fn=self.nv.nvmlDeviceGetFieldValues)
+            if got is None:
+                return {}
+            rets = {v.nvmlReturn for v in got}
+            if rets == {0}:
+                return {k: v.value.ullVal * 1024 for k, v in zip(NVLINK_FIELDS, got)}
+            if rets & set(STICKY_GPU):
+                g.unsupported.add("nvlink")
+                self.fresh.append(f"gpu{g.index}.nvlink")
+                return {}
+            # A driver that refuses the aggregate scope: from now on, sum the links one by one.
+            n = self.call(g, "nvlink", [NVLINK_LINK_COUNT], fn=self.nv.nvmlDeviceGetFieldValues)
+            g.nvlinks = n[0].value.uiVal if n is not None and n[0].nvmlReturn == 0 else 0
+        out = {}
+        for key, field in NVLINK_FIELDS.items():
+            per = self.call(g, "nvlink", [(field, k) for k in range(g.nvlinks)], fn=self.nv.nvmlDeviceGetFieldValues)
+            if per and all(v.nvmlReturn == 0 for v in per):
+                out[key] = sum(v.value.ullVal for v in per) * 1024
+        return out
+
+    def read(self, g: Gpu) -> dict:
+        """This tick's values for one GPU of the job. Raises GpuLost."""
+        nv, out = self.nv, {}
+        u = self.call(g, "utilization", fn=nv.nvmlDeviceGetUtilizationRates)
+        if u is not None:
+            out.update(util_gpu_pct=u.gpu, util_mem_pct=u.memory)
+        m = self.call(g, "memory")
+        if m is not None:
+            out.update(mem_used_bytes=m.used, mem_total_bytes=m.total)
+        for field, metric, name, args, scale in GAUGES:
+            v = self.call(g, metric, *args, fn=getattr(nv, name))
+            if v is not None:
+                out[field] = v * scale
+        mask = self.call(g, "clock_event_reasons")
+        if mask is not None:
+            out.update(clock_event_reasons=mask, clock_event_names=decode_reasons(mask))
+        rows = self.call(g, "remapped_rows", fn=nv.nvmlDeviceGetRemappedRows)
+        if rows is not None:
+            out.update(remapped_rows_corrected=rows[0], remapped_rows_uncorrected=rows[1],
+                       remap_pending=bool(rows[2]), remap_failure=bool(rows[3]))
+        now = self.counters(g)
+        for k, v in now.items():          # a counter seen for the first time has no delta yet: absent
+            if k in g.prev:
+                out[k] = delta(v, g.prev[k])
+        g.prev = now
+        out.update(self._gpm(g))
+        return out
+
+    def _gpm(self, g: Gpu) -> dict[str, float]:
+        if not g.gpm:
+            return {}
+        nv = self.nv
+        prev, cur = g.gpm
+        if self.call(g, "gpm", cur, fn=nv.nvmlGpmSampleGet) is None:
+            return {}
+        wanted = {k: v for k, v in GPM_METRICS.items() if k not in g.unsupported}
+        mg = nv.c_nvmlGpmMetricsGet_t()
+        mg.version, mg.numMetrics, mg.sample1, mg.sample2 = nv.NVML_GPM_METRICS_GET_VERSION, len(wanted), prev, cur
+        for i, mid in enumerate(wanted.values()):
+            mg.metrics[i].metricId = mid
+        g.gpm = [cur, prev]   # this sample starts the next interval
+        if self.call(g, "gpm", fn=lambda _handle: nv.nvmlGpmMetricsGet(mg)) is None:
+            return {}
+        out = {}
+        for i, key in enumerate(wanted):
+            ret = mg.metrics[i].nvmlReturn
+            if ret == 0:
+                out[key] = round(mg.metrics[i].value, 3)
+            elif ret in STICKY_GPU:
+                g.unsupported.add(key)
+                self.fresh.append(f"gpu{g.index}.{key}")
+        return out
+
+    def xids(self, limit: int = 256) -> list[tuple[Gpu, int]]:
+        """XID errors since the last call: (GPU, xid). Waits for nothing (timeout 0)."""
+        if self.eventset is None:
+            return []
+        by_addr = {g.addr: g for g in self.gpus if g.addr is not None}
+        out = []
+        for _ in range(limit):    # bounded: an XID storm must not stall the tick
+            try:
+                data = self.nv.nvmlEventSetWait_v2(self.eventset, 0)
+            except self.nv.NVMLError as err:
+                if err.value != TIMEOUT:
+                    log.debug("nvmlEventSetWait: %s", err)
+                break
+            g = by_addr.get(ctypes.cast(data.device, ctypes.c_void_p).value)
+            if g is not None and data.eventType & XID_EVENT:
+                out.append((g, int(data.eventData)))
+        return out

@@ -1,0 +1,347 @@
+"""gpu — the job's GPUs through NVML: which GPUs are the job's, and per GPU per tick utilization, memory (the job's
+own too), clocks, power and energy, temperature, PCIe and NVLink traffic, clock-event (throttle) reasons, ECC and
+remapped rows, GPM profiling metrics (Hopper+); XID errors and lost GPUs as event frames.
+
+Which GPUs are the job's, decided again every tick (a job may open a GPU late), strongest rule first:
+  process — one of the job's PIDs is on the GPU's compute, graphics or MPS process list (NVML);
+  devices — a v1 device cgroup of a job process allows that GPU's /dev/nvidiaN (major 195) and not all GPUs;
+  env     — CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES in a job process's /proc/PID/environ (indices or UUIDs).
+A GPU is `shared` when NVML lists processes on it that are not the job's.
+
+Hooks: nvidia-ml-py (`pynvml`, the real binding; probes/_nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
+hierarchy found in mountinfo. Needs: libnvidia-ml.so.1 (the NVIDIA driver), root to read other users' environ.
+Cost: 2–3 process-list calls per GPU of the node, ~15 NVML calls per job GPU and two small reads per job process
+per tick; no thread, no NVML background polling of our own.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from jobprobe.errors import ProbeUnavailable
+from jobprobe.host import Host
+from jobprobe.probe import EVENTS_KEY, Field, Probe
+from jobprobe.target import Target
+from probes._nvml import LIBRARY, Gpu, GpuLost, Nvml
+
+NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
+INIT_ERRORS = {12: NO_DRIVER,                                                   # NVML_ERROR_LIBRARY_NOT_FOUND
+               9: f"NVIDIA driver not loaded ({LIBRARY} found, no kernel driver)",   # DRIVER_NOT_LOADED
+               18: "NVIDIA library and kernel driver versions differ (reload the driver)",  # LIB_RM_VERSION_MISMATCH
+               4: "no permission to use NVML"}                                  # NO_PERMISSION
+ENV_KEYS = (b"CUDA_VISIBLE_DEVICES", b"NVIDIA_VISIBLE_DEVICES")
+NVIDIA_MAJOR = "195"
+NOT_GPU_MINORS = 254     # 195:254 is nvidia-modeset, 195:255 nvidiactl; GPUs are 195:0…253
+
+
+# ---- rule env: CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES ----------------------------------------------------
+def read_visible_env(proc: str, pid: int) -> dict[str, str]:
+    try:
+        data = Path(proc, str(pid), "environ").read_bytes()
+    except OSError:
+        return {}
+    out = {}
+    for item in data.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        if key in ENV_KEYS:
+            out[key.decode()] = value.decode(errors="replace")
+    return out
+
+
+def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:
+    """GPU indices a *_VISIBLE_DEVICES value names. Integers count within `base` (the GPUs the process can see);
+    GPU-UUIDs (or a unique prefix, as CUDA accepts) name a GPU outright. Like CUDA, an entry that names nothing
+    ends the list. MIG-UUIDs are skipped (MIG instances are not mapped yet)."""
+    v = value.strip()
+    if v.lower() in ("", "none", "void", "nodevfiles"):
+        return set()
+    if v.lower() == "all":
+        return {g.index for g in base}
+    out: set[int] = set()
+    for item in (s.strip() for s in v.split(",")):
+        if item.startswith("MIG-"):
+            continue
+        if item.isdigit() and int(item) < len(base):
+            out.add(base[int(item)].index)
+            continue
+        hits = [g for g in gpus if item.startswith("GPU-") and g.uuid and g.uuid.startswith(item)]
+        if len(hits) != 1:
+            break
+        out.add(hits[0].index)
+    return out
+
+
+# ---- rule devices: the v1 device cgroup (SLURM ConstrainDevices, container runtimes on v1 hosts) ---------------
+def v1_mount(mountinfo: str, controller: str = "devices") -> tuple[str, str] | None:
+    """(mount point, root) of the v1 hierarchy that carries `controller`, from mountinfo; None if none."""
+    try:
+        text = Path(mountinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        left, _, right = line.partition(" - ")
+        fs = right.split(" ")
+        if fs[0] == "cgroup" and len(fs) > 2 and controller in fs[2].split(","):
+            cols = left.split(" ")
+            return cols[4].replace("\\040", " "), cols[3]
+    return None
+
+
+def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | None:
+    try:
+        text = Path(proc, str(pid), "cgroup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        _, ctrls, path = line.split(":", 2)
+        if controller in ctrls.split(","):
+            return path
+    return None
+
+
+def allowed_gpu_minors(devices_list: str) -> set[int] | None:
+    """GPU minors a devices.list allows; None when it does not restrict GPUs (`a *:* rwm`, `c 195:* …`)."""
+    minors: set[int] = set()
+    for line in devices_list.splitlines():
+        parts = line.split()
+        if len(parts) != 3:
+            continue
+        kind, devno, _ = parts
+        major, _, minor = devno.partition(":")
+        if kind == "a" or (kind == "c" and major in (NVIDIA_MAJOR, "*") and minor == "*"):
+            return None
+        if kind == "c" and major == NVIDIA_MAJOR and minor.isdigit() and int(minor) < NOT_GPU_MINORS:
+            minors.add(int(minor))
+    return minors
+
+
+class GpuProbe(Probe):
+    name = "gpu"
+    default = True
+    needs_root = False
+    summary = "the job's GPUs (NVML): utilization, memory, clocks, power, energy, PCIe/NVLink, throttling, ECC, GPM"
+    fields = {
+        "gpus": Field("list[map]", "—", "one map per GPU of the job now (fields gpus[].*); empty: the job has none"),
+        "ngpus": Field("int", "count", "GPUs of the job now (lost ones included)"),
+        "node_gpus": Field("int", "count", "GPUs NVML sees on this node"),
+        "note": Field("str", "—", "only when gpus is empty: why (the job uses no GPU, or the node has none)"),
+        "unsupported": Field("list[str]", "—", "only in the tick they were found: `gpuN.metric` (that GPU) or "
+                             "`metric` (the driver lacks it); never asked again"),
+        "gpus[].index": Field("int", "—", "NVML index (PCI bus order)"),
+        "gpus[].uuid": Field("str", "—", "GPU-UUID"),
+        "gpus[].name": Field("str", "—", "product name"),
+        "gpus[].rule": Field("str", "—", "why it is the job's: process | devices | env (the strongest that holds)"),
+        "gpus[].lost": Field("bool", "—", "fell off the bus (NVML_ERROR_GPU_IS_LOST); no other values follow"),
+        "gpus[].shared": Field("bool", "—", "NVML lists processes on it that are not the job's"),
+        "gpus[].job_procs": Field("int", "count", "job processes on NVML's process lists"),
+        "gpus[].other_procs": Field("int", "count", "other processes on NVML's process lists"),
+        "gpus[].job_mem_bytes": Field("int", "bytes", "GPU memory of the job's processes (sum of usedGpuMemory)"),
+        "gpus[].procs": Field("list[map]", "—", "the job's processes on it: {pid, mem_bytes (null: NVML can't tell)}"),
+        "gpus[].util_gpu_pct": Field("int", "%", "time a kernel ran, over the driver's last sample period"),
+        "gpus[].util_mem_pct": Field("int", "%", "time device memory was read or written, same period"),
+        "gpus[].mem_used_bytes": Field("int", "bytes", "device memory used, all processes"),
+        "gpus[].mem_total_bytes": Field("int", "bytes", "device memory installed"),
+        "gpus[].sm_clock_mhz": Field("int", "MHz", "SM clock now"),
+        "gpus[].mem_clock_mhz": Field("int", "MHz", "memory clock now"),
+        "gpus[].power_mw": Field("int", "mW", "board power draw now"),
+        "gpus[].energy_mj": Field("int", "mJ", "energy used this interval (nvmlDeviceGetTotalEnergyConsumption delta)"),
+        "gpus[].temp_c": Field("int", "°C", "GPU core temperature"),
+        "gpus[].pcie_tx_bytes_per_s": Field("int", "bytes/s", "PCIe transmit rate over NVML's 20 ms window"),
+        "gpus[].pcie_rx_bytes_per_s": Field("int", "bytes/s", "PCIe receive rate over NVML's 20 ms window"),
+        "gpus[].nvlink_tx_bytes": Field("int", "bytes", "NVLink data sent this interval, all links"),
+        "gpus[].nvlink_rx_bytes": Field("int", "bytes", "NVLink data received this interval, all links"),
+        "gpus[].clock_event_reasons": Field("int", "bitmask", "why clocks are held down now (nvmlClocksEventReason*)"),
+        "gpus[].clock_event_names": Field("list[str]", "—", "clock_event_reasons decoded: sw_power_cap, "
+                                          "hw_thermal_slowdown, …"),
+        "gpus[].ecc_corrected": Field("int", "count", "corrected ECC errors this interval (volatile counter delta)"),
+        "gpus[].ecc_uncorrected": Field("int", "count", "uncorrected ECC errors this interval"),
+        "gpus[].remapped_rows_corrected": Field("int", "count", "rows remapped for corrected errors, lifetime"),
+        "gpus[].remapped_rows_uncorrected": Field("int", "count", "rows remapped for uncorrected errors, lifetime"),
+        "gpus[].remap_pending": Field("bool", "—", "a remapping waits for a GPU reset"),
+        "gpus[].remap_failure": Field("bool", "—", "a row remapping has failed"),
+        "gpus[].xid_errors": Field("int", "count", "XID errors this interval (each also a gpu_xid event)"),
+        "gpus[].gpm_sm_active_pct": Field("float", "%", "GPM: SMs busy, over the interval (Hopper+)"),
+        "gpus[].gpm_sm_occupancy_pct": Field("float", "%", "GPM: resident warps vs the maximum, over the interval"),
+        "gpus[].gpm_tensor_active_pct": Field("float", "%", "GPM: tensor cores busy, over the interval"),
+        "gpus[].gpm_dram_bw_pct": Field("float", "%", "GPM: DRAM bandwidth used vs peak, over the interval"),
+    }
+
+    def __init__(self, host: Host | None = None, nvml=None):
+        super().__init__(host)
+        self._nv = nvml            # the pynvml module (or a stand-in); imported at start when None
+        self.nvml: Nvml | None = None
+        self.target: Target | None = None
+        self.rules: dict[int, str] = {}
+        self.told_lost: set[int] = set()
+
+    def check(self, host: Host) -> str | None:
+        why = super().check(host)
+        if why is not None or self._nv is not None:
+            return why
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            return "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+        try:
+            ctypes.CDLL(LIBRARY)   # the same lookup pynvml makes; nothing is initialized
+        except OSError:
+            return NO_DRIVER
+        return None
+
+    def start(self, target: Target) -> None:
+        nv = self._nv
+        if nv is None:
+            try:
+                import pynvml as nv
+            except ImportError as err:
+                raise ProbeUnavailable("nvidia-ml-py is not installed (pip install nvidia-ml-py)") from err
+        nvml = Nvml(nv)
+        try:
+            nvml.open()
+        except nv.NVMLError as err:
+            nvml.close()
+            raise ProbeUnavailable(INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")) from err
+        self.nvml, self.target, self.rules, self.told_lost = nvml, target, {}, set()
+        try:
+            self.rules, _ = self._membership(set(target.pids()))
+            for g in nvml.live():
+                if g.index in self.rules:
+                    try:
+                        nvml.prime(g, counters=True)
+                    except GpuLost:
+                        self._mark_lost(g)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.nvml is not None:
+            self.nvml.close()
+        self.nvml = None
+        self.target = None
+
+    # ---- membership --------------------------------------------------------------------------------------
+    def _mark_lost(self, g: Gpu) -> None:
+        g.lost = True
+        self.nvml.forget(g)
+
+    def _membership(self, pids: set[int]) -> tuple[dict[int, str], dict[int, dict]]:
+        """GPU index → rule for the job's GPUs now, and each readable GPU's process list (pid → bytes)."""
+        nvml = self.nvml
+        procs: dict[int, dict] = {}
+        for g in nvml.live():
+            try:
+                p = nvml.processes(g)
+            except GpuLost:
+                self._mark_lost(g)
+                continue
+            if p is not None:
+                procs[g.index] = p
+        devices, env = self._cgroup_and_env(pids)
+        rules: dict[int, str] = {}
+        for g in nvml.gpus:
+            if pids & procs.get(g.index, {}).keys():
+                rules[g.index] = "process"
+            elif g.index in devices:
+                rules[g.index] = "devices"
+            elif g.index in env:
+                rules[g.index] = "env"
+            elif g.lost and g.index in self.rules:
+                rules[g.index] = self.rules[g.index]   # it was the job's when it fell off the bus
+        return rules, procs
+
+    def _cgroup_and_env(self, pids: set[int]) -> tuple[set[int], set[int]]:
+        """GPUs the job's device cgroups allow, and GPUs its *_VISIBLE_DEVICES name. Integer indices count within
+        what the process can see: the GPUs NVIDIA_VISIBLE_DEVICES names (a container), else those its device
+        cgroup allows, else all in NVML order (CUDA_DEVICE_ORDER=PCI_BUS_ID; UUIDs are exact either way)."""
+        gpus, proc = self.nvml.gpus, self.host.proc
+        mount = v1_mount(self.host.mountinfo)
+        lists: dict[str, set[int] | None] = {}    # devices.list read once per cgroup per tick
+        devices: set[int] = set()
+        env: set[int] = set()
+        for pid in sorted(pids):
+            allowed = None
+            path = cgroup_v1_path(proc, pid) if mount else None
+            if path is not None and (path + "/").startswith(mount[1].rstrip("/") + "/"):
+                full = str(Path(mount[0], path[len(mount[1].rstrip("/")):].lstrip("/"), "devices.list"))
+                if full not in lists:
+                    try:
+                        lists[full] = allowed_gpu_minors(Path(full).read_text())
+                    except OSError:
+                        lists[full] = None
+                minors = lists[full]
+                if minors is not None:
+                    allowed = {g.index for g in gpus if g.minor in minors}
+                    devices |= allowed
+            vis = read_visible_env(proc, pid)
+            base = gpus if allowed is None else [g for g in gpus if g.index in allowed]
+            if "NVIDIA_VISIBLE_DEVICES" in vis:
+                named = parse_visible(vis["NVIDIA_VISIBLE_DEVICES"], gpus, base)
+                base = [g for g in base if g.index in named]
+                if "CUDA_VISIBLE_DEVICES" not in vis:
+                    env |= named
+            if "CUDA_VISIBLE_DEVICES" in vis:
+                env |= parse_visible(vis["CUDA_VISIBLE_DEVICES"], gpus, base)
+        return devices, env
+
+    # ---- one tick ----------------------------------------------------------------------------------------
+    def sample(self) -> dict:
+        nvml = self.nvml
+        pids = set(self.target.pids())
+        rules, procs = self._membership(pids)
+        events: list[dict] = []
+        xids: dict[int, int] = {}
+        for g, xid in nvml.xids():
+            if g.index in rules:   # another job's GPU: its XIDs are that job's story
+                xids[g.index] = xids.get(g.index, 0) + 1
+                events.append({"event": "gpu_xid", "gpu": g.index, "uuid": g.uuid, "xid": xid})
+        gpus = []
+        for g in nvml.gpus:
+            rule = rules.get(g.index)
+            if rule is None:
+                if g.index in self.rules and not g.lost:
+                    nvml.forget(g)   # left the job: a later return starts from fresh baselines
+                continue
+            entry = {"index": g.index, "uuid": g.uuid, "name": g.name, "rule": rule, "lost": g.lost}
+            if g.handle is not None and not g.lost:
+                joined = g.index not in self.rules
+                if joined:
+                    nvml.forget(g)
+                try:
+                    entry.update(nvml.read(g))   # a GPU that just joined: gauges now, deltas from the next tick
+                    if joined:
+                        nvml.prime(g, counters=False)
+                except GpuLost:
+                    self._mark_lost(g)
+                    entry = {k: entry[k] for k in ("index", "uuid", "name", "rule")}
+                    entry["lost"] = True
+            if g.lost:
+                if g.index not in self.told_lost:
+                    self.told_lost.add(g.index)
+                    events.append({"event": "gpu_lost", "gpu": g.index, "uuid": g.uuid})
+            else:
+                entry["xid_errors"] = xids.get(g.index, 0)
+                entry.update(self._attribution(procs.get(g.index), pids))
+            gpus.append(entry)
+        self.rules = rules
+        out: dict = {"gpus": gpus, "ngpus": len(gpus), "node_gpus": len(nvml.gpus)}
+        if not gpus:
+            out["note"] = ("this node has no NVIDIA GPU" if not nvml.gpus else
+                           f"the job uses none of the node's {len(nvml.gpus)} GPUs: none of its processes is on "
+                           "NVML's process lists, names one in *_VISIBLE_DEVICES or has one in its device cgroup")
+        fresh = nvml.take_fresh()
+        if fresh:
+            out["unsupported"] = fresh
+        if events:
+            out[EVENTS_KEY] = events
+        return out
+
+    @staticmethod
+    def _attribution(procs: dict | None, pids: set[int]) -> dict:
+        """Who is on the GPU: the job's processes and their memory, the others only counted."""
+        if procs is None:   # no process list could be read: say nothing rather than guess
+            return {}
+        mine = {pid: mem for pid, mem in procs.items() if pid in pids}
+        return {"shared": len(procs) > len(mine), "job_procs": len(mine), "other_procs": len(procs) - len(mine),
+                "job_mem_bytes": sum(m for m in mine.values() if m is not None),
+                "procs": [{"pid": pid, "mem_bytes": mem} for pid, mem in sorted(mine.items())]}

@@ -1,0 +1,411 @@
+/* fake_nvml.c — A TEST FAKE of NVIDIA's libnvidia-ml.so.1. It drives no GPU and must never be installed.
+ *
+ * The tests compile it with gcc as libnvidia-ml.so.1 (soname included) so that the REAL Python binding
+ * (nvidia-ml-py's pynvml, which does CDLL("libnvidia-ml.so.1")) loads it: either first on LD_LIBRARY_PATH in a
+ * subprocess, or preloaded by absolute path in the test process (the dynamic linker then hands pynvml the library
+ * already loaded under that soname). Every pynvml struct layout and argument convention is thus exercised for real.
+ *
+ * Ground truth: a text file named by $FAKE_NVML_STATE, re-read at every call, so a test changes values and injects
+ * faults between ticks by rewriting it (write a temp file and rename it: the fake may read at any moment).
+ *
+ *     driver 550.54.15                      count N            (number of GPUs; default 0)
+ *     I uuid GPU-…   I name …   I minor M   I lost 1           (I = GPU index)
+ *     I util GPU MEM (%)        I mem TOTAL USED (bytes)       I clocks SM MEM (MHz)   I power MW
+ *     I energy MJ (total)       I temp C   I pcie TX RX (KB/s) I throttle MASK         I ecc CORR UNCORR
+ *     I remap CORR UNCORR PENDING FAILURE  I nvlink_tx K0 K1 … (KiB per link, totals)  I nvlink_rx …
+ *     I nvlink_no_aggregate 1   (refuse scopeId UINT_MAX, as some drivers do: callers must sum the links)
+ *     I procs PID:BYTES …       I gprocs PID:BYTES …           (compute / graphics process lists)
+ *     I xids X …                (every XID so far; an event set sees those added after it registered)
+ *     I gpm 1                   I gpm_values ID=VALUE …        (GPM support; metric values over an interval)
+ *     I unsupported nvmlFnName …  (those functions return NVML_ERROR_NOT_SUPPORTED for this GPU)
+ *
+ * If $FAKE_NVML_LOG names a file, every device call appends "function index" to it: tests count calls.
+ * Left out on purpose (so pynvml raises NVMLError_FunctionNotFound, as with an older driver):
+ * nvmlDeviceGetCurrentClocksEventReasons (only the older ...ClocksThrottleReasons is here) and
+ * nvmlDeviceGetMPSComputeRunningProcesses_v3.
+ */
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int nvmlReturn_t;
+enum { OK = 0, UNINIT = 1, INVALID = 2, NOT_SUPPORTED = 3, INSUFFICIENT = 7, TIMEOUT = 10, LOST = 15,
+       VERSION_MISMATCH = 25 };
+
+#define MAXDEV 8
+#define MAXPROC 32
+#define MAXXID 64
+#define MAXLINK 18
+#define MAXGPM 16
+
+struct proc { unsigned pid; unsigned long long mem; };
+struct dev {
+    char uuid[96], name[96], unsupported[1024];
+    unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, power, temp, pcie_tx, pcie_rx, remap[4];
+    int lost, nlinks, no_aggregate, nprocs, ngprocs, nxids, gpm, ngpm;
+    unsigned long long mem_total, mem_used, energy, throttle, ecc[2], nvl_tx[MAXLINK], nvl_rx[MAXLINK];
+    unsigned long long xids[MAXXID];
+    struct proc procs[MAXPROC], gprocs[MAXPROC];
+    unsigned gpm_id[MAXGPM];
+    double gpm_val[MAXGPM];
+};
+static struct { int count; char driver[32]; struct dev d[MAXDEV]; } S;
+typedef struct handle { int index; } *nvmlDevice_t;
+static struct handle handles[MAXDEV] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
+static int refcount;
+
+int fake_nvml_is_fake(void) { return 1; }   /* lets a test prove that pynvml loaded this file */
+
+static int parse_procs(char *s, struct proc *out) {
+    int n = 0;
+    for (char *save, *tok = strtok_r(s, " \t", &save); tok && n < MAXPROC; tok = strtok_r(NULL, " \t", &save))
+        if (sscanf(tok, "%u:%llu", &out[n].pid, &out[n].mem) == 2)
+            n++;
+    return n;
+}
+
+static int parse_ulls(char *s, unsigned long long *out, int max) {
+    int n = 0;
+    for (char *save, *tok = strtok_r(s, " \t", &save); tok && n < max; tok = strtok_r(NULL, " \t", &save))
+        out[n++] = strtoull(tok, NULL, 0);
+    return n;
+}
+
+/* Re-read the state file: the test is the GPU, and it changes between calls. */
+static void load(void) {
+    memset(&S, 0, sizeof S);
+    strcpy(S.driver, "999.99.99");
+    for (int i = 0; i < MAXDEV; i++) {
+        struct dev *d = &S.d[i];
+        snprintf(d->uuid, sizeof d->uuid, "GPU-00000000-0000-0000-0000-00000000000%d", i);
+        strcpy(d->name, "Fake GPU (test double)");
+        d->minor = i;
+    }
+    const char *path = getenv("FAKE_NVML_STATE");
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f)
+        return;
+    char line[4096], key[64];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        int idx, off = 0;
+        if (sscanf(line, "count %d", &S.count) == 1 || sscanf(line, "driver %31s", S.driver) == 1)
+            continue;
+        if (sscanf(line, "%d %63s %n", &idx, key, &off) < 2 || idx < 0 || idx >= MAXDEV)
+            continue;
+        struct dev *d = &S.d[idx];
+        char *v = line + off;
+        unsigned long long t[4] = {0};
+        if (!strcmp(key, "uuid")) snprintf(d->uuid, sizeof d->uuid, "%s", v);
+        else if (!strcmp(key, "name")) snprintf(d->name, sizeof d->name, "%s", v);
+        else if (!strcmp(key, "unsupported")) snprintf(d->unsupported, sizeof d->unsupported, " %s ", v);
+        else if (!strcmp(key, "minor")) d->minor = atoi(v);
+        else if (!strcmp(key, "lost")) d->lost = atoi(v);
+        else if (!strcmp(key, "util")) sscanf(v, "%u %u", &d->util_gpu, &d->util_mem);
+        else if (!strcmp(key, "mem")) sscanf(v, "%llu %llu", &d->mem_total, &d->mem_used);
+        else if (!strcmp(key, "clocks")) sscanf(v, "%u %u", &d->clk_sm, &d->clk_mem);
+        else if (!strcmp(key, "power")) d->power = atoi(v);
+        else if (!strcmp(key, "energy")) d->energy = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "temp")) d->temp = atoi(v);
+        else if (!strcmp(key, "pcie")) sscanf(v, "%u %u", &d->pcie_tx, &d->pcie_rx);
+        else if (!strcmp(key, "throttle")) d->throttle = strtoull(v, NULL, 0);
+        else if (!strcmp(key, "ecc")) sscanf(v, "%llu %llu", &d->ecc[0], &d->ecc[1]);
+        else if (!strcmp(key, "remap")) {
+            parse_ulls(v, t, 4);
+            for (int k = 0; k < 4; k++) d->remap[k] = (unsigned)t[k];
+        }
+        else if (!strcmp(key, "nvlink_tx")) d->nlinks = parse_ulls(v, d->nvl_tx, MAXLINK);
+        else if (!strcmp(key, "nvlink_rx")) parse_ulls(v, d->nvl_rx, MAXLINK);
+        else if (!strcmp(key, "nvlink_no_aggregate")) d->no_aggregate = atoi(v);
+        else if (!strcmp(key, "procs")) d->nprocs = parse_procs(v, d->procs);
+        else if (!strcmp(key, "gprocs")) d->ngprocs = parse_procs(v, d->gprocs);
+        else if (!strcmp(key, "xids")) d->nxids = parse_ulls(v, d->xids, MAXXID);
+        else if (!strcmp(key, "gpm")) d->gpm = atoi(v);
+        else if (!strcmp(key, "gpm_values")) {
+            char *save;
+            for (char *tok = strtok_r(v, " \t", &save); tok && d->ngpm < MAXGPM; tok = strtok_r(NULL, " \t", &save))
+                if (sscanf(tok, "%u=%lf", &d->gpm_id[d->ngpm], &d->gpm_val[d->ngpm]) == 2)
+                    d->ngpm++;
+        }
+    }
+    fclose(f);
+}
+
+static void log_call(const char *fn, int idx) {
+    const char *path = getenv("FAKE_NVML_LOG");
+    if (!path)
+        return;
+    char buf[160];
+    int n = snprintf(buf, sizeof buf, "%s %d\n", fn, idx);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) {
+        if (write(fd, buf, n) < 0) { /* a test that cannot log sees fewer calls: nothing else to do */ }
+        close(fd);
+    }
+}
+
+static int index_of(nvmlDevice_t h) {
+    return (h >= handles && h < handles + MAXDEV) ? h->index : -1;
+}
+
+/* Every device call: initialized? fresh state, known handle, GPU still on the bus, function supported? */
+static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, struct dev **out) {
+    if (refcount <= 0)
+        return UNINIT;
+    load();
+    int i = index_of(h);
+    log_call(fn, i);
+    if (i < 0 || i >= S.count)
+        return INVALID;
+    struct dev *d = &S.d[i];
+    if (d->lost)
+        return LOST;
+    char pat[128];
+    snprintf(pat, sizeof pat, " %s ", fn);
+    if (strstr(d->unsupported, pat))
+        return NOT_SUPPORTED;
+    *out = d;
+    return OK;
+}
+
+#define ENTER(h) struct dev *d; nvmlReturn_t r_ = enter(__func__, h, &d); if (r_ != OK) return r_
+
+/* ---- library ---------------------------------------------------------------------------------------------- */
+nvmlReturn_t nvmlInitWithFlags(unsigned flags) { (void)flags; refcount++; return OK; }
+nvmlReturn_t nvmlInit_v2(void) { refcount++; return OK; }
+nvmlReturn_t nvmlShutdown(void) { if (refcount <= 0) return UNINIT; refcount--; return OK; }
+
+const char *nvmlErrorString(nvmlReturn_t r) {
+    static const struct { int code; const char *text; } names[] = {
+        {OK, "Success"}, {UNINIT, "Uninitialized"}, {INVALID, "Invalid Argument"}, {NOT_SUPPORTED, "Not Supported"},
+        {INSUFFICIENT, "Insufficient Size"}, {TIMEOUT, "Timeout"}, {LOST, "GPU is lost"},
+        {VERSION_MISMATCH, "Argument version mismatch"}};
+    for (unsigned i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (names[i].code == r) return names[i].text;
+    return "Unknown Error";
+}
+
+static nvmlReturn_t copy_str(char *buf, unsigned len, const char *s) {
+    if (strlen(s) + 1 > len)
+        return INSUFFICIENT;
+    strcpy(buf, s);
+    return OK;
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *buf, unsigned len) {
+    if (refcount <= 0) return UNINIT;
+    load(); return copy_str(buf, len, S.driver);
+}
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned *count) {
+    if (refcount <= 0) return UNINIT;
+    load(); *count = S.count; return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned idx, nvmlDevice_t *out) {
+    if (refcount <= 0) return UNINIT;
+    load();
+    log_call(__func__, idx);
+    if (idx >= (unsigned)S.count) return INVALID;
+    if (S.d[idx].lost) return LOST;
+    *out = &handles[idx];
+    return OK;
+}
+
+/* ---- identity --------------------------------------------------------------------------------------------- */
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t h, char *buf, unsigned n) { ENTER(h); return copy_str(buf, n, d->uuid); }
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t h, char *buf, unsigned n) { ENTER(h); return copy_str(buf, n, d->name); }
+nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t h, unsigned *m) { ENTER(h); *m = d->minor; return OK; }
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t h, unsigned *i) { ENTER(h); *i = index_of(h); return OK; }
+
+/* ---- gauges ----------------------------------------------------------------------------------------------- */
+typedef struct { unsigned gpu, memory; } nvmlUtilization_t;
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t h, nvmlUtilization_t *u) {
+    ENTER(h); u->gpu = d->util_gpu; u->memory = d->util_mem; return OK;
+}
+
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m) {
+    ENTER(h); m->total = d->mem_total; m->used = d->mem_used; m->free = d->mem_total - d->mem_used; return OK;
+}
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m) {
+    ENTER(h);
+    if (m->version != 0x02000028) return VERSION_MISMATCH;   /* nvmlMemory_v2: sizeof | 2 << 24 */
+    m->total = d->mem_total; m->used = d->mem_used; m->reserved = 0; m->free = d->mem_total - d->mem_used;
+    return OK;
+}
+
+nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t h, int type, unsigned *mhz) {
+    ENTER(h);
+    if (type == 1) *mhz = d->clk_sm;          /* NVML_CLOCK_SM */
+    else if (type == 2) *mhz = d->clk_mem;    /* NVML_CLOCK_MEM */
+    else return INVALID;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned *mw) { ENTER(h); *mw = d->power; return OK; }
+nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t h, unsigned long long *mj) {
+    ENTER(h); *mj = d->energy; return OK;
+}
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, int sensor, unsigned *c) {
+    ENTER(h); if (sensor != 0) return INVALID; *c = d->temp; return OK;
+}
+nvmlReturn_t nvmlDeviceGetPcieThroughput(nvmlDevice_t h, int counter, unsigned *kbs) {
+    ENTER(h);
+    if (counter == 0) *kbs = d->pcie_tx; else if (counter == 1) *kbs = d->pcie_rx; else return INVALID;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(nvmlDevice_t h, unsigned long long *mask) {
+    ENTER(h); *mask = d->throttle; return OK;
+}
+
+/* ---- errors ----------------------------------------------------------------------------------------------- */
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t h, int type, int counter, unsigned long long *n) {
+    ENTER(h);
+    if (type < 0 || type > 1 || counter != 0) return INVALID;   /* only volatile counts are faked */
+    *n = d->ecc[type];
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t h, unsigned *corr, unsigned *unc, unsigned *pending,
+                                       unsigned *failure) {
+    ENTER(h); *corr = d->remap[0]; *unc = d->remap[1]; *pending = d->remap[2]; *failure = d->remap[3]; return OK;
+}
+
+/* ---- processes: pynvml asks with count 0 first, then again with room ----------------------------------------- */
+typedef struct { unsigned pid; unsigned long long usedGpuMemory; unsigned gpuInstanceId, computeInstanceId; }
+    nvmlProcessInfo_t;
+static nvmlReturn_t procs(const struct proc *p, int n, unsigned *count, nvmlProcessInfo_t *out) {
+    if (*count < (unsigned)n || (!out && n)) {
+        *count = n;
+        return INSUFFICIENT;
+    }
+    for (int i = 0; i < n; i++) {
+        out[i].pid = p[i].pid;
+        out[i].usedGpuMemory = p[i].mem;
+        out[i].gpuInstanceId = out[i].computeInstanceId = 0xFFFFFFFF;
+    }
+    *count = n;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t h, unsigned *count, nvmlProcessInfo_t *out) {
+    ENTER(h); return procs(d->procs, d->nprocs, count, out);
+}
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t h, unsigned *count, nvmlProcessInfo_t *out) {
+    ENTER(h); return procs(d->gprocs, d->ngprocs, count, out);
+}
+
+/* ---- field values: NVLink throughput counters (KiB), scopeId = link, or UINT_MAX for all links; link count --- */
+typedef struct {
+    unsigned fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType, nvmlReturn;
+    union { double d; unsigned ui; unsigned long ul; unsigned long long ull; long long sll; int si; } value;
+} nvmlFieldValue_t;
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int n, nvmlFieldValue_t *v) {
+    ENTER(h);
+    for (int i = 0; i < n; i++) {
+        unsigned id = v[i].fieldId, scope = v[i].scopeId;
+        const unsigned long long *c = id == 138 ? d->nvl_tx : id == 139 ? d->nvl_rx : NULL;
+        v[i].valueType = 3;   /* NVML_VALUE_TYPE_UNSIGNED_LONG_LONG */
+        v[i].nvmlReturn = OK;
+        if (id == 91) {       /* NVML_FI_DEV_NVLINK_LINK_COUNT */
+            v[i].valueType = 1;
+            v[i].value.ui = d->nlinks;
+        } else if (!c || d->nlinks == 0) {
+            v[i].nvmlReturn = NOT_SUPPORTED;
+        } else if (scope == 0xFFFFFFFFu && d->no_aggregate) {
+            v[i].nvmlReturn = INVALID;
+        } else if (scope == 0xFFFFFFFFu) {
+            v[i].value.ull = 0;
+            for (int k = 0; k < d->nlinks; k++) v[i].value.ull += c[k];
+        } else if (scope < (unsigned)d->nlinks) {
+            v[i].value.ull = c[scope];
+        } else {
+            v[i].nvmlReturn = INVALID;
+        }
+    }
+    return OK;
+}
+
+/* ---- events: a set sees the XIDs listed after it registered a GPU; the timeout is not waited ---------------- */
+typedef struct { nvmlDevice_t device; unsigned long long eventType, eventData; unsigned gpuInstanceId,
+                 computeInstanceId; } nvmlEventData_t;
+typedef struct eventset { unsigned long long types[MAXDEV]; int cursor[MAXDEV]; } *nvmlEventSet_t;
+nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    if (refcount <= 0) return UNINIT;
+    *set = calloc(1, sizeof **set);
+    return *set ? OK : 20;
+}
+nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t h, unsigned long long types, nvmlEventSet_t set) {
+    ENTER(h);
+    int i = index_of(h);
+    set->types[i] |= types;
+    set->cursor[i] = d->nxids;
+    return OK;
+}
+nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned timeout_ms) {
+    (void)timeout_ms;
+    if (refcount <= 0) return UNINIT;
+    load();
+    log_call(__func__, -1);
+    for (int i = 0; i < S.count; i++) {
+        if (!(set->types[i] & 0x8) || S.d[i].lost || set->cursor[i] >= S.d[i].nxids)
+            continue;   /* 0x8: nvmlEventTypeXidCriticalError */
+        data->device = &handles[i];
+        data->eventType = 0x8;
+        data->eventData = S.d[i].xids[set->cursor[i]++];
+        data->gpuInstanceId = data->computeInstanceId = 0xFFFFFFFF;
+        return OK;
+    }
+    return TIMEOUT;
+}
+nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) { free(set); return OK; }
+
+/* ---- GPM: metrics between two samples; the fake's value is the state's at the second sample ------------------ */
+typedef struct gpmsample { int dev, ngpm; unsigned long seq; unsigned id[MAXGPM]; double val[MAXGPM]; }
+    *nvmlGpmSample_t;
+typedef struct { unsigned metricId; int nvmlReturn; double value; struct { char *shortName, *longName, *unit; } info; }
+    nvmlGpmMetric_t;
+typedef struct { unsigned version, numMetrics; nvmlGpmSample_t sample1, sample2; nvmlGpmMetric_t metrics[]; }
+    nvmlGpmMetricsGet_t;
+typedef struct { unsigned version, isSupportedDevice; } nvmlGpmSupport_t;
+static unsigned long gpm_seq;
+
+nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t h, nvmlGpmSupport_t *s) {
+    ENTER(h);
+    if (s->version != 1) return VERSION_MISMATCH;
+    s->isSupportedDevice = d->gpm != 0;
+    return OK;
+}
+nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *s) { *s = calloc(1, sizeof **s); return *s ? OK : 20; }
+nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t s) { free(s); return OK; }
+nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t h, nvmlGpmSample_t s) {
+    ENTER(h);
+    if (!d->gpm) return NOT_SUPPORTED;
+    s->dev = index_of(h);
+    s->seq = ++gpm_seq;
+    s->ngpm = d->ngpm;
+    memcpy(s->id, d->gpm_id, sizeof s->id);
+    memcpy(s->val, d->gpm_val, sizeof s->val);
+    return OK;
+}
+nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) {
+    if (refcount <= 0) return UNINIT;
+    log_call(__func__, m->sample2 ? m->sample2->dev : -1);
+    if (m->version != 1) return VERSION_MISMATCH;
+    /* Real NVML needs two samples of one GPU, the second taken later: check what the caller did. */
+    if (!m->sample1 || !m->sample2 || !m->sample1->seq || m->sample1->dev != m->sample2->dev ||
+        m->sample2->seq <= m->sample1->seq)
+        return INVALID;
+    for (unsigned i = 0; i < m->numMetrics; i++) {
+        nvmlGpmMetric_t *x = &m->metrics[i];
+        x->nvmlReturn = NOT_SUPPORTED;
+        for (int k = 0; k < m->sample2->ngpm; k++)
+            if (m->sample2->id[k] == x->metricId) {
+                x->value = m->sample2->val[k];
+                x->nvmlReturn = OK;
+            }
+    }
+    return OK;
+}

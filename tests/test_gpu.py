@@ -1,0 +1,411 @@
+"""gpu probe. Unit tier: the REAL pynvml binding against a fake libnvidia-ml.so.1 compiled from
+tests/fake_nvml/fake_nvml.c, whose values (and faults) each test writes; real processes, real /proc. In this process
+the fake is preloaded by absolute path, so pynvml's own CDLL("libnvidia-ml.so.1") gets it (same soname); the CLI
+tests run a subprocess with LD_LIBRARY_PATH pointing at it. The `gpu` test runs against a real GPU and driver.
+"""
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import IS_ROOT
+from fake_nvml.spies import Frames, Spy
+from fake_nvml.state import HERE as FAKE_DIR, FakeState, build
+from jobprobe.errors import ProbeUnavailable
+from jobprobe.host import Host
+from jobprobe.sampler import Sampler
+from jobprobe.target import CgroupTarget, PidTreeTarget
+from probes._nvml import decode_reasons
+from probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
+UUID = ["GPU-8f6e2b1c-0000-4000-8000-00000000aaaa", "GPU-8f6e2b1c-0000-4000-8000-00000000bbbb"]
+TRUTH = [dict(uuid=UUID[0], name="NVIDIA H100 80GB HBM3", util="55 33", mem=f"{80 * GiB} {10 * GiB}",
+              clocks="1980 2619", power=312000, energy=5_000_000, temp=64, pcie="1000 2000", throttle="0x24",
+              ecc="3 1", remap="2 0 1 0", nvlink_tx="100 200", nvlink_rx="5 6", gpm=1,
+              gpm_values="2=45.5 3=30.25 5=12.0 10=60.0"),
+         dict(uuid=UUID[1], name="NVIDIA H100 80GB HBM3", util="7 2", mem=f"{80 * GiB} {GiB}", clocks="345 2619",
+              power=70000, energy=9_000_000, temp=31, pcie="0 0", throttle="0x1", ecc="0 0", remap="0 0 0 0",
+              gpm=0)]
+
+
+@pytest.fixture(scope="session")
+def fake_lib(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("fake_nvml"))
+
+
+@pytest.fixture(scope="session")
+def nvml(fake_lib):
+    """pynvml, bound to the fake: loaded here by path, found by pynvml under its soname."""
+    import pynvml
+    if pynvml.nvmlLib is not None and not hasattr(pynvml.nvmlLib, "fake_nvml_is_fake"):
+        pytest.fail("pynvml already holds a real libnvidia-ml in this process")
+    ctypes.CDLL(str(fake_lib), mode=ctypes.RTLD_GLOBAL)
+    pynvml.nvmlInit()
+    assert hasattr(pynvml.nvmlLib, "fake_nvml_is_fake"), "pynvml did not load the fake"
+    pynvml.nvmlShutdown()
+    return pynvml
+
+
+@pytest.fixture
+def fake(nvml, tmp_path, monkeypatch):
+    st = FakeState(tmp_path / "state", tmp_path / "calls.log")
+    for i, truth in enumerate(TRUTH):
+        st.gpu(i, **truth)
+    monkeypatch.setenv("FAKE_NVML_STATE", str(st.path))   # putenv: the C library's getenv sees it
+    monkeypatch.setenv("FAKE_NVML_LOG", str(st.log))
+    return st.write()
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def start(env=None, seconds=60):
+        p = subprocess.Popen(["sleep", str(seconds)], env={**os.environ, **(env or {})})
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def probes():
+    made = []
+
+    def make(target, host=None, nvml=None):
+        p = GpuProbe(host or Host(), nvml=nvml)
+        p.start(target)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def test_parsers():
+    class G:
+        def __init__(self, i):
+            self.index, self.uuid = i, UUID[i] if i < 2 else f"GPU-ffff{i}"
+    gpus = [G(0), G(1), G(2)]
+    assert parse_visible("1", gpus, gpus) == {1}
+    assert parse_visible("0,2", gpus, [gpus[1], gpus[2]]) == {1}        # indices count within what it can see
+    assert parse_visible("GPU-8f6e2b1c-0000-4000-8000-00000000b", gpus, []) == {1}   # a unique UUID prefix
+    assert parse_visible("2,7,0", gpus, gpus) == {2}                   # CUDA: an invalid entry ends the list
+    assert parse_visible("all", gpus, gpus) == {0, 1, 2} and parse_visible("none", gpus, gpus) == set()
+    assert parse_visible("MIG-1234,1", gpus, gpus) == {1}
+    assert allowed_gpu_minors("c 195:3 rw\nc 195:255 rw\nc 136:* rw\n") == {3}
+    assert allowed_gpu_minors("a *:* rwm\n") is None and allowed_gpu_minors("c 195:* rwm\n") is None
+    assert decode_reasons(0x24) == ["sw_power_cap", "sw_thermal_slowdown"] and decode_reasons(1 << 40) == ["bit40"]
+
+
+def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{3 * GiB}").write()
+    probe = probes(PidTreeTarget([job.pid]))
+    fake.gpu(0, energy=5_000_000 + 312_000, ecc="5 1", nvlink_tx="150 260", nvlink_rx="5 9").write()
+    out = probe.sample()
+    assert out["ngpus"] == 1 and out["node_gpus"] == 2 and "note" not in out
+    g = out["gpus"][0]
+    assert g == {
+        "index": 0, "uuid": UUID[0], "name": "NVIDIA H100 80GB HBM3", "rule": "process", "lost": False,
+        "util_gpu_pct": 55, "util_mem_pct": 33, "mem_used_bytes": 10 * GiB, "mem_total_bytes": 80 * GiB,
+        "sm_clock_mhz": 1980, "mem_clock_mhz": 2619, "power_mw": 312000, "temp_c": 64,
+        "pcie_tx_bytes_per_s": 1000 * 1024, "pcie_rx_bytes_per_s": 2000 * 1024,
+        "clock_event_reasons": 0x24, "clock_event_names": ["sw_power_cap", "sw_thermal_slowdown"],
+        "remapped_rows_corrected": 2, "remapped_rows_uncorrected": 0, "remap_pending": True, "remap_failure": False,
+        "energy_mj": 312_000, "ecc_corrected": 2, "ecc_uncorrected": 0,
+        "nvlink_tx_bytes": (50 + 60) * 1024, "nvlink_rx_bytes": 3 * 1024,
+        "gpm_sm_active_pct": 45.5, "gpm_sm_occupancy_pct": 30.25, "gpm_tensor_active_pct": 12.0,
+        "gpm_dram_bw_pct": 60.0, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
+        "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}]}
+    assert set(g) | {"gpus", "ngpus", "node_gpus", "note", "unsupported"} == \
+        {k.removeprefix("gpus[].") for k in GpuProbe.fields}, "every declared field, and only those"
+    fake.gpu(0, energy=5_000_000 + 312_000 + 1000, util="90 80").write()
+    out = probe.sample()
+    g = out["gpus"][0]
+    assert (g["energy_mj"], g["util_gpu_pct"], g["ecc_corrected"], g["nvlink_tx_bytes"]) == (1000, 90, 0, 0)
+
+
+def test_nvlink_summed_per_link_where_the_driver_refuses_the_aggregate(fake, spawn, probes):
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}", nvlink_no_aggregate=1).write()
+    probe = probes(PidTreeTarget([job.pid]))
+    fake.gpu(0, nvlink_tx="101 207", nvlink_rx="15 6").write()
+    g = probe.sample()["gpus"][0]
+    assert (g["nvlink_tx_bytes"], g["nvlink_rx_bytes"]) == (8 * 1024, 10 * 1024)
+
+
+@pytest.mark.kernel
+def test_rule_process_real_cgroup2_group_and_shared(fake, spawn, probes, make_cgroup):
+    cg = make_cgroup()
+    job = cg.spawn(["sleep", "60"])
+    outsider = spawn()
+    try:
+        fake.gpu(1, procs=f"{outsider.pid}:{GiB} {job.pid}:{2 * GiB}").write()
+        out = probes(CgroupTarget(str(cg.path))).sample()
+        g = out["gpus"][0]
+        assert [x["index"] for x in out["gpus"]] == [1]
+        assert (g["rule"], g["shared"], g["job_procs"], g["other_procs"], g["job_mem_bytes"]) == \
+            ("process", True, 1, 1, 2 * GiB)
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_shared_gpu_two_jobs_each_get_their_own_memory(fake, spawn, probes):
+    a, b = spawn(), spawn()
+    fake.gpu(0, procs=f"{a.pid}:{GiB} {b.pid}:{5 * GiB}", gprocs=f"{a.pid}:{GiB}").write()
+    ga = probes(PidTreeTarget([a.pid])).sample()["gpus"][0]
+    gb = probes(PidTreeTarget([b.pid])).sample()["gpus"][0]
+    assert (ga["job_mem_bytes"], ga["shared"], ga["other_procs"], ga["procs"]) == \
+        (GiB, True, 1, [{"pid": a.pid, "mem_bytes": GiB}])     # on both lists: counted once
+    assert (gb["job_mem_bytes"], gb["shared"], gb["job_procs"]) == (5 * GiB, True, 1)
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"CUDA_VISIBLE_DEVICES": "1"}, [1]),
+    ({"CUDA_VISIBLE_DEVICES": UUID[0][:-2]}, [0]),                  # a unique UUID prefix, as CUDA accepts
+    ({"CUDA_VISIBLE_DEVICES": UUID[0][:20]}, []),                   # one both UUIDs share: names nothing
+    ({"NVIDIA_VISIBLE_DEVICES": UUID[1]}, [1]),
+    ({"NVIDIA_VISIBLE_DEVICES": f"{UUID[1]}", "CUDA_VISIBLE_DEVICES": "0"}, [1]),   # 0 of what the container sees
+    ({"CUDA_VISIBLE_DEVICES": ""}, []),
+])
+def test_rule_env_in_a_real_process(fake, spawn, probes, env, want):
+    job = spawn(env)
+    out = probes(PidTreeTarget([job.pid])).sample()
+    assert [g["index"] for g in out["gpus"]] == want
+    assert all(g["rule"] == "env" and g["shared"] is False and g["job_procs"] == 0 for g in out["gpus"])
+
+
+def test_rule_device_cgroup_on_a_fixture_tree(fake, tmp_path, probes):
+    """A v1 devices hierarchy (as SLURM's ConstrainDevices makes): the job may open /dev/nvidia5, GPU 1's minor."""
+    fake.gpu(1, minor=5).write()
+    proc, devs = tmp_path / "proc", tmp_path / "sys/fs/cgroup/devices"
+    pid = 4242
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "stat").write_text(f"{pid} (python) S 1 " + "0 " * 40 + "\n")
+    (proc / str(pid) / "cgroup").write_text("12:devices:/slurm/uid_0/job_7/step_0\n11:cpu,cpuacct:/slurm\n0::/\n")
+    (proc / str(pid) / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=0\0HOME=/root\0")
+    step = devs / "slurm/uid_0/job_7/step_0"
+    step.mkdir(parents=True)
+    (step / "devices.list").write_text("c 195:5 rw\nc 195:255 rw\nc 1:3 rwm\n")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"30 25 0:26 / {devs} rw,nosuid - cgroup cgroup rw,devices\n")
+    host = Host(proc=str(proc), mountinfo=str(mountinfo))
+    probe = probes(PidTreeTarget([pid], proc=str(proc)), host=host)
+    out = probe.sample()
+    # CUDA_VISIBLE_DEVICES=0 is the first GPU it can see, GPU 1, not NVML's GPU 0: the cgroup rule wins anyway
+    assert [(g["index"], g["rule"]) for g in out["gpus"]] == [(1, "devices")]
+    (step / "devices.list").write_text("a *:* rwm\n")     # unrestricted: now the env index counts from NVML's 0
+    assert [(g["index"], g["rule"]) for g in probe.sample()["gpus"]] == [(0, "env")]
+
+
+def test_no_gpu_for_the_job_then_opened_later(fake, spawn, probes):
+    job = spawn()
+    probe = probes(PidTreeTarget([job.pid]))
+    out = probe.sample()
+    assert out["gpus"] == [] and out["ngpus"] == 0 and "uses none of the node's 2 GPUs" in out["note"]
+    fake.gpu(1, procs=f"{job.pid}:{GiB}").write()
+    out = probe.sample()
+    g = out["gpus"][0]
+    assert g["index"] == 1 and g["rule"] == "process" and g["util_gpu_pct"] == 7 and "note" not in out
+    assert "energy_mj" not in g      # it joined this tick: deltas start next tick, from a baseline taken now
+    assert out["unsupported"] == ["gpu1.nvlink", "gpu1.gpm"]   # this GPU has neither: found when it joined
+    fake.gpu(1, energy=9_000_000 + 4242).write()
+    g = probe.sample()["gpus"][0]
+    assert g["energy_mj"] == 4242 and not any(k.startswith("gpm_") for k in g)
+
+
+def test_node_without_gpus(fake, spawn, probes):
+    fake.count = 0
+    fake.gpus.clear()
+    fake.write()
+    out = probes(PidTreeTarget([spawn().pid])).sample()
+    assert out["gpus"] == [] and out["node_gpus"] == 0 and out["note"] == "this node has no NVIDIA GPU"
+
+
+def test_unsupported_is_reported_once_and_never_asked_again(fake, nvml, spawn, probes):
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}", unsupported="nvmlDeviceGetPowerUsage nvmlDeviceGetRemappedRows").write()
+    spy = Spy(nvml)
+    probe = probes(PidTreeTarget([job.pid]), nvml=spy)
+    outs = [probe.sample() for _ in range(4)]
+    assert set(outs[0]["unsupported"]) == {"gpu0.power", "gpu0.remapped_rows", "mps_processes"}
+    assert all("unsupported" not in o for o in outs[1:])
+    assert all("power_mw" not in o["gpus"][0] and "remapped_rows_corrected" not in o["gpus"][0] for o in outs)
+    assert fake.calls("nvmlDeviceGetPowerUsage", 0) == 1 and fake.calls("nvmlDeviceGetRemappedRows", 0) == 1
+    # Functions this driver lacks (NVMLError_FunctionNotFound): asked once; the older name takes over if there is one
+    assert spy.counts["nvmlDeviceGetMPSComputeRunningProcesses_v3"] == 1
+    assert spy.counts["nvmlDeviceGetCurrentClocksEventReasons"] == 1
+    assert spy.counts["nvmlDeviceGetCurrentClocksThrottleReasons"] == 4
+    assert all(o["gpus"][0]["clock_event_reasons"] == 0x24 for o in outs)
+
+
+def test_gpu_lost_mid_run(fake, spawn, probes):
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}").gpu(1, procs=f"{job.pid}:{GiB}").write()
+    probe = probes(PidTreeTarget([job.pid]))
+    assert [g["lost"] for g in probe.sample()["gpus"]] == [False, False]
+    fake.gpu(1, lost=1).write()
+    out = probe.sample()
+    assert out["gpus"][1] == {"index": 1, "uuid": UUID[1], "name": "NVIDIA H100 80GB HBM3", "rule": "process",
+                              "lost": True}
+    assert out["_events"] == [{"event": "gpu_lost", "gpu": 1, "uuid": UUID[1]}]
+    calls = fake.log.read_text().count(" 1\n")
+    out = probe.sample()
+    assert out["gpus"][0]["util_gpu_pct"] == 55 and out["gpus"][1]["lost"] and "_events" not in out
+    assert fake.log.read_text().count(" 1\n") == calls, "a lost GPU is not asked again"
+
+
+def test_gpu_lost_before_start(fake, spawn, probes):
+    fake.gpu(1, lost=1).write()
+    out = probes(PidTreeTarget([spawn({"CUDA_VISIBLE_DEVICES": "0,1"}).pid])).sample()
+    assert [(g["index"], g["lost"]) for g in out["gpus"]] == [(0, False), (1, True)]
+    assert out["_events"] == [{"event": "gpu_lost", "gpu": 1, "uuid": None}]
+
+
+def test_xid_becomes_an_event_frame(fake, spawn):
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}", xids="13").write()   # before we registered: not ours to report
+    out = Frames()
+    sampler = Sampler(PidTreeTarget([job.pid]), [GpuProbe(Host())], [out])
+    sampler.start()
+    try:
+        fake.gpu(0, xids="13 79 48").gpu(1, xids="31").write()   # GPU 1 is not the job's
+        sampler.tick()
+    finally:
+        sampler.stop()
+    assert out[0]["probes"]["gpu"] == "ok" and out[1]["probes"]["gpu"]["gpus"][0]["xid_errors"] == 2
+    events = [(f["event"], f["probe"], f["gpu"], f["xid"]) for f in out if f["kind"] == "event"]
+    assert events == [("gpu_xid", "gpu", 0, 79), ("gpu_xid", "gpu", 0, 48)]
+
+
+def fake_env(fake_lib, state):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NVML")}
+    return {**env, "LD_LIBRARY_PATH": str(fake_lib.parent), "FAKE_NVML_STATE": str(state),
+            "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root: `-- CMD` creates a cgroup2 group")
+def test_cli_end_to_end_with_the_fake_on_ld_library_path(fake, fake_lib):
+    """A real subprocess: pynvml finds the fake by LD_LIBRARY_PATH; the job puts itself on GPU 0's process list."""
+    job = [sys.executable, str(FAKE_DIR / "gpu_job.py"), "0", str(7 * GiB), "2.5"]
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,gpu", "--stdout", "json",
+                          "--interval", "0.5", "--", *job], env=fake_env(fake_lib, fake.path), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    frames = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
+    pid = int(next(ln for ln in res.stdout.splitlines() if ln.startswith("gpu_job")).split()[1])
+    assert frames[0]["probes"] == {"cgroup": "ok", "gpu": "ok"}
+    ticks = [f["probes"]["gpu"] for f in frames if f["kind"] == "sample"]
+    on = [t["gpus"][0] for t in ticks if t["gpus"]]
+    assert len(ticks) >= 4 and len(on) >= 3, ticks
+    for g in on:
+        assert (g["index"], g["uuid"], g["rule"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_mw"]) == \
+            (0, UUID[0], "process", 55, 10 * GiB, 312000)
+        assert g["procs"] == [{"pid": pid, "mem_bytes": 7 * GiB}] and g["job_mem_bytes"] == 7 * GiB
+    assert all(g["energy_mj"] == 0 for g in on[1:])   # the fake's counter stands still
+
+
+@pytest.mark.parametrize("code,why", [(9, "NVIDIA driver not loaded"), (999, "nvmlInit failed: Unknown Error")])
+def test_init_errors_say_why(nvml, code, why):
+    class NoInit:   # the binding's errors, an nvmlInit that fails as a broken driver's does
+        NVMLError = nvml.NVMLError
+
+        @staticmethod
+        def nvmlInit():
+            raise nvml.NVMLError(code)
+    with pytest.raises(ProbeUnavailable, match=why):
+        GpuProbe(Host(), nvml=NoInit).start(PidTreeTarget([os.getpid()]))
+
+
+def test_no_driver_probe_unavailable_agent_goes_on(spawn):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML", "LD_LIBRARY_PATH"))}
+    env["PYTHONPATH"] = str(ROOT)
+    found = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libnvidia-ml.so.1')"], env=env)
+    if found.returncode == 0:
+        pytest.skip("a real NVIDIA driver is installed here")
+    code = ("import pynvml\nfrom jobprobe.host import Host\nfrom probes.gpu import GpuProbe\n"
+            "try:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError_LibraryNotFound:\n    print('LibraryNotFound')\n"
+            "print(GpuProbe().check(Host()))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.splitlines() == ["LibraryNotFound", NO_DRIVER], out.stderr
+    job = spawn(seconds=30)
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,gpu", "--stdout", "json",
+                          "--pid", str(job.pid), "--interval", "0.2", "--duration", "0.5"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    frames = [json.loads(ln) for ln in res.stdout.splitlines()]
+    assert res.returncode == 0, res.stderr
+    assert frames[0]["probes"] == {"cgroup": "ok", "gpu": f"unavailable: {NO_DRIVER}"}
+    assert all("cgroup" in f["probes"] and "gpu" not in f["probes"] for f in frames[1:])
+
+
+def real_gpu() -> tuple[dict, list[str]]:
+    """Environment without the fake, and (GPU count, GPU 0's UUID, its memory) from the real NVML; else skip."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_NVML", "LD_LIBRARY_PATH"))}
+    env["PYTHONPATH"] = str(ROOT)
+    ask = ("import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); "
+           "print(pynvml.nvmlDeviceGetCount(), pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetMemoryInfo(h).total)")
+    real = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True)  # fresh process:
+    if real.returncode != 0 or len(real.stdout.split()) != 3 or real.stdout.split()[0] == "0":  # the fake is here
+        pytest.skip("no NVIDIA GPU on this host")
+    return env, real.stdout.split()
+
+
+def run_on(env, pid, seconds=2.2):
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "gpu", "--stdout", "json",
+                          "--pid", str(pid), "--interval", "0.5", "--duration", str(seconds)],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(ln)["probes"]["gpu"] for ln in res.stdout.splitlines() if '"sample"' in ln]
+
+
+@pytest.mark.gpu
+def test_real_gpu_job_found_by_env_with_sane_values():
+    """Real NVML, real GPU: a job told CUDA_VISIBLE_DEVICES=0 gets GPU 0, with values NVML itself agrees on."""
+    env, (_, uuid, total) = real_gpu()
+    job = subprocess.Popen(["sleep", "30"], env={**env, "CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        ticks = run_on(env, job.pid)
+    finally:
+        job.kill()
+        job.wait()
+    assert len(ticks) >= 4
+    for t in ticks:    # (in a container on a cgroup v1 host its device cgroup may name the GPU first)
+        g = t["gpus"][0]
+        assert (g["index"], g["uuid"], g["mem_total_bytes"]) == (0, uuid, int(total))
+        assert g["rule"] in ("env", "devices")
+        assert 0 <= g["util_gpu_pct"] <= 100 and 0 < g["power_mw"] < 2_000_000 and 10 < g["temp_c"] < 110
+        assert 0 < g["sm_clock_mhz"] < 5000 and g["mem_used_bytes"] <= g["mem_total_bytes"] and g["energy_mj"] >= 0
+
+
+@pytest.mark.gpu
+def test_real_cuda_process_found_on_the_process_list():
+    env, _ = real_gpu()
+    code = ("import time, torch; x = torch.ones(256 << 20, device='cuda'); torch.cuda.synchronize(); "
+            "print('ready', flush=True); time.sleep(8)")
+    job = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        if job.stdout.readline().strip() != "ready":
+            pytest.skip("no PyTorch with CUDA here")
+        ask = ("import pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(0); "
+               "print(*[p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)])")
+        listed = subprocess.run([sys.executable, "-c", ask], env=env, capture_output=True, text=True).stdout.split()
+        if str(job.pid) not in listed:
+            pytest.skip(f"NVML lists PIDs {listed} here, not ours ({job.pid}): another PID namespace (a container)")
+        ticks = run_on(env, job.pid)
+    finally:
+        job.kill()
+        job.wait()
+    g = ticks[-1]["gpus"][0]
+    assert g["rule"] == "process" and g["procs"][0]["pid"] == job.pid and g["job_mem_bytes"] >= 1 << 30
