@@ -156,8 +156,9 @@ def test_cgroup_removed_while_attached_ends_cleanly(make_cgroup):
     """The job ends under us: its processes exit and its group is removed. jobprobe writes the last frame, says
     why it stopped, and exits 0; every frame it wrote is there."""
     cg = make_cgroup()
-    job = cg.spawn(workload("burn", 1.0))
-    proc = subprocess.Popen([*JOBPROBE, "run", "--cgroup", str(cg.path), "--stdout", "json", "--interval", "0.2"],
+    job = cg.spawn(workload("burn", 2.0))
+    proc = subprocess.Popen([*JOBPROBE, "run", "--cgroup", str(cg.path), "--probes", "cgroup,perf,gpu", "--stdout",
+                             "json", "--interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     hello = json.loads(proc.stdout.readline())
     job.wait()
