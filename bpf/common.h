@@ -74,3 +74,13 @@ int job_exit(struct tracepoint__sched__sched_process_exit *args)
 #endif
     return 0;
 }
+
+/* A non-leader thread that calls execve takes over the process's pid (the leader's); its own old tid never exits,
+ * so its key would stay forever. Runs in the exec'ing task's context. */
+int job_exec(struct tracepoint__sched__sched_process_exec *args)
+{
+    u32 old = args->old_pid;
+    if (old != args->pid)
+        job_of_tgid.delete(&old);
+    return 0;
+}

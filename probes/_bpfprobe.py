@@ -2,7 +2,7 @@
 kept current, and cumulative per-slot readings turned into per-interval deltas.
 
 A probe subclasses it with: `bpf_name` (its bpf/<name>.c), `handlers` (its own (tracepoint, function) pairs; the
-membership handlers job_fork/job_exit are attached first, so forks are followed before the job is registered),
+membership handlers job_fork/job_exit/job_exec are attached first, so forks are followed before the job is registered),
 `map_types` (ctypes key/value types of its own maps), `reading()` (cumulative counters of its slot) and
 `interval(now, before)` (the frame fields of one interval).
 """
@@ -20,7 +20,8 @@ from jobprobe.probe import Probe
 from jobprobe.target import Target
 from probes import _bpf
 
-MEMBERSHIP = (("sched:sched_process_fork", "job_fork"), ("sched:sched_process_exit", "job_exit"))
+MEMBERSHIP = (("sched:sched_process_fork", "job_fork"), ("sched:sched_process_exit", "job_exit"),
+              ("sched:sched_process_exec", "job_exec"))
 
 
 def exit_has_group_dead(sys_root: str = "/sys") -> bool:
