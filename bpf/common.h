@@ -79,8 +79,12 @@ int job_exit(struct tracepoint__sched__sched_process_exit *args)
  * so its key would stay forever. Runs in the exec'ing task's context. */
 int job_exec(struct tracepoint__sched__sched_process_exec *args)
 {
-    u32 old = args->old_pid;
-    if (old != args->pid)
+    u32 old = args->old_pid, now = args->pid;
+    if (old != now) {
         job_of_tgid.delete(&old);
+#ifdef JOB_ON_EXEC_HOOK
+        job_exec_hook(old, now);   /* a probe moves its own per-thread state from the old tid to the new */
+#endif
+    }
     return 0;
 }

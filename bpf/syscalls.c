@@ -8,8 +8,8 @@
  *   A call is counted when it returns, with its full duration (a 10 s poll lands in the interval where it ends);
  *   calls that never return (exit, exit_group, a thread killed inside a syscall) are not counted.
  * Hooks: tracepoints raw_syscalls:sys_enter (on_enter), raw_syscalls:sys_exit (on_exit) and
- *   sched:sched_process_exec (on_exec: a non-leader thread's execve changes its tid), attached by name from
- *   probes/syscalls.py; fork/exit from common.h. Only tracepoint arguments and helpers are read.
+ *   sched:sched_process_exec through common.h's job_exec (JOB_ON_EXEC_HOOK: a non-leader thread's execve
+ *   changes its tid), attached by name from probes/syscalls.py; fork/exit/exec from common.h. Only tracepoint arguments and helpers are read.
  * Oldest kernel: 4.18 (common.h). by_nr keys are never deleted, so an insert never reuses an element that holds
  *   other CPUs' old values (kernels before 5.10 did not zero them).
  * Cost: both programs run on every syscall of every task on the node, so the non-member path is the one that
@@ -63,6 +63,18 @@ BPF_ARRAY(member_mode, u32, 1);
 static inline void job_exit_hook(u32 tid)
 {
     inflight.delete(&tid);
+}
+
+/* A non-leader thread that execs takes the process's pid: its in-flight execve moves to the new tid. */
+#define JOB_ON_EXEC_HOOK
+static inline void job_exec_hook(u32 old, u32 now)
+{
+    struct inflight_rec *rec = inflight.lookup(&old);
+    if (!rec)
+        return;
+    struct inflight_rec moved = *rec;
+    inflight.update(&now, &moved);
+    inflight.delete(&old);
 }
 
 #include "common.h"
@@ -170,16 +182,4 @@ int on_exit(struct tracepoint__raw_syscalls__sys_exit *args)
 /* execve from a thread other than the leader: the thread takes the leader's pid (de_thread) and its old tid ends
  * without a sched_process_exit of its own. Move its entry to the new tid, so that the execve's return is timed
  * and the old key does not stay behind. Runs in the exec'ing task, after the switch of ids. */
-int on_exec(struct tracepoint__sched__sched_process_exec *args)
-{
-    u32 old = args->old_pid, now = args->pid;
-    if (old == now)
-        return 0;
-    struct inflight_rec *rec = inflight.lookup(&old);
-    if (!rec)
-        return 0;
-    struct inflight_rec moved = *rec;
-    inflight.update(&now, &moved);
-    inflight.delete(&old);
-    return 0;
-}
+

@@ -1,14 +1,16 @@
 """_bpf — the one way an eBPF probe loads programs and reads maps, without bcc or LLVM in the agent.
 
 What: load() starts a short-lived loader (probes/_bpf_loader.py, same interpreter) that compiles bpf/<name>.c with
-  bcc, loads its programs, attaches them to tracepoints and sends back, over a socketpair (SCM_RIGHTS), the fds of
-  every program, every attachment (a perf_event fd per tracepoint) and every map, then exits. Holding those fds
-  keeps everything attached; closing them (Loaded.close) detaches. Maps are then read and written with plain bpf(2)
-  syscalls through ctypes (Map): lookup / update / delete, iteration, per-CPU values, batch lookups.
+  bcc, loads its programs, attaches them to tracepoints (and, when asked, to cgroup2 directories through BPF links)
+  and sends back, over a socketpair (SCM_RIGHTS), the fds of every program, every attachment (a perf_event fd per
+  tracepoint, a bpf_link fd per cgroup hook) and every map, then exits. Holding those fds keeps everything
+  attached; closing them (Loaded.close) detaches. Maps are then read and written with plain bpf(2) syscalls through
+  ctypes (Map): lookup / update / delete, iteration, per-CPU values, batch lookups.
 Hooks: none of its own; bpf(2) commands MAP_*_ELEM, MAP_GET_NEXT_KEY, MAP_LOOKUP_BATCH, OBJ_GET_INFO_BY_FD,
-  ENABLE_STATS; SCM_RIGHTS on an AF_UNIX socketpair.
+  ENABLE_STATS, LINK_CREATE; SCM_RIGHTS on an AF_UNIX socketpair.
 Oldest kernel: 4.12 (GET_NEXT_KEY with no key for the first one). Batch lookups need 5.6 (hash maps) / 5.7 (arrays)
-  and fall back to one lookup per key; run_time_ns/run_cnt need 5.1, ENABLE_STATS 5.8 (else the sysctl).
+  and fall back to one lookup per key; run_time_ns/run_cnt need 5.1, ENABLE_STATS 5.8 (else the sysctl); cgroup
+  hooks through LINK_CREATE 5.7 (a link detaches when its last fd closes, so no exit path can leave one attached).
 Cost: the agent never maps libbcc/LLVM (jobprobe run: 19 MB RSS instead of 141 MB); a load costs one
   interpreter start plus the compile (~0.4-0.6 s in a 6.18 VM), once per probe start. A map read is one syscall
   per element, or per batch of up to 1024 (per key on kernels without batch ops).
@@ -40,6 +42,7 @@ NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wr
 MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
 OBJ_GET_INFO_BY_FD = 15
 MAP_LOOKUP_BATCH = 24
+LINK_CREATE = 28
 ENABLE_STATS = 32
 STATS_RUN_TIME = 0
 ANY, NOEXIST, EXIST = 0, 1, 2
@@ -47,6 +50,9 @@ PERCPU_TYPES = {5, 6, 10, 21}   # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH, PE
 ENOTSUPP = 524                  # the kernel-internal errno that batch ops return for unsupported map types
 BATCH = 1024                    # elements per batch call
 MAX_FDS = 253                   # SCM_MAX_FD: the most fds one message may carry
+# cgroup hooks by libbpf's section names: (enum bpf_prog_type, enum bpf_attach_type)
+PROG_CGROUP_SKB = 8
+CGROUP_HOOKS = {"cgroup_skb/ingress": (PROG_CGROUP_SKB, 0), "cgroup_skb/egress": (PROG_CGROUP_SKB, 1)}
 
 
 class ElemAttr(ct.Structure):
@@ -60,6 +66,12 @@ class BatchAttr(ct.Structure):
     _fields_ = [("in_batch", ct.c_uint64), ("out_batch", ct.c_uint64), ("keys", ct.c_uint64),
                 ("values", ct.c_uint64), ("count", ct.c_uint32), ("map_fd", ct.c_uint32),
                 ("elem_flags", ct.c_uint64), ("flags", ct.c_uint64)]
+
+
+class LinkCreateAttr(ct.Structure):
+    """union bpf_attr .link_create, the part a cgroup attachment uses (the kernel zero-fills the rest)."""
+    _fields_ = [("prog_fd", ct.c_uint32), ("target_fd", ct.c_uint32), ("attach_type", ct.c_uint32),
+                ("flags", ct.c_uint32)]
 
 
 class InfoAttr(ct.Structure):
@@ -137,6 +149,18 @@ def close_all(fds: Sequence[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def attach_cgroup(prog_fd: int, cgroup_dir: str, hook: str) -> int:
+    """Attach a loaded program to a cgroup2 directory (and so to its descendants) with a BPF link; returns the link
+    fd, whose close detaches it. A link, unlike PROG_ATTACH, is always multi-attach: other users' programs on the
+    same group are left alone, and several jobs' groups can hold the same program."""
+    _, attach_type = CGROUP_HOOKS[hook]
+    dfd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return sys_bpf(LINK_CREATE, LinkCreateAttr(prog_fd=prog_fd, target_fd=dfd, attach_type=attach_type))
+    finally:
+        os.close(dfd)
 
 
 @contextlib.contextmanager
@@ -317,7 +341,8 @@ class ProgStats:
 
 
 class Loaded:
-    """What one load() gave: fds of programs, attachments and maps. Holding them keeps the programs attached."""
+    """What one load() gave: fds of programs, attachments and maps. Holding them keeps the programs attached.
+    links: (what, program, fd): what is a tracepoint "category:event", or "HOOK:CGROUP_DIR" for a cgroup link."""
 
     def __init__(self, name: str, progs: dict[str, int], links: list[tuple[str, str, int]], maps: dict[str, Map],
                  loader_pid: int = 0):
@@ -383,11 +408,20 @@ def build(name: str, meta: dict[str, Any], fds: list[int], ncpus: int, loader_pi
 
 
 def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]], text: str | None = None,
-         timeout: float = 120.0, sys_root: str = "/sys") -> Loaded:
-    """Compile bpf/<name>.c (or `text`), attach each (tracepoint "category:event", function) in order, and return
-    the fds. Raises ProbeUnavailable with the compiler's or verifier's last lines; then no fd is left open here."""
+         timeout: float = 120.0, sys_root: str = "/sys",
+         cgroups: Sequence[tuple[str, str, str]] = (), uprobes: Sequence[str] = ()) -> Loaded:
+    """Compile bpf/<name>.c (or `text`), attach each (tracepoint "category:event", function) in order, then each
+    (function, cgroup2 directory, hook in CGROUP_HOOKS) through a BPF link, load each function of `uprobes` as a
+    BPF_PROG_TYPE_KPROBE program WITHOUT attaching it (the caller attaches it to uprobes through perf_event_open,
+    probes/cuda.py: which files to probe is only known later), and return the fds. Raises
+    ProbeUnavailable with the compiler's or verifier's last lines; then no fd is left open here and nothing stays
+    attached (the loader's own fds die with it)."""
     text = bpf.source(name) if text is None else text
-    request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints]})
+    for _, _, hook in cgroups:
+        if hook not in CGROUP_HOOKS:
+            raise ValueError(f"unknown cgroup hook {hook!r}; known: {', '.join(CGROUP_HOOKS)}")
+    request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints],
+                          "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes)})
     what = f"cannot load bpf/{name}.c"
     root = str(Path(__file__).resolve().parent.parent)   # so that `-m probes._bpf_loader` imports from any cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}

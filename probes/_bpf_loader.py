@@ -1,12 +1,16 @@
 """_bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
 Run by probes/_bpf.load() as `python -m probes._bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
-Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…]};
-compiles it with bcc, attaches each function to its tracepoint in the given order, by name (not bcc's auto-attached
-TRACEPOINT_PROBE: when one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached
-and no object left to detach them), and replies with ONE message: JSON metadata plus, as SCM_RIGHTS, the fds of
-every program, every attachment (perf_event) and every map. Any failure replies {"error": ...} with no fds; bcc's
-compiler and verifier logs go to stderr, which the agent reads from a file.
+Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
+"cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…]}; compiles it with bcc,
+attaches each function to its tracepoint in the given order, by name (not bcc's auto-attached TRACEPOINT_PROBE: when
+one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
+detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
+by name) and links it to its directory (BPF_LINK_CREATE, probes/_bpf.attach_cgroup), loads each uprobes function as
+a kprobe-type program (what uprobes run) without attaching it (the agent attaches it per library file, later), and
+replies with ONE message: JSON metadata plus, as SCM_RIGHTS, the fds of every program, every attachment (perf_event,
+bpf_link) and every map. Any failure replies {"error": ...} with no fds; bcc's compiler and verifier logs go to
+stderr, which the agent reads from a file.
 Hooks: whatever the request names. Oldest kernel: that of the program loaded. Cost: ~135 MiB of RSS (bcc, LLVM)
   and ~0.4-0.6 s (sched.c in a 6.18 VM), for the lifetime of this process only.
 
@@ -53,6 +57,8 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
+    from probes._bpf import CGROUP_HOOKS, attach_cgroup
+
     # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
     b = BPF(text=req["text"].encode(), cflags=list(req["cflags"]))
     fds: list[int] = []
@@ -65,6 +71,24 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
             fds.append(b.funcs[fn.encode()].fd)
         links.append({"tracepoint": tp, "prog": fn, "fd": len(fds)})
         fds.append(b.tracepoint_fds[tp.encode()])
+    for fn, path, hook in req.get("cgroups", ()):
+        prog_type, attach_type = CGROUP_HOOKS[hook]
+        # The expected attach type is given at load: the kernel then checks it against the link's, and an egress
+        # program may use egress-only return codes.
+        f = b.load_func(fn.encode(), prog_type, attach_type=attach_type)
+        if fn not in progs:
+            progs[fn] = len(fds)
+            fds.append(f.fd)
+        # A link fd, unlike bcc's attach_func (PROG_ATTACH), detaches when the last holder closes it.
+        links.append({"tracepoint": f"{hook}:{path}", "prog": fn, "fd": len(fds)})
+        try:
+            fds.append(attach_cgroup(f.fd, path, hook))
+        except OSError as err:   # no LINK_CREATE for cgroups before 5.7 (EINVAL), a group gone (ENOENT)
+            raise Exception(f"cannot link {fn} to {hook} of {path}: {err}") from err
+    for fn in req.get("uprobes", ()):
+        if fn not in progs:
+            progs[fn] = len(fds)
+            fds.append(b.load_func(fn.encode(), BPF.KPROBE).fd)
     maps = describe_maps(lib, b.module)
     for m in maps:
         m["fd"] = len(fds)

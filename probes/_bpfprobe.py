@@ -81,14 +81,21 @@ class BpfProbe(Probe):
             return "bcc (python3-bpfcc) is not importable"
         return None
 
-    def start(self, target: Target) -> None:
+    def base_cflags(self) -> list[str]:
         cflags = ["-w", *self.cflags]
         if exit_has_group_dead(self.host.sys):
             cflags.append("-DJOB_EXIT_HAS_GROUP_DEAD")
+        return cflags
+
+    def load(self, target: Target) -> _bpf.Loaded:
+        """Compile and attach in a loader subprocess; ProbeUnavailable carries the compiler/verifier's words. A
+        probe that attaches more than tracepoints (cgroup programs, uprobes) overrides this."""
+        return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys)
+
+    def start(self, target: Target) -> None:
         self.target = target
         try:
-            # Compiled and attached in a loader subprocess; ProbeUnavailable carries the compiler/verifier's words.
-            self.loaded = _bpf.load(self.bpf_name, cflags, self.all_handlers(), sys_root=self.host.sys)
+            self.loaded = self.load(target)
             maps = self.loaded.maps
             maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
             maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)

@@ -4,7 +4,7 @@ Measures, per interval, for the job's threads: calls and time in syscalls by cla
 file, ioctl, other), the five syscalls that took the most time, and a log2 µs latency histogram of the class that
 took the most time. A call is counted when it returns, with its whole duration (a long poll lands in the interval
 where it ends); exit/exit_group and calls of threads killed inside them are not counted.
-Hooks: eBPF on tracepoints raw_syscalls:sys_enter and sys_exit, sched:sched_process_exec (a thread's execve
+Hooks: eBPF on tracepoints raw_syscalls:sys_enter and sys_exit, sched:sched_process_exec via common.h (a thread's execve
 changes its tid), plus sched_process_fork/exit (bpf/syscalls.c, bpf/common.h); only tracepoint arguments are
 read, never task_struct. Syscall numbers are named at start from the kernel's own list (the generated
 unistd_64.h of the running kernel's headers, else the libc headers'), with a small built-in x86_64 table when
@@ -239,8 +239,7 @@ class SyscallsProbe(BpfProbe):
     }
 
     bpf_name = "syscalls"
-    handlers = (("raw_syscalls:sys_enter", "on_enter"), ("raw_syscalls:sys_exit", "on_exit"),
-                ("sched:sched_process_exec", "on_exec"))
+    handlers = (("raw_syscalls:sys_enter", "on_enter"), ("raw_syscalls:sys_exit", "on_exit"))
     map_types = {"inflight": (ct.c_uint32, InflightRec), "stats": (ct.c_uint32, SlotStats),
                  "by_nr": (ct.c_uint32, NrTotal), "class_of": (ct.c_uint32, ct.c_uint32),
                  "member_mode": (ct.c_uint32, ct.c_uint32)}

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from probes._bpfprobe import MEMBERSHIP
+
 import bpf
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY
@@ -124,7 +126,7 @@ def test_plan_without_memcg_or_reclaim(tmp_path):
 def test_check_reports_why(tmp_path):
     assert MemoryProbe().check(Host(is_root=False, sys=str(tmp_path))) == "needs root"
     assert "not found" in MemoryProbe().check(Host(is_root=True, sys=str(tmp_path)))
-    host = fake_sys(tmp_path, ["sched:sched_process_fork", "sched:sched_process_exit"])
+    host = fake_sys(tmp_path, [tp for tp, _ in MEMBERSHIP])
     assert "none of its tracepoints" in MemoryProbe().check(host)
 
 
