@@ -1,33 +1,62 @@
-"""sched — what the scheduler does to the job: context switches, off-CPU time, run-queue latency.
+"""sched — what the scheduler does to the job: context switches, off-CPU time and why, run-queue latency.
 
 Measures, per interval, for the job's threads: voluntary and involuntary context switches, time spent off CPU
-(switch-out to next switch-in), and run-queue latency (runnable to running) as a log2 µs histogram with p50/p99.
+(switch-out to next switch-in) split by why the thread left the CPU — preempted (runnable: waiting for a CPU), I/O
+(uninterruptible sleep, state D), lock (sleeping in a futex wait: locks, condition variables, the GIL), sleep
+(nanosleep / clock_nanosleep), wait (every other sleep: poll/epoll, pipe and socket reads, wait4...) — with the
+time from a sleeper's wakeup to its running again apart (`offcpu_wakeup_ns`, a CPU wait), so that the parts sum to
+offcpu_ns; and run-queue latency (runnable to running) as a log2 µs histogram with p50/p99.
 Hooks: eBPF on tracepoints sched:sched_switch, sched_wakeup, sched_wakeup_new, sched_process_fork,
-sched_process_exit (bpf/sched.c, bpf/common.h); only tracepoint arguments are read, never task_struct.
+sched_process_exit, and raw_syscalls:sys_enter for lock vs sleep vs wait (bpf/sched.c, bpf/common.h); only
+tracepoint arguments are read, never task_struct.
+Why a syscall hook: at switch-out a tracepoint program sees the task's state (R, S, D) but not which syscall it
+sleeps in; reading that from task_struct or pt_regs needs kernel struct offsets, which this project does not
+trust. So sys_enter remembers, per member thread, whether it is in a futex wait or a nanosleep. It runs on every
+syscall of the node: SchedProbe(syscall_reasons=False) leaves it out (lock and sleep then read None, their time is
+in offcpu_wait_ns); so does a machine whose syscall numbers are not in SYSCALL_NRS or a kernel without raw_syscalls.
 Oldest kernel: 4.18. Aggregation is in the kernel (one per-CPU struct per job slot); a tick reads one map element.
 Cost: measured in the 6.18 VM with bpf_stats (Loaded.prog_stats): on every context switch of the node ~190 ns
-when neither task is the job's, 240-450 ns averaged over a node where a training job switches; ~110-200 ns per
-wakeup. Start: ~0.4-0.6 s to compile in a loader subprocess (probes/_bpf.py), which holds bcc/LLVM and exits, so
-the agent never maps them (agent RSS ~19 MB instead of ~141 MB). sample(): one per-CPU map lookup, ~50 µs.
-Off-CPU time is added when a thread runs again, so a long sleep lands in the interval where it ends.
+when neither task is the job's; while a job ping-pongs over pipes, 207 ns per switch (median of 6 runs; 193 ns
+before the reasons, whose extra is one lookup per interruptible sleep); ~80-170 ns per wakeup. The sys_enter hook
+adds +37 ns to every syscall of the node, end to end (getppid: 115 -> 152 ns; a sys_enter/sys_exit pair measured
++57 ns, hence one hook), ~0.4% of a core at 100k syscalls/s; it is on by default because lock vs sleep vs wait is
+most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
+(probes/_bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
+~141 MB). sample(): one per-CPU map lookup, ~50 µs.
+Off-CPU time is added when a thread runs again, so a long sleep lands in the interval where it ends. A thread
+already asleep when the probe starts is not counted for that sleep; one already inside a futex wait or nanosleep
+then is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
+as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps of 32-bit (compat) processes.
 """
 from __future__ import annotations
 
 import ctypes as ct
+import platform
 from typing import Any
 
+from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from probes._bpf import trim_log  # noqa: F401  (re-exported: the probe's error messages are trimmed with it)
 from probes._bpfprobe import BpfProbe, exit_has_group_dead, proc_gone  # noqa: F401  (re-exported for tests)
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
-COUNTERS = ("voluntary", "involuntary", "offcpu_ns", "runq_ns", "runq_events")
+REASONS = ("preempt", "io", "lock", "sleep", "wait")
+# bpf/sched.c struct slot_stats, in order (then runq_hist)
+COUNTERS = ("voluntary", "involuntary", "offcpu_ns", "runq_ns", "runq_events",
+            *(f"{r}_ns" for r in REASONS), "wakeup_ns", *(f"{r}_events" for r in REASONS))
+SYSCALL_REASONS = ("lock", "sleep")   # told apart from wait only with the sys_enter hook
 # (tracepoint, handler in bpf/sched.c); the membership handlers of bpf/common.h come first (BpfProbe).
 HANDLERS = (
     ("sched:sched_switch", "on_switch"),
     ("sched:sched_wakeup", "on_wakeup"),
     ("sched:sched_wakeup_new", "on_wakeup_new"),
 )
+SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
+# asm/unistd.h of each architecture: futex, futex_waitv (5.16), futex_wait (6.7), nanosleep, clock_nanosleep.
+SYSCALL_NRS = {
+    "x86_64": {"FUTEX": 202, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 35, "CLOCK_NANOSLEEP": 230},
+    "aarch64": {"FUTEX": 98, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 101, "CLOCK_NANOSLEEP": 115},
+}
 
 
 class SlotStats(ct.Structure):
@@ -35,11 +64,12 @@ class SlotStats(ct.Structure):
     _fields_ = [(name, ct.c_uint64) for name in COUNTERS] + [("runq_hist", ct.c_uint64 * NBUCKETS)]
 
 
-def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-    """This interval's fields from two cumulative readings {counter: int, "hist": [int]*NBUCKETS}."""
+def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool = True) -> dict[str, Any]:
+    """This interval's fields from two cumulative readings {counter: int, "hist": [int]*NBUCKETS}. Without the
+    syscall hook, lock and sleep are unknown (None): their time is in wait."""
     d = {k: delta(now[k], before[k]) for k in COUNTERS}
     hist = [delta(a, b) for a, b in zip(now["hist"], before["hist"])]
-    return {
+    out = {
         "voluntary_switches": d["voluntary"],
         "involuntary_switches": d["involuntary"],
         "offcpu_ns": d["offcpu_ns"],
@@ -48,24 +78,55 @@ def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "runq_lat_us_log2": hist,
         "runq_lat_p50_us": log2_percentile(hist, 0.50),
         "runq_lat_p99_us": log2_percentile(hist, 0.99),
+        "offcpu_wakeup_ns": d["wakeup_ns"],
     }
+    for r in REASONS:
+        known = syscall_reasons or r not in SYSCALL_REASONS
+        out[f"offcpu_{r}_ns"] = d[f"{r}_ns"] if known else None
+        out[f"offcpu_{r}_events"] = d[f"{r}_events"] if known else None
+    return out
 
 
 def zero_reading() -> dict[str, Any]:
     return {**{k: 0 for k in COUNTERS}, "hist": [0] * NBUCKETS}
 
 
-class SchedProbe(BpfProbe):
-    name = "sched"
-    default = True
-    needs_root = True
-    summary = "context switches, off-CPU time and run-queue latency of the job's threads (eBPF, sched tracepoints)"
-    fields = {
+def syscall_cflags(machine: str) -> list[str] | None:
+    """-DNR_*=n for bpf/sched.c's syscall classes on this architecture, or None when its numbers are unknown."""
+    nrs = SYSCALL_NRS.get(machine)
+    return None if nrs is None else ["-DSYSCALL_REASONS", *(f"-DNR_{k}={v}" for k, v in nrs.items())]
+
+
+def why_no_syscall_reasons(host: Host, wanted: bool, machine: str) -> str | None:
+    """Why lock/sleep cannot be told apart from wait here, or None when they can."""
+    if not wanted:
+        return "turned off (syscall_reasons=False)"
+    if syscall_cflags(machine) is None:
+        return f"syscall numbers of {machine} unknown"
+    missing = [tp for tp, _ in SYSCALL_HANDLERS if not host.tracepoint_exists(*tp.split(":"))]
+    return f"tracepoint {missing[0]} not found in tracefs" if missing else None
+
+
+_REASON_MEANING = {
+    "preempt": "switched out while still runnable (preempted, or yielded): the whole period waiting for a CPU",
+    "io": "in uninterruptible sleep (state D: disk I/O, reads through the page cache, fsync, kernel mutexes), "
+          "to the wakeup",
+    "lock": "asleep in a futex wait (locks, condition variables, semaphores, Event.wait, the Python GIL), to the "
+            "wakeup; None without the sys_enter hook (then in wait)",
+    "sleep": "asleep in nanosleep / clock_nanosleep (time.sleep), to the wakeup; None without the sys_enter hook "
+             "(then in wait)",
+    "wait": "in any other sleep (poll/epoll/select, pipe and socket reads, wait4, stopped), to the wakeup",
+}
+
+
+def _fields() -> dict[str, Field]:
+    out = {
         "voluntary_switches": Field("int", "count", "switches out of the job's threads that went to sleep"),
         "involuntary_switches": Field("int", "count", "switches out of the job's threads that were still runnable "
                                       "(preempted, or yielded)"),
         "offcpu_ns": Field("int", "ns", "time the job's threads spent off CPU (asleep or waiting for a CPU), "
-                           "counted when each thread ran again"),
+                           "counted when each thread ran again; the sum of offcpu_{preempt,io,lock,sleep,wait,"
+                           "wakeup}_ns"),
         "runq_lat_us_log2": Field("list[int]", "count", f"run-queue latency histogram: bucket i counts waits of "
                                   f"[2^i, 2^(i+1)) µs (bucket 0: [0, 2)), {NBUCKETS} buckets, the last open-ended"),
         "runq_lat_ns": Field("int", "ns", "total run-queue latency of the interval's events"),
@@ -73,11 +134,37 @@ class SchedProbe(BpfProbe):
         "runq_lat_p99_us": Field("float", "us", "99th percentile run-queue latency (from the histogram; None if "
                                  "no events)"),
         "runq_events": Field("int", "count", "times a job thread went from runnable to running"),
+        "offcpu_wakeup_ns": Field("int", "ns", "off-CPU time from the wakeup of a sleep (io, lock, sleep, wait) to "
+                                  "running again: waiting for a CPU after sleeping"),
     }
+    for r, meaning in _REASON_MEANING.items():
+        out[f"offcpu_{r}_ns"] = Field("int", "ns", f"off-CPU time of the job's threads {meaning}")
+        out[f"offcpu_{r}_events"] = Field("int", "count", f"off-CPU periods that ended, of threads {meaning}")
+    return out
+
+
+class SchedProbe(BpfProbe):
+    name = "sched"
+    default = True
+    needs_root = True
+    summary = ("context switches, off-CPU time by reason (preempt, I/O, lock, sleep, wait) and run-queue latency "
+               "of the job's threads (eBPF, sched and raw_syscalls tracepoints)")
+    fields = _fields()
 
     bpf_name = "sched"
-    handlers = HANDLERS
     map_types = {"start": (ct.c_uint32, None), "stats": (ct.c_uint32, SlotStats)}
+
+    def __init__(self, host: Host | None = None, slot: int = 0, syscall_reasons: bool = True,
+                 machine: str | None = None):
+        super().__init__(host, slot)
+        machine = machine or platform.machine()
+        # Why lock and sleep are not told apart from wait (None: they are); decided once, from the host.
+        self.syscall_reasons_off = why_no_syscall_reasons(self.host, syscall_reasons, machine)
+        self.syscall_reasons = self.syscall_reasons_off is None
+        self.handlers = HANDLERS + (SYSCALL_HANDLERS if self.syscall_reasons else ())
+        self.cflags = tuple(syscall_cflags(machine) or ()) if self.syscall_reasons else ()
+        if self.syscall_reasons:
+            self.map_types = {**self.map_types, "in_call": (ct.c_uint32, ct.c_uint32)}
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs."""
@@ -87,4 +174,4 @@ class SchedProbe(BpfProbe):
         return out
 
     def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
-        return interval(now, before)
+        return interval(now, before, self.syscall_reasons)
