@@ -9,7 +9,7 @@
  * Hooks: tracepoints sched:sched_process_fork, sched:sched_process_exit.
  * Oldest kernel: 4.18 (bpf_get_current_cgroup_id; BPF on tracepoints needs 4.7). The sched_process_exit field
  *   group_dead (recent kernels only) is used when user space says it exists (-DJOB_EXIT_HAS_GROUP_DEAD).
- * Cost: job_slot_current() is one hash lookup for cgroup members, two for everything else (~50-100 ns);
+ * Cost: job_slot_current() is one array read plus one hash lookup per kind of membership in use (job_kinds);
  *   fork/exit add one lookup and at most one update/delete per process or thread created or ended.
  *
  * Handlers are plain functions, attached by name from user space (job_fork → sched:sched_process_fork, job_exit →
@@ -26,17 +26,30 @@ BPF_HASH(job_of_cgroup, u64, u32, 4096);
  * clone flags), so members' threads get a key too (their tid); it is deleted when the thread exits. */
 BPF_HASH(job_of_tgid, u32, u32, MAX_MEMBER_TASKS);
 
+/* Which kinds of membership are in use, set by user space: bit 0, some job is watched by cgroup id; bit 1, by tgid.
+ * A task of no job then costs one array read and one hash lookup, not two hash lookups. (0 before user space has
+ * registered anything: nothing is a member yet.) */
+#define JOB_BY_CGROUP 1
+#define JOB_BY_TGID 2
+BPF_ARRAY(job_kinds, u32, 1);
+
 /* The job slot of the task running now, or -1. Cgroup first: on v2 hosts that is the only lookup for members. */
 static inline int job_slot_current(void)
 {
-    u64 cg = bpf_get_current_cgroup_id();
-    u32 *slot = job_of_cgroup.lookup(&cg);
-    if (!slot) {
+    u32 zero = 0, *kinds = job_kinds.lookup(&zero);
+    if (!kinds)
+        return -1;
+    u32 *slot = 0;
+    if (*kinds & JOB_BY_CGROUP) {
+        u64 cg = bpf_get_current_cgroup_id();
+        slot = job_of_cgroup.lookup(&cg);
+    }
+    if (!slot && (*kinds & JOB_BY_TGID)) {
         u32 tgid = bpf_get_current_pid_tgid() >> 32;
         slot = job_of_tgid.lookup(&tgid);
-        if (!slot)
-            return -1;
     }
+    if (!slot)
+        return -1;
     return *slot < MAX_SLOTS ? (int)*slot : -1;
 }
 

@@ -28,7 +28,7 @@
  * Oldest kernel: 4.18 (common.h); prev_state as "reported state" (bit per state, preempted → 0 in the low byte)
  *   since 4.14.
  * Cost (6.18 VM, bpf_stats): sched_switch runs on every switch of every task on the node: 1-2 lookups for prev's
- *   membership and one for next in `start`; members add one update/delete, and an interruptible sleep one lookup
+ *   membership and one for next in `start`; members rewrite their `start` entry in place, and an interruptible sleep one lookup
  *   in `in_call` (a job ping-ponging over pipes: 207 ns per switch, median of 6 runs; 193 ns before the reasons).
  *   sched_wakeup: one lookup (~80-170 ns). sys_enter (every syscall of the node): a compare chain and one hash
  *   miss on the caller's tid, plus a membership check for futex waits and nanosleeps (+37 ns per syscall end to
@@ -157,11 +157,11 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
 
     /* The tracepoint runs before the switch: "current" is still prev, so membership helpers see prev. */
     if (prev != 0) {
+        long state = args->prev_state & 0xff;
         int slot = job_slot_current();
         if (slot >= 0) {
             u32 key = slot;
             struct slot_stats *s = stats.lookup(&key);
-            long state = args->prev_state & 0xff;
             if (s) {
                 if (state == 0)
                     s->involuntary++;
@@ -172,24 +172,31 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
                                       .reason = offcpu_reason(state, prev)};
-                start.update(&prev, &rec);
-            } else {
-                /* Its last switch-out. An entry here means a switch-in we never saw, after job_exit had run
-                 * (a preemption late in do_exit): it would stay for good. In the 6.18 VM ~0.5% of a busy job's
-                 * switch-ins are not seen while other BPF tools run, with no recursion miss counted. */
-                start.delete(&prev);
-#ifdef SYSCALL_REASONS
-                in_call.delete(&prev);
-#endif
+                /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
+                 * lookup instead of a hash insert and delete per switch. */
+                struct off_rec *old = start.lookup(&prev);
+                if (old)
+                    *old = rec;
+                else
+                    start.update(&prev, &rec);
             }
+        }
+        if (state & STATE_EXITING) {
+            /* Its last switch-out, member or not by now: job_exit may have dropped its process from the
+             * membership maps, and a preemption late in do_exit can have written an entry after job_exit_hook
+             * ran. Deleting here, for every task that dies on the node, leaves no entry behind. */
+            start.delete(&prev);
+#ifdef SYSCALL_REASONS
+            in_call.delete(&prev);
+#endif
         }
     }
 
     if (next == 0)
         return 0;
     struct off_rec *rec = start.lookup(&next);
-    if (!rec)
-        return 0;
+    if (!rec || (rec->out_ns == 0 && rec->enq_ns == 0))
+        return 0;   /* not a member, or running already (its period was consumed) */
     u32 key = rec->slot;
     struct slot_stats *s = stats.lookup(&key);
     if (s) {
@@ -215,7 +222,8 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
             s->runq_hist[b]++;
         }
     }
-    start.delete(&next);
+    rec->out_ns = 0;   /* consumed: kept for the next switch-out, deleted when the thread exits */
+    rec->enq_ns = 0;
     return 0;
 }
 
@@ -226,7 +234,7 @@ int on_wakeup(struct tracepoint__sched__sched_wakeup *args)
 {
     u32 tid = args->pid;
     struct off_rec *rec = start.lookup(&tid);
-    if (rec && rec->enq_ns == 0)
+    if (rec && rec->out_ns && rec->enq_ns == 0)   /* off CPU (not a consumed entry of a running thread) */
         rec->enq_ns = bpf_ktime_get_ns();
     return 0;
 }

@@ -20,6 +20,7 @@ from jobprobe.probe import Probe
 from jobprobe.target import Target
 from probes import _bpf
 
+JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits
 MEMBERSHIP = (("sched:sched_process_fork", "job_fork"), ("sched:sched_process_exit", "job_exit"),
               ("sched:sched_process_exec", "job_exec"))
 
@@ -99,6 +100,7 @@ class BpfProbe(Probe):
             maps = self.loaded.maps
             maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
             maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
+            maps["job_kinds"].typed(ct.c_uint32, ct.c_uint32)
             for name, (key, value) in self.map_types.items():
                 maps[name].typed(key, value)
             self._register()
@@ -134,6 +136,8 @@ class BpfProbe(Probe):
         target = self.target
         if target is None:
             return
+        kinds = self.loaded.maps["job_kinds"]
+        kinds.update(0, (kinds.lookup(0) or 0) | (JOB_BY_CGROUP if target.kind == "cgroup" else JOB_BY_TGID))
         if target.kind == "cgroup":
             self._sync_cgroups()
             return

@@ -347,7 +347,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     probe.start(PidTreeTarget([os.getpid()]))
     assert bpf_fds("prog") == before + len(probe.all_handlers())
     assert bpf_fds("perf") == perf + len(probe.all_handlers())
-    assert bpf_fds("map") == maps + 4                  # job_of_cgroup, job_of_tgid, inflight, stats
+    assert bpf_fds("map") == maps + 5                  # job_of_cgroup, job_of_tgid, job_kinds, inflight, stats
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     probe.stop()
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf

@@ -404,7 +404,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     probe.start(PidTreeTarget([os.getpid()]))
     assert bpf_fds("prog") == before + len(probe.all_handlers())
     assert bpf_fds("perf") == perf + len(probe.all_handlers())
-    assert bpf_fds("map") == maps + 5          # job_of_cgroup, job_of_tgid, stats, stalls, oom_victims
+    assert bpf_fds("map") == maps + 6          # job_of_cgroup, job_of_tgid, job_kinds, stats, stalls, oom_victims
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     assert probe.loaded.maps["oom_victims"].value_size == ct.sizeof(OomRec)
     probe.stop()

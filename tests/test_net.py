@@ -417,7 +417,7 @@ def test_stop_detaches_and_leaves_no_bpf_fd(probe, make_cgroup):
     assert [what for what, _, _ in probe.loaded.links][-2:] == [f"cgroup_skb/ingress:{cg.path}",
                                                                 f"cgroup_skb/egress:{cg.path}"]
     got = {k: bpf_fds(k) - before[k] for k in kinds}
-    assert got == {"prog": len(probe.all_handlers()) + 2, "map": 5, "link": 2, "perf": len(probe.all_handlers())}
+    assert got == {"prog": len(probe.all_handlers()) + 2, "map": 6, "link": 2, "perf": len(probe.all_handlers())}
     ids = [_bpf.prog_info(fd).id for fd in probe.loaded.progs.values()]
     probe.stop()
     assert {k: bpf_fds(k) for k in kinds} == before

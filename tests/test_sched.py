@@ -302,8 +302,8 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     probe.start(PidTreeTarget([os.getpid()]))
     assert bpf_fds("prog") == before + len(probe.all_handlers())
     assert bpf_fds("perf") == perf + len(probe.all_handlers())   # one attachment per tracepoint, held here
-    # job_of_cgroup, job_of_tgid, start, stats, and in_call with the sys_enter hook
-    assert bpf_fds("map") == maps + 4 + probe.syscall_reasons
+    # job_of_cgroup, job_of_tgid, job_kinds, start, stats, and in_call with the sys_enter hook
+    assert bpf_fds("map") == maps + 5 + probe.syscall_reasons
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
