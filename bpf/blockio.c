@@ -66,17 +66,6 @@ BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked be
 #error "stats is sized for MAX_SLOTS == 64"
 #endif
 
-static inline u32 log2_floor(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
-}
 
 /* rwbs is "[F]<op>[F][A][S][M]": the op letter is the first or second; 'R' and 'W' appear only as ops. */
 #define OP_OF(rwbs) ((rwbs)[0] == 'R' || (rwbs)[1] == 'R' ? OP_READ : \

@@ -26,6 +26,20 @@ BPF_HASH(job_of_cgroup, u64, u32, 4096);
  * clone flags), so members' threads get a key too (their tid); it is deleted when the thread exits. */
 BPF_HASH(job_of_tgid, u32, u32, MAX_MEMBER_TASKS);
 
+/* floor(log2(v)), 0 for v <= 1: the bucket of a log2 histogram (callers clamp to their bucket count). Unrolled:
+ * the verifier of older kernels refuses loops. */
+static inline u32 log2_floor(u64 v)
+{
+    u32 r = 0;
+    if (v >> 32) { v >>= 32; r += 32; }
+    if (v >> 16) { v >>= 16; r += 16; }
+    if (v >> 8)  { v >>= 8;  r += 8; }
+    if (v >> 4)  { v >>= 4;  r += 4; }
+    if (v >> 2)  { v >>= 2;  r += 2; }
+    if (v >> 1)  { r += 1; }
+    return r;
+}
+
 /* Which kinds of membership are in use, set by user space: bit 0, some job is watched by cgroup id; bit 1, by tgid.
  * A task of no job then costs one array read and one hash lookup, not two hash lookups. (0 before user space has
  * registered anything: nothing is a member yet.) */

@@ -93,18 +93,6 @@ static inline void job_exit_hook(u32 tid)
 #endif
 BPF_PERCPU_ARRAY(stats, struct cuda_stats, 64);
 
-static inline u32 log2_floor(u64 v)
-{
-    u32 r = 0;
-#pragma unroll
-    for (int i = 32; i > 0; i >>= 1) {
-        if (v >= (1ULL << i)) {
-            v >>= i;
-            r += i;
-        }
-    }
-    return r;
-}
 
 /* Sizes of ncclDataType_t values (nccl.h): int8 uint8 int32 uint32 int64 uint64 float16 float32 float64 bfloat16
  * float8e4m3 float8e5m2; 0 for a value this table does not know (a newer NCCL's type): bytes then unknown. */

@@ -97,17 +97,6 @@ static inline struct slot_stats *current_stats(void)
     return stats.lookup(&key);
 }
 
-static inline u32 log2_floor(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
-}
 
 /* ---- page faults ------------------------------------------------------------------------------------------ */
 #ifdef HAVE_FAULTS

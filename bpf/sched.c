@@ -100,17 +100,6 @@ static inline void job_exit_hook(u32 tid)
 #error "stats is sized for MAX_SLOTS == 64"
 #endif
 
-static inline u32 log2_floor(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
-}
 
 /* Why `tid` (current, being switched out) leaves the CPU, from its reported state. */
 static inline u32 offcpu_reason(long state, u32 tid)

@@ -83,17 +83,6 @@ static inline void job_exec_hook(u32 old, u32 now)
 #error "stats is sized for MAX_SLOTS == 64"
 #endif
 
-static inline u32 log2_floor(u64 v)
-{
-    u32 r = 0;
-    if (v >> 32) { v >>= 32; r += 32; }
-    if (v >> 16) { v >>= 16; r += 16; }
-    if (v >> 8)  { v >>= 8;  r += 8; }
-    if (v >> 4)  { v >>= 4;  r += 4; }
-    if (v >> 2)  { v >>= 2;  r += 2; }
-    if (v >> 1)  { r += 1; }
-    return r;
-}
 
 /* job_slot_current() asks job_of_cgroup then job_of_tgid: two hash lookups for every non-member syscall on a node
  * that watches only PID trees (hybrid hosts). member_mode says which maps are in use, so a non-member costs one. */

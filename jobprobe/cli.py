@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     ov.add_argument("--min-pairs", type=int, default=3, metavar="N")
     ov.add_argument("--tolerance-pp", type=float, default=0.5, metavar="PP",
                     help="settled when the last three estimates agree within PP percentage points (default 0.5)")
+    ov.add_argument("--precision-pp", type=float, metavar="PP",
+                    help="also require the 95%% interval's half-width to be at most PP percentage points")
     ov.add_argument("--warmup", type=int, default=1, metavar="N", help="runs without jobprobe first, not counted")
     ov.add_argument("--seed", type=int)
     ov.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -281,7 +283,8 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
         _check_config(c)
     bench = OverheadBench(command, args.config or ["std"], interval=args.interval, max_runs=args.max_runs,
                           max_minutes=args.max_minutes, min_pairs=args.min_pairs, tol=args.tolerance_pp / 100,
-                          warmup=args.warmup, seed=args.seed)
+                          warmup=args.warmup, seed=args.seed,
+                          precision=args.precision_pp / 100 if args.precision_pp else None)
     print(write_outputs(bench.run(), args.json, args.markdown))
     return 0
 

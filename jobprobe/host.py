@@ -8,18 +8,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-def find_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
-    """The first cgroup2 mount point in mountinfo (pure cgroup v2 at /sys/fs/cgroup, hybrid at .../unified)."""
+def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str, list[str]]]:
+    """(fstype, mount point, root, super options) of every line of a mountinfo file; [] if unreadable."""
     try:
         text = Path(mountinfo).read_text()
     except OSError:
-        return None
+        return []
+    out = []
     for line in text.splitlines():
         # "<id> <parent> <maj:min> <root> <mountpoint> <opts> [optional...] - <fstype> <source> <superopts>"
         left, _, right = line.partition(" - ")
-        if right.split(" ", 1)[0] == "cgroup2":
-            return left.split(" ")[4].replace("\\040", " ")
-    return None
+        cols, fs = left.split(" "), right.split(" ")
+        out.append((fs[0], cols[4].replace("\\040", " "), cols[3], fs[2].split(",") if len(fs) > 2 else []))
+    return out
+
+
+def find_cgroup2_mount(mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The first cgroup2 mount point in mountinfo (pure cgroup v2 at /sys/fs/cgroup, hybrid at .../unified)."""
+    return next((point for fstype, point, _, _ in mounts(mountinfo) if fstype == "cgroup2"), None)
+
+
+def find_cgroup_v1_mount(mountinfo: str, controller: str) -> tuple[str, str] | None:
+    """(mount point, root) of the cgroup v1 hierarchy that carries `controller`; None if none."""
+    return next(((point, root) for fstype, point, root, opts in mounts(mountinfo)
+                 if fstype == "cgroup" and controller in opts), None)
 
 
 @dataclass

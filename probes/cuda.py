@@ -280,10 +280,7 @@ class CudaProbe(BpfProbe):
         super().stop()
 
     def reading(self) -> dict[str, Any]:
-        per_cpu = self.loaded.maps["stats"].lookup(self.slot)
-        out: dict[str, Any] = {k: sum(getattr(s, k) for s in per_cpu) for k in SCALARS}
-        for k in ARRAYS:
-            out[k] = [sum(vals) for vals in zip(*(getattr(s, k) for s in per_cpu))]
+        out = self.slot_totals()
         out["t"], out["libraries"] = time.monotonic(), len(self.libraries)
         return out
 

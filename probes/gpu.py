@@ -19,7 +19,7 @@ import ctypes
 from pathlib import Path
 
 from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
+from jobprobe.host import Host, find_cgroup_v1_mount
 from jobprobe.probe import EVENTS_KEY, Field, Probe
 from jobprobe.target import Target
 from probes._nvml import LIBRARY, Gpu, GpuLost, Nvml
@@ -74,17 +74,7 @@ def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:
 # ---- rule devices: the v1 device cgroup (SLURM ConstrainDevices, container runtimes on v1 hosts) ---------------
 def v1_mount(mountinfo: str, controller: str = "devices") -> tuple[str, str] | None:
     """(mount point, root) of the v1 hierarchy that carries `controller`, from mountinfo; None if none."""
-    try:
-        text = Path(mountinfo).read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fs = right.split(" ")
-        if fs[0] == "cgroup" and len(fs) > 2 and controller in fs[2].split(","):
-            cols = left.split(" ")
-            return cols[4].replace("\\040", " "), cols[3]
-    return None
+    return find_cgroup_v1_mount(mountinfo, controller)
 
 
 def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | None:

@@ -284,9 +284,8 @@ class MemoryProbe(BpfProbe):
         super().start(target)
 
     def reading(self) -> dict[str, Any]:
-        per_cpu = self.loaded.maps["stats"].lookup(self.slot)
-        out = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS}
-        out["hist"] = [sum(s.reclaim_hist[i] for s in per_cpu) for i in range(NBUCKETS)]
+        out = self.slot_totals()
+        out["hist"] = out.pop("reclaim_hist")
         return out
 
     def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

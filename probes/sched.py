@@ -168,9 +168,8 @@ class SchedProbe(BpfProbe):
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs."""
-        per_cpu = self.loaded.maps["stats"].lookup(self.slot)
-        out = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS}
-        out["hist"] = [sum(s.runq_hist[i] for s in per_cpu) for i in range(NBUCKETS)]
+        out = self.slot_totals()
+        out["hist"] = out.pop("runq_hist")
         return out
 
     def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

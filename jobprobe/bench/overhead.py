@@ -53,13 +53,14 @@ class Run:
 class OverheadBench:
     def __init__(self, cmd: list[str], configs: list[str], interval: float = 1.0, max_runs: int = 40,
                  max_minutes: float = 30.0, min_pairs: int = 3, tol: float = 0.005, warmup: int = 1,
+                 precision: float | None = None,
                  seed: int | None = None, workdir: str | None = None, jobprobe: list[str] | None = None,
                  progress: IO[str] | None = None, clock: Callable[[], float] = time.monotonic):
         if not cmd:
             raise BadInput("nothing to run after --")
         self.cmd, self.configs = cmd, list(dict.fromkeys(configs or ["std"]))
         self.interval, self.max_runs, self.max_minutes = interval, max_runs, max_minutes
-        self.min_pairs, self.tol, self.warmup = min_pairs, tol, warmup
+        self.min_pairs, self.tol, self.warmup, self.precision = min_pairs, tol, warmup, precision
         self.rng = random.Random(seed)
         self.mount = find_cgroup2_mount()
         if self.mount is None:
@@ -154,7 +155,7 @@ class OverheadBench:
         for _ in range(self.warmup):       # the first runs of a job are the slowest (caches, page cache)
             self.run_plain()
         while self.budget_left():
-            todo = [c for c in self.configs if not self.series[c].settled(tol=self.tol, min_pairs=self.min_pairs)]
+            todo = [c for c in self.configs if not self._settled(c)]
             if not todo:
                 self.stopped_by = "every estimate settled"
                 break
@@ -166,6 +167,9 @@ class OverheadBench:
         if self.progress is not None:
             self.progress.write("\n")
         return self.result()
+
+    def _settled(self, config: str) -> bool:
+        return self.series[config].settled(tol=self.tol, min_pairs=self.min_pairs, precision=self.precision)
 
     def _report(self) -> None:
         if self.progress is None:
@@ -187,7 +191,7 @@ class OverheadBench:
             configs[c] = {
                 "probes": config_probes(c) or "standard",
                 "pairs": est.n, "slowdown": est.mean, "lo": est.lo, "hi": est.hi,
-                "settled": s.settled(tol=self.tol, min_pairs=self.min_pairs),
+                "settled": self._settled(c),
                 "seconds_without": s.without, "seconds_with": s.with_,
                 "collector_cores": median([x["cores"] for x in col]),
                 "collector_peak_bytes": max([x["peak_bytes"] for x in col], default=0),

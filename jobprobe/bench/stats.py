@@ -71,12 +71,20 @@ class Series:
     def estimate(self) -> Estimate:
         return estimate(self.slowdowns())
 
-    def settled(self, window: int = 3, tol: float = 0.005, min_pairs: int = 3) -> bool:
-        """The last `window` estimates agree within `tol` (0.005 = 0.5 percentage points)."""
+    def settled(self, window: int = 3, tol: float = 0.005, min_pairs: int = 3,
+                precision: float | None = None) -> bool:
+        """The last `window` estimates agree within `tol` (0.005 = 0.5 percentage points) — and, if `precision`
+        is given, the 95% interval's half-width is at most that: on a noisy machine the running mean can hold
+        still long before the interval is narrow."""
         if len(self.history) < max(window, min_pairs):
             return False
         last = self.history[-window:]
-        return max(last) - min(last) <= tol
+        if max(last) - min(last) > tol:
+            return False
+        if precision is not None:
+            est = self.estimate()
+            return (est.hi - est.lo) / 2 <= precision
+        return True
 
 
 def median(xs: list[float]) -> float:
