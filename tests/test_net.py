@@ -212,14 +212,22 @@ def job_socks(probe: NetProbe) -> list[int]:
 
 @pytest.mark.kernel
 def test_tcp_of_a_cgroup_job_matches_workload_veth_and_snmp(probe, make_cgroup, net):
-    cg = make_cgroup()
-    sink = net.start(net.b, "tcp_sink", 5001, 1 << 20, ready=True)
-    probe.start(CgroupTarget(str(cg.path)))
-    v0, n0, b0 = net.veth_a(), net.snmp(net.a), net.snmp(net.b)
-    job = result(net.start(net.a, "tcp_send", ADDR_B, 5001, 8 << 20, spawn=cg.spawn))
-    result(sink)
-    s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
-    v1, n1, b1 = net.veth_a(), net.snmp(net.a), net.snmp(net.b)
+    # The exact comparisons need a transfer with no retransmission (a retransmitted segment crosses the veth and the
+    # probe twice but the workload once). On a loaded VM one may happen anyway: then run the transfer again.
+    for attempt in range(3):
+        port = 5001 + attempt
+        cg = make_cgroup()
+        sink = net.start(net.b, "tcp_sink", port, 1 << 20, ready=True)
+        probe.start(CgroupTarget(str(cg.path)))
+        v0, n0, b0 = net.veth_a(), net.snmp(net.a), net.snmp(net.b)
+        job = result(net.start(net.a, "tcp_send", ADDR_B, port, 8 << 20, spawn=cg.spawn))
+        result(sink)
+        s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
+        v1, n1, b1 = net.veth_a(), net.snmp(net.a), net.snmp(net.b)
+        if job["retrans"] == 0:
+            break
+        assert s["tcp_retransmits"] > 0     # the probe saw what the workload's TCP_INFO reports
+        probe.stop()
     dv = {k: v1[k] - v0[k] for k in v0}
     # Segments each way: A's OutSegs, and B's (the receiver is B's only TCP user): both count GSO skbs' segments.
     segs_out, segs_in = n1["TcpOutSegs"] - n0["TcpOutSegs"], b1["TcpOutSegs"] - b0["TcpOutSegs"]
@@ -237,7 +245,7 @@ def test_tcp_of_a_cgroup_job_matches_workload_veth_and_snmp(probe, make_cgroup, 
     assert s["tcp_active_opens"] == 1 == n1["TcpActiveOpens"] - n0["TcpActiveOpens"] and s["tcp_closes"] == 1
     assert s["tcp_passive_opens"] == 0 and s["tcp_retransmits"] == 0
     (addr, port), (ptx, prx) = max(s["peers"].items(), key=lambda kv: sum(kv[1]))
-    assert (addr, port) == (ADDR_B, 5001) and near(ptx, job["sent"]) and near(prx, job["received"])
+    assert (addr, port) == (ADDR_B, 5001 + attempt) and near(ptx, job["sent"]) and near(prx, job["received"])
     assert s["udp_tx_bytes"] == s["udp_rx_bytes"] == s["udp_tx_packets"] == 0
     assert job_socks(probe) == []                        # the socket is gone, and so is its entry
 
