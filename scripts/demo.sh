@@ -9,7 +9,7 @@ sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
 echo "== jobprobe run --out out/demo.mpk --stdout -- python scripts/train_cpu.py --steps $steps"
 $sudo_ .venv/bin/jobprobe run --out out/demo.mpk --stdout -- .venv/bin/python scripts/train_cpu.py --steps "$steps"
 echo
-echo "== jobprobe read out/demo.mpk --format table (last lines)"
-.venv/bin/jobprobe read out/demo.mpk --format table | tail -n 8 | cut -c1-200
+echo "== jobprobe read out/demo.mpk --format summary (per field over the run)"
+.venv/bin/jobprobe read out/demo.mpk --format summary
 echo
 echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/jobprobe read out/demo.mpk"
