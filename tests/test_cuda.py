@@ -418,3 +418,33 @@ def test_cost_per_call(tmp_path):
             print(f"{FIRST[variant]:28} {k + ('' if who == 'job' else '/out'):9} {off[k] / n:7.0f} "
                   f"{on[who, k] / n:7.0f} {(on[who, k] - off[k]) / n:8.0f}  {per_run}")
         print(f"   maps scan of one process: {scan * 1e6:.0f} µs")
+
+
+@pytest.mark.kernel
+def test_gpu_and_cuda_together_on_the_fakes(fakes, tmp_path):
+    """The issue's whole GPU side in one run: `jobprobe run --probes +cuda -- <program>` with the fake NVML and the
+    fake CUDA/NCCL libraries (both compiled by the tests) shows the job's GPU (found by CUDA_VISIBLE_DEVICES in the
+    job's environment) and its CUDA/NCCL calls per second, summing to the program's own account."""
+    from tests.fake_nvml.state import FakeState, build as build_nvml
+    (tmp_path / "nvml").mkdir()
+    nvml_dir = build_nvml(tmp_path / "nvml").parent
+    state = FakeState(tmp_path / "state").gpu(0, uuid="GPU-fake-0", name="Fake GPU", util="61 12",
+                                              mem=f"{16 << 30} {3 << 30}", clocks="1410 1593", power=250000,
+                                              energy=1_000_000, temp=50, pcie="1 2", throttle="0x0", ecc="0 0",
+                                              remap="0 0 0 0", gpm=0).write()
+    truth_file = tmp_path / "truth.json"
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{fakes}:{nvml_dir}", "FAKE_NVML_STATE": str(state.path),
+           "CUDA_VISIBLE_DEVICES": "0"}
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "+cuda", "--stdout", "json",
+                          "--", str(fakes / "cudaprog"), "auto", "40", str(truth_file)],
+                         capture_output=True, text=True, timeout=180, cwd=str(ROOT), env=env)
+    assert res.returncode == 0, res.stderr
+    frames = [json.loads(x) for x in res.stdout.splitlines()]
+    assert frames[0]["probes"]["gpu"] == "ok" and frames[0]["probes"]["cuda"] == "ok", frames[0]["probes"]
+    samples = [f for f in frames if f["kind"] == "sample"]
+    gpus = [f["probes"]["gpu"]["gpus"] for f in samples if f["probes"]["gpu"]["gpus"]]
+    assert gpus and all(g[0]["rule"] == "env" and g[0]["util_gpu_pct"] == 61 and g[0]["power_mw"] == 250000
+                        for g in gpus)
+    truth = json.loads(truth_file.read_text())
+    total = {k: sum(f["probes"]["cuda"][k] for f in samples) for k in COUNTED}
+    assert total == {k: truth[k] for k in COUNTED}
