@@ -93,6 +93,20 @@ def make_cgroup(cgroup2_mount, request):
         cg.remove()
 
 
+def bpf_fds(kind: str = "prog") -> int:
+    """Open fds of this process that are BPF programs ("prog"), maps ("map"), links ("link") or perf events
+    ("perf": tracepoint and uprobe attachments) — what a probe's stop() must give back."""
+    want = {"prog": "anon_inode:bpf-prog", "map": "anon_inode:bpf-map", "link": "anon_inode:bpf_link",
+            "perf": "anon_inode:[perf_event]"}[kind]
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}") == want
+        except OSError:
+            pass  # the fd of the listing itself, already closed
+    return n
+
+
 def workload(name: str, *args) -> list[str]:
     """argv of a workload in tests/workloads.py (a plain Python process, the same interpreter)."""
     return [sys.executable, str(TESTS / "workloads.py"), name, *map(str, args)]

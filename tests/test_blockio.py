@@ -25,7 +25,7 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes.blockio import (COUNTERS, DIRS, NBUCKETS, STALE_NS, BlockioProbe, DirStats, RqKey, RqVal, SlotStats,
                             choose_mode, interval, plan, tp_fields, zero_reading)
-from tests.test_sched import bpf_fds
+from tests.conftest import bpf_fds
 from tests.workloads_blockio import Loop
 
 WORKLOADS = Path(__file__).resolve().parent / "workloads_blockio.py"

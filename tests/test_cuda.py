@@ -29,7 +29,7 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf, _elf
 from probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, UprobePmu, interval,
                          mapped_libraries, plan_library, zero_reading)
-from tests.conftest import TESTS
+from tests.conftest import TESTS, bpf_fds
 from tests.fake_cuda.build import LIBS, build
 from tests.fake_cuda.prog import Prog, file_offsets_from_the_linker
 
@@ -198,17 +198,6 @@ COUNTED = ["kernel_launches", *(f"memcpy_{d}_{k}" for d in DIRS for k in ("calls
            *(f"nccl_{c}_{k}" for c in COLLECTIVES for k in ("calls", "bytes")), "nccl_unknown_dtype_calls"]
 
 
-def bpf_fds(kind: str) -> int:
-    """Open fds of this process that are BPF programs ("prog"), maps ("map") or perf events ("perf": tracepoint
-    and uprobe attachments)."""
-    want = "anon_inode:[perf_event]" if kind == "perf" else f"anon_inode:bpf-{kind}"
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == want
-        except OSError:
-            pass
-    return n
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,
                            btf_enum_values, interval, oom_cflags, oom_event, plan, zero_reading)
-from tests.workloads_memory import (MemcgV1, bpf_fds, failcnt, go, memcg_v1_root, memwork, populated_zones, said,
+from tests.conftest import bpf_fds
+from tests.workloads_memory import (MemcgV1, failcnt, go, memcg_v1_root, memwork, populated_zones, said,
                                     spawn, window)
 
 # ---------------------------------------------------------------- unit

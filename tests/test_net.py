@@ -28,7 +28,8 @@ from probes import _bpf
 from probes._bpfprobe import MEMBERSHIP
 from probes.net import (COUNTERS, PACKET_FIELDS, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
-from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, bpf_fds, near, result
+from tests.conftest import bpf_fds
+from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, near, result
 
 # ---------------------------------------------------------------- unit
 

@@ -23,7 +23,7 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, REASONS, SYSCALL_HANDLERS, SchedProbe, SlotStats,
                           exit_has_group_dead, interval, proc_gone, trim_log, zero_reading)
-from tests.conftest import TESTS, workload
+from tests.conftest import TESTS, bpf_fds, workload
 
 # ---------------------------------------------------------------- unit
 
@@ -139,17 +139,6 @@ def test_syscall_hook_is_chosen_from_the_host(tmp_path):
 # ---------------------------------------------------------------- kernel tier
 
 
-def bpf_fds(kind: str = "prog") -> int:
-    """Open fds of this process that are BPF programs ("prog"), maps ("map") or perf events ("perf": the
-    tracepoint attachments)."""
-    want = "anon_inode:[perf_event]" if kind == "perf" else f"anon_inode:bpf-{kind}"
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == want
-        except OSError:
-            pass  # the fd of the listing itself, already closed
-    return n
 
 
 @pytest.fixture

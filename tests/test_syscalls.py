@@ -22,7 +22,7 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
                              interval, name_of, parse_unistd, syscall_table, zero_reading)
-from tests.test_sched import bpf_fds
+from tests.conftest import bpf_fds
 
 TESTS = Path(__file__).resolve().parent
 

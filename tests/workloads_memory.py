@@ -179,15 +179,6 @@ def populated_zones() -> int:
     return sum(int(m) > 0 for m in re.findall(r"^\s+present\s+(\d+)", Path("/proc/zoneinfo").read_text(), re.M))
 
 
-def bpf_fds(kind: str) -> int:
-    want = "anon_inode:[perf_event]" if kind == "perf" else f"anon_inode:bpf-{kind}"
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == want
-        except OSError:
-            pass
-    return n
 
 
 

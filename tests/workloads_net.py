@@ -233,17 +233,6 @@ TCP_HDRS = 14 + 20 + 32   # Ethernet + IPv4 + TCP with the timestamp option, onc
 UDP_HDRS = 14 + 20 + 8
 
 
-def bpf_fds(kind: str) -> int:
-    """Open fds of this process that are BPF programs, maps, links, or perf events (tracepoint attachments)."""
-    want = {"prog": "anon_inode:bpf-prog", "map": "anon_inode:bpf-map", "link": "anon_inode:bpf_link",
-            "perf": "anon_inode:[perf_event]"}[kind]
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == want
-        except OSError:
-            pass
-    return n
 
 
 DROP = r"""
