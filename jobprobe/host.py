@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,16 @@ class Host:
     @property
     def has_btf(self) -> bool:
         return Path(self.sys, "kernel/btf/vmlinux").exists()
+
+    def kernel_at_least(self, major: int, minor: int) -> bool:
+        """Whether the running kernel's version (from its release string, '6.18.44-…') is at least major.minor."""
+        m = re.match(r"(\d+)\.(\d+)", self.kernel)
+        return bool(m) and (int(m[1]), int(m[2])) >= (major, minor)
+
+    @property
+    def has_raw_tracepoints(self) -> bool:
+        """BPF_PROG_TYPE_RAW_TRACEPOINT and BPF_RAW_TRACEPOINT_OPEN: Linux 4.17."""
+        return self.kernel_at_least(4, 17)
 
     def tracepoint_exists(self, category: str, event: str) -> bool:
         for base in ("kernel/tracing", "kernel/debug/tracing"):

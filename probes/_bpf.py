@@ -50,6 +50,12 @@ PERCPU_TYPES = {5, 6, 10, 21}   # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH, PE
 ENOTSUPP = 524                  # the kernel-internal errno that batch ops return for unsupported map types
 BATCH = 1024                    # elements per batch call
 MAX_FDS = 253                   # SCM_MAX_FD: the most fds one message may carry
+# A tracepoint named "raw:category:event" is attached as BPF_PROG_TYPE_RAW_TRACEPOINT (Linux 4.17): the program gets
+# the tracepoint's C arguments (struct bpf_raw_tracepoint_args), not its format record. What matters here: the kernel
+# guards raw programs against recursion per program, while a classic tracepoint program is skipped (and counted in
+# the program's recursion_misses) whenever ANY classic tracepoint or kprobe program is running on that CPU, as when
+# a softirq interrupts one. Hooks that fire in softirq (TCP retransmits, closes) need raw to see every event.
+RAW = "raw:"
 # cgroup hooks by libbpf's section names: (enum bpf_prog_type, enum bpf_attach_type)
 PROG_CGROUP_SKB = 8
 CGROUP_HOOKS = {"cgroup_skb/ingress": (PROG_CGROUP_SKB, 0), "cgroup_skb/egress": (PROG_CGROUP_SKB, 1)}
@@ -80,13 +86,14 @@ class InfoAttr(ct.Structure):
 
 
 class ProgInfo(ct.Structure):
-    """struct bpf_prog_info up to run_cnt (208 bytes). The kernel copies min(its size, ours) and leaves the rest
-    zero, so on kernels before 5.1 run_time_ns/run_cnt simply read 0."""
+    """struct bpf_prog_info up to recursion_misses (216 bytes). The kernel copies min(its size, ours) and leaves the
+    rest zero, so on kernels before 5.1 run_time_ns/run_cnt read 0, before 5.12 recursion_misses (runs the kernel
+    skipped because another BPF program was running on that CPU) reads 0."""
     _fields_ = [("type", ct.c_uint32), ("id", ct.c_uint32), ("tag", ct.c_uint8 * 8),
                 ("skip1", ct.c_uint8 * 48),       # jited/xlated lengths and pointers, load_time, uid, map ids
                 ("name", ct.c_char * 16),
                 ("skip2", ct.c_uint8 * 112),      # ifindex .. prog_tags
-                ("run_time_ns", ct.c_uint64), ("run_cnt", ct.c_uint64)]
+                ("run_time_ns", ct.c_uint64), ("run_cnt", ct.c_uint64), ("recursion_misses", ct.c_uint64)]
 
 
 class MapInfo(ct.Structure):
@@ -338,6 +345,7 @@ class Map:
 class ProgStats:
     run_time_ns: int
     run_cnt: int
+    recursion_misses: int = 0
 
 
 class Loaded:
@@ -364,7 +372,7 @@ class Loaded:
     def prog_stats(self) -> dict[str, ProgStats]:
         """Cumulative run time and run count of each program (counted only while stats are enabled)."""
         infos = {name: prog_info(fd) for name, fd in self.progs.items()}
-        return {name: ProgStats(i.run_time_ns, i.run_cnt) for name, i in infos.items()}
+        return {name: ProgStats(i.run_time_ns, i.run_cnt, i.recursion_misses) for name, i in infos.items()}
 
     def __enter__(self) -> Loaded:
         return self
@@ -410,8 +418,9 @@ def build(name: str, meta: dict[str, Any], fds: list[int], ncpus: int, loader_pi
 def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]], text: str | None = None,
          timeout: float = 120.0, sys_root: str = "/sys",
          cgroups: Sequence[tuple[str, str, str]] = (), uprobes: Sequence[str] = ()) -> Loaded:
-    """Compile bpf/<name>.c (or `text`), attach each (tracepoint "category:event", function) in order, then each
-    (function, cgroup2 directory, hook in CGROUP_HOOKS) through a BPF link, load each function of `uprobes` as a
+    """Compile bpf/<name>.c (or `text`), attach each (tracepoint "category:event" or "raw:category:event", function)
+    in order, then each (function, cgroup2 directory, hook in CGROUP_HOOKS) through a BPF link, load each function
+    of `uprobes` as a
     BPF_PROG_TYPE_KPROBE program WITHOUT attaching it (the caller attaches it to uprobes through perf_event_open,
     probes/cuda.py: which files to probe is only known later), and return the fds. Raises
     ProbeUnavailable with the compiler's or verifier's last lines; then no fd is left open here and nothing stays

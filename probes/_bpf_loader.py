@@ -3,7 +3,7 @@
 Run by probes/_bpf.load() as `python -m probes._bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
 "cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…]}; compiles it with bcc,
-attaches each function to its tracepoint in the given order, by name (not bcc's auto-attached TRACEPOINT_PROBE: when
+attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
 detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
 by name) and links it to its directory (BPF_LINK_CREATE, probes/_bpf.attach_cgroup), loads each uprobes function as
@@ -57,7 +57,7 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
-    from probes._bpf import CGROUP_HOOKS, attach_cgroup
+    from probes._bpf import CGROUP_HOOKS, RAW, attach_cgroup
 
     # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
     b = BPF(text=req["text"].encode(), cflags=list(req["cflags"]))
@@ -65,12 +65,18 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     progs: dict[str, int] = {}
     links = []
     for tp, fn in req["tracepoints"]:
-        b.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+        if tp.startswith(RAW):
+            event = tp.rsplit(":", 1)[1].encode()       # a raw tracepoint is named by its event alone
+            b.attach_raw_tracepoint(tp=event, fn_name=fn.encode())
+            fd = b.raw_tracepoint_fds[event]
+        else:
+            b.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            fd = b.tracepoint_fds[tp.encode()]
         if fn not in progs:
             progs[fn] = len(fds)
             fds.append(b.funcs[fn.encode()].fd)
         links.append({"tracepoint": tp, "prog": fn, "fd": len(fds)})
-        fds.append(b.tracepoint_fds[tp.encode()])
+        fds.append(fd)
     for fn, path, hook in req.get("cgroups", ()):
         prog_type, attach_type = CGROUP_HOOKS[hook]
         # The expected attach type is given at load: the kernel then checks it against the link's, and an egress

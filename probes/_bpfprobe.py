@@ -88,7 +88,8 @@ class BpfProbe(Probe):
         why = super().check(host)
         if why:
             return why
-        missing = [tp for tp, _ in self.all_handlers() if not host.tracepoint_exists(*tp.split(":"))]
+        missing = [tp for tp, _ in self.all_handlers()
+                   if not host.tracepoint_exists(*tp.removeprefix(_bpf.RAW).split(":"))]
         if missing:
             return f"tracepoint {missing[0]} not found in tracefs"
         if importlib.util.find_spec("bcc") is None:

@@ -6,7 +6,8 @@ cgroup2 directory, which run for exactly the packets of the job's sockets ("pack
 (no group of its own) the tracepoints sock:sock_send_length / sock_recv_length in the calling thread's context
 ("syscalls" source: bytes only, TCP peers only). Both: sock:inet_sock_set_state (opens, closes, socket owner and
 peer), tcp:tcp_retransmit_skb (owner found by socket address), tcp:tcp_destroy_sock (forgets the socket), and the
-membership tracepoints of bpf/common.h.
+membership tracepoints of bpf/common.h. Retransmits, destroys and closes run in softirq and are raw tracepoint
+programs on 4.17+: a classic one is skipped whenever it interrupts another classic BPF program on its CPU.
 Oldest kernel: 4.16; the packets source needs 5.7 (falls back to syscalls, with an event saying why), syscalls 6.3.
 Cost (2-core 6.18 VM, bpf_stats): skb programs ~150-160 ns per skb, only for the job's packets (a 64 KiB GSO skb
 is one run: ~25 ns per wire segment in bulk TCP); sock_*_length ~50-150 ns per send/recv call of the node, ~190 ns
@@ -42,6 +43,9 @@ STATE = ("sock:inet_sock_set_state", "on_state")
 RETRANSMIT = ("tcp:tcp_retransmit_skb", "on_retransmit")
 DESTROY = ("tcp:tcp_destroy_sock", "on_destroy")
 LENGTHS = (("sock:sock_send_length", "on_send"), ("sock:sock_recv_length", "on_recv"))
+STATE_RAW = ("raw:sock:inet_sock_set_state", "on_state_raw")   # closes only; on_state keeps the rest
+RAW_HOOKS = {RETRANSMIT: ("raw:tcp:tcp_retransmit_skb", "on_retransmit_raw"),
+             DESTROY: ("raw:tcp:tcp_destroy_sock", "on_destroy_raw")}
 SKB = (("net_ingress", "cgroup_skb/ingress"), ("net_egress", "cgroup_skb/egress"))
 
 
@@ -166,9 +170,14 @@ class NetProbe(BpfProbe):
 
     @property
     def handlers(self) -> tuple[tuple[str, str], ...]:   # type: ignore[override]
-        """inet_sock_set_state is required (check() says so when missing); the others are used when present."""
+        """inet_sock_set_state is required (check() says so when missing); the others are used when present. The
+        hooks that run in softirq (retransmits, destroys, closes) are raw tracepoint programs where the kernel has
+        them (bpf/net.c RAW_SOFTIRQ_HOOKS says why)."""
         optional = (RETRANSMIT, DESTROY, *LENGTHS) if self.has_lengths() else (RETRANSMIT, DESTROY)
-        return (STATE, *(h for h in optional if self.has(h)))
+        hooks = (STATE, *(h for h in optional if self.has(h)))
+        if self.host.has_raw_tracepoints:
+            hooks = tuple(RAW_HOOKS.get(h, h) for h in hooks) + (STATE_RAW,)
+        return hooks
 
     def cflags_for(self, source: str) -> list[str]:
         sys_root = self.host.sys
@@ -181,6 +190,8 @@ class NetProbe(BpfProbe):
             flags.append("-DRETRANS_HAS_ERR")
         if source == "syscalls":
             flags.append("-DCOUNT_SYSCALL_BYTES")
+        if self.host.has_raw_tracepoints:
+            flags.append("-DRAW_SOFTIRQ_HOOKS")
         return flags
 
     def fields_for(self, source: str) -> tuple[str, ...]:

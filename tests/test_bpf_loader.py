@@ -112,8 +112,8 @@ def test_attr_layout_matches_the_uapi_header(tmp_path):
 def test_attr_sizes_without_a_compiler():
     assert (ct.sizeof(_bpf.ElemAttr), ct.sizeof(_bpf.BatchAttr), ct.sizeof(_bpf.InfoAttr)) == (32, 56, 16)
     assert (_bpf.BatchAttr.count.offset, _bpf.BatchAttr.map_fd.offset) == (32, 36)
-    assert (_bpf.ProgInfo.run_time_ns.offset, _bpf.ProgInfo.run_cnt.offset, ct.sizeof(_bpf.ProgInfo)) == (192, 200,
-                                                                                                         208)
+    assert (_bpf.ProgInfo.run_time_ns.offset, _bpf.ProgInfo.run_cnt.offset, _bpf.ProgInfo.recursion_misses.offset,
+            ct.sizeof(_bpf.ProgInfo)) == (192, 200, 208, 216)
 
 
 def test_possible_cpus_and_percpu_stride(tmp_path):
