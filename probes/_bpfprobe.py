@@ -17,7 +17,7 @@ from typing import Any
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
-from jobprobe.probe import Probe
+from jobprobe.probe import Field, Probe
 from jobprobe.target import Target
 from probes import _bpf
 
@@ -45,12 +45,25 @@ def proc_gone(proc: str, pid: int) -> bool:
     return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
 
 
+MISSED = "bpf_missed"
+MISSED_FIELD = Field("int", "count", "runs of this probe's BPF programs that the kernel skipped in the interval, "
+                     "node-wide (recursion_misses: an event that fired while another BPF program was running on its "
+                     "CPU); 0: every event was seen. Always 0 before Linux 5.12, which does not count them")
+
+
 class BpfProbe(Probe):
     needs_root = True
     bpf_name = ""
     handlers: tuple[tuple[str, str], ...] = ()
     map_types: dict[str, tuple[Any, Any]] = {}
     cflags: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """Every eBPF probe reports how many of its events the kernel did not run it for (MISSED_FIELD): the
+        figures of an interval with bpf_missed > 0 may be short by that many events."""
+        super().__init_subclass__(**kw)
+        if "fields" in cls.__dict__ and MISSED not in cls.fields:
+            cls.fields = {**cls.fields, MISSED: MISSED_FIELD}
 
     def __init__(self, host: Host | None = None, slot: int = 0):
         super().__init__(host)
@@ -59,6 +72,7 @@ class BpfProbe(Probe):
         self.target: Target | None = None
         self._cg_ids: set[int] = set()
         self._last: Any = None
+        self._missed = 0
 
     # ---- what a probe provides ---------------------------------------------------------------------------
     def reading(self) -> Any:
@@ -119,6 +133,7 @@ class BpfProbe(Probe):
                 maps[name].typed(key, value)
             self._register()
             self._last = self.reading()
+            self._missed = self.missed_total()
         except ProbeUnavailable:
             self.stop()
             raise
@@ -133,7 +148,15 @@ class BpfProbe(Probe):
         now = self.reading()
         out = self.interval(now, self._last)
         self._last = now
+        missed = self.missed_total()
+        out[MISSED], self._missed = missed - self._missed, missed
         return out
+
+    def missed_total(self) -> int:
+        """Runs the kernel skipped, summed over this probe's programs since they were loaded."""
+        if self.loaded is None:
+            return 0
+        return sum(s.recursion_misses for s in self.loaded.prog_stats().values())
 
     def stop(self) -> None:
         """Detach every tracepoint, close program and map fds. Idempotent."""

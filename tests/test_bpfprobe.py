@@ -1,11 +1,16 @@
-"""What every eBPF probe shares (probes/_bpfprobe.py): the job-membership maps stay exact through exec."""
+"""What every eBPF probe shares (probes/_bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
+is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess
 import sys
 import time
 
 import pytest
 
+from jobprobe import registry
+from jobprobe.probe import Field
 from jobprobe.target import PidTreeTarget
+from probes import _bpf
+from probes._bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from probes.sched import SchedProbe
 
 EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(0.5); "
@@ -34,3 +39,44 @@ def test_exec_from_a_thread_leaves_no_stale_member():
         probe.stop()
         proc.kill()
         proc.wait()
+
+
+
+class CountingProbe(BpfProbe):
+    """Test only: an eBPF probe whose programs are stood in for by prog_stats() figures (named fake)."""
+    name = "counting_test"
+    fields = {"n": Field("int", "count", "test only")}
+
+    def __init__(self, misses):
+        super().__init__()
+        self.misses = misses
+        self.loaded = self       # stands in for _bpf.Loaded: prog_stats() is all that bpf_missed reads
+
+    def prog_stats(self):
+        return {name: _bpf.ProgStats(0, 0, m) for name, m in zip(("a", "b"), self.misses)}
+
+    def sync_members(self):
+        pass
+
+    def reading(self):
+        return 0
+
+    def interval(self, now, before):
+        return {"n": now - before}
+
+
+def test_bpf_missed_is_the_interval_delta_summed_over_programs():
+    probe = CountingProbe([3, 4])               # skips before start are not the job's interval's
+    probe._last, probe._missed = probe.reading(), probe.missed_total()   # what start() sets
+    assert probe.sample() == {"n": 0, MISSED: 0}
+    probe.misses = [5, 10]
+    assert probe.sample() == {"n": 0, MISSED: 8}
+    assert probe.sample() == {"n": 0, MISSED: 0}
+
+
+def test_every_bpf_probe_declares_bpf_missed():
+    assert CountingProbe.fields[MISSED] is MISSED_FIELD
+    bpf_probes = [cls for cls in registry.all_probes().values() if issubclass(cls, BpfProbe)]
+    assert {cls.name for cls in bpf_probes} >= {"sched", "net", "blockio"}
+    for cls in bpf_probes:
+        assert MISSED in cls.fields, cls.name

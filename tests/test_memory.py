@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from probes._bpfprobe import MEMBERSHIP
+from probes._bpfprobe import MEMBERSHIP, MISSED
 
 import bpf
 from jobprobe.host import Host
@@ -144,7 +144,7 @@ def test_interval_deltas_minor_faults_and_wrap():
 
 def test_every_emitted_field_is_declared():
     out = interval(zero_reading(), zero_reading())
-    assert set(out) | {"oom_kills"} == set(MemoryProbe.fields)
+    assert set(out) | {"oom_kills", MISSED} == set(MemoryProbe.fields)
     assert set(f for _, fields in PARTS.values() for f in fields) <= set(MemoryProbe.fields)
     assert all(f.type and f.unit and f.meaning for f in MemoryProbe.fields.values())
     p = MemoryProbe()

@@ -16,6 +16,7 @@ workload prints one JSON line with what it did, as the socket API saw it.
 WAIT: "wait" to read one line from stdin before starting (so that a probe can attach to the process first).
 Every listener prints {"ready": PORT} once it listens.
 """
+import fcntl
 import itertools
 import json
 import os
@@ -23,10 +24,13 @@ import socket
 import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 CHUNK = 64 * 1024
-TCPI_TOTAL_RETRANS = 100   # offset of tcpi_total_retrans in struct tcp_info (<linux/tcp.h>)
+TCPI_TOTAL_RETRANS = 100   # offsets in struct tcp_info (<linux/tcp.h>): tcpi_total_retrans (u32),
+TCPI_BYTES_RETRANS = 208   # tcpi_bytes_retrans (u64, 4.19+: payload bytes retransmitted)
 
 
 def say(**kw) -> None:
@@ -36,6 +40,18 @@ def say(**kw) -> None:
 def maybe_wait(args: list[str]) -> None:
     if args and args[0] == "wait":
         sys.stdin.readline()
+
+
+def retransmitted(s: socket.socket, settled: bool = False) -> dict[str, int]:
+    """The socket's own account of its retransmissions: segments and payload bytes. settled: first wait until the
+    peer has acknowledged everything sent, FIN included (TIOCOUTQ 0), so that no retransmission is still to come."""
+    deadline = time.monotonic() + 10
+    while settled and struct.unpack("i", fcntl.ioctl(s, termios.TIOCOUTQ, b"\0" * 4))[0] and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
+    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCPI_BYTES_RETRANS + 8)
+    return {"retrans": struct.unpack_from("I", info, TCPI_TOTAL_RETRANS)[0],
+            "retrans_bytes": struct.unpack_from("Q", info, TCPI_BYTES_RETRANS)[0]}
 
 
 def tcp_sink(port: int, reply: int, addr: str = "0.0.0.0") -> None:
@@ -54,9 +70,11 @@ def tcp_sink(port: int, reply: int, addr: str = "0.0.0.0") -> None:
     sent = 0
     while sent < reply:
         sent += conn.send(b"r" * min(CHUNK, reply - sent))
+    conn.shutdown(socket.SHUT_WR)
+    info = retransmitted(conn, settled=True)
     conn.close()
     ls.close()
-    say(received=got, sent=sent, peer=peer[0])
+    say(received=got, sent=sent, peer=peer[0], **info)
 
 
 def tcp_send(host: str, port: int, nbytes: int) -> None:
@@ -72,10 +90,9 @@ def tcp_send(host: str, port: int, nbytes: int) -> None:
         if not data:
             break
         got += len(data)
-    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-    retrans = struct.unpack_from("I", info, TCPI_TOTAL_RETRANS)[0]
+    info = retransmitted(s)
     s.close()
-    say(sent=sent, received=got, retrans=retrans)
+    say(sent=sent, received=got, **info)
 
 
 def udp_echo(port: int, reply: int) -> None:
