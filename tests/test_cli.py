@@ -1,6 +1,8 @@
 """The command line end to end: real processes, real cgroups. Bad input gets one line and exit code 2."""
+import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -50,12 +52,31 @@ def test_slurm_job_that_does_not_exist(tmp_path):
     one_line_error(jp("run", "--slurm-job", "999999", "--probes", "cgroup", env=env), "SLURM job 999999")
 
 
+@contextlib.contextmanager
+def searchable_by_others(path: Path):
+    """The unprivileged user must reach the checkout (and its .venv): a clone made under `mktemp -d` sits in a 0700
+    directory. Lend o+x to each ancestor that lacks it, and take it back after."""
+    changed = []
+    try:
+        for d in [path, *path.parents]:
+            mode = d.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                d.chmod(mode | stat.S_IXOTH)
+                changed.append((d, mode))
+        yield
+    finally:
+        for d, mode in changed:
+            d.chmod(mode)
+
+
 def test_not_root_names_the_probes_that_need_it():
-    res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *JOBPROBE,
-                          "run", "--pid", "1", "--probes", "all"], capture_output=True, text=True, timeout=60,
-                         cwd=str(Path(__file__).resolve().parents[1]))
     if not IS_ROOT:
         pytest.skip("needs root to drop to an unprivileged user")
+    root = Path(__file__).resolve().parents[1]
+    with searchable_by_others(root):
+        res = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *JOBPROBE,
+                              "run", "--pid", "1", "--probes", "all"], capture_output=True, text=True, timeout=60,
+                             cwd=str(root))
     one_line_error(res, "not root", "need root")
 
 
