@@ -13,8 +13,9 @@
  *     `wakeup` (waiting for a CPU after a sleep). Each reason also counts its finished periods.
  *   run-queue latency: from becoming runnable (wakeup, or preemption) to running, log2 µs histogram + sum.
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
- *   (on_wakeup_new), raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_REASONS), attached by name from
- *   probes/sched.py; fork/exit from common.h.
+ *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw) —
+ *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_REASONS), attached by name from probes/sched.py;
+ *   fork/exit from common.h.
  *   Only tracepoint arguments and helpers are read, never task_struct: kernel headers may not match the
  *   running kernel (this project's hosts run 6.18 with 6.12 headers), and kprobes may be absent.
  * Which syscall a sleeping thread is in: a tracepoint program cannot read it at switch-out without task_struct or
@@ -55,7 +56,17 @@ struct off_rec {
     u64 enq_ns;   /* became runnable; 0: still asleep */
     u32 slot;
     u32 reason;   /* R_*; 0 for a new task */
+    u32 tid;      /* the thread's id (0 until its first switch-out when RAW_SCHED made it at wakeup_new) */
+    u32 pad;
 };
+
+/* Which thread a `start` entry is for. Classic tracepoints give thread ids; the raw ones (RAW_SCHED, Linux 5.18+:
+ * sched_switch carries prev_state as an argument) give task_struct addresses, used as they are, never read. */
+#ifdef RAW_SCHED
+typedef u64 task_key;
+#else
+typedef u32 task_key;
+#endif
 
 struct slot_stats {
     u64 voluntary;
@@ -77,7 +88,7 @@ struct slot_stats {
     u64 runq_hist[NBUCKETS];
 };
 
-BPF_HASH(start, u32, struct off_rec, MAX_OFFCPU_THREADS);
+BPF_HASH(start, task_key, struct off_rec, MAX_OFFCPU_THREADS);
 BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked below */
 #ifdef SYSCALL_REASONS
 BPF_HASH(in_call, u32, u32, 65536);                /* tid -> R_LOCK / R_SLEEP; 65536 == MAX_MEMBER_TASKS */
@@ -88,7 +99,9 @@ BPF_HASH(in_call, u32, u32, 65536);                /* tid -> R_LOCK / R_SLEEP; 6
 #define JOB_ON_EXIT_HOOK
 static inline void job_exit_hook(u32 tid)
 {
-    start.delete(&tid);
+#ifndef RAW_SCHED
+    start.delete(&tid);     /* (raw: keyed by task address, deleted at the last switch-out below) */
+#endif
 #ifdef SYSCALL_REASONS
     in_call.delete(&tid);
 #endif
@@ -139,14 +152,14 @@ static inline void count_reason(struct slot_stats *s, u32 reason, u64 blocked)
     }
 }
 
-int on_switch(struct tracepoint__sched__sched_switch *args)
+/* One context switch: prev (current; `prev` its key, `prev_tid` its thread id, 0 for an idle task) leaves the CPU
+ * in reported state `state`, next (key `next`, 0 for an idle task) gets it. */
+static inline int switched(task_key prev, u32 prev_tid, long state, task_key next)
 {
     u64 now = bpf_ktime_get_ns();
-    u32 prev = args->prev_pid, next = args->next_pid;
 
     /* The tracepoint runs before the switch: "current" is still prev, so membership helpers see prev. */
-    if (prev != 0) {
-        long state = args->prev_state & 0xff;
+    if (prev_tid != 0) {
         int slot = job_slot_current();
         if (slot >= 0) {
             u32 key = slot;
@@ -160,7 +173,7 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
             if (!(state & STATE_EXITING)) {
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
-                                      .reason = offcpu_reason(state, prev)};
+                                      .reason = offcpu_reason(state, prev_tid), .tid = prev_tid};
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
                  * lookup instead of a hash insert and delete per switch. */
                 struct off_rec *old = start.lookup(&prev);
@@ -176,7 +189,7 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
              * ran. Deleting here, for every task that dies on the node, leaves no entry behind. */
             start.delete(&prev);
 #ifdef SYSCALL_REASONS
-            in_call.delete(&prev);
+            in_call.delete(&prev_tid);
 #endif
         }
     }
@@ -219,27 +232,91 @@ int on_switch(struct tracepoint__sched__sched_switch *args)
 /* Fired when a sleeping (or not yet switched-in) task is put on a run queue. Only threads we saw leave the CPU
  * have an entry, so no membership check is needed here. The first wakeup wins: a task woken while already
  * runnable (preempted, or woken twice) has been waiting since the earlier time. */
-int on_wakeup(struct tracepoint__sched__sched_wakeup *args)
+static inline void woken(task_key task)
 {
-    u32 tid = args->pid;
-    struct off_rec *rec = start.lookup(&tid);
+    struct off_rec *rec = start.lookup(&task);
     if (rec && rec->out_ns && rec->enq_ns == 0)   /* off CPU (not a consumed entry of a running thread) */
         rec->enq_ns = bpf_ktime_get_ns();
-    return 0;
 }
 
 /* A new task has never been switched out; it joins its creator's job (current is the parent in
  * wake_up_new_task), and its first wait for a CPU counts as run-queue latency. */
-int on_wakeup_new(struct tracepoint__sched__sched_wakeup_new *args)
+static inline void woken_new(task_key task, u32 tid)
 {
     int slot = job_slot_current();
     if (slot < 0)
-        return 0;
-    u32 tid = args->pid;
-    struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot};
-    start.update(&tid, &rec);
+        return;
+    struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot, .tid = tid};
+    start.update(&task, &rec);
+}
+
+#ifndef RAW_SCHED
+int on_switch(struct tracepoint__sched__sched_switch *args)
+{
+    return switched(args->prev_pid, args->prev_pid, args->prev_state & 0xff, args->next_pid);
+}
+
+int on_wakeup(struct tracepoint__sched__sched_wakeup *args)
+{
+    woken(args->pid);
     return 0;
 }
+
+int on_wakeup_new(struct tracepoint__sched__sched_wakeup_new *args)
+{
+    woken_new(args->pid, args->pid);
+    return 0;
+}
+
+#else
+/* Raw tracepoint programs: no format record is built for them (the classic one copies two comms and more on
+ * every switch of the node), a BPF program here does not hide the event from perf users, and the kernel only
+ * skips one when it would re-enter itself. Arguments: sched_switch (bool preempt, struct task_struct *prev,
+ * struct task_struct *next, unsigned int prev_state) (5.18+), sched_wakeup[_new] (struct task_struct *p).
+ *
+ * prev_state here is the task's raw __state; the classic tracepoint reports it as one bit of TASK_REPORT, which
+ * is what offcpu_reason reads: preemption (or still TASK_RUNNING) as 0; TASK_IDLE as I (0x80); an rt-lock wait
+ * as D; a dying task (TASK_DEAD; reported from exit_state as Z or X) as exiting; else the highest of the
+ * S D T t X Z P bits. Values from include/linux/sched.h, unchanged since 5.15. */
+#define RAW_TASK_REPORT 0x7f
+#define RAW_TASK_DEAD 0x80
+#define RAW_TASK_IDLE 0x402            /* TASK_UNINTERRUPTIBLE | TASK_NOLOAD */
+#define RAW_TASK_RTLOCK_WAIT 0x1000
+#define REPORTED_IDLE 0x80
+#define REPORTED_DEAD 0x10
+
+static inline long reported_state(u64 preempt, u32 st)
+{
+    if (preempt)
+        return 0;
+    if (st & RAW_TASK_DEAD)
+        return REPORTED_DEAD;
+    if (st == RAW_TASK_IDLE)
+        return REPORTED_IDLE;
+    if (st & RAW_TASK_RTLOCK_WAIT)
+        return STATE_D;
+    st &= RAW_TASK_REPORT;
+    return st ? 1 << log2_floor(st) : 0;
+}
+
+int on_switch_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u32 prev_tid = bpf_get_current_pid_tgid();   /* current is prev; 0 for an idle task */
+    return switched(ctx->args[1], prev_tid, reported_state(ctx->args[0], (u32)ctx->args[3]), ctx->args[2]);
+}
+
+int on_wakeup_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    woken(ctx->args[0]);
+    return 0;
+}
+
+int on_wakeup_new_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    woken_new(ctx->args[0], 0);
+    return 0;
+}
+#endif
 
 #ifdef SYSCALL_REASONS
 /* The reason an interruptible sleep inside syscall `id` gets, or 0. NR_* come from user space (asm/unistd.h of

@@ -6,9 +6,10 @@ Measures, per interval, for the job's threads: voluntary and involuntary context
 (nanosleep / clock_nanosleep), wait (every other sleep: poll/epoll, pipe and socket reads, wait4...) — with the
 time from a sleeper's wakeup to its running again apart (`offcpu_wakeup_ns`, a CPU wait), so that the parts sum to
 offcpu_ns; and run-queue latency (runnable to running) as a log2 µs histogram with p50/p99.
-Hooks: eBPF on tracepoints sched:sched_switch, sched_wakeup, sched_wakeup_new, sched_process_fork,
-sched_process_exit, and raw_syscalls:sys_enter for lock vs sleep vs wait (bpf/sched.c, bpf/common.h); only
-tracepoint arguments are read, never task_struct.
+Hooks: eBPF on tracepoints sched:sched_switch, sched_wakeup, sched_wakeup_new (raw tracepoint programs on 5.18+:
+no event record built for them, never skipped for interrupting another BPF program, perf users keep their counts),
+sched_process_fork, sched_process_exit, and raw_syscalls:sys_enter for lock vs sleep vs wait (bpf/sched.c,
+bpf/common.h); only tracepoint arguments are read, never task_struct.
 Why a syscall hook: at switch-out a tracepoint program sees the task's state (R, S, D) but not which syscall it
 sleeps in; reading that from task_struct or pt_regs needs kernel struct offsets, which this project does not
 trust. So sys_enter remembers, per member thread, whether it is in a futex wait or a nanosleep. It runs on every
@@ -51,12 +52,29 @@ HANDLERS = (
     ("sched:sched_wakeup", "on_wakeup"),
     ("sched:sched_wakeup_new", "on_wakeup_new"),
 )
+# Linux 5.18+ (sched_switch has prev_state as an argument): the same hooks as raw tracepoint programs.
+RAW_HANDLERS = (
+    ("raw:sched:sched_switch", "on_switch_raw"),
+    ("raw:sched:sched_wakeup", "on_wakeup_raw"),
+    ("raw:sched:sched_wakeup_new", "on_wakeup_new_raw"),
+)
 SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
 # asm/unistd.h of each architecture: futex, futex_waitv (5.16), futex_wait (6.7), nanosleep, clock_nanosleep.
 SYSCALL_NRS = {
     "x86_64": {"FUTEX": 202, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 35, "CLOCK_NANOSLEEP": 230},
     "aarch64": {"FUTEX": 98, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 101, "CLOCK_NANOSLEEP": 115},
 }
+
+
+class OffRec(ct.Structure):
+    """bpf/sched.c struct off_rec, the value of `start` (one per job thread off CPU or seen leaving it)."""
+    _fields_ = [("out_ns", ct.c_uint64), ("enq_ns", ct.c_uint64), ("slot", ct.c_uint32), ("reason", ct.c_uint32),
+                ("tid", ct.c_uint32), ("pad", ct.c_uint32)]
+
+
+def raw_sched(host: Host) -> bool:
+    """Raw tracepoint programs for the sched hooks: they need sched_switch's prev_state argument (5.18)."""
+    return host.has_raw_tracepoints and host.kernel_at_least(5, 18)
 
 
 class SlotStats(ct.Structure):
@@ -152,7 +170,7 @@ class SchedProbe(BpfProbe):
     fields = _fields()
 
     bpf_name = "sched"
-    map_types = {"start": (ct.c_uint32, None), "stats": (ct.c_uint32, SlotStats)}
+    map_types = {"start": (ct.c_uint32, OffRec), "stats": (ct.c_uint32, SlotStats)}
 
     def __init__(self, host: Host | None = None, slot: int = 0, syscall_reasons: bool = True,
                  machine: str | None = None):
@@ -161,8 +179,12 @@ class SchedProbe(BpfProbe):
         # Why lock and sleep are not told apart from wait (None: they are); decided once, from the host.
         self.syscall_reasons_off = why_no_syscall_reasons(self.host, syscall_reasons, machine)
         self.syscall_reasons = self.syscall_reasons_off is None
-        self.handlers = HANDLERS + (SYSCALL_HANDLERS if self.syscall_reasons else ())
+        self.raw = raw_sched(self.host)
+        self.handlers = (RAW_HANDLERS if self.raw else HANDLERS) + (SYSCALL_HANDLERS if self.syscall_reasons else ())
         self.cflags = tuple(syscall_cflags(machine) or ()) if self.syscall_reasons else ()
+        if self.raw:   # `start` is keyed by task_struct address instead of thread id
+            self.cflags += ("-DRAW_SCHED",)
+            self.map_types = {**self.map_types, "start": (ct.c_uint64, OffRec)}
         if self.syscall_reasons:
             self.map_types = {**self.map_types, "in_call": (ct.c_uint32, ct.c_uint32)}
 
