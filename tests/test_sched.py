@@ -445,7 +445,14 @@ def test_sleeps_are_sleep_and_outside_locks_count_for_nothing(probe, make_cgroup
     check_reason(s, "sleep", ref)
     # Not shorter than asked, less the µs from arming the timer to leaving the CPU; longer by the timer slack
     # (50 µs) and the wakeup's latency (a vCPU not running when the timer fires): 10% is 2 ms a sleep.
-    assert n * ms * 1e6 * 0.99 <= s["offcpu_sleep_ns"] <= n * ms * 1e6 * 1.1
+    # One exception, on a loaded machine: a thread preempted between arming its timer and calling schedule() waits
+    # on the run queue, and when the timer fires meanwhile it never sleeps. That is preemption here (it was
+    # runnable), while schedstat's run_delay, which the workload's account relies on, misses the wait (it starts
+    # counting only for tasks switched out in TASK_RUNNING) and so calls it asleep. Allow at most the preemption
+    # the reference did not see (an upper bound: it also holds the interpreter's start-up, outside the account).
+    # Seen once in 12 runs with two busy loops beside the test: sleep 982.7 ms, preempt 32.3 vs run_delay 5.0 ms.
+    blind = max(0, s["offcpu_preempt_ns"] - ref["runq_ns"])
+    assert n * ms * 1e6 * 0.99 - blind <= s["offcpu_sleep_ns"] <= n * ms * 1e6 * 1.1
     assert s["offcpu_sleep_events"] >= n
     assert s["offcpu_lock_ns"] <= 0.001 * s["offcpu_ns"]
 
