@@ -7,7 +7,8 @@
  *   by_nr   per-CPU hash (slot << 16 | nr) -> {calls, ns}: the per-syscall totals behind the "top" list.
  *   A call is counted when it returns, with its full duration (a 10 s poll lands in the interval where it ends);
  *   calls that never return (exit, exit_group, a thread killed inside a syscall) are not counted.
- * Hooks: tracepoints raw_syscalls:sys_enter (on_enter), raw_syscalls:sys_exit (on_exit) and
+ * Hooks: tracepoints raw_syscalls:sys_enter (on_enter), raw_syscalls:sys_exit (on_exit) — raw tracepoint
+ *   programs on_enter_raw / on_exit_raw with -DRAW_SYSCALLS — and
  *   sched:sched_process_exec through common.h's job_exec (JOB_ON_EXEC_HOOK: a non-leader thread's execve
  *   changes its tid), attached by name from probes/syscalls.py; fork/exit/exec from common.h. Only tracepoint arguments and helpers are read.
  * Oldest kernel: 4.18 (common.h). by_nr keys are never deleted, so an insert never reuses an element that holds
@@ -19,9 +20,9 @@
  *   lookup. Measured (6.18 VM, bpf_stats): ~100-130 ns per non-member syscall for both programs, ~210-270 ns per
  *   member's; details in probes/syscalls.py. Memory: stats is 1.8 KiB per slot per possible CPU (116 KiB per
  *   CPU); by_nr 4096 keys x 16 B per CPU; inflight one 16 B entry per live member thread.
- * Every program returns 0, which also stops the event for perf users of the same tracepoint on the whole node
+ * Classic programs return 0, which also stops the event for perf users of the same tracepoint on the whole node
  *   (perf_trace_run_bpf_submit); returning 1 would instead cost ~230 ns a syscall on the CPU that holds the
- *   attachment's perf event. Raw tracepoints avoid both (and are ~30 ns cheaper) but the loader has none yet.
+ *   attachment's perf event. Raw tracepoint programs (-DRAW_SYSCALLS, 4.17+, the *_raw functions) avoid both.
  */
 #define NBUCKETS 27            /* log2 µs: bucket i holds [2^i, 2^(i+1)) µs, bucket 0 [0, 2); the last: ≥ 2^26 µs */
 #define NCLASSES 8             /* probes/syscalls.py CLASSES; class 0 is "other", the default of class_of */
@@ -104,13 +105,12 @@ static inline int syscall_slot(void)
     return *slot < MAX_SLOTS ? (int)*slot : -1;
 }
 
-int on_enter(struct tracepoint__raw_syscalls__sys_enter *args)
+static inline int entered(long id)
 {
     int slot = syscall_slot();
     if (slot < 0)
         return 0;
     u32 tid = bpf_get_current_pid_tgid();
-    long id = args->id;
     u32 nr = id >= 0 && id < NR_MAX ? (u32)id : NR_MAX;
     u64 now = bpf_ktime_get_ns();
     struct inflight_rec *rec = inflight.lookup(&tid);
@@ -125,7 +125,7 @@ int on_enter(struct tracepoint__raw_syscalls__sys_enter *args)
     return 0;
 }
 
-int on_exit(struct tracepoint__raw_syscalls__sys_exit *args)
+static inline int exited(void)
 {
     u32 tid = bpf_get_current_pid_tgid();
     struct inflight_rec *rec = inflight.lookup(&tid);
@@ -167,6 +167,32 @@ int on_exit(struct tracepoint__raw_syscalls__sys_exit *args)
     t->ns += d;
     return 0;
 }
+
+#ifndef RAW_SYSCALLS
+int on_enter(struct tracepoint__raw_syscalls__sys_enter *args)
+{
+    return entered(args->id);
+}
+
+int on_exit(struct tracepoint__raw_syscalls__sys_exit *args)
+{
+    return exited();
+}
+#else
+/* RAW_SYSCALLS (4.17+): raw tracepoint programs. sys_enter's C arguments are (struct pt_regs *regs, long id) and
+ * sys_exit's (struct pt_regs *regs, long ret): the number is an argument, and the return needs nothing. No event
+ * record is built for them, perf users of raw_syscalls keep their counts, and the kernel skips one only when it
+ * would re-enter itself. */
+int on_enter_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    return entered((long)ctx->args[1]);
+}
+
+int on_exit_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    return exited();
+}
+#endif
 
 /* execve from a thread other than the leader: the thread takes the leader's pid (de_thread) and its old tid ends
  * without a sched_process_exit of its own. Move its entry to the new tid, so that the execve's return is timed

@@ -240,12 +240,16 @@ class SyscallsProbe(BpfProbe):
 
     bpf_name = "syscalls"
     handlers = (("raw_syscalls:sys_enter", "on_enter"), ("raw_syscalls:sys_exit", "on_exit"))
+    raw_handlers = (("raw:raw_syscalls:sys_enter", "on_enter_raw"), ("raw:raw_syscalls:sys_exit", "on_exit_raw"))
     map_types = {"inflight": (ct.c_uint32, InflightRec), "stats": (ct.c_uint32, SlotStats),
                  "by_nr": (ct.c_uint32, NrTotal), "class_of": (ct.c_uint32, ct.c_uint32),
                  "member_mode": (ct.c_uint32, ct.c_uint32)}
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
+        if self.host.has_raw_tracepoints:   # cheaper, and perf users of raw_syscalls keep their counts
+            self.handlers = self.raw_handlers
+            self.cflags = (*self.cflags, "-DRAW_SYSCALLS")
         self.table: dict[int, str] = {}
         self.table_source = ""
         self.last_by_name: dict[str, tuple[int, int]] = {}   # the last interval, every syscall (tests, debugging)

@@ -20,6 +20,7 @@ import pytest
 import bpf
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
+from probes import _bpf
 from probes._bpfprobe import MISSED
 from probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
                              interval, name_of, parse_unistd, syscall_table, zero_reading)
@@ -136,8 +137,11 @@ def test_python_and_c_agree_on_layout():
     members = re.findall(r"^\s*u64 (\w+)((?:\[\w+\])*);", body, re.M)
     assert [n for n, _ in members] == [n for n, _ in SlotStats._fields_]
     assert ct.sizeof(SlotStats) == 8 * (2 * len(CLASSES) + 1 + len(CLASSES) * NBUCKETS)
-    for _, fn in SyscallsProbe().all_handlers():
-        assert re.search(rf"^int {fn}\(struct tracepoint__", src, re.M), fn
+    for _, fn in (*SyscallsProbe().all_handlers(), *SyscallsProbe.handlers, *SyscallsProbe.raw_handlers):
+        assert re.search(rf"^int {fn}\(struct (tracepoint__|bpf_raw_tracepoint_args)", src, re.M), fn
+    assert [fn for _, fn in SyscallsProbe(Host(kernel="4.16.0")).handlers] == ["on_enter", "on_exit"]
+    raw = SyscallsProbe(Host(kernel="6.18.44-x"))
+    assert [fn for _, fn in raw.handlers] == ["on_enter_raw", "on_exit_raw"] and "-DRAW_SYSCALLS" in raw.cflags
 
 
 def test_check_reports_why(tmp_path):
@@ -195,8 +199,7 @@ def perf_counts(perf_csv: str) -> dict[str, int]:
 def test_cgroup_exact_counts_and_agreement_with_perf(probe, make_cgroup, cgroup2_mount, tmp_path):
     """Per syscall: N more than in the N=0 baseline run, and the same as perf's count of syscalls:sys_enter_<name>
     for the same group and run; in total, the same as perf's sum over every syscalls:sys_enter_* event, less the
-    exit_group that never returns. (perf's raw_syscalls:sys_enter reads 0 while the probe is attached: a tracepoint
-    BPF program that returns 0 stops the event for every perf user of that tracepoint; docs/PROBES.md.)"""
+    exit_group that never returns."""
     perf = shutil.which("perf")
     assert perf, "perf (linux-perf) is needed for the independent count"
     cg = make_cgroup()
@@ -271,17 +274,39 @@ def test_time_goes_to_the_slowest_class(probe, make_cgroup):
 
 @pytest.mark.kernel
 def test_stop_leaves_no_bpf_program_fd(probe):
-    before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
+    before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))
+    raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())   # a raw tracepoint is a bpf_link
     assert bpf_fds("prog") == before + len(probe.all_handlers())
-    assert bpf_fds("perf") == perf + len(probe.all_handlers())
+    assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw and bpf_fds("link") == links + raw
     # job_of_cgroup, job_of_tgid, inflight, stats, by_nr, class_of, member_mode
     assert bpf_fds("map") == maps + 8   # with common.h job_kinds
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     probe.stop()
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf
+    assert bpf_fds("link") == links
     probe.stop()                                       # idempotent
     assert probe.sample() == {}
+
+
+@pytest.mark.kernel
+def test_perf_users_still_see_raw_syscalls_while_attached(probe):
+    """A classic tracepoint program returning 0 made perf read 0 raw_syscalls:sys_enter node-wide while this probe
+    was attached; raw tracepoint programs leave perf's view alone."""
+    if not any(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers()):
+        pytest.skip("no raw tracepoints (Linux 4.17+) on this kernel")
+    perf = shutil.which("perf")
+    assert perf, "perf (linux-perf) is needed for the independent count"
+    probe.start(PidTreeTarget([os.getpid()]))
+    try:
+        res = subprocess.run([perf, "stat", "-x,", "-e", "raw_syscalls:sys_enter", "-a", "--",
+                              *exact(2000)], capture_output=True, text=True, timeout=120)
+    finally:
+        probe.stop()
+    lines = [ln.split(",") for ln in res.stderr.splitlines() if ln.count(",") >= 3]
+    got = [int(f[0]) for f in lines if f[2] == "raw_syscalls:sys_enter" and f[0].isdigit()]
+    print(f"syscalls attached; perf counted raw_syscalls:sys_enter {got}")
+    assert got and got[0] >= 3 * 2000, res.stderr       # the workload alone: 2000 getppid, read and futex calls each
 
 
 def workload(*args) -> list[str]:
