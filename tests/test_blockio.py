@@ -376,4 +376,7 @@ def test_cost_per_request(probe, make_cgroup, loop):
     for name, st in sorted(stats.items()):
         if st.run_cnt:
             print(f"blockio[{probe.mode}] {name}: {st.run_cnt} runs, {st.run_time_ns / st.run_cnt:.0f} ns/run")
-    assert stats["on_rq_issue"].run_cnt >= 2 * n and stats["on_rq_complete"].run_cnt >= 2 * n
+    # Every request of both passes through issue and complete: runs, plus the runs the kernel skipped (a completion
+    # interrupt arriving while another classic BPF program runs on that CPU: 2 of 6000 once; see bpf_missed).
+    fired = {k: st.run_cnt + st.recursion_misses for k, st in stats.items()}
+    assert fired["on_rq_issue"] >= 2 * n and fired["on_rq_complete"] >= 2 * n, stats
