@@ -217,6 +217,20 @@ def settle(probe: NetProbe, done, timeout: float = 5.0) -> dict:
         time.sleep(0.05)
 
 
+def start_job(probe: NetProbe, net, kind: str, cg, workload: str, *args) -> subprocess.Popen:
+    """Start a workload in namespace A as the probe's job. cgroup: the probe watches `cg`, the workload is spawned
+    into it. pids: the workload starts waiting, the probe attaches to its PID, then it is told to go, so that the
+    probe sees it from its first call."""
+    if kind == "cgroup":
+        probe.start(CgroupTarget(str(cg.path)))
+        return net.start(net.a, workload, *args, spawn=cg.spawn)
+    proc = net.start(net.a, workload, *args, "wait", stdin=subprocess.PIPE)
+    probe.start(PidTreeTarget([proc.pid]))
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    return proc
+
+
 def job_socks(probe: NetProbe) -> list[int]:
     return [k for k, v in probe.loaded.maps["socks"].items() if v.slot == probe.slot]
 
@@ -317,14 +331,7 @@ def test_busy_senders_outside_the_job_are_counted_by_none(probe, make_cgroup, ne
     net.start(net.b, "udp_echo", 6004, 10, ready=True)
     net.start(net.a, "tcp_flood", ADDR_B, 6003)
     net.start(net.a, "udp_flood", ADDR_B, 6004, 500)
-    if kind == "cgroup":
-        probe.start(CgroupTarget(str(cg.path)))
-        proc = net.start(net.a, "tcp_send", ADDR_B, 5003, 4 << 20, spawn=cg.spawn)
-    else:
-        proc = net.start(net.a, "tcp_send", ADDR_B, 5003, 4 << 20, "wait", stdin=subprocess.PIPE)
-        probe.start(PidTreeTarget([proc.pid]))
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
+    proc = start_job(probe, net, kind, cg, "tcp_send", ADDR_B, 5003, 4 << 20)
     job = result(proc)
     s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
     v = net.veth_a()
@@ -341,10 +348,7 @@ def test_busy_senders_outside_the_job_are_counted_by_none(probe, make_cgroup, ne
 def test_pid_tree_job_counts_syscall_bytes_and_tcp_peers(probe, net):
     net.start(net.b, "tcp_sink", 5004, 300_000, ready=True)
     net.start(net.b, "udp_echo", 5005, 200, ready=True)
-    proc = net.start(net.a, "tcp_send", ADDR_B, 5004, 3 << 20, "wait", stdin=subprocess.PIPE)
-    probe.start(PidTreeTarget([proc.pid]))
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
+    proc = start_job(probe, net, "pids", None, "tcp_send", ADDR_B, 5004, 3 << 20)
     job = result(proc)
     s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
     assert s["source"] == "syscalls" and not set(PACKET_FIELDS) & set(s)
@@ -353,10 +357,7 @@ def test_pid_tree_job_counts_syscall_bytes_and_tcp_peers(probe, net):
     assert s["peers"] == {(ADDR_B, 5004): (job["sent"], job["received"])}   # data read after the peer's FIN too
     assert job_socks(probe) == []
     probe.stop()
-    ping = net.start(net.a, "udp_ping", ADDR_B, 5005, 500, 700, "wait", stdin=subprocess.PIPE)
-    probe.start(PidTreeTarget([ping.pid]))
-    ping.stdin.write("go\n")
-    ping.stdin.flush()
+    ping = start_job(probe, net, "pids", None, "udp_ping", ADDR_B, 5005, 500, 700)
     job = result(ping)
     s = settle(probe, lambda t: t.get("udp_rx_bytes", 0) >= job["received_bytes"])
     print(f"net (pids): udp tx {s['udp_tx_bytes']} rx {s['udp_rx_bytes']}, workload {job}")
@@ -405,14 +406,7 @@ def test_retransmits_match_the_sockets_own_count(probe, make_cgroup, net, kind):
                                                               "cgroup_skb/ingress")]) as dropper:
         sink = net.start(net.b, "tcp_sink", 5007, 0, ready=True, spawn=sink_cg.spawn)
         n0 = net.snmp(net.a)
-        if kind == "cgroup":
-            probe.start(CgroupTarget(str(cg.path)))
-            proc = net.start(net.a, "tcp_send", ADDR_B, 5007, 4 << 20, spawn=cg.spawn)
-        else:
-            proc = net.start(net.a, "tcp_send", ADDR_B, 5007, 4 << 20, "wait", stdin=subprocess.PIPE)
-            probe.start(PidTreeTarget([proc.pid]))
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+        proc = start_job(probe, net, kind, cg, "tcp_send", ADDR_B, 5007, 4 << 20)
         job = result(proc)
         result(sink)
         drops = dropper.maps["seen"].typed(ct.c_uint32, ct.c_uint64).lookup(1)

@@ -54,6 +54,14 @@ def retransmitted(s: socket.socket, settled: bool = False) -> dict[str, int]:
             "retrans_bytes": struct.unpack_from("Q", info, TCPI_BYTES_RETRANS)[0]}
 
 
+def drain(s: socket.socket) -> int:
+    """Read until the peer's FIN; the number of bytes read."""
+    got = 0
+    while data := s.recv(CHUNK):
+        got += len(data)
+    return got
+
+
 def tcp_sink(port: int, reply: int, addr: str = "0.0.0.0") -> None:
     ls = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
     ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,12 +69,7 @@ def tcp_sink(port: int, reply: int, addr: str = "0.0.0.0") -> None:
     ls.listen(8)
     say(ready=port)
     conn, peer = ls.accept()
-    got = 0
-    while True:
-        data = conn.recv(CHUNK)
-        if not data:
-            break
-        got += len(data)
+    got = drain(conn)
     sent = 0
     while sent < reply:
         sent += conn.send(b"r" * min(CHUNK, reply - sent))
@@ -84,12 +87,7 @@ def tcp_send(host: str, port: int, nbytes: int) -> None:
     while sent < nbytes:
         sent += s.send(buf[:min(CHUNK, nbytes - sent)])
     s.shutdown(socket.SHUT_WR)
-    got = 0
-    while True:
-        data = s.recv(CHUNK)
-        if not data:
-            break
-        got += len(data)
+    got = drain(s)
     info = retransmitted(s)
     s.close()
     say(sent=sent, received=got, **info)
