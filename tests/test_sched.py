@@ -187,7 +187,7 @@ def test_cgroup_switches_match_the_kernels_count(probe, make_cgroup):
     expected = switches_of(proc)
     s = probe.sample()
     print(f"sched: {job_switches(s)} switches, kernel's own count {expected}")
-    assert expected >= 2000
+    assert expected >= 0.99 * 2000   # the sleeps switched (a nanosleep can end before it sleeps: no switch)
     assert abs(job_switches(s) - expected) <= 0.05 * expected
     assert s["offcpu_ns"] >= 0.9 * 2000 * 500_000   # at least the sleeps themselves
 
@@ -220,7 +220,7 @@ def test_switches_agree_with_perf_context_switches_for_the_same_job(probe, make_
     finally:
         perf.stop()
     print(f"{kind}: sched {job_switches(s)} switches, perf context_switches {p['context_switches']}")
-    assert p["context_switches"] >= 3000
+    assert p["context_switches"] >= 0.99 * 3000   # the sleeps switched (a nanosleep can end before it sleeps)
     assert abs(job_switches(s) - p["context_switches"]) <= 0.05 * p["context_switches"]
 
 
