@@ -90,7 +90,9 @@ class ProgInfo(ct.Structure):
     rest zero, so on kernels before 5.1 run_time_ns/run_cnt read 0, before 5.12 recursion_misses (runs the kernel
     skipped because another BPF program was running on that CPU) reads 0."""
     _fields_ = [("type", ct.c_uint32), ("id", ct.c_uint32), ("tag", ct.c_uint8 * 8),
-                ("skip1", ct.c_uint8 * 48),       # jited/xlated lengths and pointers, load_time, uid, map ids
+                ("jited_prog_len", ct.c_uint32), ("xlated_prog_len", ct.c_uint32),
+                ("jited_prog_insns", ct.c_uint64), ("xlated_prog_insns", ct.c_uint64),
+                ("skip1", ct.c_uint8 * 24),       # load_time, created_by_uid, nr_map_ids, map_ids
                 ("name", ct.c_char * 16),
                 ("skip2", ct.c_uint8 * 112),      # ifindex .. prog_tags
                 ("run_time_ns", ct.c_uint64), ("run_cnt", ct.c_uint64), ("recursion_misses", ct.c_uint64)]

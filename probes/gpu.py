@@ -4,12 +4,14 @@ remapped rows, GPM profiling metrics (Hopper+); XID errors and lost GPUs as even
 
 Which GPUs are the job's, decided again every tick (a job may open a GPU late), strongest rule first:
   process — one of the job's PIDs is on the GPU's compute, graphics or MPS process list (NVML);
-  devices — a v1 device cgroup of a job process allows that GPU's /dev/nvidiaN (major 195) and not all GPUs;
+  devices — a job process's device cgroup allows that GPU's /dev/nvidiaN (major 195) and not all GPUs: the v1
+            devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run (probes/_devcg.py);
   env     — CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES in a job process's /proc/PID/environ (indices or UUIDs).
 A GPU is `shared` when NVML lists processes on it that are not the job's.
 
 Hooks: nvidia-ml-py (`pynvml`, the real binding; probes/_nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
-hierarchy found in mountinfo. Needs: libnvidia-ml.so.1 (the NVIDIA driver), root to read other users' environ.
+hierarchy found in mountinfo, or bpf(2) PROG_QUERY on the job's cgroup2 groups. Needs: libnvidia-ml.so.1 (the
+NVIDIA driver), root to read other users' environ and the device programs.
 Cost: 2–3 process-list calls per GPU of the node, ~15 NVML calls per job GPU and two small reads per job process
 per tick; no thread, no NVML background polling of our own.
 """
@@ -22,6 +24,7 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host, find_cgroup_v1_mount
 from jobprobe.probe import EVENTS_KEY, Field, Probe
 from jobprobe.target import Target
+from probes._devcg import DeviceRules
 from probes._nvml import LIBRARY, Gpu, GpuLost, Nvml
 
 NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
@@ -87,6 +90,15 @@ def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | No
         if controller in ctrls.split(","):
             return path
     return None
+
+
+def cgroup_v2_path(proc: str, pid: int) -> str | None:
+    """The process's cgroup2 path ("0::/…" in /proc/PID/cgroup), relative to the cgroup2 mount."""
+    try:
+        text = Path(proc, str(pid), "cgroup").read_text()
+    except OSError:
+        return None
+    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
 
 
 def allowed_gpu_minors(devices_list: str) -> set[int] | None:
@@ -163,6 +175,7 @@ class GpuProbe(Probe):
         self.target: Target | None = None
         self.rules: dict[int, str] = {}
         self.told_lost: set[int] = set()
+        self.devcg = DeviceRules()
 
     def check(self, host: Host) -> str | None:
         why = super().check(host)
@@ -246,6 +259,8 @@ class GpuProbe(Probe):
         cgroup allows, else all in NVML order (CUDA_DEVICE_ORDER=PCI_BUS_ID; UUIDs are exact either way)."""
         gpus, proc = self.nvml.gpus, self.host.proc
         mount = v1_mount(self.host.mountinfo)
+        v2 = self.host.cgroup2
+        gpu_minors = {g.minor for g in gpus if g.minor is not None and 0 <= g.minor < NOT_GPU_MINORS}
         lists: dict[str, set[int] | None] = {}    # devices.list read once per cgroup per tick
         devices: set[int] = set()
         env: set[int] = set()
@@ -259,6 +274,14 @@ class GpuProbe(Probe):
                         lists[full] = allowed_gpu_minors(Path(full).read_text())
                     except OSError:
                         lists[full] = None
+                minors = lists[full]
+                if minors is not None:
+                    allowed = {g.index for g in gpus if g.minor in minors}
+                    devices |= allowed
+            if allowed is None and v2 and (path := cgroup_v2_path(proc, pid)) is not None:
+                full = str(Path(v2, path.lstrip("/")))
+                if full not in lists:
+                    lists[full] = self.devcg.allowed_minors(full, int(NVIDIA_MAJOR), gpu_minors)
                 minors = lists[full]
                 if minors is not None:
                     allowed = {g.index for g in gpus if g.minor in minors}

@@ -14,11 +14,13 @@ import pytest
 
 from conftest import IS_ROOT
 from fake_nvml.spies import Frames, Spy
+from tests.devcg_progs import DEV_CHAR, allow_list, attach_device_program
 from fake_nvml.state import HERE as FAKE_DIR, FakeState, build
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.sampler import Sampler
 from jobprobe.target import CgroupTarget, PidTreeTarget
+from probes import _bpf
 from probes._nvml import decode_reasons
 from probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
 
@@ -208,6 +210,30 @@ def test_rule_device_cgroup_on_a_fixture_tree(fake, tmp_path, probes):
     assert [(g["index"], g["rule"]) for g in out["gpus"]] == [(1, "devices")]
     (step / "devices.list").write_text("a *:* rwm\n")     # unrestricted: now the env index counts from NVML's 0
     assert [(g["index"], g["rule"]) for g in probe.sample()["gpus"]] == [(0, "env")]
+
+
+@pytest.mark.kernel
+def test_rule_device_programs_on_a_real_cgroup2_group(fake, make_cgroup, probes):
+    """GPUs from the fake NVML (tests/fake_nvml, a fake: this machine has no GPU) with minors 4 and 5; the job's
+    group may open only 195:5 (GPU 1) and nvidiactl, as a container runtime or SLURM on cgroup v2 sets it up."""
+    fake.gpu(0, minor=4).gpu(1, minor=5).write()
+    cg = make_cgroup()
+    job = cg.spawn(["sleep", "60"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    fds = attach_device_program(allow_list([(DEV_CHAR, 195, 5, 6), (DEV_CHAR, 195, 255, 6), (DEV_CHAR, 1, None, 7)]),
+                                str(cg.path))
+    try:
+        probe = probes(CgroupTarget(str(cg.path)))
+        out = probe.sample()
+        # CUDA_VISIBLE_DEVICES=0 is the first GPU it can see, GPU 1, not NVML's GPU 0: the device rule wins anyway
+        assert [(g["index"], g["rule"]) for g in out["gpus"]] == [(1, "devices")]
+        _bpf.close_all(fds)
+        fds = []
+        # no device program now: the env index counts from NVML's 0
+        assert [(g["index"], g["rule"]) for g in probe.sample()["gpus"]] == [(0, "env")]
+    finally:
+        _bpf.close_all(fds)
+        job.kill()
+        job.wait()
 
 
 def test_no_gpu_for_the_job_then_opened_later(fake, spawn, probes):

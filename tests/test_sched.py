@@ -453,7 +453,7 @@ def test_sleeps_are_sleep_and_outside_locks_count_for_nothing(probe, make_cgroup
     # Seen once in 12 runs with two busy loops beside the test: sleep 982.7 ms, preempt 32.3 vs run_delay 5.0 ms.
     blind = max(0, s["offcpu_preempt_ns"] - ref["runq_ns"])
     assert n * ms * 1e6 * 0.99 - blind <= s["offcpu_sleep_ns"] <= n * ms * 1e6 * 1.1
-    assert s["offcpu_sleep_events"] >= n
+    assert s["offcpu_sleep_events"] + s["offcpu_preempt_events"] >= n   # each sleep slept, or (above) waited runnable
     assert s["offcpu_lock_ns"] <= 0.001 * s["offcpu_ns"]
 
 
