@@ -32,11 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
 
     r = sub.add_parser("run", help="attach to a job and sample it every interval",
-                       usage="jobprobe run (--cgroup PATH | --pid PID | --slurm-job ID | -- CMD ARGS...) [options]")
+                       usage="jobprobe run (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID | "
+                             "-- CMD ARGS...) [options]")
     tgt = r.add_mutually_exclusive_group()
     tgt.add_argument("--cgroup", metavar="PATH", help="cgroup2 group: absolute, or relative to the cgroup2 mount")
     tgt.add_argument("--pid", type=int, metavar="PID", help="a process and every descendant, also those forked later")
     tgt.add_argument("--slurm-job", metavar="ID", help="a SLURM job: its cgroup2 group, else its PIDs from scontrol")
+    tgt.add_argument("--k8s-pod", metavar="UID", help="a Kubernetes pod on this node, by UID: its cgroup2 group "
+                     "(every container of it), found under the kubelet's kubepods tree")
     r.add_argument("--job", metavar="NAME", help="job name in frames (default: from the target)")
     r.add_argument("--probes", metavar="SPEC",
                    help="'sched,perf' exactly these; '+pystacks,-sched' standard set plus/minus; 'all'")
@@ -185,10 +188,10 @@ def cmd_read(args) -> int:
 
 # ---- run ---------------------------------------------------------------------------------------------------
 def make_target(args, command: list[str]):
-    from jobprobe.target import CgroupTarget, CommandTarget, PidTreeTarget, slurm_target
-    given = [x for x in (args.cgroup, args.pid, args.slurm_job) if x is not None]
+    from jobprobe.target import CgroupTarget, CommandTarget, PidTreeTarget, k8s_pod_target, slurm_target
+    given = [x for x in (args.cgroup, args.pid, args.slurm_job, args.k8s_pod) if x is not None]
     if command and given:
-        raise BadInput("give either a target option (--cgroup/--pid/--slurm-job) or -- CMD, not both")
+        raise BadInput("give either a target option (--cgroup/--pid/--slurm-job/--k8s-pod) or -- CMD, not both")
     if command:
         return CommandTarget(command, job=args.job)
     if args.cgroup is not None:
@@ -197,7 +200,9 @@ def make_target(args, command: list[str]):
         return PidTreeTarget([args.pid], job=args.job)
     if args.slurm_job is not None:
         return slurm_target(args.slurm_job)
-    raise BadInput("no target: give --cgroup PATH, --pid PID, --slurm-job ID or -- CMD ARGS...")
+    if args.k8s_pod is not None:
+        return k8s_pod_target(args.k8s_pod, job=args.job)
+    raise BadInput("no target: give --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID or -- CMD ARGS...")
 
 
 def cmd_run(args, command: list[str], host: Host) -> int:
