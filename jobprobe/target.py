@@ -175,6 +175,23 @@ def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
     return None
 
 
+def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
+    """The job-level group a SLURM process sits in, read from its own /proc/PID/cgroup: the directory right below
+    `slurmstepd.scope` (or `<nodename>_slurmstepd.scope`, multiple-slurmd builds) — `job_<id>`, or the job's SLUID
+    where Slurm 26.05+ names groups by it (`…/slurmstepd.scope/s5K1KKYAYG5D00/step_0/…`)."""
+    try:
+        text = Path(proc, str(pid), "cgroup").read_text()
+    except OSError:
+        return None
+    path = next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+    parts = Path(path).parts if path else ()
+    for i, part in enumerate(parts[:-1]):
+        if part.endswith("slurmstepd.scope") and parts[i + 1] != "system":   # `system`: slurmstepd itself
+            d = Path(mount, *parts[1:i + 2])
+            return str(d) if d.is_dir() else None
+    return None
+
+
 def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
     try:
         out = subprocess.run([scontrol, "listpids", str(job_id)], capture_output=True, text=True, timeout=10)
@@ -208,6 +225,12 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         last[0] = time.monotonic()
         return scontrol_listpids(job_id, scontrol)
 
+    if mount:
+        # No job_<id> group: a layout keyed otherwise (Slurm 26.05 names groups by SLUID) is found from where the
+        # job's processes are.
+        groups = {slurm_group_of(proc, p, mount) for p in scontrol_listpids(job_id, scontrol)} - {None}
+        if len(groups) == 1:
+            return CgroupTarget(groups.pop(), mountinfo=mountinfo, job=str(job_id))
     for _ in range(3):
         # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
         # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does

@@ -1,5 +1,6 @@
 """`jobprobe run --slurm-job ID` against a real SLURM 22.05 (slurmctld + slurmd + munged) that this module starts
-on loopback (tests/slurm_cluster.py), and slurm_job_cgroup() on fixture trees of the cgroup/v2 layout.
+on loopback (tests/slurm_cluster.py), slurm_job_cgroup() on fixture trees of the cgroup/v2 layout, and the SLUID
+layout of Slurm 26.05 on real groups.
 
 On this hybrid host SLURM runs with proctrack/linuxproc, so its jobs stay in the cgroup2 root and jobprobe takes the
 PID-tree path (`scontrol listpids`); the cgroup/v2 path is what real clusters use and is tested on fixture trees.
@@ -88,6 +89,28 @@ def test_slurm_target_skips_listed_processes_that_have_exited(tmp_path):
     assert t.describe()["roots"] == [os.getpid()]
     with pytest.raises(BadInput, match="SLURM job 6 does not exist or has no processes"):
         slurm_target("6", mountinfo=str(tmp_path / "none"), scontrol=fake_listpids(tmp_path, "6", [4194303]))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("scope", ["slurmstepd.scope", "node7_slurmstepd.scope"])
+def test_slurm_target_finds_a_group_named_by_sluid(tmp_path, make_cgroup, scope):
+    """Slurm 26.05 names job groups by SLUID, not job_<id> (and multiple-slurmd builds prefix the scope with the
+    node name): the job's group is found from where its processes are. Real groups, laid out as slurmstepd does;
+    a named fake scontrol lists the job's process (no Slurm 26 here)."""
+    root = make_cgroup()
+    job = root.path / "system.slice" / scope / "s5K1KKYAYG5D00"
+    task = job / "step_0" / "user" / "task_0"
+    task.mkdir(parents=True)
+    proc = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: (task / "cgroup.procs").write_text(str(os.getpid())))
+    try:
+        t = slurm_target("42", scontrol=fake_listpids(tmp_path, "42", [proc.pid]))
+        assert isinstance(t, CgroupTarget) and t.describe() == {"kind": "cgroup", "job": "42", "cgroup": str(job)}
+        assert t.pids() == [proc.pid]
+    finally:
+        proc.kill()
+        proc.wait()
+        for d in (task, task.parent, task.parent.parent, job, job.parent, job.parent.parent):
+            d.rmdir()
 
 
 # ---- integration: a real cluster -------------------------------------------------------------------------------
