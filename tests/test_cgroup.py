@@ -1,5 +1,7 @@
 """cgroup probe. Unit tier on fixture trees (cgroup2 files, /proc); kernel tier on real groups, checked against the
 kernel's own cpu.stat read by the test."""
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,12 +16,12 @@ TICK_NS = 1_000_000_000 // CLK_TCK
 
 
 def write_proc(root: Path, pid: int, utime: int, stime: int, rss_pages: int, rd=0, wr=0, cutime=0, cstime=0,
-               ppid=1):
+               ppid=1, file_pages=0):
     d = root / str(pid)
     d.mkdir(parents=True, exist_ok=True)
     rest = ["S", ppid] + [0] * 9 + [utime, stime, cutime, cstime] + [0] * 30
     (d / "stat").write_text(f"{pid} (a (weird) name) " + " ".join(map(str, rest)) + "\n")
-    (d / "statm").write_text(f"1000 {rss_pages} 0 0 0 0 0\n")
+    (d / "statm").write_text(f"1000 {rss_pages} {file_pages} 0 0 0 0\n")
     (d / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {rd}\nwrite_bytes: {wr}\n")
 
 
@@ -62,15 +64,18 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
     probe = CgroupProbe(Host(proc=str(proc), mountinfo=str(mountinfo)))
     probe.start(CgroupTarget(str(grp), mountinfo=str(mountinfo)))
     (grp / "cpu.stat").write_text("usage_usec 3500\nuser_usec 2500\nsystem_usec 1000\n")
-    write_proc(proc, 10, 0, 0, 120, rd=4096, wr=8192)
+    write_proc(proc, 10, 0, 0, 120, rd=4096, wr=8192, file_pages=30)
     s = probe.sample()
     assert (s["cpu_user_ns"], s["cpu_system_ns"]) == (2_500_000, 1_000_000)
     assert s["mem_bytes"] == (120 + 50) * PAGE and s["mem_peak_bytes"] == s["mem_bytes"]
+    assert (s["mem_anon_bytes"], s["mem_file_bytes"]) == ((120 + 50 - 30) * PAGE, 30 * PAGE)
     assert (s["io_read_bytes"], s["io_write_bytes"], s["nprocs"]) == (4096, 8192, 2)
     (grp / "memory.current").write_text("1000\n")
     (grp / "memory.peak").write_text("999999999\n")
+    (grp / "memory.stat").write_text("anon 600\nfile 300\nkernel 100\nanon_thp 0\n")
     s = probe.sample()
     assert s["mem_bytes"] == 1000 and s["mem_peak_bytes"] == 999999999 and s["cpu_user_ns"] == 0
+    assert (s["mem_anon_bytes"], s["mem_file_bytes"]) == (600, 300)
 
 
 def run_probe_until_exit(probe, proc, period=0.2):
@@ -113,3 +118,40 @@ def test_pid_tree_cpu_time_includes_children_forked_later(make_cgroup):
     assert want > 0.5e9
     # /proc counts in clock ticks, and the root's own last interval goes with it (reaped outside the job)
     assert abs(got - want) / want < 0.05, (got, want)
+
+
+MAPPER = """
+import mmap, sys
+anon = mmap.mmap(-1, int(sys.argv[1]) << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # as a heap is
+anon.madvise(mmap.MADV_NOHUGEPAGE)
+for off in range(0, len(anon), mmap.PAGESIZE):
+    anon[off] = 1
+with open(sys.argv[2], "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    total = sum(mapped[off] for off in range(0, len(mapped), mmap.PAGESIZE))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["cgroup", "pids"])
+def test_anon_and_file_memory_of_a_job_that_maps_both(make_cgroup, tmp_path, kind):
+    """A job that touches 96 MiB of anonymous memory and maps and reads a 48 MiB file: the split puts each where it
+    belongs (the sizes are the workload's own; the interpreter adds a few MiB of each)."""
+    data = tmp_path / "data"
+    data.write_bytes(b"\x01" * (48 << 20))
+    cg = make_cgroup()
+    job = cg.spawn([sys.executable, "-c", MAPPER, "96", str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                   text=True)
+    probe = CgroupProbe()
+    try:
+        probe.start(CgroupTarget(str(cg.path)) if kind == "cgroup" else PidTreeTarget([job.pid]))
+        assert job.stdout.readline().strip() == "ready"
+        s = probe.sample()
+    finally:
+        job.communicate("done\n", timeout=60)
+    anon, file = s["mem_anon_bytes"] / 2**20, s["mem_file_bytes"] / 2**20
+    print(f"{kind}: mem {s['mem_bytes'] / 2**20:.1f} MiB = anon {anon:.1f} + file {file:.1f} MiB")
+    assert 96 <= anon <= 96 + 32 and 48 <= file <= 48 + 32
+    assert s["mem_anon_bytes"] + s["mem_file_bytes"] <= s["mem_bytes"]
