@@ -1,7 +1,7 @@
 """cgroup — the job's own accounting: CPU time, memory, I/O bytes, read from the kernel's files.
 
-Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets; /proc/PID/{stat,status,io} for
-process-tree targets and for controllers that a hybrid (v1+v2) host keeps on v1. Kernel: cgroup2 cpu.stat needs
+Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets; /proc/PID/{stat,statm,io}
+for process-tree targets and for controllers that a hybrid (v1+v2) host keeps on v1. Kernel: cgroup2 cpu.stat needs
 4.15+, memory.peak 5.19+ (older: the highest value seen). Cost: a few small file reads per tick (~0.1 ms), no root
 needed for the job's own files. Per-process figures lose the CPU and I/O of a process between its last sample and
 its exit; cgroup figures lose nothing.
@@ -131,8 +131,8 @@ class CgroupProbe(Probe):
         "mem_anon_bytes": Field("int", "bytes", "of mem_bytes, anonymous memory (heap, stacks; what swap or the OOM "
                                 "killer would take): memory.stat anon, else the processes' RssAnon"),
         "mem_file_bytes": Field("int", "bytes", "of mem_bytes, file pages: the page cache charged to the job "
-                                "(memory.stat file), else the processes' mapped file pages; shared memory (tmpfs, MAP_SHARED anonymous) "
-                                "counts here in both"),
+                                "(memory.stat file), else the processes' mapped file pages; shared memory (tmpfs, "
+                                "MAP_SHARED anonymous) counts here in both"),
         "io_read_bytes": Field("int", "bytes", "bytes read from storage this interval (io.stat rbytes, else /proc/PID/io)"),
         "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else /proc/PID/io)"),
         "nprocs": Field("int", "count", "processes in the job now"),

@@ -113,9 +113,9 @@ def run_delay_at_exit(proc: subprocess.Popen) -> tuple[str, int]:
 
 @pytest.mark.kernel
 def test_a_busy_process_outside_adds_nothing(pressure, make_cgroup):
-    """A one-thread job that sleeps on one CPU, beside two burners outside it on another: its `some` CPU stall is its own wait for a CPU
-    — at least its wait during its sleep loop (its own account), at most its wait over its whole life — and none of
-    the burners' second."""
+    """A one-thread job that sleeps on one CPU, beside two burners outside it on another: its `some` CPU stall is
+    its own wait for a CPU — at least its wait during its sleep loop (its own account), at most its wait over its
+    whole life — and none of the burners' second."""
     cg = make_cgroup()
     pressure.start(CgroupTarget(str(cg.path)))
     outside = subprocess.Popen(sched_workload("preempt", 1.0), stdout=subprocess.PIPE, text=True)
