@@ -66,8 +66,28 @@ class Gpu:
         self.prev: dict[str, int] = {}           # counters at the last read, for deltas
         self.gpm: list | None = None             # [previous sample, spare sample] while GPM runs
         self.nvlinks: int | None = None          # set when the driver refuses the all-links scope: sum per link
+        self.migs: list[Mig] = []                # its MIG devices, when MIG mode is on
         # Event data names the GPU by handle: compare the pointers' values.
         self.addr = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
+
+    @property
+    def label(self) -> str:
+        return f"gpu{self.index}"
+
+
+class Mig(Gpu):
+    """A MIG device (a GPU instance's compute instance) of a GPU in MIG mode: its own handle, UUID (MIG-…), memory
+    and process list; utilization, clocks, power and the rest are the whole GPU's."""
+
+    def __init__(self, parent: Gpu, slot: int, handle):
+        super().__init__(parent.index, handle)
+        self.parent, self.slot = parent, slot
+        self.gi: int | None = None
+        self.ci: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"gpu{self.index}.mig{self.slot}"
 
 
 class Nvml:
@@ -115,6 +135,7 @@ class Nvml:
                 g.uuid = self.call(g, "uuid", fn=nv.nvmlDeviceGetUUID)
                 g.name = self.call(g, "name", fn=nv.nvmlDeviceGetName)
                 g.minor = self.call(g, "minor", fn=nv.nvmlDeviceGetMinorNumber)
+                g.migs = self._migs(g)
             except GpuLost:
                 g.lost = True
         self.eventset = self.call_global("xid", nv.nvmlEventSetCreate)
@@ -123,6 +144,36 @@ class Nvml:
                 self.call(g, "xid", XID_EVENT, self.eventset, fn=nv.nvmlDeviceRegisterEvents)
             except GpuLost:
                 g.lost = True
+
+    def _migs(self, g: Gpu) -> list[Mig]:
+        """The MIG devices of a GPU in MIG mode (slots without one are skipped). MIG is a mode, not a metric: a
+        GPU or driver without it is not reported as unsupported. Raises GpuLost."""
+        nv, out = self.nv, []
+        try:
+            if nv.nvmlDeviceGetMigMode(g.handle)[0] != 1:      # NVML_DEVICE_MIG_ENABLE
+                return out
+            slots = nv.nvmlDeviceGetMaxMigDeviceCount(g.handle)
+        except nv.NVMLError as err:
+            if err.value == GPU_IS_LOST:
+                raise GpuLost(f"GPU {g.index}: {err}") from err
+            return out
+        for slot in range(slots):
+            try:
+                m = Mig(g, slot, nv.nvmlDeviceGetMigDeviceHandleByIndex(g.handle, slot))
+                m.uuid = nv.nvmlDeviceGetUUID(m.handle)
+                m.gi = nv.nvmlDeviceGetGpuInstanceId(m.handle)
+                m.ci = nv.nvmlDeviceGetComputeInstanceId(m.handle)
+            except nv.NVMLError as err:            # NVML_ERROR_NOT_FOUND: no MIG device in this slot
+                if err.value == GPU_IS_LOST:
+                    raise GpuLost(f"GPU {g.index}: {err}") from err
+                continue
+            out.append(m)
+        return out
+
+    def mig_read(self, m: Mig) -> dict:
+        """A MIG device's own values: memory used and total. Raises GpuLost."""
+        got = self.call(m, "memory")
+        return {} if got is None else {"mem_used_bytes": got.used, "mem_total_bytes": got.total}
 
     def close(self) -> None:
         """Free GPM samples and the event set, then nvmlShutdown. Idempotent; errors here are only logged."""
@@ -170,7 +221,7 @@ class Nvml:
                     continue
                 if code in STICKY_GPU:
                     g.unsupported.add(metric)
-                    self.fresh.append(f"gpu{g.index}.{metric}")
+                    self.fresh.append(f"{g.label}.{metric}")
                 else:                 # transient (timeout, unknown): absent this tick, asked again next
                     log.debug("GPU %d %s: %s", g.index, metric, err)
                 return None
@@ -193,11 +244,13 @@ class Nvml:
 
     # ---- what runs on a GPU ------------------------------------------------------------------------------
     def processes(self, g: Gpu) -> dict[int, int | None] | None:
-        """pid → bytes of GPU memory (None where NVML cannot tell) from the compute, graphics and MPS lists;
-        None when no list could be read. Raises GpuLost."""
+        """pid → bytes of GPU memory (None where NVML cannot tell) from the compute, graphics and MPS lists (a MIG
+        device: its compute list); None when no list could be read. Raises GpuLost."""
         out: dict[int, int | None] = {}
         seen = False
-        for metric in ("compute_processes", "graphics_processes", "mps_processes"):
+        lists = ("compute_processes",) if isinstance(g, Mig) else \
+            ("compute_processes", "graphics_processes", "mps_processes")
+        for metric in lists:
             procs = self.call(g, metric)
             if procs is None:
                 continue

@@ -7,6 +7,8 @@ Which GPUs are the job's, decided again every tick (a job may open a GPU late), 
   devices — a job process's device cgroup allows that GPU's /dev/nvidiaN (major 195) and not all GPUs: the v1
             devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run (probes/_devcg.py);
   env     — CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES in a job process's /proc/PID/environ (indices or UUIDs).
+On a GPU in MIG mode the same holds per MIG device (process: on that device's list; env: its MIG-UUID named), a GPU
+is the job's when one of its MIG devices is, and `mig` lists those devices with their own memory and processes.
 A GPU is `shared` when NVML lists processes on it that are not the job's.
 
 Hooks: nvidia-ml-py (`pynvml`, the real binding; probes/_nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
@@ -25,7 +27,7 @@ from jobprobe.host import Host, find_cgroup_v1_mount
 from jobprobe.probe import EVENTS_KEY, Field, Probe
 from jobprobe.target import Target
 from probes._devcg import DeviceRules
-from probes._nvml import LIBRARY, Gpu, GpuLost, Nvml
+from probes._nvml import LIBRARY, Gpu, GpuLost, Mig, Nvml
 
 NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
 INIT_ERRORS = {12: NO_DRIVER,                                                   # NVML_ERROR_LIBRARY_NOT_FOUND
@@ -54,7 +56,7 @@ def read_visible_env(proc: str, pid: int) -> dict[str, str]:
 def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:
     """GPU indices a *_VISIBLE_DEVICES value names. Integers count within `base` (the GPUs the process can see);
     GPU-UUIDs (or a unique prefix, as CUDA accepts) name a GPU outright. Like CUDA, an entry that names nothing
-    ends the list. MIG-UUIDs are skipped (MIG instances are not mapped yet)."""
+    ends the list. MIG devices are visible_migs()' business."""
     v = value.strip()
     if v.lower() in ("", "none", "void", "nodevfiles"):
         return set()
@@ -71,6 +73,24 @@ def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:
         if len(hits) != 1:
             break
         out.add(hits[0].index)
+    return out
+
+
+def visible_migs(value: str, gpus: list[Gpu]) -> set[tuple[int, int]]:
+    """(GPU index, slot) of the MIG devices a *_VISIBLE_DEVICES value names: `MIG-<uuid>` (or a unique prefix), or
+    the older `MIG-GPU-<gpu uuid>/<gpu instance>/<compute instance>`."""
+    migs = [m for g in gpus for m in g.migs]
+    out: set[tuple[int, int]] = set()
+    for item in (s.strip() for s in value.split(",")):
+        if item.startswith("MIG-GPU-") and item.count("/") == 2:
+            uuid, gi, ci = item[len("MIG-"):].split("/")
+            hits = [m for m in migs if m.parent.uuid == uuid and str(m.gi) == gi and str(m.ci) == ci]
+        elif item.startswith("MIG-"):
+            hits = [m for m in migs if m.uuid and m.uuid.startswith(item)]
+        else:
+            continue
+        if len(hits) == 1:
+            out.add((hits[0].index, hits[0].slot))
     return out
 
 
@@ -166,6 +186,21 @@ class GpuProbe(Probe):
         "gpus[].gpm_sm_occupancy_pct": Field("float", "%", "GPM: resident warps vs the maximum, over the interval"),
         "gpus[].gpm_tensor_active_pct": Field("float", "%", "GPM: tensor cores busy, over the interval"),
         "gpus[].gpm_dram_bw_pct": Field("float", "%", "GPM: DRAM bandwidth used vs peak, over the interval"),
+        "gpus[].mig": Field("list[map]", "—", "only on a GPU in MIG mode: the job's MIG devices on it (fields "
+                            "gpus[].mig[].*); the GPU's other values are the whole GPU's, shared with other instances"),
+        "gpus[].mig[].slot": Field("int", "—", "MIG device index on its GPU"),
+        "gpus[].mig[].uuid": Field("str", "—", "MIG-UUID"),
+        "gpus[].mig[].gpu_instance": Field("int", "—", "GPU instance id"),
+        "gpus[].mig[].compute_instance": Field("int", "—", "compute instance id"),
+        "gpus[].mig[].rule": Field("str", "—", "why it is the job's: process (a job PID on its process list) | env "
+                                   "(a MIG-UUID in *_VISIBLE_DEVICES)"),
+        "gpus[].mig[].mem_used_bytes": Field("int", "bytes", "memory used on this MIG device, all its processes"),
+        "gpus[].mig[].mem_total_bytes": Field("int", "bytes", "memory of this MIG device"),
+        "gpus[].mig[].shared": Field("bool", "—", "processes that are not the job's run on this MIG device"),
+        "gpus[].mig[].job_procs": Field("int", "count", "job processes on it"),
+        "gpus[].mig[].other_procs": Field("int", "count", "other processes on it"),
+        "gpus[].mig[].job_mem_bytes": Field("int", "bytes", "memory of the job's processes on it"),
+        "gpus[].mig[].procs": Field("list[map]", "—", "the job's processes on it: {pid, mem_bytes}"),
     }
 
     def __init__(self, host: Host | None = None, nvml=None):
@@ -206,7 +241,7 @@ class GpuProbe(Probe):
             raise ProbeUnavailable(INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")) from err
         self.nvml, self.target, self.rules, self.told_lost = nvml, target, {}, set()
         try:
-            self.rules, _ = self._membership(set(target.pids()))
+            self.rules = self._membership(set(target.pids()))[0]
             for g in nvml.live():
                 if g.index in self.rules:
                     try:
@@ -228,8 +263,9 @@ class GpuProbe(Probe):
         g.lost = True
         self.nvml.forget(g)
 
-    def _membership(self, pids: set[int]) -> tuple[dict[int, str], dict[int, dict]]:
-        """GPU index → rule for the job's GPUs now, and each readable GPU's process list (pid → bytes)."""
+    def _membership(self, pids: set[int]) -> tuple[dict[int, str], dict[int, dict], dict[Mig, str], dict[Mig, dict]]:
+        """GPU index → rule for the job's GPUs now, and each readable GPU's process list (pid → bytes); the same for
+        the job's MIG devices. A GPU one of whose MIG devices is the job's is the job's, by that device's rule."""
         nvml = self.nvml
         procs: dict[int, dict] = {}
         for g in nvml.live():
@@ -240,23 +276,44 @@ class GpuProbe(Probe):
                 continue
             if p is not None:
                 procs[g.index] = p
-        devices, env = self._cgroup_and_env(pids)
+        devices, env, env_migs = self._cgroup_and_env(pids)
+        mig_rules: dict[Mig, str] = {}
+        mig_procs: dict[Mig, dict] = {}
+        for g in nvml.live():
+            for m in g.migs:
+                try:
+                    p = nvml.processes(m)
+                except GpuLost:
+                    self._mark_lost(g)
+                    break
+                if p is not None:
+                    mig_procs[m] = p
+                if pids & (p or {}).keys():
+                    mig_rules[m] = "process"
+                elif (m.index, m.slot) in env_migs:
+                    mig_rules[m] = "env"
+        by_migs = {}
+        for m, rule in mig_rules.items():
+            by_migs[m.index] = "process" if "process" in (rule, by_migs.get(m.index)) else rule
         rules: dict[int, str] = {}
         for g in nvml.gpus:
             if pids & procs.get(g.index, {}).keys():
                 rules[g.index] = "process"
             elif g.index in devices:
                 rules[g.index] = "devices"
+            elif g.index in by_migs:
+                rules[g.index] = by_migs[g.index]
             elif g.index in env:
                 rules[g.index] = "env"
             elif g.lost and g.index in self.rules:
                 rules[g.index] = self.rules[g.index]   # it was the job's when it fell off the bus
-        return rules, procs
+        return rules, procs, mig_rules, mig_procs
 
-    def _cgroup_and_env(self, pids: set[int]) -> tuple[set[int], set[int]]:
-        """GPUs the job's device cgroups allow, and GPUs its *_VISIBLE_DEVICES name. Integer indices count within
-        what the process can see: the GPUs NVIDIA_VISIBLE_DEVICES names (a container), else those its device
-        cgroup allows, else all in NVML order (CUDA_DEVICE_ORDER=PCI_BUS_ID; UUIDs are exact either way)."""
+    def _cgroup_and_env(self, pids: set[int]) -> tuple[set[int], set[int], set[tuple[int, int]]]:
+        """GPUs the job's device cgroups allow, GPUs its *_VISIBLE_DEVICES name, and MIG devices they name.
+        Integer indices count within what the process can see: the GPUs NVIDIA_VISIBLE_DEVICES names (a
+        container), else those its device cgroup allows, else all in NVML order (CUDA_DEVICE_ORDER=PCI_BUS_ID;
+        UUIDs are exact either way)."""
         gpus, proc = self.nvml.gpus, self.host.proc
         mount = v1_mount(self.host.mountinfo)
         v2 = self.host.cgroup2
@@ -264,6 +321,7 @@ class GpuProbe(Probe):
         lists: dict[str, set[int] | None] = {}    # devices.list read once per cgroup per tick
         devices: set[int] = set()
         env: set[int] = set()
+        env_migs: set[tuple[int, int]] = set()
         for pid in sorted(pids):
             allowed = None
             path = cgroup_v1_path(proc, pid) if mount else None
@@ -287,6 +345,8 @@ class GpuProbe(Probe):
                     allowed = {g.index for g in gpus if g.minor in minors}
                     devices |= allowed
             vis = read_visible_env(proc, pid)
+            for value in vis.values():
+                env_migs |= visible_migs(value, gpus)
             base = gpus if allowed is None else [g for g in gpus if g.index in allowed]
             if "NVIDIA_VISIBLE_DEVICES" in vis:
                 named = parse_visible(vis["NVIDIA_VISIBLE_DEVICES"], gpus, base)
@@ -295,13 +355,13 @@ class GpuProbe(Probe):
                     env |= named
             if "CUDA_VISIBLE_DEVICES" in vis:
                 env |= parse_visible(vis["CUDA_VISIBLE_DEVICES"], gpus, base)
-        return devices, env
+        return devices, env, env_migs
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def sample(self) -> dict:
         nvml = self.nvml
         pids = set(self.target.pids())
-        rules, procs = self._membership(pids)
+        rules, procs, mig_rules, mig_procs = self._membership(pids)
         events: list[dict] = []
         xids: dict[int, int] = {}
         for g, xid in nvml.xids():
@@ -335,6 +395,8 @@ class GpuProbe(Probe):
             else:
                 entry["xid_errors"] = xids.get(g.index, 0)
                 entry.update(self._attribution(procs.get(g.index), pids))
+                if g.migs:
+                    entry["mig"] = self._migs(g, mig_rules, mig_procs, pids)
             gpus.append(entry)
         self.rules = rules
         out: dict = {"gpus": gpus, "ngpus": len(gpus), "node_gpus": len(nvml.gpus)}
@@ -347,6 +409,21 @@ class GpuProbe(Probe):
             out["unsupported"] = fresh
         if events:
             out[EVENTS_KEY] = events
+        return out
+
+    def _migs(self, g: Gpu, rules: dict[Mig, str], procs: dict[Mig, dict], pids: set[int]) -> list[dict]:
+        out = []
+        for m in g.migs:
+            if m not in rules:
+                continue
+            entry = {"slot": m.slot, "uuid": m.uuid, "gpu_instance": m.gi, "compute_instance": m.ci,
+                     "rule": rules[m]}
+            try:
+                entry.update(self.nvml.mig_read(m))
+            except GpuLost:
+                break          # the whole GPU: marked lost at its next read
+            entry.update(self._attribution(procs.get(m), pids))
+            out.append(entry)
         return out
 
     @staticmethod

@@ -131,7 +131,8 @@ def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
         "gpm_dram_bw_pct": 60.0, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
         "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}]}
     assert set(g) | {"gpus", "ngpus", "node_gpus", "note", "unsupported"} == \
-        {k.removeprefix("gpus[].") for k in GpuProbe.fields}, "every declared field, and only those"
+        {k.removeprefix("gpus[].") for k in GpuProbe.fields if not k.startswith("gpus[].mig")}, \
+        "every declared field, and only those (MIG: test_mig_devices_of_two_jobs)"
     fake.gpu(0, energy=5_000_000 + 312_000 + 1000, util="90 80").write()
     out = probe.sample()
     g = out["gpus"][0]
@@ -234,6 +235,41 @@ def test_rule_device_programs_on_a_real_cgroup2_group(fake, make_cgroup, probes)
         _bpf.close_all(fds)
         job.kill()
         job.wait()
+
+
+MIG = ["MIG-11111111-2222-5333-8444-555555555555", "MIG-11111111-2222-5333-8444-666666666666",
+       "MIG-11111111-2222-5333-8444-777777777777"]
+
+
+def test_mig_devices_of_two_jobs(fake, spawn, probes):
+    """GPU 0 in MIG mode with three MIG devices: one job runs on slot 2 (its process list), another names slot 5 in
+    CUDA_VISIBLE_DEVICES; each gets GPU 0 with its own MIG device, memory and processes. GPU 1 is not in MIG mode."""
+    a = spawn()
+    b = spawn({"CUDA_VISIBLE_DEVICES": MIG[2][:-4]})        # a unique prefix, as CUDA accepts
+    other = spawn()
+    fake.mig(0, 0, MIG[0], 1, 0, 10 * GiB, 2 * GiB, procs=f"{other.pid}:{2 * GiB}")
+    fake.mig(0, 2, MIG[1], 2, 0, 20 * GiB, 6 * GiB, procs=f"{a.pid}:{5 * GiB} {other.pid}:{GiB}")
+    fake.mig(0, 5, MIG[2], 9, 1, 10 * GiB, 0).write()
+    fake.gpu(0, procs=f"{other.pid}:{3 * GiB} {a.pid}:{5 * GiB}").write()   # the whole GPU's list: all instances
+    ga = probes(PidTreeTarget([a.pid])).sample()["gpus"]
+    gb = probes(PidTreeTarget([b.pid])).sample()["gpus"]
+    assert [(g["index"], g["rule"]) for g in ga] == [(0, "process")]
+    assert ga[0]["mig"] == [{"slot": 2, "uuid": MIG[1], "gpu_instance": 2, "compute_instance": 0, "rule": "process",
+                             "mem_used_bytes": 6 * GiB, "mem_total_bytes": 20 * GiB, "shared": True, "job_procs": 1,
+                             "other_procs": 1, "job_mem_bytes": 5 * GiB,
+                             "procs": [{"pid": a.pid, "mem_bytes": 5 * GiB}]}]
+    assert ga[0]["power_mw"] == 312000 and ga[0]["shared"] is True          # the whole GPU's values
+    assert [(g["index"], g["rule"]) for g in gb] == [(0, "env")]
+    assert [(m["slot"], m["rule"], m["job_procs"], m["shared"]) for m in gb[0]["mig"]] == [(5, "env", 0, False)]
+    assert set(ga[0]["mig"][0]) == {k.removeprefix("gpus[].mig[].") for k in GpuProbe.fields
+                                    if k.startswith("gpus[].mig[].")}
+    # the older form names a MIG device by its GPU's UUID and instance ids
+    c = spawn({"NVIDIA_VISIBLE_DEVICES": f"MIG-{UUID[0]}/1/0"})
+    gc = probes(PidTreeTarget([c.pid])).sample()["gpus"]
+    assert [(g["index"], [m["slot"] for m in g["mig"]]) for g in gc] == [(0, [0])]
+    # GPU 1 is not in MIG mode: no "mig" key
+    d = spawn({"CUDA_VISIBLE_DEVICES": UUID[1]})
+    assert "mig" not in probes(PidTreeTarget([d.pid])).sample()["gpus"][0]
 
 
 def test_no_gpu_for_the_job_then_opened_later(fake, spawn, probes):

@@ -18,6 +18,10 @@
  *     I xids X …                (every XID so far; an event set sees those added after it registered)
  *     I gpm 1                   I gpm_values ID=VALUE …        (GPM support; metric values over an interval)
  *     I unsupported nvmlFnName …  (those functions return NVML_ERROR_NOT_SUPPORTED for this GPU)
+ *     I mig_mode 1              (MIG enabled: device calls other than identity, memory and processes refuse the
+ *                                MIG devices' handles, as NVML does)
+ *     I mig SLOT UUID GI CI TOTAL USED      a MIG device in slot SLOT (0..6): MIG-UUID, GPU and compute instance
+ *     I mig_procs SLOT PID:BYTES …          the compute processes on that MIG device
  *
  * If $FAKE_NVML_LOG names a file, every device call appends "function index" to it: tests count calls.
  * Left out on purpose (so pynvml raises NVMLError_FunctionNotFound, as with an older driver):
@@ -31,16 +35,24 @@
 #include <unistd.h>
 
 typedef int nvmlReturn_t;
-enum { OK = 0, UNINIT = 1, INVALID = 2, NOT_SUPPORTED = 3, INSUFFICIENT = 7, TIMEOUT = 10, LOST = 15,
-       VERSION_MISMATCH = 25 };
+enum { OK = 0, UNINIT = 1, INVALID = 2, NOT_SUPPORTED = 3, NOT_FOUND = 6, INSUFFICIENT = 7, TIMEOUT = 10,
+       LOST = 15, VERSION_MISMATCH = 25 };
 
 #define MAXDEV 8
 #define MAXPROC 32
 #define MAXXID 64
 #define MAXLINK 18
 #define MAXGPM 16
+#define MAXMIG 7
 
 struct proc { unsigned pid; unsigned long long mem; };
+struct mig {
+    int present, nprocs;
+    char uuid[96];
+    unsigned gi, ci;
+    unsigned long long mem_total, mem_used;
+    struct proc procs[MAXPROC];
+};
 struct dev {
     char uuid[96], name[96], unsupported[1024];
     unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, power, temp, pcie_tx, pcie_rx, remap[4];
@@ -50,10 +62,13 @@ struct dev {
     struct proc procs[MAXPROC], gprocs[MAXPROC];
     unsigned gpm_id[MAXGPM];
     double gpm_val[MAXGPM];
+    int mig_mode;
+    struct mig migs[MAXMIG];
 };
 static struct { int count; char driver[32]; struct dev d[MAXDEV]; } S;
-typedef struct handle { int index; } *nvmlDevice_t;
-static struct handle handles[MAXDEV] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
+typedef struct handle { int index, mig; } *nvmlDevice_t;   /* mig: the MIG slot, -1 for a whole GPU */
+static struct handle handles[MAXDEV] = {{0, -1}, {1, -1}, {2, -1}, {3, -1}, {4, -1}, {5, -1}, {6, -1}, {7, -1}};
+static struct handle mig_handles[MAXDEV][MAXMIG];
 static int refcount;
 
 int fake_nvml_is_fake(void) { return 1; }   /* lets a test prove that pynvml loaded this file */
@@ -123,6 +138,24 @@ static void load(void) {
         else if (!strcmp(key, "gprocs")) d->ngprocs = parse_procs(v, d->gprocs);
         else if (!strcmp(key, "xids")) d->nxids = parse_ulls(v, d->xids, MAXXID);
         else if (!strcmp(key, "gpm")) d->gpm = atoi(v);
+        else if (!strcmp(key, "mig_mode")) d->mig_mode = atoi(v);
+        else if (!strcmp(key, "mig")) {
+            unsigned slot;
+            struct mig m = {0};
+            if (sscanf(v, "%u %95s %u %u %llu %llu", &slot, m.uuid, &m.gi, &m.ci, &m.mem_total, &m.mem_used) == 6
+                    && slot < MAXMIG) {
+                m.present = 1;
+                m.nprocs = d->migs[slot].nprocs;
+                memcpy(m.procs, d->migs[slot].procs, sizeof m.procs);
+                d->migs[slot] = m;
+            }
+        }
+        else if (!strcmp(key, "mig_procs")) {
+            unsigned slot;
+            int at = 0;
+            if (sscanf(v, "%u %n", &slot, &at) >= 1 && slot < MAXMIG)
+                d->migs[slot].nprocs = parse_procs(v + at, d->migs[slot].procs);
+        }
         else if (!strcmp(key, "gpm_values")) {
             char *save;
             for (char *tok = strtok_r(v, " \t", &save); tok && d->ngpm < MAXGPM; tok = strtok_r(NULL, " \t", &save))
@@ -147,11 +180,23 @@ static void log_call(const char *fn, int idx) {
 }
 
 static int index_of(nvmlDevice_t h) {
-    return (h >= handles && h < handles + MAXDEV) ? h->index : -1;
+    if (h >= handles && h < handles + MAXDEV)
+        return h->index;
+    if (h >= &mig_handles[0][0] && h < &mig_handles[0][0] + MAXDEV * MAXMIG)
+        return h->index;
+    return -1;
 }
 
-/* Every device call: initialized? fresh state, known handle, GPU still on the bus, function supported? */
-static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, struct dev **out) {
+/* The MIG device a handle names, or NULL for a whole GPU's handle. */
+static struct mig *mig_of(nvmlDevice_t h, struct dev *d) {
+    return (h >= &mig_handles[0][0] && h < &mig_handles[0][0] + MAXDEV * MAXMIG) ? &d->migs[h->mig] : NULL;
+}
+
+/* Every device call: initialized? fresh state, known handle, GPU still on the bus, function supported? A MIG
+ * device's handle is refused (as NVML does for most queries) unless the function takes one (`any`). */
+static nvmlReturn_t enter_any(const char *fn, nvmlDevice_t h, struct dev **out, int any);
+static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, struct dev **out) { return enter_any(fn, h, out, 0); }
+static nvmlReturn_t enter_any(const char *fn, nvmlDevice_t h, struct dev **out, int any) {
     if (refcount <= 0)
         return UNINIT;
     load();
@@ -162,6 +207,8 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, struct dev **out) {
     struct dev *d = &S.d[i];
     if (d->lost)
         return LOST;
+    if (mig_of(h, d) && (!any || !d->mig_mode || !mig_of(h, d)->present))
+        return mig_of(h, d)->present && d->mig_mode ? NOT_SUPPORTED : INVALID;
     char pat[128];
     snprintf(pat, sizeof pat, " %s ", fn);
     if (strstr(d->unsupported, pat))
@@ -171,6 +218,8 @@ static nvmlReturn_t enter(const char *fn, nvmlDevice_t h, struct dev **out) {
 }
 
 #define ENTER(h) struct dev *d; nvmlReturn_t r_ = enter(__func__, h, &d); if (r_ != OK) return r_
+#define ENTER_ANY(h) struct dev *d; nvmlReturn_t r_ = enter_any(__func__, h, &d, 1); if (r_ != OK) return r_; \
+    struct mig *m = mig_of(h, d)
 
 /* ---- library ---------------------------------------------------------------------------------------------- */
 nvmlReturn_t nvmlInitWithFlags(unsigned flags) { (void)flags; refcount++; return OK; }
@@ -214,7 +263,9 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned idx, nvmlDevice_t *out) {
 }
 
 /* ---- identity --------------------------------------------------------------------------------------------- */
-nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t h, char *buf, unsigned n) { ENTER(h); return copy_str(buf, n, d->uuid); }
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t h, char *buf, unsigned n) {
+    ENTER_ANY(h); return copy_str(buf, n, m ? m->uuid : d->uuid);
+}
 nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t h, char *buf, unsigned n) { ENTER(h); return copy_str(buf, n, d->name); }
 nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t h, unsigned *m) { ENTER(h); *m = d->minor; return OK; }
 nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t h, unsigned *i) { ENTER(h); *i = index_of(h); return OK; }
@@ -227,13 +278,16 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t h, nvmlUtilization_t *u)
 
 typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
 typedef struct { unsigned version; unsigned long long total, reserved, free, used; } nvmlMemory_v2_t;
-nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *m) {
-    ENTER(h); m->total = d->mem_total; m->used = d->mem_used; m->free = d->mem_total - d->mem_used; return OK;
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *out) {
+    ENTER_ANY(h);
+    unsigned long long total = m ? m->mem_total : d->mem_total, used = m ? m->mem_used : d->mem_used;
+    out->total = total; out->used = used; out->free = total - used; return OK;
 }
-nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *m) {
-    ENTER(h);
-    if (m->version != 0x02000028) return VERSION_MISMATCH;   /* nvmlMemory_v2: sizeof | 2 << 24 */
-    m->total = d->mem_total; m->used = d->mem_used; m->reserved = 0; m->free = d->mem_total - d->mem_used;
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *out) {
+    ENTER_ANY(h);
+    if (out->version != 0x02000028) return VERSION_MISMATCH;   /* nvmlMemory_v2: sizeof | 2 << 24 */
+    unsigned long long total = m ? m->mem_total : d->mem_total, used = m ? m->mem_used : d->mem_used;
+    out->total = total; out->used = used; out->reserved = 0; out->free = total - used;
     return OK;
 }
 
@@ -289,7 +343,8 @@ static nvmlReturn_t procs(const struct proc *p, int n, unsigned *count, nvmlProc
     return OK;
 }
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t h, unsigned *count, nvmlProcessInfo_t *out) {
-    ENTER(h); return procs(d->procs, d->nprocs, count, out);
+    ENTER_ANY(h);
+    return m ? procs(m->procs, m->nprocs, count, out) : procs(d->procs, d->nprocs, count, out);
 }
 nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t h, unsigned *count, nvmlProcessInfo_t *out) {
     ENTER(h); return procs(d->gprocs, d->ngprocs, count, out);
@@ -408,4 +463,28 @@ nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) {
             }
     }
     return OK;
+}
+
+/* ---- MIG: a GPU in MIG mode lists its MIG devices; their handles answer identity, memory and processes ------- */
+nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t h, unsigned *current, unsigned *pending) {
+    ENTER(h); *current = *pending = d->mig_mode != 0; return OK;
+}
+nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t h, unsigned *count) {
+    ENTER(h); *count = d->mig_mode ? MAXMIG : 0; return OK;
+}
+nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t h, unsigned slot, nvmlDevice_t *out) {
+    ENTER(h);
+    if (!d->mig_mode || slot >= MAXMIG) return INVALID;
+    if (!d->migs[slot].present) return NOT_FOUND;
+    int i = index_of(h);
+    mig_handles[i][slot].index = i;
+    mig_handles[i][slot].mig = (int)slot;
+    *out = &mig_handles[i][slot];
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t h, unsigned *id) {
+    ENTER_ANY(h); if (!m) return INVALID; *id = m->gi; return OK;
+}
+nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t h, unsigned *id) {
+    ENTER_ANY(h); if (!m) return INVALID; *id = m->ci; return OK;
 }

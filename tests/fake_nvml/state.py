@@ -31,6 +31,14 @@ class FakeState:
         self.count = max(self.count, index + 1)
         return self
 
+    def mig(self, index: int, slot: int, uuid: str, gi: int, ci: int, total: int, used: int,
+            procs: str = "") -> "FakeState":
+        """GPU `index` in MIG mode with a MIG device in `slot`; procs "PID:BYTES …" run on it."""
+        self.gpu(index, mig_mode=1, **{f"mig {slot}": f"{uuid} {gi} {ci} {total} {used}"})
+        if procs:
+            self.gpu(index, **{f"mig_procs {slot}": procs})
+        return self
+
     def write(self) -> "FakeState":
         lines = [f"driver {self.driver}", f"count {self.count}"]
         lines += [f"{i} {k} {v}" for i, kv in sorted(self.gpus.items()) for k, v in kv.items()]
