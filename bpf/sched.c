@@ -14,7 +14,8 @@
  *   run-queue latency: from becoming runnable (wakeup, or preemption) to running, log2 µs histogram + sum.
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
  *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw) —
- *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_REASONS), attached by name from probes/sched.py;
+ *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_REASONS; on_sys_enter_raw with -DRAW_SCHED too),
+ *   attached by name from probes/sched.py;
  *   fork/exit from common.h.
  *   Only tracepoint arguments and helpers are read, never task_struct: kernel headers may not match the
  *   running kernel (this project's hosts run 6.18 with 6.12 headers), and kprobes may be absent.
@@ -338,10 +339,10 @@ static inline u32 syscall_reason(long id, unsigned long op)
 
 /* Every syscall of the node passes here: the common case (not a classified call, no entry) is one compare chain
  * and one hash miss. */
-int on_sys_enter(struct tracepoint__raw_syscalls__sys_enter *args)
+static inline int sys_entered(long id, unsigned long op)
 {
     u32 tid = bpf_get_current_pid_tgid();
-    u32 reason = syscall_reason(args->id, args->args[1]);
+    u32 reason = syscall_reason(id, op);
     if (!reason) {
         if (in_call.lookup(&tid))
             in_call.delete(&tid);
@@ -352,4 +353,23 @@ int on_sys_enter(struct tracepoint__raw_syscalls__sys_enter *args)
     in_call.update(&tid, &reason);
     return 0;
 }
+
+#ifndef RAW_SCHED
+int on_sys_enter(struct tracepoint__raw_syscalls__sys_enter *args)
+{
+    return sys_entered(args->id, args->args[1]);
+}
+#else
+/* Raw: (struct pt_regs *regs, long id). A futex's op, its second argument, is read from the caller's saved
+ * registers at SYSCALL_ARG2_OFF (user space passes it per architecture: offsetof(struct pt_regs, si) on x86_64,
+ * regs[1] on arm64; the uapi layout, not the kernel headers'). Only for futex: every other call needs the id. */
+int on_sys_enter_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    long id = ctx->args[1];
+    unsigned long op = 0;
+    if (id == NR_FUTEX)
+        bpf_probe_read_kernel(&op, sizeof(op), (void *)(ctx->args[0] + SYSCALL_ARG2_OFF));
+    return sys_entered(id, op);
+}
+#endif
 #endif

@@ -59,6 +59,11 @@ RAW_HANDLERS = (
     ("raw:sched:sched_wakeup_new", "on_wakeup_new_raw"),
 )
 SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
+# With RAW_SCHED the syscall hook is a raw tracepoint program too: a classic one returning 0 hides every
+# raw_syscalls:sys_enter of the node from perf users (`perf trace`, `perf stat -e raw_syscalls:*`).
+RAW_SYSCALL_HANDLERS = (("raw:raw_syscalls:sys_enter", "on_sys_enter_raw"),)
+# Where the second syscall argument sits in struct pt_regs (the uapi layout): x86_64 si, arm64 regs[1].
+SYSCALL_ARG2_OFF = {"x86_64": 13 * 8, "aarch64": 8}
 # asm/unistd.h of each architecture: futex, futex_waitv (5.16), futex_wait (6.7), nanosleep, clock_nanosleep.
 SYSCALL_NRS = {
     "x86_64": {"FUTEX": 202, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 35, "CLOCK_NANOSLEEP": 230},
@@ -113,7 +118,8 @@ def zero_reading() -> dict[str, Any]:
 def syscall_cflags(machine: str) -> list[str] | None:
     """-DNR_*=n for bpf/sched.c's syscall classes on this architecture, or None when its numbers are unknown."""
     nrs = SYSCALL_NRS.get(machine)
-    return None if nrs is None else ["-DSYSCALL_REASONS", *(f"-DNR_{k}={v}" for k, v in nrs.items())]
+    return None if nrs is None else ["-DSYSCALL_REASONS", *(f"-DNR_{k}={v}" for k, v in nrs.items()),
+                                     f"-DSYSCALL_ARG2_OFF={SYSCALL_ARG2_OFF[machine]}"]
 
 
 def why_no_syscall_reasons(host: Host, wanted: bool, machine: str) -> str | None:
@@ -181,7 +187,8 @@ class SchedProbe(BpfProbe):
         self.syscall_reasons_off = why_no_syscall_reasons(self.host, syscall_reasons, machine)
         self.syscall_reasons = self.syscall_reasons_off is None
         self.raw = raw_sched(self.host)
-        self.handlers = (RAW_HANDLERS if self.raw else HANDLERS) + (SYSCALL_HANDLERS if self.syscall_reasons else ())
+        self.handlers = (RAW_HANDLERS if self.raw else HANDLERS) + \
+            ((RAW_SYSCALL_HANDLERS if self.raw else SYSCALL_HANDLERS) if self.syscall_reasons else ())
         self.cflags = tuple(syscall_cflags(machine) or ()) if self.syscall_reasons else ()
         if self.raw:   # `start` is keyed by task_struct address instead of thread id
             self.cflags += ("-DRAW_SCHED",)

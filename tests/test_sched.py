@@ -22,7 +22,8 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
-from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, REASONS, SYSCALL_HANDLERS, OffRec, SchedProbe, SlotStats,
+from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, RAW_SYSCALL_HANDLERS, REASONS, SYSCALL_HANDLERS, OffRec,
+                          SchedProbe, SlotStats,
                           exit_has_group_dead, interval, proc_gone, trim_log, zero_reading)
 from tests.conftest import TESTS, bpf_fds, workload
 
@@ -125,8 +126,14 @@ def test_raw_tracepoints_from_5_18(tmp_path):
     assert [fn for _, fn in new.handlers][:3] == ["on_switch_raw", "on_wakeup_raw", "on_wakeup_new_raw"]
     assert "-DRAW_SCHED" in new.cflags and new.map_types["start"][0] is ct.c_uint64
     assert old.map_types["start"][0] is ct.c_uint32
+    # the syscall hook follows: raw with raw sched hooks (a classic one would hide sys_enter from perf users)
+    if new.syscall_reasons:
+        assert new.handlers[-1] == RAW_SYSCALL_HANDLERS[0] and "-DSYSCALL_ARG2_OFF=104" in new.cflags
+    if old.syscall_reasons:
+        assert old.handlers[-1] == SYSCALL_HANDLERS[0]
     src = bpf.source("sched")
-    for fn in ("on_switch", "on_wakeup", "on_wakeup_new", "on_switch_raw", "on_wakeup_raw", "on_wakeup_new_raw"):
+    for fn in ("on_switch", "on_wakeup", "on_wakeup_new", "on_switch_raw", "on_wakeup_raw", "on_wakeup_new_raw",
+               "on_sys_enter", "on_sys_enter_raw"):
         assert re.search(rf"^int {fn}\(struct ", src, re.M), fn
     body = src[src.index("struct off_rec {"):]
     members = re.findall(r"^\s*(u64|u32) (\w+);", body[:body.index("};")], re.M)
@@ -138,7 +145,7 @@ def test_syscall_hook_is_chosen_from_the_host(tmp_path):
     events = tmp_path / "kernel/tracing/events"
     for tp, _ in SchedProbe().all_handlers() + SYSCALL_HANDLERS:
         (events / tp.removeprefix(_bpf.RAW).replace(":", "/")).mkdir(parents=True, exist_ok=True)
-    host = Host(is_root=True, sys=str(tmp_path))
+    host = Host(is_root=True, sys=str(tmp_path), kernel="5.15.0")
     p = SchedProbe(host, machine="x86_64")
     assert p.syscall_reasons and p.syscall_reasons_off is None
     assert ("raw_syscalls:sys_enter", "on_sys_enter") in p.all_handlers()
@@ -148,7 +155,7 @@ def test_syscall_hook_is_chosen_from_the_host(tmp_path):
                        (SchedProbe(host, machine="mips"), "syscall numbers of mips unknown")):
         assert not probe.syscall_reasons and why in probe.syscall_reasons_off
         assert not any(f.startswith(("-DSYSCALL", "-DNR_")) for f in probe.cflags)
-        assert all(fn != "on_sys_enter" for _, fn in probe.all_handlers())
+        assert all(not fn.startswith("on_sys_enter") for _, fn in probe.all_handlers())
     (events / "raw_syscalls/sys_enter").rmdir()
     p = SchedProbe(host, machine="x86_64")
     assert "raw_syscalls:sys_enter not found" in p.syscall_reasons_off
@@ -309,7 +316,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))
     raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())
-    assert raw == (3 if probe.raw else 0)
+    assert raw == ((3 + probe.syscall_reasons) if probe.raw else 0)
     assert bpf_fds("prog") == before + len(probe.all_handlers())
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw and bpf_fds("link") == links + raw
@@ -574,12 +581,14 @@ def test_threads_killed_inside_a_futex_wait_leave_no_entry(probe):
 @pytest.mark.kernel
 def test_perf_users_still_see_sched_events_while_attached(probe):
     """A classic tracepoint program returning 0 makes the kernel drop the event for perf too (perf stat read 0
-    sched_switch events node-wide while sched was attached). Raw tracepoint programs leave perf's view alone."""
+    sched_switch events node-wide while sched was attached, and 0 raw_syscalls:sys_enter while its classic syscall
+    hook was). Raw tracepoint programs leave perf's view alone."""
     if not probe.raw:
         pytest.skip("raw tracepoints need Linux 5.18 here; this kernel uses the classic ones")
     probe.start(PidTreeTarget([os.getpid()]))
     try:
-        res = subprocess.run(["perf", "stat", "-x,", "-e", "sched:sched_switch,sched:sched_wakeup", "-a", "--",
+        res = subprocess.run(["perf", "stat", "-x,", "-e",
+                              "sched:sched_switch,sched:sched_wakeup,raw_syscalls:sys_enter", "-a", "--",
                               sys.executable, str(TESTS / "workloads.py"), "sleepwake", "200", "500"],
                              capture_output=True, text=True, timeout=60)
     finally:
@@ -587,5 +596,7 @@ def test_perf_users_still_see_sched_events_while_attached(probe):
     counts = {line.split(",")[2]: int(line.split(",")[0]) for line in res.stderr.splitlines()
               if line.count(",") >= 3 and line.split(",")[0].isdigit()}
     print(f"sched attached; perf counted {counts}")
-    # the workload alone sleeps and wakes 200 times
+    # the workload alone sleeps and wakes 200 times, each sleep a clock_nanosleep call
     assert counts.get("sched:sched_switch", 0) >= 200 and counts.get("sched:sched_wakeup", 0) >= 200, res.stderr
+    if probe.syscall_reasons:     # its syscall hook is raw too: `perf trace` and friends keep seeing syscalls
+        assert counts.get("raw_syscalls:sys_enter", 0) >= 200, res.stderr
