@@ -1,7 +1,8 @@
 """--stdout: one compact human line per tick; --stdout json: one JSON object per frame per line.
 
 The human line knows nothing of probes: it formats each scalar field by the unit its name ends with
-(_ns, _us, _bytes) and leaves histograms out.
+(_ns, _us, _bytes), leaves histograms and lists out, and says only what is not zero — a probe that saw nothing this
+tick is left out of the line (the hello line lists every probe and its status; --stdout json has every field).
 """
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ def human_value(key: str, v) -> str:
     if not isinstance(v, int):
         return str(v)
     if key.endswith("_ns"):
-        return f"{v / 1e9:.3f}s" if v >= 1e6 else f"{v}ns"
+        for unit, size, digits in (("s", 1e9, 2), ("ms", 1e6, 1), ("us", 1e3, 0)):
+            if v >= size:
+                return f"{v / size:.{digits}f}{unit}"
+        return f"{v}ns"
     if key.endswith("_bytes"):
         for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
             if v >= size:
@@ -37,8 +41,9 @@ def human_line(frame: dict) -> str:
     parts = [f"{stamp} {frame['job']} #{frame['seq']}"]
     for name, fields in frame.get("probes", {}).items():
         vals = [f"{k}={human_value(k, v)}" for k, v in fields.items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None]
-        parts.append(f"{name}[{' '.join(vals)}]")
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and v]
+        if vals:
+            parts.append(f"{name}[{' '.join(vals)}]")
     bad = [f"{k}:{v}" for k, v in frame.get("status", {}).items() if v.startswith("failed")]
     if bad:
         parts.append("FAILED " + ", ".join(bad))

@@ -12,7 +12,8 @@ def stream(n):
     yield b.hello(version="t", probes={"cgroup": "ok", "sched": "unavailable: needs root"})
     for i in range(n):
         yield b.sample(1e9 + i, 1.0, {"cgroup": {"cpu_user_ns": 2_500_000_000, "mem_bytes": 3 << 20,
-                                                 "runq_lat_us_log2": [0, 1], "ipc": 1.25}}, {"cgroup": "ok"})
+                                                 "runq_lat_us_log2": [0, 1], "ipc": 1.25, "io_read_bytes": 0},
+                                      "net": {"tcp_tx_bytes": 0, "bpf_missed": 0}}, {"cgroup": "ok", "net": "ok"})
 
 
 def read_all(path):
@@ -58,6 +59,10 @@ def test_stdout_human_and_json():
     lines = buf.getvalue().splitlines()
     assert [json.loads(x) for x in lines] == frames
     line = human_line(frames[1])
-    assert "cpu_user_ns=2.500s" in line and "mem_bytes=3.0MiB" in line and "ipc=1.25" in line
+    assert "cpu_user_ns=2.50s" in line and "mem_bytes=3.0MiB" in line and "ipc=1.25" in line
     assert "runq_lat_us_log2" not in line
+    assert "io_read_bytes" not in line and "net[" not in line       # only what is not zero: compact
     assert "sched=off" in human_line(frames[0])
+    from exporters.stdout import human_value
+    assert [human_value("x_ns", v) for v in (7, 858_000, 12_340_000, 1_500_000_000)] == ["7ns", "858us", "12.3ms",
+                                                                                          "1.50s"]
