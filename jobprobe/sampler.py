@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from jobprobe import __version__
@@ -39,22 +40,30 @@ class Sampler:
         self._last = 0.0
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
+    def _start_one(self, name: str, probe: Probe) -> str | None:
+        """Start one probe: None, or why it is not running."""
+        why = probe.check(self.host)
+        if why is None:
+            try:
+                probe.start(self.target)
+            except ProbeUnavailable as err:
+                why = _reason(err)
+            except Exception as err:  # a probe bug must not take the agent down
+                log.exception("probe %s failed to start", name)
+                why = f"failed to start: {_reason(err)}"
+        return why
+
     def start(self) -> dict:
+        # Probes start side by side: an eBPF probe spends its start waiting for its loader to compile (a process
+        # of its own), so N of them take about as long as the slowest, not the sum (on N cores).
+        with ThreadPoolExecutor(max_workers=max(1, len(self.probes)), thread_name_prefix="start") as pool:
+            whys = dict(zip(self.probes, pool.map(self._start_one, self.probes, self.probes.values())))
         for name, probe in self.probes.items():
-            why = probe.check(self.host)
-            if why is None:
-                try:
-                    probe.start(self.target)
-                except ProbeUnavailable as err:
-                    why = _reason(err)
-                except Exception as err:  # a probe bug must not take the agent down
-                    log.exception("probe %s failed to start", name)
-                    why = f"failed to start: {_reason(err)}"
-            if why is None:
+            if whys[name] is None:
                 self.running[name] = probe
                 self.status[name] = "ok"
             else:
-                self.status[name] = f"unavailable: {why}"
+                self.status[name] = f"unavailable: {whys[name]}"
         self._last = self.clock()
         hello = self.builder.hello(kernel=self.host.kernel, version=__version__, interval=self.interval,
                                    target=self.target.describe(), probes=dict(self.status))

@@ -158,3 +158,25 @@ def test_probe_events_become_event_frames_after_the_sample():
     assert xid["code"] == 79 and xid["t"] == rec.frames[2]["t"]
     assert "_events" not in rec.frames[2]["probes"]["eventfake"]
     assert [f["seq"] for f in rec.frames] == list(range(6))
+
+
+def test_probes_start_side_by_side():
+    """Each fake's start waits at a barrier for all the others: it passes only if every start runs at once (an eBPF
+    probe's start waits for its loader's compile; in a row, N of them take N times as long). Order and status stay
+    as given."""
+    import threading
+    barrier = threading.Barrier(4, timeout=20)
+
+    class BarrierFake(Probe):
+        def start(self, target):
+            barrier.wait()
+
+    fakes = [type(f"Fake{i}", (BarrierFake,), {"name": f"fake{i}"})() for i in range(3)]
+    s, rec = make([*fakes, UnavailableFake()])
+    gate = threading.Thread(target=barrier.wait)     # the fourth party: this test, also at the barrier
+    gate.start()
+    hello = s.start()
+    gate.join()
+    assert list(hello["probes"]) == ["fake0", "fake1", "fake2", "nofake"]
+    assert hello["probes"]["fake0"] == "ok" and hello["probes"]["nofake"] == "unavailable: no such hardware here"
+    assert not barrier.broken
