@@ -51,6 +51,10 @@ def decode_reasons(mask: int) -> list[str]:
     return names + [f"bit{b}" for b in range(64) if rest >> b & 1]
 
 
+def gpm_metric(g: "Gpu") -> str:
+    return "mig_gpm" if isinstance(g, Mig) else "gpm"
+
+
 class GpuLost(Exception):
     """NVML says this GPU has fallen off the bus (NVML_ERROR_GPU_IS_LOST)."""
 
@@ -171,14 +175,18 @@ class Nvml:
         return out
 
     def mig_read(self, m: Mig) -> dict:
-        """A MIG device's own values: memory used and total. Raises GpuLost."""
+        """A MIG device's own values: memory used and total, its GPU instance's GPM metrics. Raises GpuLost."""
         got = self.call(m, "memory")
-        return {} if got is None else {"mem_used_bytes": got.used, "mem_total_bytes": got.total}
+        out = {} if got is None else {"mem_used_bytes": got.used, "mem_total_bytes": got.total}
+        out.update(self._gpm(m))
+        return out
 
     def close(self) -> None:
         """Free GPM samples and the event set, then nvmlShutdown. Idempotent; errors here are only logged."""
         nv = self.nv
         for g in self.gpus:
+            for m in g.migs:
+                self.forget(m)
             self.forget(g)
         if self.eventset is not None:
             self._quiet(nv.nvmlEventSetFree, self.eventset)
@@ -266,17 +274,27 @@ class Nvml:
         that the next read reports deltas over one whole interval."""
         if counters:
             g.prev = self.counters(g)
-        if "gpm" in g.unsupported or "gpm" in self.missing:
+        metric = gpm_metric(g)
+        if metric in g.unsupported or metric in self.missing:
             return
-        support = self.call(g, "gpm", fn=self.nv.nvmlGpmQueryDeviceSupport)
+        whole = g.parent.handle if isinstance(g, Mig) else g.handle
+        support = self.call(g, metric, fn=lambda _handle: self.nv.nvmlGpmQueryDeviceSupport(whole))
         if support is not None and not support.isSupportedDevice:
-            g.unsupported.add("gpm")
-            self.fresh.append(f"gpu{g.index}.gpm")
+            g.unsupported.add(metric)
+            self.fresh.append(f"{g.label}.gpm")
         elif support is not None:
             samples = [self.call_global("gpm", self.nv.nvmlGpmSampleAlloc) for _ in range(2)]
             g.gpm = [s for s in samples if s is not None]
-            if len(g.gpm) < 2 or self.call(g, "gpm", g.gpm[0], fn=self.nv.nvmlGpmSampleGet) is None:
+            if len(g.gpm) < 2 or self._gpm_sample(g, g.gpm[0]) is None:
                 self.free_gpm(g)
+
+    def _gpm_sample(self, g: Gpu, sample):
+        """Take a GPM sample of a GPU, or of a MIG device's GPU instance (through the whole GPU's handle). Kept
+        apart as its own metric: a driver without the MIG call loses only that."""
+        if isinstance(g, Mig):
+            return self.call(g, gpm_metric(g), sample,
+                             fn=lambda _handle, s: self.nv.nvmlGpmMigSampleGet(g.parent.handle, g.gi, s))
+        return self.call(g, "gpm", sample, fn=self.nv.nvmlGpmSampleGet)
 
     def forget(self, g: Gpu) -> None:
         """Drop a GPU's baselines: it left the job, or is lost."""
@@ -358,7 +376,7 @@ class Nvml:
             return {}
         nv = self.nv
         prev, cur = g.gpm
-        if self.call(g, "gpm", cur, fn=nv.nvmlGpmSampleGet) is None:
+        if self._gpm_sample(g, cur) is None:
             return {}
         wanted = {k: v for k, v in GPM_METRICS.items() if k not in g.unsupported}
         mg = nv.c_nvmlGpmMetricsGet_t()
@@ -366,7 +384,7 @@ class Nvml:
         for i, mid in enumerate(wanted.values()):
             mg.metrics[i].metricId = mid
         g.gpm = [cur, prev]   # this sample starts the next interval
-        if self.call(g, "gpm", fn=lambda _handle: nv.nvmlGpmMetricsGet(mg)) is None:
+        if self.call(g, gpm_metric(g), fn=lambda _handle: nv.nvmlGpmMetricsGet(mg)) is None:
             return {}
         out = {}
         for i, key in enumerate(wanted):
@@ -375,7 +393,7 @@ class Nvml:
                 out[key] = round(mg.metrics[i].value, 3)
             elif ret in STICKY_GPU:
                 g.unsupported.add(key)
-                self.fresh.append(f"gpu{g.index}.{key}")
+                self.fresh.append(f"{g.label}.{key}")
         return out
 
     def xids(self, limit: int = 256) -> list[tuple[Gpu, int]]:

@@ -201,6 +201,11 @@ class GpuProbe(Probe):
         "gpus[].mig[].other_procs": Field("int", "count", "other processes on it"),
         "gpus[].mig[].job_mem_bytes": Field("int", "bytes", "memory of the job's processes on it"),
         "gpus[].mig[].procs": Field("list[map]", "—", "the job's processes on it: {pid, mem_bytes}"),
+        "gpus[].mig[].gpm_sm_active_pct": Field("float", "%", "GPM of its GPU instance: SMs busy, over the interval"),
+        "gpus[].mig[].gpm_sm_occupancy_pct": Field("float", "%", "GPM of its GPU instance: resident warps vs the "
+                                                   "maximum"),
+        "gpus[].mig[].gpm_tensor_active_pct": Field("float", "%", "GPM of its GPU instance: tensor cores busy"),
+        "gpus[].mig[].gpm_dram_bw_pct": Field("float", "%", "GPM of its GPU instance: DRAM bandwidth used vs peak"),
     }
 
     def __init__(self, host: Host | None = None, nvml=None):
@@ -210,6 +215,7 @@ class GpuProbe(Probe):
         self.target: Target | None = None
         self.rules: dict[int, str] = {}
         self.told_lost: set[int] = set()
+        self.mig_rules: dict[Mig, str] = {}
         self.devcg = DeviceRules()
 
     def check(self, host: Host) -> str | None:
@@ -241,11 +247,14 @@ class GpuProbe(Probe):
             raise ProbeUnavailable(INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")) from err
         self.nvml, self.target, self.rules, self.told_lost = nvml, target, {}, set()
         try:
-            self.rules = self._membership(set(target.pids()))[0]
+            self.rules, _, self.mig_rules, _ = self._membership(set(target.pids()))
             for g in nvml.live():
                 if g.index in self.rules:
                     try:
                         nvml.prime(g, counters=True)
+                        for m in g.migs:
+                            if m in self.mig_rules:
+                                nvml.prime(m, counters=False)
                     except GpuLost:
                         self._mark_lost(g)
         except BaseException:
@@ -398,7 +407,7 @@ class GpuProbe(Probe):
                 if g.migs:
                     entry["mig"] = self._migs(g, mig_rules, mig_procs, pids)
             gpus.append(entry)
-        self.rules = rules
+        self.rules, self.mig_rules = rules, mig_rules
         out: dict = {"gpus": gpus, "ngpus": len(gpus), "node_gpus": len(nvml.gpus)}
         if not gpus:
             out["note"] = ("this node has no NVIDIA GPU" if not nvml.gpus else
@@ -415,11 +424,15 @@ class GpuProbe(Probe):
         out = []
         for m in g.migs:
             if m not in rules:
+                if m in self.mig_rules:
+                    self.nvml.forget(m)   # left the job
                 continue
             entry = {"slot": m.slot, "uuid": m.uuid, "gpu_instance": m.gi, "compute_instance": m.ci,
                      "rule": rules[m]}
             try:
-                entry.update(self.nvml.mig_read(m))
+                entry.update(self.nvml.mig_read(m))   # one that just joined: GPM from its next tick
+                if m not in self.mig_rules:
+                    self.nvml.prime(m, counters=False)
             except GpuLost:
                 break          # the whole GPU: marked lost at its next read
             entry.update(self._attribution(procs.get(m), pids))

@@ -243,24 +243,32 @@ MIG = ["MIG-11111111-2222-5333-8444-555555555555", "MIG-11111111-2222-5333-8444-
 
 def test_mig_devices_of_two_jobs(fake, spawn, probes):
     """GPU 0 in MIG mode with three MIG devices: one job runs on slot 2 (its process list), another names slot 5 in
-    CUDA_VISIBLE_DEVICES; each gets GPU 0 with its own MIG device, memory and processes. GPU 1 is not in MIG mode."""
+    CUDA_VISIBLE_DEVICES; each gets GPU 0 with its own MIG device, memory, processes and its GPU instance's GPM
+    metrics (nvmlGpmMigSampleGet). GPU 1 is not in MIG mode."""
     a = spawn()
     b = spawn({"CUDA_VISIBLE_DEVICES": MIG[2][:-4]})        # a unique prefix, as CUDA accepts
     other = spawn()
     fake.mig(0, 0, MIG[0], 1, 0, 10 * GiB, 2 * GiB, procs=f"{other.pid}:{2 * GiB}")
-    fake.mig(0, 2, MIG[1], 2, 0, 20 * GiB, 6 * GiB, procs=f"{a.pid}:{5 * GiB} {other.pid}:{GiB}")
+    fake.mig(0, 2, MIG[1], 2, 0, 20 * GiB, 6 * GiB, procs=f"{a.pid}:{5 * GiB} {other.pid}:{GiB}",
+             gpm="2=11.5 3=22.0 5=0.5 10=33.25")                 # its GPU instance's GPM (GPU 0 has GPM)
     fake.mig(0, 5, MIG[2], 9, 1, 10 * GiB, 0).write()
     fake.gpu(0, procs=f"{other.pid}:{3 * GiB} {a.pid}:{5 * GiB}").write()   # the whole GPU's list: all instances
     ga = probes(PidTreeTarget([a.pid])).sample()["gpus"]
-    gb = probes(PidTreeTarget([b.pid])).sample()["gpus"]
+    outb = probes(PidTreeTarget([b.pid])).sample()
+    gb = outb["gpus"]
     assert [(g["index"], g["rule"]) for g in ga] == [(0, "process")]
     assert ga[0]["mig"] == [{"slot": 2, "uuid": MIG[1], "gpu_instance": 2, "compute_instance": 0, "rule": "process",
                              "mem_used_bytes": 6 * GiB, "mem_total_bytes": 20 * GiB, "shared": True, "job_procs": 1,
                              "other_procs": 1, "job_mem_bytes": 5 * GiB,
-                             "procs": [{"pid": a.pid, "mem_bytes": 5 * GiB}]}]
+                             "procs": [{"pid": a.pid, "mem_bytes": 5 * GiB}], "gpm_sm_active_pct": 11.5,
+                             "gpm_sm_occupancy_pct": 22.0, "gpm_tensor_active_pct": 0.5, "gpm_dram_bw_pct": 33.25}]
+    assert ga[0]["gpm_sm_active_pct"] == 45.5                             # the whole GPU's GPM is its own
     assert ga[0]["power_mw"] == 312000 and ga[0]["shared"] is True          # the whole GPU's values
     assert [(g["index"], g["rule"]) for g in gb] == [(0, "env")]
     assert [(m["slot"], m["rule"], m["job_procs"], m["shared"]) for m in gb[0]["mig"]] == [(5, "env", 0, False)]
+    # slot 5's instance has no GPM values in the fake: its metrics are unsupported there, once; the GPU's still come
+    assert "gpm_sm_active_pct" not in gb[0]["mig"][0] and gb[0]["gpm_sm_active_pct"] == 45.5
+    assert "gpu0.mig5.gpm_sm_active_pct" in outb["unsupported"]
     assert set(ga[0]["mig"][0]) == {k.removeprefix("gpus[].mig[].") for k in GpuProbe.fields
                                     if k.startswith("gpus[].mig[].")}
     # the older form names a MIG device by its GPU's UUID and instance ids

@@ -22,6 +22,7 @@
  *                                MIG devices' handles, as NVML does)
  *     I mig SLOT UUID GI CI TOTAL USED      a MIG device in slot SLOT (0..6): MIG-UUID, GPU and compute instance
  *     I mig_procs SLOT PID:BYTES …          the compute processes on that MIG device
+ *     I mig_gpm SLOT ID=VALUE …             GPM metric values of that MIG device's GPU instance (needs I gpm 1)
  *
  * If $FAKE_NVML_LOG names a file, every device call appends "function index" to it: tests count calls.
  * Left out on purpose (so pynvml raises NVMLError_FunctionNotFound, as with an older driver):
@@ -52,6 +53,9 @@ struct mig {
     unsigned gi, ci;
     unsigned long long mem_total, mem_used;
     struct proc procs[MAXPROC];
+    int ngpm;
+    unsigned gpm_id[MAXGPM];
+    double gpm_val[MAXGPM];
 };
 struct dev {
     char uuid[96], name[96], unsupported[1024];
@@ -147,6 +151,9 @@ static void load(void) {
                 m.present = 1;
                 m.nprocs = d->migs[slot].nprocs;
                 memcpy(m.procs, d->migs[slot].procs, sizeof m.procs);
+                m.ngpm = d->migs[slot].ngpm;
+                memcpy(m.gpm_id, d->migs[slot].gpm_id, sizeof m.gpm_id);
+                memcpy(m.gpm_val, d->migs[slot].gpm_val, sizeof m.gpm_val);
                 d->migs[slot] = m;
             }
         }
@@ -155,6 +162,19 @@ static void load(void) {
             int at = 0;
             if (sscanf(v, "%u %n", &slot, &at) >= 1 && slot < MAXMIG)
                 d->migs[slot].nprocs = parse_procs(v + at, d->migs[slot].procs);
+        }
+        else if (!strcmp(key, "mig_gpm")) {
+            unsigned slot;
+            int at = 0;
+            if (sscanf(v, "%u %n", &slot, &at) >= 1 && slot < MAXMIG) {
+                struct mig *m = &d->migs[slot];
+                char *save;
+                m->ngpm = 0;
+                for (char *tok = strtok_r(v + at, " \t", &save); tok && m->ngpm < MAXGPM;
+                     tok = strtok_r(NULL, " \t", &save))
+                    if (sscanf(tok, "%u=%lf", &m->gpm_id[m->ngpm], &m->gpm_val[m->ngpm]) == 2)
+                        m->ngpm++;
+            }
         }
         else if (!strcmp(key, "gpm_values")) {
             char *save;
@@ -444,6 +464,24 @@ nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t h, nvmlGpmSample_t s) {
     memcpy(s->id, d->gpm_id, sizeof s->id);
     memcpy(s->val, d->gpm_val, sizeof s->val);
     return OK;
+}
+/* A MIG device's GPU instance, named by the whole GPU's handle and the instance id (its samples are that
+ * instance's: the sample remembers which, so that metrics of two samples from different instances fail). */
+nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t h, unsigned gi, nvmlGpmSample_t s) {
+    ENTER(h);
+    if (!d->gpm || !d->mig_mode) return NOT_SUPPORTED;
+    for (int k = 0; k < MAXMIG; k++) {
+        struct mig *m = &d->migs[k];
+        if (!m->present || m->gi != gi)
+            continue;
+        s->dev = index_of(h) * 100 + 1 + k;
+        s->seq = ++gpm_seq;
+        s->ngpm = m->ngpm;
+        memcpy(s->id, m->gpm_id, sizeof s->id);
+        memcpy(s->val, m->gpm_val, sizeof s->val);
+        return OK;
+    }
+    return NOT_FOUND;
 }
 nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *m) {
     if (refcount <= 0) return UNINIT;

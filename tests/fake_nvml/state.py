@@ -32,11 +32,14 @@ class FakeState:
         return self
 
     def mig(self, index: int, slot: int, uuid: str, gi: int, ci: int, total: int, used: int,
-            procs: str = "") -> "FakeState":
-        """GPU `index` in MIG mode with a MIG device in `slot`; procs "PID:BYTES …" run on it."""
+            procs: str = "", gpm: str = "") -> "FakeState":
+        """GPU `index` in MIG mode with a MIG device in `slot`; procs "PID:BYTES …" run on it; gpm "ID=VALUE …"
+        are its GPU instance's GPM metrics."""
         self.gpu(index, mig_mode=1, **{f"mig {slot}": f"{uuid} {gi} {ci} {total} {used}"})
         if procs:
             self.gpu(index, **{f"mig_procs {slot}": procs})
+        if gpm:
+            self.gpu(index, **{f"mig_gpm {slot}": gpm})
         return self
 
     def write(self) -> "FakeState":
