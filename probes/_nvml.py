@@ -274,6 +274,7 @@ class Nvml:
         that the next read reports deltas over one whole interval."""
         if counters:
             g.prev = self.counters(g)
+        self.free_gpm(g)                  # (a GPU back in the job: its old samples go first)
         metric = gpm_metric(g)
         if metric in g.unsupported or metric in self.missing:
             return

@@ -271,6 +271,8 @@ class GpuProbe(Probe):
     def _mark_lost(self, g: Gpu) -> None:
         g.lost = True
         self.nvml.forget(g)
+        for m in g.migs:
+            self.nvml.forget(m)
 
     def _membership(self, pids: set[int]) -> tuple[dict[int, str], dict[int, dict], dict[Mig, str], dict[Mig, dict]]:
         """GPU index → rule for the job's GPUs now, and each readable GPU's process list (pid → bytes); the same for
@@ -383,6 +385,8 @@ class GpuProbe(Probe):
             if rule is None:
                 if g.index in self.rules and not g.lost:
                     nvml.forget(g)   # left the job: a later return starts from fresh baselines
+                    for m in g.migs:
+                        nvml.forget(m)
                 continue
             entry = {"index": g.index, "uuid": g.uuid, "name": g.name, "rule": rule, "lost": g.lost}
             if g.handle is not None and not g.lost:
