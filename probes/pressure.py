@@ -89,17 +89,19 @@ class PressureProbe(Probe):
         out: dict[str, int | None] = {}
         for res in FILES:
             got = read_pressure(self.paths[res]) if res in self.paths else None
-            if got is None and res == "cpu":
-                raise TargetGone(f"cgroup {self.dir} was removed")
+            if got is None and res == "cpu" and not (self.dir / "cgroup.procs").exists():
+                raise TargetGone(f"cgroup {self.dir} was removed")   # (else PSI turned off for it: nulls)
             for kind in ("some", "full"):
                 if f"{res}_{kind}_ns" in self.fields:
                     out[f"{res}_{kind}_ns"] = None if got is None or kind not in got else got[kind] * 1000
         return out
 
     def sample(self) -> dict:
+        if self.dir is None:
+            return {}
         cur = self._read()
         prev, self.prev = self.prev, cur
         return {k: None if v is None or prev.get(k) is None else delta(v, prev[k]) for k, v in cur.items()}
 
     def stop(self) -> None:
-        self.dir = None
+        self.dir, self.paths = None, {}

@@ -56,9 +56,13 @@ def test_reader_and_deltas_on_fixture_files(tmp_path, monkeypatch):
     assert out["irq_full_ns"] is None                   # no irq.pressure: this kernel does not report it
     assert set(out) == set(PressureProbe.fields) and "irq_some_ns" not in out
     assert all(f.unit == "ns" and f.meaning for f in PressureProbe.fields.values())
-    (g / "cpu.pressure").unlink()
+    (g / "cpu.pressure").unlink()            # PSI turned off for the group (cgroup.pressure 0): nulls, not an end
+    assert p.sample()["cpu_some_ns"] is None
+    (g / "cgroup.procs").unlink()             # the group removed: the job has ended
     with pytest.raises(TargetGone):
         p.sample()
+    p.stop()
+    assert p.sample() == {}
 
 
 def test_a_process_tree_or_a_kernel_without_psi_is_said_so(tmp_path):
