@@ -78,23 +78,32 @@ def pressure():
     p.stop()
 
 
+@pytest.fixture
+def beside(pressure):
+    """beside(target, probe): start another probe and the pressure probe on the same job (stopped after the test)."""
+    others = []
+
+    def start(target, other):
+        other.start(target)
+        others.append(other)
+        pressure.start(target)
+        return other
+    yield start
+    for other in others:
+        other.stop()
+
+
 @pytest.mark.kernel
-def test_cpu_stall_and_the_run_queue_waits(pressure, make_cgroup):
+def test_cpu_stall_and_the_run_queue_waits(pressure, beside, make_cgroup):
     """Two burners on one CPU. `some` is the time at least one of the job's tasks waited for a CPU: no more than
     the sum of every wait of its tasks (the sched probe's run-queue latency, from the scheduler's tracepoints), and
     with at most two tasks at least half of it; `full` (all of them waiting) no more than `some`. As nothing else
     runs on that CPU, one burner waits while the other runs: `some` is the burners' own run_delay (schedstat)."""
     from probes.sched import SchedProbe
     cg = make_cgroup()
-    target = CgroupTarget(str(cg.path))
-    sched = SchedProbe()
-    sched.start(target)
-    try:
-        pressure.start(target)
-        ref = account(cg.spawn(on_cpu(FIRST, sched_workload("preempt", 1.0)), stdout=subprocess.PIPE, text=True))
-        s, o = pressure.sample(), sched.sample()
-    finally:
-        sched.stop()
+    sched = beside(CgroupTarget(str(cg.path)), SchedProbe())
+    ref = account(cg.spawn(on_cpu(FIRST, sched_workload("preempt", 1.0)), stdout=subprocess.PIPE, text=True))
+    s, o = pressure.sample(), sched.sample()
     print(f"cpu some {s['cpu_some_ns'] / 1e6:.1f} ms, full {s['cpu_full_ns'] / 1e6:.1f} ms; sched runq "
           f"{o['runq_lat_ns'] / 1e6:.1f} ms in {o['runq_events']} waits; the burners' own run_delay "
           f"{ref['runq_ns'] / 1e6:.1f} ms")
@@ -137,7 +146,7 @@ def test_a_busy_process_outside_adds_nothing(pressure, make_cgroup):
 
 
 @pytest.mark.kernel
-def test_io_stall_matches_the_off_cpu_io_time(pressure, make_cgroup, tmp_path):
+def test_io_stall_matches_the_off_cpu_io_time(pressure, beside, make_cgroup, tmp_path):
     """O_DIRECT reads of a block device (a loop device made for the test): each waits for its I/O in iowait, which
     PSI counts as I/O stall, and is off the CPU in D state meanwhile, which the sched probe counts as off-CPU for
     I/O. (Not a file on ext4: there a read may also wait in D state, but not iowait, for the conversion of extents
@@ -145,17 +154,13 @@ def test_io_stall_matches_the_off_cpu_io_time(pressure, make_cgroup, tmp_path):
     from probes.sched import SchedProbe
     dev = Loop(tmp_path / "disk.img", 64 << 20)
     cg = make_cgroup()
-    target = CgroupTarget(str(cg.path))
-    sched = SchedProbe()
-    sched.start(target)
+    sched = beside(CgroupTarget(str(cg.path)), SchedProbe())
     try:
-        pressure.start(target)
         job = cg.spawn(on_cpu(LAST, [sys.executable, str(TESTS / "workloads_blockio.py"), "direct", dev.dev, "read",
                                      "512", str(1 << 16), "0"]), stdout=subprocess.PIPE, text=True)
         assert json.loads(job.communicate(timeout=120)[0].splitlines()[-1])["ops"] == 512
         s, o = pressure.sample(), sched.sample()
     finally:
-        sched.stop()
         dev.remove()
     print(f"io some {s['io_some_ns'] / 1e6:.1f} ms, full {s['io_full_ns'] / 1e6:.1f} ms; sched offcpu_io "
           f"{o['offcpu_io_ns'] / 1e6:.1f} ms ({o['offcpu_io_events']} periods)")
@@ -165,19 +170,14 @@ def test_io_stall_matches_the_off_cpu_io_time(pressure, make_cgroup, tmp_path):
 
 
 @pytest.mark.kernel
-def test_memory_stall_matches_the_memcg_reclaim_time(pressure, make_cgroup, make_memcg, cold_file):  # noqa: F811
+def test_memory_stall_matches_the_memcg_reclaim_time(pressure, beside, make_cgroup, make_memcg,  # noqa: F811
+                                                     cold_file):  # noqa: F811
     from probes.memory import MemoryProbe
     path = cold_file(128)
     mem, cg = make_memcg(32), make_cgroup()
-    target = CgroupTarget(str(cg.path))
-    memory = MemoryProbe()
-    memory.start(target)
-    try:
-        pressure.start(target)
-        reader = spawn(on_cpu(LAST, memwork("readfile", path)), [mem / "cgroup.procs", cg.path / "cgroup.procs"])
-        _, (s, m) = window([reader], [pressure, memory])
-    finally:
-        memory.stop()
+    memory = beside(CgroupTarget(str(cg.path)), MemoryProbe())
+    reader = spawn(on_cpu(LAST, memwork("readfile", path)), [mem / "cgroup.procs", cg.path / "cgroup.procs"])
+    _, (s, m) = window([reader], [pressure, memory])
     print(f"memory some {s['mem_some_ns'] / 1e6:.1f} ms, full {s['mem_full_ns'] / 1e6:.1f} ms; memcg reclaim "
           f"{m['memcg_reclaim_ns'] / 1e6:.1f} ms in {m['memcg_reclaim_stalls']} stalls; io some "
           f"{s['io_some_ns'] / 1e6:.1f} ms")
