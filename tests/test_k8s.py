@@ -18,6 +18,10 @@ OTHER = "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4f6"
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 
 
+def usage_usec(group) -> int:
+    return int(dict(ln.split() for ln in (group / "cpu.stat").read_text().splitlines())["usage_usec"])
+
+
 def systemd_pod(root, uid, qos="burstable"):
     u = uid.replace("-", "_")
     return root / "kubepods.slice" / f"kubepods-{qos}.slice" / f"kubepods-{qos}-pod{u}.slice"
@@ -82,7 +86,7 @@ def test_cli_attaches_to_a_pod_and_counts_every_container(make_cgroup):
         hello = json.loads(agent.stdout.readline())
         assert hello["kind"] == "hello" and hello["target"]["cgroup"] == str(pod), hello
         assert hello["job"] == f"pod-{UID}"
-        usage0 = int(dict(ln.split() for ln in (pod / "cpu.stat").read_text().splitlines())["usage_usec"])
+        usage0 = usage_usec(pod)
         for c in containers:
             procs.append(subprocess.Popen(workload("burn", 1.0), stderr=subprocess.PIPE, text=True,
                                           preexec_fn=lambda c=c: (c / "cgroup.procs").write_text(str(os.getpid()))))
@@ -92,12 +96,14 @@ def test_cli_attaches_to_a_pod_and_counts_every_container(make_cgroup):
         agent.send_signal(2)
         out, err = agent.communicate(timeout=30)
         assert agent.returncode == 0, err
-        usage = int(dict(ln.split() for ln in (pod / "cpu.stat").read_text().splitlines())["usage_usec"]) - usage0
+        usage = usage_usec(pod) - usage0
         frames = [json.loads(line) for line in out.splitlines()]
         cpu = sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"]
                   for f in frames if f["kind"] == "sample")
         print(f"pod {UID}: frames {cpu / 1e6:.0f} ms CPU, the pod group's cpu.stat {usage / 1e3:.0f} ms")
-        assert usage > 1.5e6                               # both containers burned (2 x 1 s on 2 CPUs)
+        # both containers burned (1 s of wall time each: less CPU on a busy host), and the pod holds them both
+        assert all(usage_usec(c) > 0.2e6 for c in containers)
+        assert abs(usage - sum(usage_usec(c) for c in containers)) <= len(containers)   # (each rounded to µs)
         assert abs(cpu - usage * 1000) <= 0.02 * usage * 1000
     finally:
         for p in procs:
