@@ -93,6 +93,14 @@ def make_cgroup(cgroup2_mount, request):
         cg.remove()
 
 
+def wait_for(what, timeout: float = 10.0):
+    """what() until it is truthy, or its last value after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (got := what()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
 def bpf_fds(kind: str = "prog") -> int:
     """Open fds of this process that are BPF programs ("prog"), maps ("map"), links ("link") or perf events
     ("perf": tracepoint and uprobe attachments) — what a probe's stop() must give back."""
