@@ -179,7 +179,7 @@ def test_cgroup_burner_matches_cpu_stat(make_cgroup):
         burner = cg.spawn(workload("burn", 3))
         (total,) = run_sampling([probe], [burner])
         assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02)
-        assert total > 1.5e9
+        assert total > 0.5e9      # it ran (3 s of wall time: less CPU on a busy host; the match above is the proof)
     finally:
         probe.stop()
 
@@ -195,7 +195,7 @@ def test_cgroup_ignores_a_busy_process_outside(make_cgroup):
         (total,) = run_sampling([probe], procs)
         mine, theirs = job.cpu_usage_ns(), other.cpu_usage_ns()
         assert_cpu_close(total, mine, steal_ns() - s0, 0.02)
-        assert theirs > 1e9 and total < mine + theirs / 2, (total, mine, theirs)
+        assert theirs > 0.5e9 and total < mine + theirs / 2, (total, mine, theirs)
     finally:
         probe.stop()
 
@@ -218,7 +218,7 @@ def test_pid_tree_counts_children_forked_after_attach(make_cgroup):
         assert abs(pids_total - cg_total) <= 0.03 * cg_total, (pids_total, cg_total)
         # 3 burners × 2 s on 2 cores is ~4 s alone, but CI's 2 cores are shared: the cpu.stat match above is the
         # real proof that the children were counted; this floor only says that they ran.
-        assert pids_total > 1.5e9
+        assert pids_total > 0.5e9
         assert len(by_pids.fds) == 4  # the children were inherited, never opened separately
     finally:
         by_pids.stop()
