@@ -125,3 +125,24 @@ def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
     assert n["scraped_bps"] > 1000 and n["peak_bytes"] > 1 << 20 and n["cores"] > 0
     assert 0 <= j["cores"] < 0.5 and j["peak_bytes"] > 5 << 20 and j["written_bps"] > 0
     assert "| node_exporter, scraped every 0.25 s |" in peers_md(res)
+
+
+@pytest.mark.kernel
+def test_events_bench_end_to_end_with_the_peer(tmp_path):
+    """`bench events` on a small pingpong: our probe watching the job, watching another job, and bcc's runqlat,
+    each timed and each program's runs and ns taken from the kernel's bpf_stats. The programs ran on every switch
+    of the workload (its own getrusage count is the reference)."""
+    from jobprobe.bench.events import bench_events
+    from jobprobe.bench.events import markdown as events_markdown
+    res = bench_events("sched", rounds=1, n=2000, peer=True, seed=3, workdir=tmp_path)
+    print(events_markdown(res))
+    assert set(res["modes"]) == {"sched", "sched, other job", "runqlat-bpfcc"}
+    switches = res["events_per_run"]
+    assert switches >= 2 * 2000          # each round trip blocks both processes
+    for mode, r in res["modes"].items():
+        progs = r["programs"]
+        switch = next(p for name, p in progs.items() if "switch" in name)
+        assert switch["runs"] >= switches and switch["ns_per_run"] > 0, (mode, progs)
+        assert math.isfinite(r["added_ns"]) and r["ratio"] > 0
+    text = events_markdown(res)
+    assert "| sched, other job |" in text and "| runqlat-bpfcc |" in text

@@ -3,7 +3,9 @@ vs off, interleaved, with bcc's own tool for the same job as a peer in the same 
 
 Each round runs a micro-workload (jobprobe.bench.micro) in a fresh cgroup2 group once per mode, in random order:
 `off` (nothing attached), the probe alone in a `jobprobe run --cgroup` on that group (the job is watched: the
-costlier path through the program), and the peer tool (system-wide, as it ships). The added cost of a mode in a
+costlier path through the program), the probe watching another, empty group (`<probe>, other job`: the workload is
+then what every task outside the job costs, the path most of a node's events take), and the peer tool
+(system-wide, as it ships). The added cost of a mode in a
 round is (its time - the `off` time of that round) / events; the estimate is the mean over rounds with a 95%
 interval. Times are wall time of the whole workload, so this is the cost the job feels, not only the program's.
 """
@@ -136,11 +138,14 @@ def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer:
     workdir.mkdir(parents=True, exist_ok=True)
     group = Path(mount, "jobprobe-bench", f"events-{os.getpid()}")
     group.mkdir(parents=True, exist_ok=True)
+    other = Path(mount, "jobprobe-bench", f"events-other-{os.getpid()}")
+    other.mkdir(parents=True, exist_ok=True)
     out = workdir / "events.mpk"
-    modes = {"off": None,
-             probe: lambda: Collector([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(group),
-                                       f"--probes={probe}", "--out", str(out)], out=out,
-                                      stop_signal=signal.SIGINT)}
+
+    def ours(watched: Path):
+        return lambda: Collector([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(watched),
+                                  f"--probes={probe}", "--out", str(out)], out=out, stop_signal=signal.SIGINT)
+    modes = {"off": None, probe: ours(group), f"{probe}, other job": ours(other)}
     if peer and shutil.which(peer_argv[0]):
         modes[peer_argv[0]] = lambda: Collector(peer_argv, ready="Tracing")
     rng = random.Random(seed)
@@ -167,6 +172,7 @@ def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer:
         programs = {m: per_program_cost(modes[m], workload, n, group) for m in modes if modes[m] is not None}
     finally:
         _rmdir(group)
+        _rmdir(other)
         out.unlink(missing_ok=True)
     unit = res["unit"]
     result = {"probe": probe, "workload": workload, "n": n, "rounds": rounds, "unit": unit,
