@@ -14,13 +14,17 @@
  *   run-queue latency: from becoming runnable (wakeup, or preemption) to running, log2 µs histogram + sum.
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
  *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw) —
- *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_REASONS; on_sys_enter_raw with -DRAW_SCHED too),
+ *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_HOOK; on_sys_enter_raw with -DRAW_SCHED too),
  *   attached by name from probes/sched.py;
  *   fork/exit from common.h.
  *   Only tracepoint arguments and helpers are read, never task_struct: kernel headers may not match the
  *   running kernel (this project's hosts run 6.18 with 6.12 headers), and kprobes may be absent.
- * Which syscall a sleeping thread is in: a tracepoint program cannot read it at switch-out without task_struct or
- *   pt_regs offsets, so on_sys_enter remembers it, for member threads only and only for the classified calls
+ * Which syscall a sleeping thread is in (-DSYSCALL_REASONS), two ways:
+ *   -DSYSCALL_FROM_REGS (5.15+ with BTF: bpf_get_current_task_btf, bpf_task_pt_regs): read at its switch-out from
+ *   its saved user registers, where the syscall number stays while the call runs (x86_64 orig_ax, arm64
+ *   syscallno; the futex op is the second argument), at offsets user space passes (the uapi struct pt_regs, not
+ *   the kernel headers'). No syscall hook at all: nothing runs on the node's syscalls.
+ *   -DSYSCALL_HOOK (older kernels): on_sys_enter remembers it, for member threads only and only for the classified calls
  *   (futex waits, nanosleeps): `in_call` tid -> reason, set on entering one, removed on entering any other
  *   syscall. No sys_exit hook: between a futex's return and the next syscall entry a thread can only sleep in a
  *   page fault (D, or S on userfaultfd), so the stale entry is harmless; one hook costs less than two (measured
@@ -91,7 +95,7 @@ struct slot_stats {
 
 BPF_HASH(start, task_key, struct off_rec, MAX_OFFCPU_THREADS);
 BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked below */
-#ifdef SYSCALL_REASONS
+#ifdef SYSCALL_HOOK
 BPF_HASH(in_call, u32, u32, 65536);                /* tid -> R_LOCK / R_SLEEP; 65536 == MAX_MEMBER_TASKS */
 #endif
 
@@ -103,7 +107,7 @@ static inline void job_exit_hook(u32 tid)
 #ifndef RAW_SCHED
     start.delete(&tid);     /* (raw: keyed by task address, deleted at the last switch-out below) */
 #endif
-#ifdef SYSCALL_REASONS
+#ifdef SYSCALL_HOOK
     in_call.delete(&tid);
 #endif
 }
@@ -115,6 +119,42 @@ static inline void job_exit_hook(u32 tid)
 #endif
 
 
+#ifdef SYSCALL_REASONS
+/* The reason an interruptible sleep inside syscall `id` gets, or 0. NR_* come from user space (asm/unistd.h of
+ * the running machine). Only futex ops that wait: a wake never sleeps, and skipping it saves the membership
+ * check on every unlock of the node. */
+static inline u32 syscall_reason(long id, unsigned long op)
+{
+    if (id == NR_FUTEX) {
+        op &= 0x7f;            /* FUTEX_CMD_MASK: without FUTEX_PRIVATE_FLAG, FUTEX_CLOCK_REALTIME */
+        /* WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2 (include/uapi/linux/futex.h) */
+        return (op == 0 || op == 6 || op == 9 || op == 11 || op == 13) ? R_LOCK : 0;
+    }
+    if (id == NR_FUTEX_WAITV || id == NR_FUTEX_WAIT)
+        return R_LOCK;
+    if (id == NR_NANOSLEEP || id == NR_CLOCK_NANOSLEEP)
+        return R_SLEEP;
+    return 0;
+}
+#endif
+
+#ifdef SYSCALL_FROM_REGS
+/* The reason for the syscall the current thread is in, from its saved user registers: the number stays there
+ * (orig_ax, syscallno; -1 outside a syscall) while the call runs. 32 bits at SYSCALL_NR_OFF: x86_64's orig_ax is
+ * little-endian, arm64's syscallno an int. */
+static inline u32 syscall_now(void)
+{
+    unsigned long regs = bpf_task_pt_regs(bpf_get_current_task_btf());
+    s32 nr = -1;
+    unsigned long op = 0;
+    if (!regs || bpf_probe_read_kernel(&nr, sizeof(nr), (void *)(regs + SYSCALL_NR_OFF)))
+        return 0;
+    if (nr == NR_FUTEX)
+        bpf_probe_read_kernel(&op, sizeof(op), (void *)(regs + SYSCALL_ARG2_OFF));
+    return syscall_reason(nr, op);
+}
+#endif
+
 /* Why `tid` (current, being switched out) leaves the CPU, from its reported state. */
 static inline u32 offcpu_reason(long state, u32 tid)
 {
@@ -122,7 +162,13 @@ static inline u32 offcpu_reason(long state, u32 tid)
         return R_PREEMPT;
     if (state & STATE_D)
         return R_IO;
-#ifdef SYSCALL_REASONS
+#if defined(SYSCALL_FROM_REGS)
+    if (state & STATE_S) {
+        u32 r = syscall_now();
+        if (r)
+            return r;
+    }
+#elif defined(SYSCALL_HOOK)
     if (state & STATE_S) {
         u32 *r = in_call.lookup(&tid);
         if (r)
@@ -189,7 +235,7 @@ static inline int switched(task_key prev, u32 prev_tid, long state, task_key nex
              * membership maps, and a preemption late in do_exit can have written an entry after job_exit_hook
              * ran. Deleting here, for every task that dies on the node, leaves no entry behind. */
             start.delete(&prev);
-#ifdef SYSCALL_REASONS
+#ifdef SYSCALL_HOOK
             in_call.delete(&prev_tid);
 #endif
         }
@@ -319,24 +365,7 @@ int on_wakeup_new_raw(struct bpf_raw_tracepoint_args *ctx)
 }
 #endif
 
-#ifdef SYSCALL_REASONS
-/* The reason an interruptible sleep inside syscall `id` gets, or 0. NR_* come from user space (asm/unistd.h of
- * the running machine). Only futex ops that wait: a wake never sleeps, and skipping it saves the membership
- * check on every unlock of the node. */
-static inline u32 syscall_reason(long id, unsigned long op)
-{
-    if (id == NR_FUTEX) {
-        op &= 0x7f;            /* FUTEX_CMD_MASK: without FUTEX_PRIVATE_FLAG, FUTEX_CLOCK_REALTIME */
-        /* WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2 (include/uapi/linux/futex.h) */
-        return (op == 0 || op == 6 || op == 9 || op == 11 || op == 13) ? R_LOCK : 0;
-    }
-    if (id == NR_FUTEX_WAITV || id == NR_FUTEX_WAIT)
-        return R_LOCK;
-    if (id == NR_NANOSLEEP || id == NR_CLOCK_NANOSLEEP)
-        return R_SLEEP;
-    return 0;
-}
-
+#ifdef SYSCALL_HOOK
 /* Every syscall of the node passes here: the common case (not a classified call, no entry) is one compare chain
  * and one hash miss. */
 static inline int sys_entered(long id, unsigned long op)

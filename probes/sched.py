@@ -8,13 +8,15 @@ time from a sleeper's wakeup to its running again apart (`offcpu_wakeup_ns`, a C
 offcpu_ns; and run-queue latency (runnable to running) as a log2 µs histogram with p50/p99.
 Hooks: eBPF on tracepoints sched:sched_switch, sched_wakeup, sched_wakeup_new (raw tracepoint programs on 5.18+:
 no event record built for them, never skipped for interrupting another BPF program, perf users keep their counts),
-sched_process_fork, sched_process_exit, and raw_syscalls:sys_enter for lock vs sleep vs wait (bpf/sched.c,
-bpf/common.h); only tracepoint arguments are read, never task_struct.
-Why a syscall hook: at switch-out a tracepoint program sees the task's state (R, S, D) but not which syscall it
-sleeps in; reading that from task_struct or pt_regs needs kernel struct offsets, which this project does not
-trust. So sys_enter remembers, per member thread, whether it is in a futex wait or a nanosleep. It runs on every
-syscall of the node: SchedProbe(syscall_reasons=False) leaves it out (lock and sleep then read None, their time is
-in offcpu_wait_ns); so does a machine whose syscall numbers are not in SYSCALL_NRS or a kernel without raw_syscalls.
+sched_process_fork, sched_process_exit (bpf/sched.c, bpf/common.h); only tracepoint arguments are read, never
+task_struct.
+Lock vs sleep vs wait: at switch-out a tracepoint program sees the task's state (R, S, D) but not which syscall it
+sleeps in. On 5.15+ with BTF it reads that from the thread's saved user registers (bpf_task_pt_regs: the syscall
+number stays in orig_ax / syscallno while the call runs; the uapi layout, offsets per architecture below), and
+nothing runs on the node's syscalls. Before, a raw_syscalls:sys_enter hook remembers, per member thread, whether it
+is in a futex wait or a nanosleep; it runs on every syscall of the node. SchedProbe(syscall_reasons=False) does
+neither (lock and sleep then read None, their time is in offcpu_wait_ns); so does a machine whose syscall numbers
+are not in SYSCALL_NRS, or an old kernel without raw_syscalls.
 Oldest kernel: 4.18. Aggregation is in the kernel (one per-CPU struct per job slot); a tick reads one map element.
 Cost: measured in the 6.18 VM with bpf_stats (Loaded.prog_stats): on every context switch of the node ~190 ns
 when neither task is the job's; while a job ping-pongs over pipes, 207 ns per switch (median of 6 runs; 193 ns
@@ -62,8 +64,11 @@ SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
 # With RAW_SCHED the syscall hook is a raw tracepoint program too: a classic one returning 0 hides every
 # raw_syscalls:sys_enter of the node from perf users (`perf trace`, `perf stat -e raw_syscalls:*`).
 RAW_SYSCALL_HANDLERS = (("raw:raw_syscalls:sys_enter", "on_sys_enter_raw"),)
-# Where the second syscall argument sits in struct pt_regs (the uapi layout): x86_64 si, arm64 regs[1].
+# Where the second syscall argument sits in struct pt_regs (the uapi layout): x86_64 si, arm64 regs[1]; and the
+# syscall number, read as 32 bits: x86_64 orig_ax (little-endian), arm64 syscallno (after regs[31], sp, pc, pstate,
+# orig_x0).
 SYSCALL_ARG2_OFF = {"x86_64": 13 * 8, "aarch64": 8}
+SYSCALL_NR_OFF = {"x86_64": 15 * 8, "aarch64": 35 * 8}
 # asm/unistd.h of each architecture: futex, futex_waitv (5.16), futex_wait (6.7), nanosleep, clock_nanosleep.
 SYSCALL_NRS = {
     "x86_64": {"FUTEX": 202, "FUTEX_WAITV": 449, "FUTEX_WAIT": 455, "NANOSLEEP": 35, "CLOCK_NANOSLEEP": 230},
@@ -122,13 +127,19 @@ def syscall_cflags(machine: str) -> list[str] | None:
                                      f"-DSYSCALL_ARG2_OFF={SYSCALL_ARG2_OFF[machine]}"]
 
 
-def why_no_syscall_reasons(host: Host, wanted: bool, machine: str) -> str | None:
-    """Why lock/sleep cannot be told apart from wait here, or None when they can."""
+def syscall_from_regs(host: Host) -> bool:
+    """Whether the syscall a sleeping thread is in can be read at its switch-out: bpf_task_pt_regs (5.15) on a
+    task from bpf_get_current_task_btf (BTF)."""
+    return host.kernel_at_least(5, 15) and host.has_btf
+
+
+def why_no_syscall_reasons(host: Host, wanted: bool, machine: str, hook: bool = True) -> str | None:
+    """Why lock/sleep cannot be told apart from wait here, or None when they can (`hook`: by the syscall hook)."""
     if not wanted:
         return "turned off (syscall_reasons=False)"
     if syscall_cflags(machine) is None:
         return f"syscall numbers of {machine} unknown"
-    missing = [tp for tp, _ in SYSCALL_HANDLERS if not host.tracepoint_exists(*tp.split(":"))]
+    missing = [tp for tp, _ in SYSCALL_HANDLERS if hook and not host.tracepoint_exists(*tp.split(":"))]
     return f"tracepoint {missing[0]} not found in tracefs" if missing else None
 
 
@@ -137,9 +148,9 @@ _REASON_MEANING = {
     "io": "in uninterruptible sleep (state D: disk I/O, reads through the page cache, fsync, kernel mutexes), "
           "to the wakeup",
     "lock": "asleep in a futex wait (locks, condition variables, semaphores, Event.wait, the Python GIL), to the "
-            "wakeup; None without the sys_enter hook (then in wait)",
-    "sleep": "asleep in nanosleep / clock_nanosleep (time.sleep), to the wakeup; None without the sys_enter hook "
-             "(then in wait)",
+            "wakeup; None where the syscall cannot be told (then in wait)",
+    "sleep": "asleep in nanosleep / clock_nanosleep (time.sleep), to the wakeup; None where the syscall cannot be "
+             "told (then in wait)",
     "wait": "in any other sleep (poll/epoll/select, pipe and socket reads, wait4, stopped), to the wakeup",
 }
 
@@ -180,21 +191,28 @@ class SchedProbe(BpfProbe):
     map_types = {"start": (ct.c_uint32, OffRec), "stats": (ct.c_uint32, SlotStats)}
 
     def __init__(self, host: Host | None = None, slot: int = 0, syscall_reasons: bool = True,
-                 machine: str | None = None):
+                 machine: str | None = None, syscall_source: str | None = None):
+        """syscall_source: "regs" (read at switch-out), "hook" (raw_syscalls:sys_enter), or None: regs where the
+        kernel can, else the hook."""
         super().__init__(host, slot)
         machine = machine or platform.machine()
+        self.from_regs = syscall_source == "regs" or (syscall_source is None and syscall_from_regs(self.host))
         # Why lock and sleep are not told apart from wait (None: they are); decided once, from the host.
-        self.syscall_reasons_off = why_no_syscall_reasons(self.host, syscall_reasons, machine)
+        self.syscall_reasons_off = why_no_syscall_reasons(self.host, syscall_reasons, machine, not self.from_regs)
         self.syscall_reasons = self.syscall_reasons_off is None
+        self.syscall_hook = self.syscall_reasons and not self.from_regs
         self.raw = raw_sched(self.host)
         self.handlers = (RAW_HANDLERS if self.raw else HANDLERS) + \
-            ((RAW_SYSCALL_HANDLERS if self.raw else SYSCALL_HANDLERS) if self.syscall_reasons else ())
+            ((RAW_SYSCALL_HANDLERS if self.raw else SYSCALL_HANDLERS) if self.syscall_hook else ())
         self.cflags = tuple(syscall_cflags(machine) or ()) if self.syscall_reasons else ()
+        if self.syscall_hook:
+            self.cflags += ("-DSYSCALL_HOOK",)
+            self.map_types = {**self.map_types, "in_call": (ct.c_uint32, ct.c_uint32)}
+        elif self.syscall_reasons:
+            self.cflags += ("-DSYSCALL_FROM_REGS", f"-DSYSCALL_NR_OFF={SYSCALL_NR_OFF[machine]}")
         if self.raw:   # `start` is keyed by task_struct address instead of thread id
             self.cflags += ("-DRAW_SCHED",)
             self.map_types = {**self.map_types, "start": (ct.c_uint64, OffRec)}
-        if self.syscall_reasons:
-            self.map_types = {**self.map_types, "in_call": (ct.c_uint32, ct.c_uint32)}
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs."""

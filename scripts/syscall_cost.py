@@ -1,10 +1,11 @@
-"""Wall-clock cost a probe's syscall hook adds to every syscall of the node, with its classic and its raw tracepoint
-programs, in interleaved rounds: a getppid loop run outside the job (the path every other task on the node takes).
-`syscalls` (sys_enter + sys_exit) or `sched` (its sys_enter hook, which tells lock from sleep from wait).
+"""Wall-clock cost a probe adds to every syscall of the node, in interleaved rounds: a getppid loop run outside the
+job (the path every other task on the node takes).
+`syscalls` (sys_enter + sys_exit): classic vs raw tracepoint programs. `sched`: its classic syscall hook (kernels
+before 5.15), its raw one, and none (5.15+ with BTF: the syscall is read from a sleeping thread's registers).
 
     sudo .venv/bin/python scripts/syscall_cost.py [--probe syscalls|sched] [--rounds 6] [--n 400000]
 
-Prints the median ns per loop iteration with nothing attached, with classic programs and with raw ones.
+Prints the median ns per loop iteration in each mode.
 """
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ from jobprobe.target import PidTreeTarget  # noqa: E402
 from probes.sched import SchedProbe  # noqa: E402
 from probes.syscalls import SyscallsProbe  # noqa: E402
 
-# probe → (its class, a kernel version that makes it choose its classic programs)
-PROBES = {"syscalls": (SyscallsProbe, "4.16.0"), "sched": (SchedProbe, "5.17.0")}
+# probe → mode → how to make it (None: nothing attached). An older kernel version makes a probe choose its classic
+# programs.
+PROBES = {
+    "syscalls": {"off": None, "classic": lambda: SyscallsProbe(Host(kernel="4.16.0")), "raw": lambda: SyscallsProbe()},
+    "sched": {"off": None, "classic hook": lambda: SchedProbe(Host(kernel="5.14.0")),
+              "raw hook": lambda: SchedProbe(syscall_source="hook"),
+              "no hook": lambda: SchedProbe(syscall_source="regs")},
+}
 
 
 def loop_ns(n: int) -> float:
@@ -38,13 +45,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--n", type=int, default=400_000)
     args = ap.parse_args()
-    res: dict[str, list[float]] = {"off": [], "classic": [], "raw": []}
+    modes = PROBES[args.probe]
+    res: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.rounds):
-        for mode in res:
+        for mode, make in modes.items():
             probe = None
-            if mode != "off":   # an older kernel version makes the probe choose its classic programs
-                cls, old = PROBES[args.probe]
-                probe = cls(Host(kernel=old) if mode == "classic" else Host())
+            if make is not None:
+                probe = make()
                 probe.start(PidTreeTarget([os.getpid()]))   # the job is this process: the loop is an outsider
             try:
                 res[mode].append(loop_ns(args.n))
@@ -54,7 +61,7 @@ def main() -> None:
     off = statistics.median(res["off"])
     for mode, vals in res.items():
         med = statistics.median(vals)
-        print(f"{mode:8s} median {med:.0f} ns per getppid ({med - off:+.0f}); rounds {[round(v) for v in vals]}")
+        print(f"{mode:12s} median {med:.0f} ns per getppid ({med - off:+.0f}); rounds {[round(v) for v in vals]}")
 
 
 if __name__ == "__main__":

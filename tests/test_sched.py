@@ -23,8 +23,8 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
 from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, RAW_SYSCALL_HANDLERS, REASONS, SYSCALL_HANDLERS, OffRec,
-                          SchedProbe, SlotStats,
-                          exit_has_group_dead, interval, proc_gone, trim_log, zero_reading)
+                          SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, syscall_from_regs,
+                          trim_log, zero_reading)
 from tests.conftest import TESTS, bpf_fds, wait_for, workload
 
 # ---------------------------------------------------------------- unit
@@ -121,7 +121,7 @@ def test_interval_splits_offcpu_by_reason():
 def test_raw_tracepoints_from_5_18(tmp_path):
     """5.18 gave sched_switch its prev_state argument: from there the sched hooks are raw tracepoint programs and
     `start` is keyed by task address; before, classic ones keyed by thread id."""
-    old, new = SchedProbe(Host(kernel="5.17.3")), SchedProbe(Host(kernel="6.18.44-x"))
+    old, new = (SchedProbe(Host(kernel=k), syscall_source="hook") for k in ("5.17.3", "6.18.44-x"))
     assert [fn for _, fn in old.handlers][:3] == [fn for _, fn in HANDLERS] and "-DRAW_SCHED" not in old.cflags
     assert [fn for _, fn in new.handlers][:3] == ["on_switch_raw", "on_wakeup_raw", "on_wakeup_new_raw"]
     assert "-DRAW_SCHED" in new.cflags and new.map_types["start"][0] is ct.c_uint64
@@ -139,6 +139,28 @@ def test_raw_tracepoints_from_5_18(tmp_path):
     members = re.findall(r"^\s*(u64|u32) (\w+);", body[:body.index("};")], re.M)
     assert [n for _, n in members] == [n for n, _ in OffRec._fields_]
     assert sum({"u64": 8, "u32": 4}[t] for t, _ in members) == ct.sizeof(OffRec)
+
+
+def test_syscall_read_from_registers_where_the_kernel_can(tmp_path):
+    """5.15+ with BTF: the syscall a sleeping thread is in is read at its switch-out (bpf_task_pt_regs): no syscall
+    hook, no in_call map. Older, or without BTF: the hook."""
+    (tmp_path / "kernel/btf").mkdir(parents=True)
+    (tmp_path / "kernel/btf/vmlinux").write_bytes(b"")
+    (tmp_path / "kernel/tracing/events/raw_syscalls/sys_enter").mkdir(parents=True)
+    regs = SchedProbe(Host(is_root=True, sys=str(tmp_path), kernel="6.18.0"), machine="x86_64")
+    assert regs.syscall_reasons and regs.from_regs and not regs.syscall_hook
+    assert not any(fn.startswith("on_sys_enter") for _, fn in regs.all_handlers()) and "in_call" not in regs.map_types
+    assert {"-DSYSCALL_FROM_REGS", "-DSYSCALL_NR_OFF=120", "-DSYSCALL_ARG2_OFF=104", "-DNR_FUTEX=202"} <= \
+        set(regs.cflags) and "-DSYSCALL_HOOK" not in regs.cflags
+    assert "-DSYSCALL_NR_OFF=280" in SchedProbe(Host(is_root=True, sys=str(tmp_path), kernel="6.18.0"),
+                                                machine="aarch64").cflags
+    nobtf = tmp_path / "nobtf"
+    (nobtf / "kernel/tracing/events/raw_syscalls/sys_enter").mkdir(parents=True)
+    for host in (Host(is_root=True, sys=str(tmp_path), kernel="5.14.0"),     # no bpf_task_pt_regs yet
+                 Host(is_root=True, sys=str(nobtf), kernel="6.18.0")):       # no BTF
+        hook = SchedProbe(host, machine="x86_64")
+        assert hook.syscall_hook and not hook.from_regs and "-DSYSCALL_HOOK" in hook.cflags
+        assert "in_call" in hook.map_types and any(fn.startswith("on_sys_enter") for _, fn in hook.all_handlers())
 
 
 def test_syscall_hook_is_chosen_from_the_host(tmp_path):
@@ -172,6 +194,18 @@ def probe():
     p = SchedProbe()
     why = p.check(p.host)
     assert why is None, f"sched probe cannot run on this (root) host: {why}"
+    yield p
+    p.stop()
+
+
+@pytest.fixture(params=["regs", "hook"])
+def by_source(request):
+    """The probe with each way of telling lock and sleep from wait: the syscall read from the sleeping thread's
+    registers (5.15+ with BTF), or the raw_syscalls:sys_enter hook (older kernels; forced here)."""
+    if request.param == "regs" and not syscall_from_regs(Host()):
+        pytest.skip("this kernel cannot read a thread's syscall from its registers (5.15+ with BTF)")
+    p = SchedProbe(syscall_source=request.param)
+    assert p.syscall_reasons, p.syscall_reasons_off
     yield p
     p.stop()
 
@@ -316,12 +350,12 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))
     raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())
-    assert raw == ((3 + probe.syscall_reasons) if probe.raw else 0)
+    assert raw == ((3 + probe.syscall_hook) if probe.raw else 0)
     assert bpf_fds("prog") == before + len(probe.all_handlers())
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw and bpf_fds("link") == links + raw
     # job_of_cgroup, job_of_tgid, job_kinds, start, stats, and in_call with the sys_enter hook
-    assert bpf_fds("map") == maps + 5 + probe.syscall_reasons
+    assert bpf_fds("map") == maps + 5 + probe.syscall_hook
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
@@ -431,16 +465,16 @@ def check_reason(s: dict, reason: str, acct: dict, low: int | None = None) -> No
 
 
 @pytest.mark.kernel
-def test_sleeps_are_sleep_and_outside_locks_count_for_nothing(probe, make_cgroup):
+def test_sleeps_are_sleep_and_outside_locks_count_for_nothing(by_source, make_cgroup):
     n, ms = 50, 20
     cg = make_cgroup()
-    probe.start(CgroupTarget(str(cg.path)))
+    by_source.start(CgroupTarget(str(cg.path)))
     noise = subprocess.Popen(sched_workload("lock", 40, 10), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     proc = cg.spawn(sched_workload("sleep", n, ms), stdout=subprocess.PIPE, text=True)
     ref = account(proc)
     noisy = account(noise, "go\n")
-    s = probe.sample()
+    s = by_source.sample()
     print(f"sleep {n} x {ms} ms: {show(s, ref)}; outside lock holds {noisy['hold_ns'] / 1e6:.0f} ms")
     check_reason(s, "sleep", ref)
     # Not shorter than asked, less the µs from arming the timer to leaving the CPU; longer by the timer slack
@@ -459,16 +493,16 @@ def test_sleeps_are_sleep_and_outside_locks_count_for_nothing(probe, make_cgroup
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["cgroup", "pids"])
-def test_futex_waits_are_lock(probe, make_cgroup, kind):
+def test_futex_waits_are_lock(by_source, make_cgroup, kind):
     n, ms = 40, 20
     cg = make_cgroup()
     if kind == "cgroup":
-        probe.start(CgroupTarget(str(cg.path)))
+        by_source.start(CgroupTarget(str(cg.path)))
     proc = cg.spawn(sched_workload("lock", n, ms), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if kind == "pids":
-        probe.start(PidTreeTarget([proc.pid]))
+        by_source.start(PidTreeTarget([proc.pid]))
     ref = account(proc, "go\n")
-    s = probe.sample()
+    s = by_source.sample()
     print(f"{kind}: lock held {n} x {ms} ms ({ref['hold_ns'] / 1e6:.1f} ms): {show(s, ref)}")
     check_reason(s, "lock", ref, low=ref["main_asleep_ns"])
     # The main thread sleeps through every hold (its futex waits ≈ the hold time), less its waits for a CPU.
@@ -490,10 +524,10 @@ def test_direct_io_and_fsync_are_io(probe, make_cgroup, tmp_path):
 
 
 @pytest.mark.kernel
-def test_pipe_reads_are_wait(probe, make_cgroup):
+def test_pipe_reads_are_wait(by_source, make_cgroup):
     n, ms = 40, 20
     cg = make_cgroup()
-    probe.start(CgroupTarget(str(cg.path)))
+    by_source.start(CgroupTarget(str(cg.path)))
     proc = cg.spawn(sched_workload("pipe", n), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     for i in range(n):                 # one line every `ms`, written from outside the job
@@ -501,7 +535,7 @@ def test_pipe_reads_are_wait(probe, make_cgroup):
         proc.stdin.write(f"{i}\n")
         proc.stdin.flush()
     ref = account(proc)
-    s = probe.sample()
+    s = by_source.sample()
     print(f"pipe: {n} lines, one per {ms} ms: {show(s, ref)}")
     assert ref["lines"] == n
     check_reason(s, "wait", ref)
@@ -550,10 +584,11 @@ sys.stdin.readline()
 
 
 @pytest.mark.kernel
-def test_threads_killed_inside_a_futex_wait_leave_no_entry(probe):
-    """No sys_exit hook: a thread that never leaves its futex wait is forgotten when it exits (common.h hook)."""
-    if not probe.syscall_reasons:
-        pytest.skip(f"no sys_enter hook: {probe.syscall_reasons_off}")
+def test_threads_killed_inside_a_futex_wait_leave_no_entry():
+    """The syscall hook (older kernels; forced here) keeps no sys_exit hook: a thread that never leaves its futex
+    wait is forgotten when it exits (common.h hook)."""
+    probe = SchedProbe(syscall_source="hook")
+    assert probe.syscall_hook, probe.syscall_reasons_off
     root = subprocess.Popen([sys.executable, "-c", HOLD_FOREVER], stdin=subprocess.PIPE, text=True)
     try:
         probe.start(PidTreeTarget([root.pid]))
@@ -568,28 +603,31 @@ def test_threads_killed_inside_a_futex_wait_leave_no_entry(probe):
     assert in_call.keys() == []
     # wait() returns once the threads are unhashed (exit_notify); one preempted after that still has to run
     # do_task_dead, and its `start` entry goes at that switch-in. They must all go, soon.
-    assert wait_for(lambda: not [t for t in start_tids(probe) if not t or not Path(f"/proc/{t}").exists()])
+    try:
+        assert wait_for(lambda: not [t for t in start_tids(probe) if not t or not Path(f"/proc/{t}").exists()])
+    finally:
+        probe.stop()
 
 
 @pytest.mark.kernel
-def test_perf_users_still_see_sched_events_while_attached(probe):
+def test_perf_users_still_see_sched_events_while_attached(by_source):
     """A classic tracepoint program returning 0 makes the kernel drop the event for perf too (perf stat read 0
     sched_switch events node-wide while sched was attached, and 0 raw_syscalls:sys_enter while its classic syscall
     hook was). Raw tracepoint programs leave perf's view alone."""
-    if not probe.raw:
+    if not by_source.raw:
         pytest.skip("raw tracepoints need Linux 5.18 here; this kernel uses the classic ones")
-    probe.start(PidTreeTarget([os.getpid()]))
+    by_source.start(PidTreeTarget([os.getpid()]))
     try:
         res = subprocess.run(["perf", "stat", "-x,", "-e",
                               "sched:sched_switch,sched:sched_wakeup,raw_syscalls:sys_enter", "-a", "--",
                               sys.executable, str(TESTS / "workloads.py"), "sleepwake", "200", "500"],
                              capture_output=True, text=True, timeout=60)
     finally:
-        probe.stop()
+        by_source.stop()
     counts = {line.split(",")[2]: int(line.split(",")[0]) for line in res.stderr.splitlines()
               if line.count(",") >= 3 and line.split(",")[0].isdigit()}
     print(f"sched attached; perf counted {counts}")
     # the workload alone sleeps and wakes 200 times, each sleep a clock_nanosleep call
     assert counts.get("sched:sched_switch", 0) >= 200 and counts.get("sched:sched_wakeup", 0) >= 200, res.stderr
-    if probe.syscall_reasons:     # its syscall hook is raw too: `perf trace` and friends keep seeing syscalls
+    if by_source.syscall_reasons:     # a raw syscall hook, or none: `perf trace` and friends keep seeing syscalls
         assert counts.get("raw_syscalls:sys_enter", 0) >= 200, res.stderr
