@@ -138,7 +138,7 @@ def test_events_bench_end_to_end_with_the_peer(tmp_path):
     print(events_markdown(res))
     assert set(res["modes"]) == {"sched", "sched, other job", "runqlat-bpfcc"}
     switches = res["events_per_run"]
-    assert switches >= 2 * 2000          # each round trip blocks both processes
+    assert switches >= 2000              # a round trip blocks at least one side (mostly both: ~4 switches)
     for mode, r in res["modes"].items():
         progs = r["programs"]
         switch = next(p for name, p in progs.items() if "switch" in name)
