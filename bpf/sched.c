@@ -24,8 +24,8 @@
  *   its saved user registers, where the syscall number stays while the call runs (x86_64 orig_ax, arm64
  *   syscallno; the futex op is the second argument), at offsets user space passes (the uapi struct pt_regs, not
  *   the kernel headers'). No syscall hook at all: nothing runs on the node's syscalls.
- *   -DSYSCALL_HOOK (older kernels): on_sys_enter remembers it, for member threads only and only for the classified calls
- *   (futex waits, nanosleeps): `in_call` tid -> reason, set on entering one, removed on entering any other
+ *   -DSYSCALL_HOOK (older kernels): on_sys_enter remembers it, for member threads only and only for the
+ *   classified calls (futex waits, nanosleeps): `in_call` tid -> reason, set on entering one, removed on entering any other
  *   syscall. No sys_exit hook: between a futex's return and the next syscall entry a thread can only sleep in a
  *   page fault (D, or S on userfaultfd), so the stale entry is harmless; one hook costs less than two (measured
  *   in a 6.18 VM, getppid loop: +37 ns per syscall with sys_enter alone, +57 ns with a sys_enter/sys_exit pair;
@@ -34,12 +34,13 @@
  * Oldest kernel: 4.18 (common.h); prev_state as "reported state" (bit per state, preempted → 0 in the low byte)
  *   since 4.14.
  * Cost (6.18 VM, bpf_stats): sched_switch runs on every switch of every task on the node: 1-2 lookups for prev's
- *   membership and one for next in `start`; members rewrite their `start` entry in place, and an interruptible sleep one lookup
- *   in `in_call` (a job ping-ponging over pipes: 207 ns per switch, median of 6 runs; 193 ns before the reasons).
- *   sched_wakeup: one lookup (~80-170 ns). sys_enter (every syscall of the node): a compare chain and one hash
- *   miss on the caller's tid, plus a membership check for futex waits and nanosleeps (+37 ns per syscall end to
- *   end). Memory: `start` and `in_call` hold one entry per job thread off CPU / in a classified call (deleted
- *   when it runs again or exits); maps are preallocated, ~5 MiB per hash of 64 Ki entries.
+ *   membership and one for next in `start`; members rewrite their `start` entry in place, and an interruptible
+ *   sleep reads its syscall from its registers (or, with the hook, one lookup in `in_call`): a job ping-ponging
+ *   over pipes, 174 ns per switch, 121 per wakeup (bcc's runqlat in the same run: 87 and 80). With the hook,
+ *   sys_enter (every syscall of the node): a compare chain and one hash miss on the caller's tid, plus a
+ *   membership check for futex waits and nanosleeps (getppid +15 ns raw, +43 ns classic; none without the hook).
+ *   Memory: `start` (and `in_call`) hold one entry per job thread off CPU / in a classified call (deleted when it
+ *   runs again or exits); maps are preallocated, ~5 MiB per hash of 64 Ki entries.
  */
 #define NBUCKETS 27            /* log2 µs: bucket i holds [2^i, 2^(i+1)) µs, bucket 0 [0, 2); the last: ≥ 2^26 µs */
 #define MAX_OFFCPU_THREADS 65536

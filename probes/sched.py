@@ -18,12 +18,12 @@ is in a futex wait or a nanosleep; it runs on every syscall of the node. SchedPr
 neither (lock and sleep then read None, their time is in offcpu_wait_ns); so does a machine whose syscall numbers
 are not in SYSCALL_NRS, or an old kernel without raw_syscalls.
 Oldest kernel: 4.18. Aggregation is in the kernel (one per-CPU struct per job slot); a tick reads one map element.
-Cost: measured in the 6.18 VM with bpf_stats (Loaded.prog_stats): on every context switch of the node ~190 ns
-when neither task is the job's; while a job ping-pongs over pipes, 207 ns per switch (median of 6 runs; 193 ns
-before the reasons, whose extra is one lookup per interruptible sleep); ~80-170 ns per wakeup. The sys_enter hook
-adds +37 ns to every syscall of the node, end to end (getppid: 115 -> 152 ns; a sys_enter/sys_exit pair measured
-+57 ns, hence one hook), ~0.4% of a core at 100k syscalls/s; it is on by default because lock vs sleep vs wait is
-most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
+Cost: measured in the 6.18 VM with bpf_stats (Loaded.prog_stats; `jobprobe bench events`): while a job
+ping-pongs over pipes, 174 ns per context switch and 121 ns per wakeup (bcc's runqlat, histogram only: 87 and 80
+in the same run); a switch of tasks outside the job 133 ns. Nothing per syscall where the syscall is read from
+registers (5.15+ with BTF); with the hook, getppid +15 ns (raw) / +43 ns (classic) per call of the node
+(scripts/syscall_cost.py --probe sched). The hook is on by default where it is needed because lock vs sleep vs wait
+is most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
 (probes/_bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
 ~141 MB). sample(): one per-CPU map lookup, ~50 µs.
 Off-CPU time is added when a thread runs again, so a long sleep lands in the interval where it ends. A thread
@@ -47,7 +47,7 @@ REASONS = ("preempt", "io", "lock", "sleep", "wait")
 # bpf/sched.c struct slot_stats, in order (then runq_hist)
 COUNTERS = ("voluntary", "involuntary", "offcpu_ns", "runq_ns", "runq_events",
             *(f"{r}_ns" for r in REASONS), "wakeup_ns", *(f"{r}_events" for r in REASONS))
-SYSCALL_REASONS = ("lock", "sleep")   # told apart from wait only with the sys_enter hook
+SYSCALL_REASONS = ("lock", "sleep")   # told apart from wait only where the syscall a sleeper is in is known
 # (tracepoint, handler in bpf/sched.c); the membership handlers of bpf/common.h come first (BpfProbe).
 HANDLERS = (
     ("sched:sched_switch", "on_switch"),
