@@ -23,7 +23,7 @@ from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
 from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, RAW_SYSCALL_HANDLERS, REASONS, SYSCALL_HANDLERS, OffRec,
-                          SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, syscall_from_regs,
+                          SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, raw_sched, syscall_from_regs,
                           trim_log, zero_reading)
 from tests.conftest import TESTS, bpf_fds, wait_for, workload
 
@@ -198,13 +198,16 @@ def probe():
     p.stop()
 
 
-@pytest.fixture(params=["regs", "hook"])
+@pytest.fixture(params=["regs", "hook", "regs-classic"])
 def by_source(request):
     """The probe with each way of telling lock and sleep from wait: the syscall read from the sleeping thread's
-    registers (5.15+ with BTF), or the raw_syscalls:sys_enter hook (older kernels; forced here)."""
-    if request.param == "regs" and not syscall_from_regs(Host()):
+    registers (5.15+ with BTF), or the raw_syscalls:sys_enter hook (older kernels; forced here); and the register
+    read from the classic tracepoint programs that 5.15-5.17 use (chosen by telling the probe it runs on 5.17)."""
+    source, _, classic = request.param.partition("-")
+    if source == "regs" and not syscall_from_regs(Host()):
         pytest.skip("this kernel cannot read a thread's syscall from its registers (5.15+ with BTF)")
-    p = SchedProbe(syscall_source=request.param)
+    p = SchedProbe(Host(kernel="5.17.0") if classic else Host(), syscall_source=source)
+    assert p.raw == (not classic and raw_sched(Host()))
     assert p.syscall_reasons, p.syscall_reasons_off
     yield p
     p.stop()
@@ -611,11 +614,9 @@ def test_threads_killed_inside_a_futex_wait_leave_no_entry():
 
 @pytest.mark.kernel
 def test_perf_users_still_see_sched_events_while_attached(by_source):
-    """A classic tracepoint program returning 0 makes the kernel drop the event for perf too (perf stat read 0
-    sched_switch events node-wide while sched was attached, and 0 raw_syscalls:sys_enter while its classic syscall
-    hook was). Raw tracepoint programs leave perf's view alone."""
-    if not by_source.raw:
-        pytest.skip("raw tracepoints need Linux 5.18 here; this kernel uses the classic ones")
+    """A classic tracepoint program returning 0 makes the kernel drop the event for perf too: perf stat reads 0
+    sched_switch events node-wide while the classic programs (kernels before 5.18) are attached, as it read 0
+    raw_syscalls:sys_enter while the classic syscall hook was. Raw tracepoint programs leave perf's view alone."""
     by_source.start(PidTreeTarget([os.getpid()]))
     try:
         res = subprocess.run(["perf", "stat", "-x,", "-e",
@@ -626,8 +627,11 @@ def test_perf_users_still_see_sched_events_while_attached(by_source):
         by_source.stop()
     counts = {line.split(",")[2]: int(line.split(",")[0]) for line in res.stderr.splitlines()
               if line.count(",") >= 3 and line.split(",")[0].isdigit()}
-    print(f"sched attached; perf counted {counts}")
+    print(f"sched attached ({'raw' if by_source.raw else 'classic'} programs); perf counted {counts}")
     # the workload alone sleeps and wakes 200 times, each sleep a clock_nanosleep call
-    assert counts.get("sched:sched_switch", 0) >= 200 and counts.get("sched:sched_wakeup", 0) >= 200, res.stderr
+    if by_source.raw:
+        assert counts.get("sched:sched_switch", 0) >= 200 and counts.get("sched:sched_wakeup", 0) >= 200, res.stderr
+    else:     # what the raw programs fixed, shown: the classic ones hide every event they are attached to
+        assert counts.get("sched:sched_switch") == 0 and counts.get("sched:sched_wakeup") == 0, res.stderr
     if by_source.syscall_reasons:     # a raw syscall hook, or none: `perf trace` and friends keep seeing syscalls
         assert counts.get("raw_syscalls:sys_enter", 0) >= 200, res.stderr
