@@ -142,7 +142,8 @@ def test_events_bench_end_to_end_with_the_peer(tmp_path):
     for mode, r in res["modes"].items():
         progs = r["programs"]
         switch = next(p for name, p in progs.items() if "switch" in name)
-        assert switch["runs"] >= switches and switch["ns_per_run"] > 0, (mode, progs)
+        # (measured over one more run of the workload, whose switches vary a little from the timed ones)
+        assert switch["runs"] >= 0.9 * switches and switch["ns_per_run"] > 0, (mode, progs)
         assert math.isfinite(r["added_ns"]) and r["ratio"] > 0
     text = events_markdown(res)
     assert "| sched, other job |" in text and "| runqlat-bpfcc |" in text
