@@ -27,8 +27,8 @@ is most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in
 (probes/_bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
 ~141 MB). sample(): one per-CPU map lookup, ~50 µs.
 Off-CPU time is added when a thread runs again, so a long sleep lands in the interval where it ends. A thread
-already asleep when the probe starts is not counted for that sleep; one already inside a futex wait or nanosleep
-then is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
+already asleep when the probe starts is not counted for that sleep; with the syscall hook, one already inside a
+futex wait or nanosleep then (a call it entered before the hook) is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
 as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps of 32-bit (compat) processes.
 """
 from __future__ import annotations
