@@ -199,7 +199,7 @@ def make_target(args, command: list[str]):
     if args.pid is not None:
         return PidTreeTarget([args.pid], job=args.job)
     if args.slurm_job is not None:
-        return slurm_target(args.slurm_job)
+        return slurm_target(args.slurm_job, job=args.job)
     if args.k8s_pod is not None:
         return k8s_pod_target(args.k8s_pod, job=args.job)
     raise BadInput("no target: give --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID or -- CMD ARGS...")

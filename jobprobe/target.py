@@ -208,14 +208,16 @@ def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
 
 
 def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str = "/proc",
-                 scontrol: str = "scontrol") -> Target:
+                 scontrol: str = "scontrol", job: str | None = None) -> Target:
+    """The SLURM job's cgroup2 group, else its processes; named `job`, else by its id."""
+    name = job or str(job_id)
     if not str(job_id).isdigit():
         raise BadInput(f"SLURM job id must be a number, got {job_id!r}")
     mount = find_cgroup2_mount(mountinfo)
     if mount:
         cg = slurm_job_cgroup(job_id, mount)
         if cg:
-            return CgroupTarget(cg, mountinfo=mountinfo, job=str(job_id))
+            return CgroupTarget(cg, mountinfo=mountinfo, job=name)
     # New steps are started by slurmstepd, outside the tree: ask scontrol again at most every 5 s.
     last = [time.monotonic()]
 
@@ -230,7 +232,7 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         # job's processes are.
         groups = {slurm_group_of(proc, p, mount) for p in scontrol_listpids(job_id, scontrol)} - {None}
         if len(groups) == 1:
-            return CgroupTarget(groups.pop(), mountinfo=mountinfo, job=str(job_id))
+            return CgroupTarget(groups.pop(), mountinfo=mountinfo, job=name)
     for _ in range(3):
         # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
         # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
@@ -239,7 +241,7 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         if not pids:
             break
         try:
-            return PidTreeTarget(pids, proc=proc, job=str(job_id), extra_roots=more)
+            return PidTreeTarget(pids, proc=proc, job=name, extra_roots=more)
         except BadInput:
             continue
     raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")

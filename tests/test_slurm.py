@@ -80,6 +80,8 @@ def test_slurm_target_falls_back_to_listpids(tmp_path):
     scontrol = fake_listpids(tmp_path, "5", [os.getpid()])
     t = slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=scontrol)
     assert isinstance(t, PidTreeTarget) and t.describe() == {"kind": "pids", "job": "5", "roots": [os.getpid()]}
+    named = slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=scontrol, job="llama-pretrain")
+    assert named.describe()["job"] == "llama-pretrain"            # --job names it, as for every target
 
 
 def test_slurm_target_skips_listed_processes_that_have_exited(tmp_path):
