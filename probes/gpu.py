@@ -279,30 +279,26 @@ class GpuProbe(Probe):
         the job's MIG devices. A GPU one of whose MIG devices is the job's is the job's, by that device's rule."""
         nvml = self.nvml
         procs: dict[int, dict] = {}
+        mig_procs: dict[Mig, dict] = {}
+        migs: list[Mig] = []
         for g in nvml.live():
             try:
                 p = nvml.processes(g)
+                on_migs = {m: nvml.processes(m) for m in g.migs}
             except GpuLost:
                 self._mark_lost(g)
                 continue
             if p is not None:
                 procs[g.index] = p
+            migs += g.migs
+            mig_procs.update((m, q) for m, q in on_migs.items() if q is not None)
         devices, env, env_migs = self._cgroup_and_env(pids)
         mig_rules: dict[Mig, str] = {}
-        mig_procs: dict[Mig, dict] = {}
-        for g in nvml.live():
-            for m in g.migs:
-                try:
-                    p = nvml.processes(m)
-                except GpuLost:
-                    self._mark_lost(g)
-                    break
-                if p is not None:
-                    mig_procs[m] = p
-                if pids & (p or {}).keys():
-                    mig_rules[m] = "process"
-                elif (m.index, m.slot) in env_migs:
-                    mig_rules[m] = "env"
+        for m in migs:
+            if pids & mig_procs.get(m, {}).keys():
+                mig_rules[m] = "process"
+            elif (m.index, m.slot) in env_migs:
+                mig_rules[m] = "env"
         by_migs = {}
         for m, rule in mig_rules.items():
             by_migs[m.index] = "process" if "process" in (rule, by_migs.get(m.index)) else rule
