@@ -40,6 +40,7 @@ NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wr
 
 # include/uapi/linux/bpf.h: enum bpf_cmd, enum bpf_map_type, update flags
 MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
+PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13
 OBJ_GET_INFO_BY_FD = 15
 MAP_LOOKUP_BATCH = 24
 LINK_CREATE = 28
@@ -78,6 +79,11 @@ class LinkCreateAttr(ct.Structure):
     """union bpf_attr .link_create, the part a cgroup attachment uses (the kernel zero-fills the rest)."""
     _fields_ = [("prog_fd", ct.c_uint32), ("target_fd", ct.c_uint32), ("attach_type", ct.c_uint32),
                 ("flags", ct.c_uint32)]
+
+
+class IdAttr(ct.Structure):
+    """union bpf_attr for PROG_GET_NEXT_ID / PROG_GET_FD_BY_ID."""
+    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
 
 
 class InfoAttr(ct.Structure):
@@ -148,6 +154,11 @@ def obj_info(fd: int, info: Any) -> Any:
 
 def prog_info(fd: int) -> ProgInfo:
     return obj_info(fd, ProgInfo())
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    """An fd for a loaded program, by its id (root: CAP_SYS_ADMIN); the caller closes it."""
+    return sys_bpf(PROG_GET_FD_BY_ID, IdAttr(id=prog_id))
 
 
 def map_info(fd: int) -> MapInfo:

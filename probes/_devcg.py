@@ -22,9 +22,8 @@ import os
 import struct
 from collections.abc import Iterable
 
-from probes._bpf import OBJ_GET_INFO_BY_FD, InfoAttr, ProgInfo, sys_bpf
+from probes._bpf import ProgInfo, obj_info, prog_fd_by_id, sys_bpf
 
-PROG_GET_FD_BY_ID = 13
 PROG_QUERY = 16
 CGROUP_DEVICE = 6              # enum bpf_attach_type BPF_CGROUP_DEVICE
 QUERY_EFFECTIVE = 1            # BPF_F_QUERY_EFFECTIVE: the programs that run for this group, ancestors' too
@@ -44,10 +43,6 @@ class QueryAttr(ct.Structure):
     _fields_ = [("target_fd", ct.c_uint32), ("attach_type", ct.c_uint32), ("query_flags", ct.c_uint32),
                 ("attach_flags", ct.c_uint32), ("prog_ids", ct.c_uint64), ("prog_cnt", ct.c_uint32),
                 ("pad", ct.c_uint32)]
-
-
-class GetIdAttr(ct.Structure):
-    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
 
 
 class Undecidable(Exception):
@@ -77,14 +72,11 @@ def effective_programs(cgroup_dir: str) -> list[int]:
 
 def program_insns(prog_id: int) -> bytes:
     """The instructions of program `prog_id` as the kernel holds them (after its rewrites)."""
-    fd = sys_bpf(PROG_GET_FD_BY_ID, GetIdAttr(id=prog_id))
+    fd = prog_fd_by_id(prog_id)
     try:
-        info = ProgInfo()
-        sys_bpf(OBJ_GET_INFO_BY_FD, InfoAttr(bpf_fd=fd, info_len=ct.sizeof(info), info=ct.addressof(info)))
-        size = info.xlated_prog_len
+        size = obj_info(fd, ProgInfo()).xlated_prog_len
         buf = (ct.c_uint8 * max(size, 8))()
-        info = ProgInfo(xlated_prog_len=size, xlated_prog_insns=ct.addressof(buf))
-        sys_bpf(OBJ_GET_INFO_BY_FD, InfoAttr(bpf_fd=fd, info_len=ct.sizeof(info), info=ct.addressof(info)))
+        info = obj_info(fd, ProgInfo(xlated_prog_len=size, xlated_prog_insns=ct.addressof(buf)))
         if not size or not info.xlated_prog_insns:     # the kernel withholds them (kptr_restrict, no CAP_SYSLOG)
             raise OSError(errno.EPERM, "program instructions not readable")
         return bytes(buf[:size])

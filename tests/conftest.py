@@ -101,6 +101,16 @@ def wait_for(what, timeout: float = 10.0):
     return got
 
 
+def prog_exists(prog_id: int) -> bool:
+    """Whether the kernel still has a BPF program with this id."""
+    from probes import _bpf
+    try:
+        os.close(_bpf.prog_fd_by_id(prog_id))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def bpf_fds(kind: str = "prog") -> int:
     """Open fds of this process that are BPF programs ("prog"), maps ("map"), links ("link") or perf events
     ("perf": tracepoint and uprobe attachments) — what a probe's stop() must give back."""

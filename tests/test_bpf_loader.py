@@ -25,7 +25,7 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.target import CgroupTarget
 from probes import _bpf
 from probes.sched import SchedProbe
-from tests.conftest import TESTS, workload
+from tests.conftest import TESTS, prog_exists, workload
 
 TEST_C = TESTS / "bpf_loader_test.c"
 ROOT = TESTS.parent
@@ -219,16 +219,6 @@ def test_receive_takes_fds_close_on_exec_and_closes_them_on_a_bad_reply():
 def switches_of(proc: subprocess.Popen) -> int:
     out, _ = proc.communicate(timeout=120)
     return sum(map(int, out.split()[-2:]))
-
-
-def prog_exists(prog_id: int) -> bool:
-    """Whether the kernel still has a program with this id (BPF_PROG_GET_FD_BY_ID = 13)."""
-    try:
-        fd = _bpf.sys_bpf(13, ct.c_uint32(prog_id))
-    except FileNotFoundError:
-        return False
-    os.close(fd)
-    return True
 
 
 @pytest.mark.kernel

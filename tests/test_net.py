@@ -28,7 +28,7 @@ from probes import _bpf
 from probes._bpfprobe import MEMBERSHIP, MISSED
 from probes.net import (COUNTERS, PACKET_FIELDS, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
-from tests.conftest import bpf_fds
+from tests.conftest import bpf_fds, prog_exists
 from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, near, result
 
 # ---------------------------------------------------------------- unit
@@ -419,14 +419,6 @@ def test_retransmits_match_the_sockets_own_count(probe, make_cgroup, net, kind):
     assert near(s["tcp_retransmits"], job["retrans"]) and near(s["tcp_retransmits"], retrans_segs)
     if kind == "cgroup":      # the packets source sees every retransmitted byte go out again; send() saw it once
         assert s["tcp_tx_bytes"] == job["sent"] + job["retrans_bytes"], (s["tcp_tx_bytes"], job)
-
-
-def prog_exists(prog_id: int) -> bool:
-    try:
-        os.close(_bpf.sys_bpf(13, ct.c_uint32(prog_id)))   # BPF_PROG_GET_FD_BY_ID
-    except FileNotFoundError:
-        return False
-    return True
 
 
 @pytest.mark.kernel

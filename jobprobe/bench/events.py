@@ -11,7 +11,6 @@ interval. Times are wall time of the whole workload, so this is the cost the job
 """
 from __future__ import annotations
 
-import ctypes as ct
 import json
 import os
 import random
@@ -27,8 +26,6 @@ from jobprobe.bench.stats import estimate, median
 from jobprobe.errors import BadInput
 from jobprobe.host import find_cgroup2_mount
 from probes import _bpf
-
-PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13
 
 # probe → (micro-workload, peer tool from Debian's bpfcc-tools measuring the same events, its argv)
 CASES = {
@@ -71,24 +68,19 @@ class Collector:
                 self.proc.wait()
 
 
-class _IdAttr(ct.Structure):
-    """union bpf_attr for PROG_GET_NEXT_ID / PROG_GET_FD_BY_ID."""
-    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
-
-
 def program_stats() -> dict[int, tuple[str, int, int]]:
     """Every BPF program on the node: id → (name, run_time_ns, run_cnt). The counters only move while stats are
     enabled (probes._bpf.stats_enabled)."""
     out: dict[int, tuple[str, int, int]] = {}
-    attr = _IdAttr(id=0)
+    attr = _bpf.IdAttr(id=0)
     while True:
         try:
-            _bpf.sys_bpf(PROG_GET_NEXT_ID, attr)
+            _bpf.sys_bpf(_bpf.PROG_GET_NEXT_ID, attr)
         except OSError:
             return out    # ENOENT: no more programs
         attr.id = attr.next_id
         try:
-            fd = _bpf.sys_bpf(PROG_GET_FD_BY_ID, _IdAttr(id=attr.id))
+            fd = _bpf.prog_fd_by_id(attr.id)
         except OSError:
             continue      # unloaded meanwhile
         try:
