@@ -175,15 +175,20 @@ def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
     return None
 
 
-def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
-    """The job-level group a SLURM process sits in, read from its own /proc/PID/cgroup: the directory right below
-    `slurmstepd.scope` (or `<nodename>_slurmstepd.scope`, multiple-slurmd builds) — `job_<id>`, or the job's SLUID
-    where Slurm 26.05+ names groups by it (`…/slurmstepd.scope/s5K1KKYAYG5D00/step_0/…`)."""
+def cgroup2_path_of(proc: str, pid: int) -> str | None:
+    """A process's cgroup2 path ("0::/…" in /proc/PID/cgroup), relative to the cgroup2 mount; None if it is gone."""
     try:
         text = Path(proc, str(pid), "cgroup").read_text()
     except OSError:
         return None
-    path = next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+
+
+def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
+    """The job-level group a SLURM process sits in, read from its own /proc/PID/cgroup: the directory right below
+    `slurmstepd.scope` (or `<nodename>_slurmstepd.scope`, multiple-slurmd builds) — `job_<id>`, or the job's SLUID
+    where Slurm 26.05+ names groups by it (`…/slurmstepd.scope/s5K1KKYAYG5D00/step_0/…`)."""
+    path = cgroup2_path_of(proc, pid)
     parts = Path(path).parts if path else ()
     for i, part in enumerate(parts[:-1]):
         if part.endswith("slurmstepd.scope") and parts[i + 1] != "system":   # `system`: slurmstepd itself

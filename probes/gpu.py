@@ -25,7 +25,7 @@ from pathlib import Path
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host, find_cgroup_v1_mount
 from jobprobe.probe import EVENTS_KEY, Field, Probe
-from jobprobe.target import Target
+from jobprobe.target import Target, cgroup2_path_of
 from probes._devcg import DeviceRules
 from probes._nvml import LIBRARY, Gpu, GpuLost, Mig, Nvml
 
@@ -110,15 +110,6 @@ def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | No
         if controller in ctrls.split(","):
             return path
     return None
-
-
-def cgroup_v2_path(proc: str, pid: int) -> str | None:
-    """The process's cgroup2 path ("0::/…" in /proc/PID/cgroup), relative to the cgroup2 mount."""
-    try:
-        text = Path(proc, str(pid), "cgroup").read_text()
-    except OSError:
-        return None
-    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
 
 
 def allowed_gpu_minors(devices_list: str) -> set[int] | None:
@@ -343,7 +334,7 @@ class GpuProbe(Probe):
                 if minors is not None:
                     allowed = {g.index for g in gpus if g.minor in minors}
                     devices |= allowed
-            if allowed is None and v2 and (path := cgroup_v2_path(proc, pid)) is not None:
+            if allowed is None and v2 and (path := cgroup2_path_of(proc, pid)) is not None:
                 full = str(Path(v2, path.lstrip("/")))
                 if full not in lists:
                     lists[full] = self.devcg.allowed_minors(full, int(NVIDIA_MAJOR), gpu_minors)
