@@ -319,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench":
             return cmd_bench(args, command, host)
         return cmd_run(args, command, host)
-    except BadInput as err:
+    except BadInput as err:   # 2; 127/126 for a -- CMD that is not there / cannot be executed (shell convention)
         print(f"jobprobe: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return err.exit_code
     except JobprobeError as err:
         print(f"jobprobe: error: {err}", file=sys.stderr)
         return 1

@@ -7,6 +7,17 @@ class JobprobeError(Exception):
 
 class BadInput(JobprobeError):
     """The user asked for something that does not exist or cannot be (CLI exit code 2)."""
+    exit_code = 2
+
+
+class CommandNotFound(BadInput):
+    """`-- CMD` names no file: exit 127, as a shell, env, timeout and nohup say it."""
+    exit_code = 127
+
+
+class CommandNotExecutable(BadInput):
+    """`-- CMD` names a file that cannot be executed (no x bit, a directory, not a binary): exit 126."""
+    exit_code = 126
 
 
 class TargetGone(JobprobeError):

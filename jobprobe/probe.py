@@ -47,6 +47,11 @@ class Probe:
     def stop(self) -> None:
         """Release everything. Idempotent."""
 
+    def note(self) -> str | None:
+        """A running probe's word on what it is waiting for, when it is running but has nothing to count yet
+        (status "ok: <note>"); None when it is counting (status "ok"). Asked after start and after each sample."""
+        return None
+
 
 def delta(now: int, before: int, width: int = 64) -> int:
     """Counter difference corrected for one wrap-around of a `width`-bit counter; a reset (now < before on a

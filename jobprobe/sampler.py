@@ -61,7 +61,7 @@ class Sampler:
         for name, probe in self.probes.items():
             if whys[name] is None:
                 self.running[name] = probe
-                self.status[name] = "ok"
+                self._note(name, probe)
             else:
                 self.status[name] = f"unavailable: {whys[name]}"
         self._last = self.clock()
@@ -79,6 +79,15 @@ class Sampler:
                 exp.close()
             except Exception:
                 log.exception("exporter %s failed to close", exp)
+
+    def _note(self, name: str, probe: Probe) -> None:
+        """status "ok", or "ok: <what it waits for>" while a running probe has nothing to count yet."""
+        try:
+            note = probe.note()
+        except Exception:   # a probe's note is a courtesy: a bug in it must not fail the probe
+            log.exception("probe %s: note() failed", name)
+            note = None
+        self.status[name] = f"ok: {note}" if note else "ok"
 
     def _stop_probe(self, name: str) -> None:
         probe = self.running.pop(name, None)
@@ -98,6 +107,7 @@ class Sampler:
         for name, probe in list(self.running.items()):
             try:
                 values[name] = probe.sample()
+                self._note(name, probe)
                 # Things that happened once (an OOM kill, a GPU XID error) travel as event frames of their own.
                 for ev in values[name].pop(EVENTS_KEY, None) or ():
                     events.append({"probe": name, **ev})

@@ -5,6 +5,7 @@ there. Every file read takes a root so the unit tests run on fixture trees.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shlex
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from jobprobe.errors import BadInput, TargetGone
+from jobprobe.errors import BadInput, CommandNotExecutable, CommandNotFound, TargetGone
 from jobprobe.host import find_cgroup2_mount
 
 
@@ -291,6 +292,23 @@ def k8s_pod_target(uid: str, mountinfo: str = "/proc/self/mountinfo", job: str |
     return CgroupTarget(path, mountinfo=mountinfo, job=job or f"pod-{uid.lower().replace('_', '-')}")
 
 
+def check_runnable(cmd: str, path: str | None = None) -> None:
+    """Raise CommandNotFound (127) when `cmd` names no file, CommandNotExecutable (126) when what it names cannot
+    be executed: a shell's rules (a name with a slash is a path; else the first match on PATH)."""
+    if shutil.which(cmd, path=path) is not None:
+        return
+    if "/" in cmd:
+        candidates = [cmd]
+    else:
+        dirs = (os.environ.get("PATH", os.defpath) if path is None else path).split(os.pathsep)
+        candidates = [os.path.join(d or ".", cmd) for d in dirs]
+    for c in candidates:
+        if os.path.exists(c):
+            why = "is a directory" if os.path.isdir(c) else "permission denied"
+            raise CommandNotExecutable(f"cannot run {cmd}: {why}")
+    raise CommandNotFound(f"cannot run {cmd}: command not found")
+
+
 class CommandTarget(CgroupTarget):
     """`-- CMD ARGS…`: a fresh cgroup2 group that we create, CMD started inside it, the group removed at the end."""
 
@@ -301,8 +319,7 @@ class CommandTarget(CgroupTarget):
             raise BadInput("no cgroup2 hierarchy is mounted on this host; use --pid instead of -- CMD")
         if not argv:
             raise BadInput("nothing to run after --")
-        if shutil.which(argv[0]) is None:
-            raise BadInput(f"cannot run {argv[0]}: command not found")
+        check_runnable(argv[0])
         name = f"{Path(argv[0]).name}-{os.getpid()}-{int(time.time())}"
         path = Path(mount, parent, name)
         try:
@@ -328,7 +345,9 @@ class CommandTarget(CgroupTarget):
             self.proc_handle = subprocess.Popen(self.argv, preexec_fn=join)
         except OSError as err:
             self.close()
-            raise BadInput(f"cannot run {self.argv[0]}: {err.strerror}") from err
+            # ENOENT here is a missing interpreter (#! line) or loader: "not found", as a shell says it
+            kind = CommandNotFound if err.errno == errno.ENOENT else CommandNotExecutable
+            raise kind(f"cannot run {self.argv[0]}: {err.strerror}") from err
         return self.proc_handle
 
     def refresh(self) -> None:

@@ -279,6 +279,11 @@ class CudaProbe(BpfProbe):
             _bpf.close_all(lib.fds)
         super().stop()
 
+    def note(self) -> str | None:
+        if self.loaded is not None and not self.libraries:
+            return "no CUDA/NCCL library mapped by the job yet"
+        return None
+
     def reading(self) -> dict[str, Any]:
         out = self.slot_totals()
         out["t"], out["libraries"] = time.monotonic(), len(self.libraries)

@@ -20,8 +20,8 @@ def jp(*args, **kw):
     return subprocess.run([*JOBPROBE, *map(str, args)], capture_output=True, text=True, timeout=60, **kw)
 
 
-def one_line_error(res, *needles):
-    assert res.returncode == 2, res
+def one_line_error(res, *needles, code=2):
+    assert res.returncode == code, res
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("jobprobe: error: "), res.stderr
     assert "Traceback" not in res.stderr
@@ -33,7 +33,6 @@ def one_line_error(res, *needles):
     (["run", "--cgroup", "/no/such/group", "--probes", "cgroup"], "does not exist"),
     (["run", "--pid", "4194303", "--probes", "cgroup"], "process 4194303 does not exist"),
     (["run", "--pid", "1", "--probes", "cgroup,bogus"], "unknown probe 'bogus'; valid probes:"),
-    (["run", "--probes", "cgroup", "--", "/no/such/cmd"], "command not found"),
     (["run", "--probes", "cgroup"], "no target"),
     (["run", "--pid", "1", "--interval", "0", "--probes", "cgroup"], "--interval must be positive"),
     (["run", "--pid", "notanumber"], "invalid int value"),
@@ -42,6 +41,28 @@ def one_line_error(res, *needles):
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     one_line_error(jp(*args), needle)
+
+
+def test_a_command_that_cannot_run_exits_as_a_shell_would(tmp_path):
+    """127: not found (also a script whose interpreter is missing); 126: found but not executable, a directory.
+    The same codes as `env`, `timeout`, `nohup`, and distinct from a command that itself exits 2."""
+    noexec = tmp_path / "noexec.sh"
+    noexec.write_text("#!/bin/sh\nexit 0\n")
+    noexec.chmod(0o644)
+    badinterp = tmp_path / "badinterp"
+    badinterp.write_text("#!/no/such/interpreter\n")
+    badinterp.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    one_line_error(jp("run", "--probes", "cgroup", "--", "/no/such/cmd"), "command not found", code=127)
+    one_line_error(jp("run", "--probes", "cgroup", "--", "no-such-cmd-anywhere"), "command not found", code=127)
+    one_line_error(jp("run", "--probes", "cgroup", "--", str(noexec)), "permission denied", code=126)
+    one_line_error(jp("run", "--probes", "cgroup", "--", "noexec.sh", env=env), "permission denied", code=126)
+    one_line_error(jp("run", "--probes", "cgroup", "--", str(tmp_path)), "is a directory", code=126)
+    if IS_ROOT:   # the command is started (inside a new cgroup) only as root
+        one_line_error(jp("run", "--probes", "cgroup", "--", str(badinterp)), "No such file", code=127)
+        # a command that runs and exits 2 itself keeps its own code, with no error line of ours
+        res = jp("run", "--probes", "cgroup", "--out", tmp_path / "x.mpk", "--", "sh", "-c", "exit 2")
+        assert res.returncode == 2 and "jobprobe: error" not in res.stderr, res
 
 
 def test_slurm_job_that_does_not_exist(tmp_path):
