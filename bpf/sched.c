@@ -12,6 +12,13 @@
  *     and for the four sleeps only their blocked part, to the wakeup; from the wakeup to running again is
  *     `wakeup` (waiting for a CPU after a sleep). Each reason also counts its finished periods.
  *   run-queue latency: from becoming runnable (wakeup, or preemption) to running, log2 µs histogram + sum.
+ * Times are kept so that user space can tell the time spent off CPU *within* an interval, also of threads still
+ *   off CPU at the tick: per time category (T_RUNQ, R_*, T_WAKEUP), `done_ns` holds the finished parts, and
+ *   `open_n` / `open_ns` the number of periods open now and the sum of their start times. At time t the category
+ *   holds done_ns + open_n * t - open_ns (every open period counted up to t), summed over CPUs modulo 2^64 (a
+ *   period opened on one CPU may close on another: one CPU's open_n goes up, another's down). A sleep's blocked
+ *   part closes at its wakeup, where its `wakeup` part opens. The interval's value is the difference of that sum
+ *   between two ticks; a period's parts always sum to its whole (switch-out to switch-in).
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
  *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw) —
  *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_HOOK; on_sys_enter_raw with -DRAW_SCHED too),
@@ -74,23 +81,19 @@ typedef u64 task_key;
 typedef u32 task_key;
 #endif
 
+/* Time categories: the index into done_ns / open_n / open_ns (R_* 1..5 are the reasons, events[] uses them too). */
+#define T_RUNQ 0               /* runnable, waiting for a CPU: a preemption, a woken sleeper, a new task */
+#define T_WAKEUP 6             /* of an off-CPU period that was a sleep, from its wakeup to running again */
+#define NTIMES 8               /* 7 used; a power of two so that an index can be masked for the verifier */
+
 struct slot_stats {
     u64 voluntary;
     u64 involuntary;
-    u64 offcpu_ns;
-    u64 runq_ns;
     u64 runq_events;
-    u64 preempt_ns;
-    u64 io_ns;
-    u64 lock_ns;
-    u64 sleep_ns;
-    u64 wait_ns;
-    u64 wakeup_ns;
-    u64 preempt_events;
-    u64 io_events;
-    u64 lock_events;
-    u64 sleep_events;
-    u64 wait_events;
+    u64 events[NTIMES];        /* finished off-CPU periods by reason (index R_*) */
+    u64 done_ns[NTIMES];       /* finished time by category */
+    u64 open_n[NTIMES];        /* periods open now (this CPU's share: opened here minus closed here) */
+    u64 open_ns[NTIMES];       /* the sum of their start times (same share) */
     u64 runq_hist[NBUCKETS];
 };
 
@@ -103,10 +106,11 @@ BPF_HASH(in_call, u32, u32, 65536);                /* tid -> R_LOCK / R_SLEEP; 6
 /* A thread that exits while off CPU cannot happen (it runs do_exit), but a stale entry would stay forever; a
  * thread killed inside a futex wait leaves its in_call entry, removed here. */
 #define JOB_ON_EXIT_HOOK
+static inline void forget(task_key task, u64 now);
 static inline void job_exit_hook(u32 tid)
 {
 #ifndef RAW_SCHED
-    start.delete(&tid);     /* (raw: keyed by task address, deleted at the last switch-out below) */
+    forget(tid, bpf_ktime_get_ns());   /* (raw: keyed by task address, forgotten at the last switch-out below) */
 #endif
 #ifdef SYSCALL_HOOK
     in_call.delete(&tid);
@@ -179,24 +183,70 @@ static inline u32 offcpu_reason(long state, u32 tid)
     return R_WAIT;
 }
 
-/* One finished off-CPU period of `reason`: `blocked` ns asleep (the whole period for a preemption). */
-static inline void count_reason(struct slot_stats *s, u32 reason, u64 blocked)
+/* A period of category t opens at `since`. */
+static inline void open_time(struct slot_stats *s, u32 t, u64 since)
 {
-    if (reason == R_PREEMPT) {
-        s->preempt_ns += blocked;
-        s->preempt_events++;
-    } else if (reason == R_IO) {
-        s->io_ns += blocked;
-        s->io_events++;
-    } else if (reason == R_LOCK) {
-        s->lock_ns += blocked;
-        s->lock_events++;
-    } else if (reason == R_SLEEP) {
-        s->sleep_ns += blocked;
-        s->sleep_events++;
-    } else {
-        s->wait_ns += blocked;
-        s->wait_events++;
+    t &= NTIMES - 1;
+    s->open_n[t]++;
+    s->open_ns[t] += since;
+}
+
+/* The period of category t opened at `since` closes at `until` (>= since): its time moves to done_ns. */
+static inline void close_time(struct slot_stats *s, u32 t, u64 since, u64 until)
+{
+    t &= NTIMES - 1;
+    s->open_n[t]--;
+    s->open_ns[t] -= since;
+    s->done_ns[t] += until - since;
+}
+
+/* Everything `rec` holds open closes at `now` (or at its own start, where a vCPU's clock reads a hair earlier),
+ * and the entry is marked consumed. The normal end of an off-CPU period is its switch-in; an entry found still
+ * open at a thread's next switch-out or at its exit (a switch-in the kernel skipped: bpf_missed) closes there,
+ * so that no period stays open forever. */
+static inline void finish(struct off_rec *rec, u64 now)
+{
+    if (rec->out_ns == 0 && rec->enq_ns == 0)
+        return;
+    u32 key = rec->slot;
+    struct slot_stats *s = stats.lookup(&key);
+    if (s) {
+        u64 end = now;
+        if (rec->out_ns) {
+            if (rec->reason == R_PREEMPT || rec->enq_ns == 0) {   /* preempted, or a sleep not seen woken */
+                if (end < rec->out_ns)
+                    end = rec->out_ns;
+                close_time(s, rec->reason, rec->out_ns, end);
+            } else {                                              /* woken: its blocked part closed then */
+                if (end < rec->enq_ns)
+                    end = rec->enq_ns;
+                close_time(s, T_WAKEUP, rec->enq_ns, end);
+            }
+            s->events[rec->reason & (NTIMES - 1)]++;
+        }
+        if (rec->enq_ns) {
+            if (end < rec->enq_ns)
+                end = rec->enq_ns;
+            u64 delta = end - rec->enq_ns;
+            u32 b = log2_floor(delta / 1000);
+            if (b >= NBUCKETS)
+                b = NBUCKETS - 1;
+            close_time(s, T_RUNQ, rec->enq_ns, end);
+            s->runq_events++;
+            s->runq_hist[b]++;
+        }
+    }
+    rec->out_ns = 0;   /* consumed: kept for the next switch-out, deleted when the thread exits */
+    rec->enq_ns = 0;
+}
+
+/* Close what `task`'s entry holds open, then delete it (a thread's end). */
+static inline void forget(task_key task, u64 now)
+{
+    struct off_rec *rec = start.lookup(&task);
+    if (rec) {
+        finish(rec, now);
+        start.delete(&task);
     }
 }
 
@@ -218,62 +268,41 @@ static inline int switched(task_key prev, u32 prev_tid, long state, task_key nex
                 else
                     s->voluntary++;
             }
-            if (!(state & STATE_EXITING)) {
+            if (!(state & STATE_EXITING) && s) {
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
                                       .reason = offcpu_reason(state, prev_tid), .tid = prev_tid};
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
                  * lookup instead of a hash insert and delete per switch. */
                 struct off_rec *old = start.lookup(&prev);
-                if (old)
+                if (old) {
+                    finish(old, now);   /* a no-op unless its switch-in was missed */
                     *old = rec;
-                else
-                    start.update(&prev, &rec);
+                } else if (start.update(&prev, &rec)) {
+                    goto next;          /* the map is full: this period is not counted, and nothing is opened */
+                }
+                open_time(s, rec.reason, now);
+                if (state == 0)
+                    open_time(s, T_RUNQ, now);
             }
         }
         if (state & STATE_EXITING) {
             /* Its last switch-out, member or not by now: job_exit may have dropped its process from the
              * membership maps, and a preemption late in do_exit can have written an entry after job_exit_hook
-             * ran. Deleting here, for every task that dies on the node, leaves no entry behind. */
-            start.delete(&prev);
+             * ran. Forgetting here, for every task that dies on the node, leaves no entry behind. */
+            forget(prev, now);
 #ifdef SYSCALL_HOOK
             in_call.delete(&prev_tid);
 #endif
         }
     }
 
+next:
     if (next == 0)
         return 0;
     struct off_rec *rec = start.lookup(&next);
-    if (!rec || (rec->out_ns == 0 && rec->enq_ns == 0))
-        return 0;   /* not a member, or running already (its period was consumed) */
-    u32 key = rec->slot;
-    struct slot_stats *s = stats.lookup(&key);
-    if (s) {
-        if (rec->out_ns) {
-            /* Counted even if the clock read here is not past out_ns (vCPUs' clocks may differ by a hair). */
-            u64 off = now > rec->out_ns ? now - rec->out_ns : 0, blocked = off;
-            /* A sleep ends at its wakeup (on_wakeup sets enq_ns, always after the switch-out: the waker
-             * needs prev off its CPU or its rq lock); the rest is the wait for a CPU. */
-            if (rec->reason != R_PREEMPT && rec->enq_ns >= rec->out_ns && rec->enq_ns <= now) {
-                blocked = rec->enq_ns - rec->out_ns;
-                s->wakeup_ns += now - rec->enq_ns;
-            }
-            s->offcpu_ns += off;
-            count_reason(s, rec->reason, blocked);
-        }
-        if (rec->enq_ns && now >= rec->enq_ns) {
-            u64 delta = now - rec->enq_ns;
-            u32 b = log2_floor(delta / 1000);
-            if (b >= NBUCKETS)
-                b = NBUCKETS - 1;
-            s->runq_ns += delta;
-            s->runq_events++;
-            s->runq_hist[b]++;
-        }
-    }
-    rec->out_ns = 0;   /* consumed: kept for the next switch-out, deleted when the thread exits */
-    rec->enq_ns = 0;
+    if (rec)
+        finish(rec, now);   /* not a member: no entry; running already (its period was consumed): a no-op */
     return 0;
 }
 
@@ -283,8 +312,21 @@ static inline int switched(task_key prev, u32 prev_tid, long state, task_key nex
 static inline void woken(task_key task)
 {
     struct off_rec *rec = start.lookup(&task);
-    if (rec && rec->out_ns && rec->enq_ns == 0)   /* off CPU (not a consumed entry of a running thread) */
-        rec->enq_ns = bpf_ktime_get_ns();
+    if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
+        return;
+    u64 now = bpf_ktime_get_ns();
+    /* always after the switch-out (the waker needs prev off its CPU or its rq lock); a vCPU's clock may differ by
+     * a hair */
+    if (now < rec->out_ns)
+        now = rec->out_ns;
+    u32 key = rec->slot;
+    struct slot_stats *s = stats.lookup(&key);
+    if (!s)
+        return;
+    rec->enq_ns = now;
+    close_time(s, rec->reason, rec->out_ns, now);   /* the sleep itself ends here */
+    open_time(s, T_WAKEUP, now);
+    open_time(s, T_RUNQ, now);
 }
 
 /* A new task has never been switched out; it joins its creator's job (current is the parent in
@@ -294,8 +336,14 @@ static inline void woken_new(task_key task, u32 tid)
     int slot = job_slot_current();
     if (slot < 0)
         return;
+    u32 key = slot;
+    struct slot_stats *s = stats.lookup(&key);
     struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot, .tid = tid};
-    start.update(&task, &rec);
+    struct off_rec *old = start.lookup(&task);
+    if (old)
+        finish(old, rec.enq_ns);   /* a reused key whose owner's end was missed: close what it held open */
+    if (s && start.update(&task, &rec) == 0)
+        open_time(s, T_RUNQ, rec.enq_ns);
 }
 
 #ifndef RAW_SCHED

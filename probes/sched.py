@@ -26,7 +26,11 @@ registers (5.15+ with BTF); with the hook, getppid +15 ns (raw) / +43 ns (classi
 is most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
 (probes/_bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
 ~141 MB). sample(): one per-CPU map lookup, ~50 µs.
-Off-CPU time is added when a thread runs again, so a long sleep lands in the interval where it ends. A thread
+Times are per interval where they happened: each interval's off-CPU time (total and per reason) and run-queue
+wait time is the part spent within that interval, threads still off CPU at the tick included (the kernel keeps, per
+category, finished time plus the count and summed start times of periods still open; a reading at time t counts
+every open period up to t), so per thread it never exceeds dt and the sum over intervals is the sum of the periods.
+Counts (`*_events`, `runq_events`, the latency histogram) count periods that ended in the interval. A thread
 already asleep when the probe starts is not counted for that sleep; with the syscall hook, one already inside a
 futex wait or nanosleep then (a call it entered before the hook) is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
 as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps of 32-bit (compat) processes.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import platform
+import time
 from typing import Any
 
 from jobprobe.host import Host
@@ -43,10 +48,12 @@ from probes._bpf import trim_log  # noqa: F401  (re-exported: the probe's error 
 from probes._bpfprobe import BpfProbe, exit_has_group_dead, proc_gone  # noqa: F401  (re-exported for tests)
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
+NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (REASONS), T_WAKEUP 6
 REASONS = ("preempt", "io", "lock", "sleep", "wait")
-# bpf/sched.c struct slot_stats, in order (then runq_hist)
-COUNTERS = ("voluntary", "involuntary", "offcpu_ns", "runq_ns", "runq_events",
-            *(f"{r}_ns" for r in REASONS), "wakeup_ns", *(f"{r}_events" for r in REASONS))
+TIMES = ("runq", *REASONS, "wakeup")            # bpf/sched.c's category of each index
+COUNTERS = ("voluntary", "involuntary", "runq_events")   # bpf/sched.c struct slot_stats' scalars, in order
+ARRAYS = ("events", "done_ns", "open_n", "open_ns")      # then its arrays of NTIMES (then runq_hist)
+MASK = (1 << 64) - 1
 SYSCALL_REASONS = ("lock", "sleep")   # told apart from wait only where the syscall a sleeper is in is known
 # (tracepoint, handler in bpf/sched.c); the membership handlers of bpf/common.h come first (BpfProbe).
 HANDLERS = (
@@ -90,34 +97,54 @@ def raw_sched(host: Host) -> bool:
 
 class SlotStats(ct.Structure):
     """bpf/sched.c struct slot_stats, one per job slot and CPU (the map checks the size at start)."""
-    _fields_ = [(name, ct.c_uint64) for name in COUNTERS] + [("runq_hist", ct.c_uint64 * NBUCKETS)]
+    _fields_ = [(name, ct.c_uint64) for name in COUNTERS] + [(name, ct.c_uint64 * NTIMES) for name in ARRAYS] + \
+        [("runq_hist", ct.c_uint64 * NBUCKETS)]
+
+
+def signed64(x: int) -> int:
+    x &= MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def time_totals(totals: dict[str, Any], t_ns: int) -> list[int]:
+    """Per time category, all time up to t_ns (CLOCK_MONOTONIC, bpf_ktime_get_ns's clock): the finished parts plus
+    every open period counted up to t_ns (open_n * t - open_ns). The per-CPU columns are summed modulo 2^64: a
+    period opened on one CPU and closed on another leaves one CPU's open_n above and the other's below zero."""
+    return [signed64(done + n * t_ns - since)
+            for done, n, since in zip(totals["done_ns"], totals["open_n"], totals["open_ns"])]
 
 
 def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool = True) -> dict[str, Any]:
-    """This interval's fields from two cumulative readings {counter: int, "hist": [int]*NBUCKETS}. Without the
-    syscall hook, lock and sleep are unknown (None): their time is in wait."""
+    """This interval's fields from two readings {counter: int, "events": [int]*NTIMES, "times": [int]*NTIMES (ns
+    up to the reading, see time_totals), "hist": [int]*NBUCKETS}. Times are the differences of the two: what was
+    spent off CPU within the interval, whether or not the period has ended. Without the syscall hook, lock and
+    sleep are unknown (None): their time is in wait."""
     d = {k: delta(now[k], before[k]) for k in COUNTERS}
+    # Both readings are exact at their instants, but the per-CPU copy is not one atomic snapshot: a period that
+    # opens and closes while the map is read can leave a few µs of skew. Never a negative time.
+    times = {name: max(0, a - b) for name, a, b in zip(TIMES, now["times"], before["times"])}
+    events = {name: delta(a, b) for name, a, b in zip(TIMES, now["events"], before["events"])}
     hist = [delta(a, b) for a, b in zip(now["hist"], before["hist"])]
     out = {
         "voluntary_switches": d["voluntary"],
         "involuntary_switches": d["involuntary"],
-        "offcpu_ns": d["offcpu_ns"],
-        "runq_lat_ns": d["runq_ns"],
+        "offcpu_ns": sum(times[r] for r in REASONS) + times["wakeup"],
+        "runq_lat_ns": times["runq"],
         "runq_events": d["runq_events"],
         "runq_lat_us_log2": hist,
         "runq_lat_p50_us": log2_percentile(hist, 0.50),
         "runq_lat_p99_us": log2_percentile(hist, 0.99),
-        "offcpu_wakeup_ns": d["wakeup_ns"],
+        "offcpu_wakeup_ns": times["wakeup"],
     }
     for r in REASONS:
         known = syscall_reasons or r not in SYSCALL_REASONS
-        out[f"offcpu_{r}_ns"] = d[f"{r}_ns"] if known else None
-        out[f"offcpu_{r}_events"] = d[f"{r}_events"] if known else None
+        out[f"offcpu_{r}_ns"] = times[r] if known else None
+        out[f"offcpu_{r}_events"] = events[r] if known else None
     return out
 
 
 def zero_reading() -> dict[str, Any]:
-    return {**{k: 0 for k in COUNTERS}, "hist": [0] * NBUCKETS}
+    return {**{k: 0 for k in COUNTERS}, "events": [0] * NTIMES, "times": [0] * NTIMES, "hist": [0] * NBUCKETS}
 
 
 def syscall_cflags(machine: str) -> list[str] | None:
@@ -160,21 +187,25 @@ def _fields() -> dict[str, Field]:
         "voluntary_switches": Field("int", "count", "switches out of the job's threads that went to sleep"),
         "involuntary_switches": Field("int", "count", "switches out of the job's threads that were still runnable "
                                       "(preempted, or yielded)"),
-        "offcpu_ns": Field("int", "ns", "time the job's threads spent off CPU (asleep or waiting for a CPU), "
-                           "counted when each thread ran again; the sum of offcpu_{preempt,io,lock,sleep,wait,"
-                           "wakeup}_ns"),
-        "runq_lat_us_log2": Field("list[int]", "count", f"run-queue latency histogram: bucket i counts waits of "
-                                  f"[2^i, 2^(i+1)) µs (bucket 0: [0, 2)), {NBUCKETS} buckets, the last open-ended"),
-        "runq_lat_ns": Field("int", "ns", "total run-queue latency of the interval's events"),
+        "offcpu_ns": Field("int", "ns", "time the job's threads spent off CPU (asleep or waiting for a CPU) within "
+                           "the interval, threads still off CPU at the tick included (≤ dt per thread); the sum of "
+                           "offcpu_{preempt,io,lock,sleep,wait,wakeup}_ns"),
+        "runq_lat_us_log2": Field("list[int]", "count", f"run-queue latency histogram of the waits that ended in the "
+                                  f"interval: bucket i counts waits of [2^i, 2^(i+1)) µs (bucket 0: [0, 2)), "
+                                  f"{NBUCKETS} buckets, the last open-ended"),
+        "runq_lat_ns": Field("int", "ns", "time the job's threads spent runnable waiting for a CPU within the "
+                             "interval, waits still going on at the tick included (offcpu_preempt_ns + "
+                             "offcpu_wakeup_ns + new threads' first waits)"),
         "runq_lat_p50_us": Field("float", "us", "median run-queue latency (from the histogram; None if no events)"),
         "runq_lat_p99_us": Field("float", "us", "99th percentile run-queue latency (from the histogram; None if "
                                  "no events)"),
-        "runq_events": Field("int", "count", "times a job thread went from runnable to running"),
+        "runq_events": Field("int", "count", "times a job thread went from runnable to running (waits that ended)"),
         "offcpu_wakeup_ns": Field("int", "ns", "off-CPU time from the wakeup of a sleep (io, lock, sleep, wait) to "
-                                  "running again: waiting for a CPU after sleeping"),
+                                  "running again: waiting for a CPU after sleeping (within the interval)"),
     }
     for r, meaning in _REASON_MEANING.items():
-        out[f"offcpu_{r}_ns"] = Field("int", "ns", f"off-CPU time of the job's threads {meaning}")
+        out[f"offcpu_{r}_ns"] = Field("int", "ns", f"off-CPU time of the job's threads within the interval (still "
+                                      f"off CPU at the tick included), {meaning}")
         out[f"offcpu_{r}_events"] = Field("int", "count", f"off-CPU periods that ended, of threads {meaning}")
     return out
 
@@ -215,8 +246,9 @@ class SchedProbe(BpfProbe):
             self.map_types = {**self.map_types, "start": (ct.c_uint64, OffRec)}
 
     def reading(self) -> dict[str, Any]:
-        """Cumulative counters of our slot, summed over CPUs."""
+        """Cumulative counters of our slot, summed over CPUs; times up to the instant after the map read."""
         out = self.slot_totals()
+        out["times"] = time_totals(out, time.monotonic_ns())
         out["hist"] = out.pop("runq_hist")
         return out
 

@@ -1,5 +1,8 @@
 """cgroup probe. Unit tier on fixture trees (cgroup2 files, /proc); kernel tier on real groups, checked against the
 kernel's own cpu.stat read by the test."""
+import contextlib
+import json
+import os
 import subprocess
 import sys
 import time
@@ -10,9 +13,11 @@ import pytest
 from conftest import workload
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, io_stat_bytes, proc_counters, read_kv
+from probes._taskstats import ExitRecord
+from probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadIo, io_stat_bytes, proc_counters, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_proc(root: Path, pid: int, utime: int, stime: int, rss_pages: int, rd=0, wr=0, cutime=0, cstime=0,
@@ -23,6 +28,13 @@ def write_proc(root: Path, pid: int, utime: int, stime: int, rss_pages: int, rd=
     (d / "stat").write_text(f"{pid} (a (weird) name) " + " ".join(map(str, rest)) + "\n")
     (d / "statm").write_text(f"1000 {rss_pages} {file_pages} 0 0 0 0\n")
     (d / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {rd}\nwrite_bytes: {wr}\n")
+    write_thread_io(root, pid, pid, rd, wr)
+
+
+def write_thread_io(root: Path, pid: int, tid: int, rd: int, wr: int = 0):
+    t = root / str(pid) / "task" / str(tid)
+    t.mkdir(parents=True, exist_ok=True)
+    (t / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {rd}\nwrite_bytes: {wr}\n")
 
 
 def test_readers_on_fixture_files(tmp_path):
@@ -61,7 +73,7 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
     proc = tmp_path / "proc"
     write_proc(proc, 10, 0, 0, 100, rd=0, wr=0)
     write_proc(proc, 11, 0, 0, 50, rd=0, wr=0)
-    probe = CgroupProbe(Host(proc=str(proc), mountinfo=str(mountinfo)))
+    probe = CgroupProbe(Host(proc=str(proc), mountinfo=str(mountinfo), is_root=False))
     probe.start(CgroupTarget(str(grp), mountinfo=str(mountinfo)))
     (grp / "cpu.stat").write_text("usage_usec 3500\nuser_usec 2500\nsystem_usec 1000\n")
     write_proc(proc, 10, 0, 0, 120, rd=4096, wr=8192, file_pages=30)
@@ -76,6 +88,53 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
     s = probe.sample()
     assert s["mem_bytes"] == 1000 and s["mem_peak_bytes"] == 999999999 and s["cpu_user_ns"] == 0
     assert (s["mem_anon_bytes"], s["mem_file_bytes"]) == (600, 300)
+
+
+class FakeListener:
+    """A named fake of probes._taskstats.ExitListener: hands out the exit records the test queues."""
+
+    def __init__(self):
+        self.queue: list[ExitRecord] = []
+
+    def drain(self) -> list[ExitRecord]:
+        out, self.queue = self.queue, []
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def rec(tid, tgid, ppid, rd, wr=0) -> ExitRecord:
+    return ExitRecord(tid, tgid, ppid, rd, wr, 0, 0, 0)
+
+
+def test_thread_io_adds_what_threads_did_up_to_their_exit(tmp_path):
+    proc = tmp_path / "proc"
+    write_thread_io(proc, 10, 10, 100)
+    write_thread_io(proc, 10, 11, 50)
+    fake = FakeListener()
+    tio = ThreadIo(fake)
+    assert tio.update(str(proc), [10]) == (0, 0)                                  # baseline
+    # thread 11 read 30 more and exited (its record: 80); thread 10 read 50
+    (proc / "10" / "task" / "11" / "io").unlink()
+    (proc / "10" / "task" / "11").rmdir()
+    write_thread_io(proc, 10, 10, 150)
+    fake.queue = [rec(11, 10, 1, 80)]
+    assert tio.update(str(proc), [10]) == (80, 0)
+    # a child (20) and its child (21) came and went between two ticks; a stranger's exit counts for nothing
+    fake.queue = [rec(21, 21, 20, 7, 3), rec(20, 20, 10, 1000), rec(99, 99, 1, 5555)]
+    assert tio.update(str(proc), [10]) == (1007, 3)
+    # the process exits: a zombie still lists its leader with its final counters; counted once, from the record
+    write_thread_io(proc, 10, 10, 170)
+    fake.queue = [rec(10, 10, 1, 170)]
+    assert tio.update(str(proc), [10]) == (20, 0)
+    assert tio.update(str(proc), [10]) == (0, 0)
+    # without a listener, a thread that exits takes its tail with it (the probe's docstring says so)
+    plain = ThreadIo(None)
+    write_thread_io(proc, 30, 30, 10)
+    assert plain.update(str(proc), [30]) == (0, 0)
+    write_thread_io(proc, 30, 30, 15)
+    assert plain.update(str(proc), [30]) == (5, 0)
 
 
 def run_probe_until_exit(probe, proc, period=0.2):
@@ -155,3 +214,113 @@ def test_anon_and_file_memory_of_a_job_that_maps_both(make_cgroup, tmp_path, kin
     print(f"{kind}: mem {s['mem_bytes'] / 2**20:.1f} MiB = anon {anon:.1f} + file {file:.1f} MiB")
     assert 96 <= anon <= 96 + 32 and 48 <= file <= 48 + 32
     assert s["mem_anon_bytes"] + s["mem_file_bytes"] <= s["mem_bytes"]
+
+
+IO_JOB = r"""
+import mmap, os, random, sys, threading, time
+path, seconds, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+
+
+def reader(secs):
+    # 64 KiB O_DIRECT reads at random places of the file for secs: storage reads, counted in read_bytes
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, 1 << 16)
+    blocks = os.fstat(fd).st_size >> 16
+    end = time.monotonic() + secs
+    while time.monotonic() < end:
+        os.preadv(fd, [buf], random.randrange(blocks) << 16)
+    os.close(fd)
+
+
+def report(what):
+    # this process's own account, read just before it exits: nothing is read after it
+    with open("/proc/self/io") as f:
+        rd = int(dict(x.split(": ") for x in f.read().splitlines())["read_bytes"])
+    with open(out, "a") as f:
+        f.write(f"{what} {os.getpid()} {rd}\n")
+
+
+report("start")                       # the root's reads before the probe starts are not the probe's to count
+print("ready", flush=True)
+sys.stdin.readline()
+t = threading.Thread(target=reader, args=(seconds / 2,))   # a thread that ends mid-run
+t.start()
+pid = os.fork()
+if pid == 0:                          # a child, reaped by the root (a member) the moment it ends
+    for _ in range(3):
+        g = os.fork()                 # grandchildren born and gone between two ticks
+        if g == 0:
+            reader(0.05)
+            report("end")
+            os._exit(0)
+        os.waitpid(g, 0)
+        reader(seconds / 4)
+    report("end")
+    os._exit(0)
+reader(seconds)                       # the root reads up to its own exit, and is reaped outside the job
+t.join()
+os.waitpid(pid, 0)
+report("end")
+"""
+
+
+@pytest.mark.kernel
+def test_pid_tree_io_bytes_include_what_processes_did_up_to_their_exit(tmp_path):
+    """A PID tree reading with O_DIRECT up to its exit, in a thread that ends mid-run, a child reaped by the job
+    and grandchildren that live less than a tick: the sum of io_read_bytes is what the root's own /proc/self/io
+    said just before its exit, less what it said before the probe started (within 1%; the kernel's exit records
+    round to KiB). A process's io file adds the totals of the children it has waited for, so the root's holds the
+    whole tree; the children's own accounts, printed too, show the parts."""
+    data = tmp_path / "data"
+    with open(data, "wb") as f:
+        f.write(os.urandom(32 << 20))
+        os.fsync(f.fileno())
+    acct = tmp_path / "acct"
+    root = subprocess.Popen([sys.executable, "-c", IO_JOB, str(data), "3", str(acct)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert root.stdout.readline().strip() == "ready"
+    probe = CgroupProbe()
+    target = PidTreeTarget([root.pid])
+    probe.start(target)
+    assert probe.threadio is not None and probe.threadio.listener is not None   # root: exit records on
+    root.stdin.write("go\n")
+    root.stdin.flush()
+    reads = []
+    while root.poll() is None:
+        time.sleep(0.5)
+        with contextlib.suppress(Exception):   # as the sampler does: refresh, then sample (TargetGone at the end)
+            target.refresh()
+        reads.append(probe.sample()["io_read_bytes"])
+    reads.append(probe.sample()["io_read_bytes"])       # the last interval: everything has exited
+    probe.stop()
+    lines = [ln.split() for ln in acct.read_text().splitlines()]
+    mine = {what: int(rd) for what, pid, rd in lines if int(pid) == root.pid}
+    truth = mine["end"] - mine["start"]
+    print(f"io_read_bytes per 0.5 s tick (MB): {[round(r / 1e6, 1) for r in reads]}; sum {sum(reads)}, the "
+          f"root's own account {truth}; the others' at their exits: "
+          f"{[int(rd) for what, pid, rd in lines if int(pid) != root.pid]}")
+    assert len(lines) == 1 + 1 + 1 + 3 and truth > 1 << 20
+    assert abs(sum(reads) - truth) <= 0.01 * truth, (sum(reads), truth)
+
+
+@pytest.mark.kernel
+def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
+    """`jobprobe run --probes cgroup -- fio` with O_DIRECT random reads (here io.stat is on cgroup v1, so the
+    cgroup probe reads /proc): the sum of io_read_bytes matches fio's own report, the last frame included."""
+    data = tmp_path / "fio.dat"
+    with open(data, "wb") as f:
+        f.write(os.urandom(64 << 20))
+    out = tmp_path / "x.mpk"
+    report = tmp_path / "fio.json"
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup", "--interval",
+                          "0.5", "--stdout", "json", "--", "fio", "--name=x", f"--filename={data}", "--size=64M",
+                          "--rw=randread", "--bs=4k", "--direct=1", "--time_based", "--runtime=3",
+                          "--output-format=json", f"--output={report}"],
+                         capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    samples = [f for f in map(json.loads, res.stdout.splitlines()) if f["kind"] == "sample"]
+    fio_bytes = json.loads(report.read_text())["jobs"][0]["read"]["io_bytes"]
+    got = sum(f["probes"]["cgroup"]["io_read_bytes"] for f in samples)
+    print(f"fio read {fio_bytes} B; cgroup probe {got} B; per 0.5 s frame (MB) "
+          f"{[round(f['probes']['cgroup']['io_read_bytes'] / 1e6, 1) for f in samples]}")
+    assert abs(got - fio_bytes) <= 0.01 * fio_bytes, (got, fio_bytes)

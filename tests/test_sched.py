@@ -22,7 +22,8 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
-from probes.sched import (COUNTERS, HANDLERS, NBUCKETS, RAW_SYSCALL_HANDLERS, REASONS, SYSCALL_HANDLERS, OffRec,
+from probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
+                          SYSCALL_HANDLERS, TIMES, OffRec, time_totals,
                           SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, raw_sched, syscall_from_regs,
                           trim_log, zero_reading)
 from tests.conftest import TESTS, bpf_fds, wait_for, workload
@@ -58,7 +59,7 @@ def test_proc_gone(tmp_path):
 
 def test_interval_deltas_and_percentiles():
     before = zero_reading()
-    now = {**{k: 10 for k in COUNTERS}, "hist": [0] * NBUCKETS}
+    now = {**zero_reading(), **{k: 10 for k in COUNTERS}}
     now["hist"][3] = 10                        # ten waits of 8..16 µs
     out = interval(now, before)
     assert out["voluntary_switches"] == 10 and out["runq_events"] == 10
@@ -69,9 +70,40 @@ def test_interval_deltas_and_percentiles():
 
 
 def test_interval_survives_counter_wrap():
-    before = {**zero_reading(), "offcpu_ns": (1 << 64) - 5}
-    now = {**zero_reading(), "offcpu_ns": 7}
-    assert interval(now, before)["offcpu_ns"] == 12
+    before = {**zero_reading(), "voluntary": (1 << 64) - 5}
+    now = {**zero_reading(), "voluntary": 7}
+    assert interval(now, before)["voluntary_switches"] == 12
+
+
+def test_open_periods_count_up_to_the_reading_across_cpus():
+    """A sleep opened on CPU 0 at 1000 ns and a preemption opened on CPU 1 at 4000 ns; the sleep's wakeup came on
+    CPU 1 (its close there: open_n -1, modulo 2^64) at 3000 ns. Read at 10000 ns: the sleep counts 2000 (done), the
+    preemption 6000 (open, counted to the reading) and the wakeup wait 7000 (open since 3000)."""
+    u = lambda x: x % (1 << 64)   # noqa: E731  what a u64 column holds
+    times = ("runq", *REASONS, "wakeup")
+    idx = {n: i for i, n in enumerate(times)}
+    cpu0 = {"done_ns": [0] * NTIMES, "open_n": [0] * NTIMES, "open_ns": [0] * NTIMES}
+    cpu1 = {"done_ns": [0] * NTIMES, "open_n": [0] * NTIMES, "open_ns": [0] * NTIMES}
+    cpu0["open_n"][idx["sleep"]] += 1
+    cpu0["open_ns"][idx["sleep"]] += 1000
+    cpu1["open_n"][idx["sleep"]] = u(-1)
+    cpu1["open_ns"][idx["sleep"]] = u(-1000)
+    cpu1["done_ns"][idx["sleep"]] = 2000
+    for c in ("wakeup", "runq"):
+        cpu1["open_n"][idx[c]] += 1
+        cpu1["open_ns"][idx[c]] += 3000
+    for c in ("preempt", "runq"):
+        cpu1["open_n"][idx[c]] += 1
+        cpu1["open_ns"][idx[c]] += 4000
+    summed = {k: [a + b for a, b in zip(cpu0[k], cpu1[k])] for k in cpu0}   # as slot_totals sums the columns
+    t = time_totals(summed, 10_000)
+    assert (t[idx["sleep"]], t[idx["preempt"]], t[idx["wakeup"]], t[idx["runq"]]) == (2000, 6000, 7000, 13000)
+    out = interval({**zero_reading(), "times": t}, zero_reading())
+    assert out["offcpu_ns"] == 2000 + 6000 + 7000 and out["runq_lat_ns"] == 13000
+    # a later reading: the same open periods, 1000 ns more each; a time never goes negative
+    later = interval({**zero_reading(), "times": time_totals(summed, 11_000)}, {**zero_reading(), "times": t})
+    assert (later["offcpu_sleep_ns"], later["offcpu_preempt_ns"], later["offcpu_wakeup_ns"]) == (0, 1000, 1000)
+    assert interval({**zero_reading(), "times": t}, {**zero_reading(), "times": [x + 5 for x in t]})["offcpu_ns"] == 0
 
 
 def test_every_emitted_field_is_declared():
@@ -87,10 +119,14 @@ def test_python_and_c_agree_on_layout():
     body = struct[struct.index("{") + 1:struct.index("};")]
     # The C members in order, each u64 (arrays with their length), against the ctypes struct read from the map.
     members = re.findall(r"^\s*u64 (\w+)(?:\[(\w+)\])?;", body, re.M)
-    assert [(n, 8 * (NBUCKETS if d == "NBUCKETS" else 1)) for n, d in members] == \
-        [(n, ct.sizeof(t)) for n, t in SlotStats._fields_]
+    dims = {"NBUCKETS": NBUCKETS, "NTIMES": NTIMES, "": 1}
+    assert [(n, 8 * dims[d]) for n, d in members] == [(n, ct.sizeof(t)) for n, t in SlotStats._fields_]
     assert [n for n, _ in members][:len(COUNTERS)] == list(COUNTERS)
-    assert ct.sizeof(SlotStats) == 8 * (len(COUNTERS) + NBUCKETS)
+    assert ct.sizeof(SlotStats) == 8 * (len(COUNTERS) + len(ARRAYS) * NTIMES + NBUCKETS)
+    assert re.search(rf"#define NTIMES {NTIMES}\b", src) and re.search(r"#define T_RUNQ 0\b", src)
+    assert re.search(rf"#define T_WAKEUP {TIMES.index('wakeup')}\b", src)
+    for i, r in enumerate(REASONS, 1):
+        assert re.search(rf"#define R_{r.upper()} {i}\b", src), r
     for _, fn in SchedProbe().all_handlers():
         assert re.search(rf"^int {fn}\(struct (tracepoint__|bpf_raw_tracepoint_args)", src, re.M), fn
 
@@ -107,8 +143,9 @@ def offcpu_parts(s: dict) -> int:
 
 def test_interval_splits_offcpu_by_reason():
     before = zero_reading()
-    parts = {"preempt_ns": 5, "io_ns": 7, "lock_ns": 11, "sleep_ns": 13, "wait_ns": 17, "wakeup_ns": 19}
-    now = {**zero_reading(), **parts, "offcpu_ns": sum(parts.values()), "lock_events": 3, "io_events": 2}
+    parts = {"preempt": 5, "io": 7, "lock": 11, "sleep": 13, "wait": 17, "wakeup": 19}
+    now = {**zero_reading(), "times": [parts.get(n, 0) for n in TIMES],
+           "events": [{"lock": 3, "io": 2}.get(n, 0) for n in TIMES]}
     out = interval(now, before)
     assert (out["offcpu_io_ns"], out["offcpu_lock_ns"], out["offcpu_lock_events"]) == (7, 11, 3)
     assert offcpu_parts(out) == out["offcpu_ns"] == 72
@@ -635,3 +672,60 @@ def test_perf_users_still_see_sched_events_while_attached(by_source):
         assert counts.get("sched:sched_switch") == 0 and counts.get("sched:sched_wakeup") == 0, res.stderr
     if by_source.syscall_reasons:     # a raw syscall hook, or none: `perf trace` and friends keep seeing syscalls
         assert counts.get("raw_syscalls:sys_enter", 0) >= 200, res.stderr
+
+
+def overlap(a: int, b: int, spans: list[tuple[int, int]]) -> int:
+    """ns of the spans [t0, t1] that fall inside [a, b]."""
+    return sum(max(0, min(b, t1) - max(a, t0)) for t0, t1 in spans)
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("kind", ["cgroup", "pids"])
+def test_offcpu_time_lands_in_the_intervals_it_was_spent(probe, make_cgroup, kind):
+    """Threads asleep 3, 6 and 10 s in one time.sleep each, sampled every 0.5 s: each interval's sleep time is the
+    part of the sleeps inside that interval (by the workload's own clocks), also while they still sleep at the tick;
+    never more than dt per thread; and the sum over the intervals is the sum of the sleeps."""
+    secs = (3, 6, 10)
+    cg = make_cgroup()
+    proc = cg.spawn(sched_workload("sleepers", *secs), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    probe.start(CgroupTarget(str(cg.path)) if kind == "cgroup" else PidTreeTarget([proc.pid]))
+    marks = [time.monotonic_ns()]
+    probe.sample()                              # a baseline after the start: the interpreter's start-up is not here
+    marks.append(time.monotonic_ns())
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    ticks = []                                  # (read no earlier than, read no later than, sample)
+    while True:
+        done = proc.poll() is not None
+        time.sleep(0.5)
+        a = time.monotonic_ns()
+        s = probe.sample()
+        ticks.append((a, time.monotonic_ns(), s))
+        if done:
+            break
+    spans = json.loads(proc.stdout.read().splitlines()[-1])["sleeps"]
+    assert len(ticks) >= 20
+    prev = (marks[0], marks[1])
+    for a, b, s in ticks:
+        # The interval runs from the previous reading to this one, each somewhere inside its bracket.
+        longest, shortest = b - prev[0], max(0, a - prev[1])
+        hi, lo = overlap(prev[0], b, spans), overlap(prev[1], a, spans)
+        got = s["offcpu_sleep_ns"]
+        # a sleep's own edges (the clock read around the call, the wakeup's wait for a CPU: `wakeup`) are µs
+        assert 0.99 * lo - 2_000_000 <= got <= hi + 1_000_000, (got, lo, hi, ticks.index((a, b, s)))
+        assert got <= len(secs) * longest + 1_000_000
+        # all four threads (the main one joins) never make more than 4 x dt of off-CPU time
+        assert s["offcpu_ns"] <= (len(secs) + 1) * longest + 1_000_000, s
+        assert s["runq_lat_ns"] <= (len(secs) + 1) * longest + 1_000_000, s
+        prev = (a, b)
+    total = sum(s["offcpu_sleep_ns"] for _, _, s in ticks)
+    truth = sum(t1 - t0 for t0, t1 in spans)
+    per_tick = [round(s["offcpu_sleep_ns"] / 1e9, 2) for _, _, s in ticks]
+    print(f"{kind}: sleeps {secs} s: per 0.5 s tick {per_tick}; sum {total / 1e9:.4f} s, the workload's "
+          f"{truth / 1e9:.4f} s")
+    assert 0.999 * truth - 2_000_000 <= total <= truth
+    # the middle of the run: all three asleep throughout a tick reads three ticks' worth, not 0
+    whole = [s["offcpu_sleep_ns"] / (a - prev_a) for (prev_a, _, _), (a, _, s) in zip(ticks, ticks[1:])
+             if max(t0 for t0, _ in spans) < prev_a and a < min(t1 for _, t1 in spans)]
+    assert len(whole) >= 3 and all(2.95 <= w <= 3.05 for w in whole), whole

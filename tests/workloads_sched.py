@@ -15,6 +15,9 @@ field of /proc/thread-self/schedstat, which the scheduler adds up from enqueue t
     io PATH N         write and fsync a file of N 64 KiB blocks at PATH, then N O_DIRECT reads of it: reason io
     pipe N            print "ready", then read N lines from stdin (a pipe the test writes slowly): reason wait
     preempt SECONDS   pin to one CPU, fork; parent and child burn SECONDS each there: reason preempt
+    sleepers S1 S2 …  print "ready" and wait for a line on stdin; then one thread per S sleeps S seconds in one
+                      time.sleep call (clock_nanosleep), all started together; prints each sleep's own [start, end]
+                      (CLOCK_MONOTONIC ns) as "sleeps"
 """
 import json
 import mmap
@@ -154,6 +157,26 @@ def preempt(seconds: float) -> dict:
     return {k: v + child[k] for k, v in acct.out().items()}
 
 
+def sleepers(seconds: list[float]) -> dict:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    spans = [None] * len(seconds)
+    go = threading.Barrier(len(seconds))
+
+    def one(i: int) -> None:
+        go.wait()
+        t0 = time.monotonic_ns()
+        time.sleep(seconds[i])
+        spans[i] = (t0, time.monotonic_ns())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(seconds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"sleeps": spans}
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
     if what == "sleep":
@@ -166,6 +189,8 @@ if __name__ == "__main__":
         res = pipe(int(args[0]))
     elif what == "preempt":
         res = preempt(float(args[0]))
+    elif what == "sleepers":
+        res = sleepers([float(a) for a in args])
     else:
         sys.exit(f"unknown workload {what}")
     print(json.dumps(res), flush=True)

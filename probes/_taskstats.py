@@ -1,0 +1,189 @@
+"""What a task carries at its exit, from the kernel's taskstats interface (generic netlink, family "TASKSTATS").
+
+A listener registered for every CPU receives one record per exiting task (thread) of the node, sent from do_exit
+with the thread's final counters: its I/O (read_bytes, write_bytes: storage bytes; rounded down to KiB by the
+kernel), CPU time and ids (pid = thread id, tgid, ppid). A probe that reads /proc between ticks loses what a process
+did between its last read and its exit; the exit record holds it (Documentation/accounting/taskstats.rst).
+Needs CONFIG_TASKSTATS (+ CONFIG_TASK_XACCT, CONFIG_TASK_IO_ACCOUNTING for the I/O bytes) and CAP_NET_ADMIN to
+register. Records the socket could not hold (ENOBUFS: a burst of exits larger than the receive buffer, 8 MiB here)
+are lost; `lost` counts the overflows so that a reader can say so.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from typing import NamedTuple
+
+from jobprobe.errors import ProbeUnavailable
+
+NETLINK_GENERIC = 16
+GENL_ID_CTRL = 0x10
+CTRL_CMD_GETFAMILY, CTRL_ATTR_FAMILY_ID, CTRL_ATTR_FAMILY_NAME = 3, 1, 2
+NLM_F_REQUEST, NLM_F_ACK = 0x1, 0x4
+NLMSG_ERROR, NLMSG_DONE = 0x2, 0x3
+NLA_F_NESTED = 1 << 15
+SO_RCVBUFFORCE = 33          # asm-generic/socket.h (the socket module does not name it)
+# include/uapi/linux/taskstats.h
+TASKSTATS_CMD_GET, TASKSTATS_CMD_NEW = 1, 2
+CMD_ATTR_REGISTER_CPUMASK, CMD_ATTR_DEREGISTER_CPUMASK = 3, 4
+TYPE_PID, TYPE_STATS, TYPE_AGGR_PID = 1, 3, 4
+# Offsets in struct taskstats (append-only across versions; tests/test_taskstats.py checks them against the
+# installed header with the C compiler). ac_tgid came with version 12.
+OFFSETS = {"version": (0, "H"), "ac_pid": (128, "I"), "ac_ppid": (132, "I"), "ac_utime": (152, "Q"),
+           "ac_stime": (160, "Q"), "read_bytes": (248, "Q"), "write_bytes": (256, "Q"),
+           "cpu_run_real_total": (64, "Q"), "ac_tgid": (368, "I")}
+TGID_VERSION = 12
+RCVBUF = 8 << 20
+
+
+class ExitRecord(NamedTuple):
+    tid: int
+    tgid: int            # 0 where the kernel's taskstats is older than version 12
+    ppid: int            # the parent process of the thread group
+    read_bytes: int
+    write_bytes: int
+    utime_us: int
+    stime_us: int
+    run_ns: int          # time on CPU (sum_exec_runtime)
+
+
+def attrs(data: bytes, off: int = 0, end: int | None = None) -> dict[int, bytes]:
+    """Netlink attributes (nla_len, nla_type, payload padded to 4) → {type: payload}."""
+    end = len(data) if end is None else end
+    out = {}
+    while off + 4 <= end:
+        n, t = struct.unpack_from("=HH", data, off)
+        if n < 4:
+            break
+        out[t & ~NLA_F_NESTED] = data[off + 4:off + n]
+        off += (n + 3) & ~3
+    return out
+
+
+def attr(t: int, payload: bytes) -> bytes:
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, t) + payload + b"\0" * (((n + 3) & ~3) - n)
+
+
+def parse_stats(raw: bytes) -> ExitRecord:
+    def get(name: str) -> int:
+        off, fmt = OFFSETS[name]
+        return struct.unpack_from("=" + fmt, raw, off)[0] if off + struct.calcsize(fmt) <= len(raw) else 0
+    version = get("version")
+    return ExitRecord(get("ac_pid"), get("ac_tgid") if version >= TGID_VERSION else 0, get("ac_ppid"),
+                      get("read_bytes"), get("write_bytes"), get("ac_utime"), get("ac_stime"),
+                      get("cpu_run_real_total"))
+
+
+def parse_messages(data: bytes) -> list[ExitRecord]:
+    """Exit records in one datagram (one or more netlink messages)."""
+    out = []
+    off = 0
+    while off + 16 <= len(data):
+        length, _type, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, off)
+        if length < 16:
+            break
+        body = data[off + 16:off + length]
+        if len(body) >= 4 and body[0] == TASKSTATS_CMD_NEW:
+            for t, payload in attrs(body, 4).items():
+                if t == TYPE_AGGR_PID:
+                    inner = attrs(payload)
+                    if TYPE_STATS in inner:
+                        out.append(parse_stats(inner[TYPE_STATS]))
+        off += (length + 3) & ~3
+    return out
+
+
+class ExitListener:
+    """Exit records of every task of the node, drained without blocking. close() deregisters. The socket is
+    opened in __init__; ProbeUnavailable says why it cannot be (no taskstats in the kernel, not root)."""
+
+    def __init__(self, ncpus: int | None = None):
+        self.lost = 0
+        self.sock: socket.socket | None = None
+        self.cpumask = f"0-{(ncpus or os.cpu_count() or 1) - 1}"
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_GENERIC)
+        except OSError as err:
+            raise ProbeUnavailable(f"no generic netlink socket: {err.strerror}") from err
+        try:
+            sock.bind((0, 0))
+            try:   # root may go past rmem_max; a burst of exits must fit
+                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RCVBUF)
+            except OSError:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)
+            self.family = self._family(sock)
+            self._request(sock, CMD_ATTR_REGISTER_CPUMASK)
+            sock.setblocking(False)
+        except OSError as err:
+            sock.close()
+            raise ProbeUnavailable(f"cannot listen for taskstats exit records: {err.strerror or err}") from err
+        self.sock = sock
+
+    @staticmethod
+    def _send(sock: socket.socket, family: int, cmd: int, payload: bytes) -> None:
+        body = struct.pack("=BBH", cmd, 1, 0) + payload
+        sock.send(struct.pack("=IHHII", 16 + len(body), family, NLM_F_REQUEST | NLM_F_ACK, 1, 0) + body)
+
+    @staticmethod
+    def _ack(sock: socket.socket) -> bytes:
+        """The reply to a request: its data, or OSError with the kernel's errno."""
+        while True:
+            data = sock.recv(65536)
+            length, typ = struct.unpack_from("=IH", data)
+            if typ == NLMSG_ERROR:
+                code = -struct.unpack_from("=i", data, 16)[0]
+                if code:
+                    raise OSError(code, os.strerror(code))
+                return b""
+            if typ != NLMSG_DONE:
+                return data
+
+    def _family(self, sock: socket.socket) -> int:
+        self._send(sock, GENL_ID_CTRL, CTRL_CMD_GETFAMILY, attr(CTRL_ATTR_FAMILY_NAME, b"TASKSTATS\0"))
+        try:
+            data = self._ack(sock)
+        except OSError as err:
+            if err.errno == errno.ENOENT:
+                raise ProbeUnavailable("the kernel has no taskstats (CONFIG_TASKSTATS)") from err
+            raise
+        fam = attrs(data, 20).get(CTRL_ATTR_FAMILY_ID)
+        if fam is None:
+            raise ProbeUnavailable("the kernel has no taskstats (CONFIG_TASKSTATS)")
+        self._ack(sock)   # the ACK that follows the reply
+        return struct.unpack("=H", fam[:2])[0]
+
+    def _request(self, sock: socket.socket, which: int) -> None:
+        self._send(sock, self.family, TASKSTATS_CMD_GET, attr(which, self.cpumask.encode() + b"\0"))
+        self._ack(sock)
+
+    def drain(self) -> list[ExitRecord]:
+        """Every record received since the last call."""
+        out: list[ExitRecord] = []
+        while self.sock is not None:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                break
+            except OSError as err:
+                if err.errno == errno.ENOBUFS:   # the kernel dropped records: count, go on
+                    self.lost += 1
+                    continue
+                raise
+            out.extend(parse_messages(data))
+        return out
+
+    def close(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            self._request(sock, CMD_ATTR_DEREGISTER_CPUMASK)
+        except OSError:
+            pass   # closing the socket deregisters it too (the kernel drops listeners whose socket is gone)
+        finally:
+            sock.close()

@@ -1,0 +1,79 @@
+"""probes/_taskstats.py: the layout against the kernel's header (compiled by the test), the message parser on a
+crafted datagram, and a real exit record of a real process against the process's own /proc/self/io."""
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IS_ROOT
+from probes import _taskstats as ts
+
+HEADER = Path("/usr/include/linux/taskstats.h")
+
+
+@pytest.mark.skipif(not HEADER.exists() or shutil.which("cc") is None, reason="no linux/taskstats.h or C compiler")
+def test_offsets_match_the_kernel_header(tmp_path):
+    src = tmp_path / "off.c"
+    src.write_text("#include <stdio.h>\n#include <stddef.h>\n#include <linux/taskstats.h>\nint main(void){\n" +
+                   "".join(f'printf("{f} %zu\\n", offsetof(struct taskstats, {f}));\n' for f in ts.OFFSETS) +
+                   "return 0;}\n")
+    subprocess.run(["cc", "-o", str(tmp_path / "off"), str(src)], check=True)
+    got = dict(line.split() for line in subprocess.run([str(tmp_path / "off")], capture_output=True, text=True,
+                                                         check=True).stdout.splitlines())
+    assert {k: int(v) for k, v in got.items()} == {k: off for k, (off, _) in ts.OFFSETS.items()}
+    assert int(HEADER.read_text().split("#define TASKSTATS_VERSION")[1].split()[0]) >= ts.TGID_VERSION
+
+
+def test_parse_messages_reads_aggregate_pid_records():
+    stats = bytearray(416)
+    struct.pack_into("=H", stats, 0, 13)
+    for name, value in (("ac_pid", 1234), ("ac_ppid", 1), ("ac_tgid", 1200), ("read_bytes", 4096 * 3),
+                        ("write_bytes", 1 << 20), ("ac_utime", 5), ("ac_stime", 7)):
+        off, fmt = ts.OFFSETS[name]
+        struct.pack_into("=" + fmt, stats, off, value)
+    nested = ts.attr(ts.TYPE_PID, struct.pack("=I", 1234)) + ts.attr(ts.TYPE_STATS, bytes(stats))
+    body = struct.pack("=BBH", ts.TASKSTATS_CMD_NEW, 1, 0) + ts.attr(ts.TYPE_AGGR_PID | ts.NLA_F_NESTED, nested)
+    msg = struct.pack("=IHHII", 16 + len(body), 31, 0, 0, 0) + body
+    other = struct.pack("=IHHII", 20, ts.NLMSG_ERROR, 0, 0, 0) + b"\0" * 4   # an ACK in the same datagram
+    recs = ts.parse_messages(msg + other)
+    assert recs == [ts.ExitRecord(1234, 1200, 1, 12288, 1 << 20, 5, 7, 0)]
+    old = bytearray(stats)
+    struct.pack_into("=H", old, 0, 11)                  # before version 12 there is no ac_tgid
+    assert ts.parse_stats(bytes(old)).tgid == 0 and ts.parse_stats(bytes(old[:300])).read_bytes == 12288
+
+
+WRITER = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+buf = mmap.mmap(-1, 1 << 16)
+for i in range(64):
+    os.pwrite(fd, buf, i << 16)
+os.close(fd)
+with open("/proc/self/io") as f:
+    print(dict(x.split(": ") for x in f.read().splitlines())["write_bytes"], flush=True)
+"""
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not IS_ROOT, reason="registering for taskstats needs CAP_NET_ADMIN (root)")
+def test_a_real_exit_record_holds_the_process_final_io(tmp_path):
+    listener = ts.ExitListener()
+    try:
+        res = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path / "f")], capture_output=True, text=True,
+                             check=True)
+        own = int(res.stdout)
+        deadline = time.monotonic() + 5
+        mine = []
+        while not mine and time.monotonic() < deadline:
+            mine = [r for r in listener.drain() if r.tgid == r.tid and r.write_bytes == own & ~1023]   # KiB, as the kernel rounds
+            time.sleep(0.05)
+        assert own >= 64 << 16 and len(mine) == 1, own
+        assert mine[0].ppid == os.getpid() and listener.lost == 0
+    finally:
+        listener.close()
+    listener.close()   # idempotent
