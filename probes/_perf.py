@@ -8,7 +8,8 @@ Two shapes, both of which this module owns end to end (open, enable, read, scale
 - TaskEvent: one event on one thread with inherit=1 (children and threads forked after the open are counted in
   it, and folded into it when they exit). Read one by one: kernels before 6.x reject inherit with PERF_FORMAT_GROUP.
 
-Every source keeps its previous cumulative reading and hands out scaled per-interval deltas (see delta()).
+Every source keeps its previous cumulative reading and hands out per-interval deltas, hardware counts scaled for
+multiplexing (see delta()).
 OSError is turned into ProbeUnavailable here, at the edge, with a reason a user can act on.
 """
 from __future__ import annotations
@@ -70,6 +71,10 @@ EVENTS = {
     "cache_misses": (PERF_TYPE_HARDWARE, PERF_COUNT_HW_CACHE_MISSES),
     "branch_misses": (PERF_TYPE_HARDWARE, PERF_COUNT_HW_BRANCH_MISSES),
 }
+# Software events are counted in groups of their own, which the kernel never multiplexes: their counts are exact and
+# are never scaled. A ratio below 1 on such a group can only come from the group's clocks (a cgroup event's
+# time_enabled runs on the cgroup's own clock, which starts and stops at the cgroup switch), and extrapolating a
+# task-clock by it would inflate CPU time. (Measured: running == enabled to the ns on every group, issue 8.)
 SOFTWARE = ("task_clock", "context_switches", "cpu_migrations", "page_faults")
 HARDWARE = ("cycles", "instructions", "cache_misses", "branch_misses")
 
@@ -188,7 +193,10 @@ class Source:
         de, dr = counter_delta(enabled, en0), counter_delta(running, run0)
         # Scale the interval's own delta by the interval's own ratio: a long-past multiplexing episode should not
         # distort today's figure (scaling cumulative totals would smear it over the whole run).
-        out = {e: scale(counter_delta(values[e], before.get(e, 0)), de, dr) for e in self.events}
+        out = {e: counter_delta(values[e], before.get(e, 0)) for e in self.events}
+        for e in self.events:
+            if e not in SOFTWARE:  # see SOFTWARE: never scaled
+                out[e] = scale(out[e], de, dr)
         return out, (min(1.0, dr / de) if de > 0 else None)
 
     def close(self) -> None:

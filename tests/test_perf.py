@@ -5,6 +5,18 @@ Why the kernel tests allow for steal time: perf's task-clock runs on perf_clock(
 hypervisor runs another guest on our vCPU, whereas cpu.stat's usage_usec comes from rq_clock_task(), which has
 paravirt steal time subtracted (CONFIG_PARAVIRT_TIME_ACCOUNTING). On a busy VM perf is higher by up to the steal
 of the run (measured here: +0.7..+7% with 0.1..0.26 s of steal over a 3 s burner); on bare metal that bound is ~0.
+
+Why the preemption test allows a few µs per involuntary switch (issue 8): when a task outside the job wakes and
+preempts a job task, the scheduler charges the interval from the wakeup to the switch (the rest of the interrupt,
+the way into schedule(), the pick) to the task woken (cpu.stat, getrusage), while perf's task clock keeps counting
+it for the task that was on the CPU until the switch (prepare_task_switch). The likely kernel reason: a wakeup that
+sets need_resched on the running task asks the next schedule() to skip its run-queue clock update
+(kernel/sched/core.c, wakeup_preempt → rq_clock_skip_update), so the preempted task's runtime stops, and the woken
+task's starts, at the clock of the wakeup. Measured here, 2 burners in the job and
+4 sleepwake(20 µs) wakers outside: +5.2..5.9 µs per involuntary switch for the cgroup target, +3.2..3.8 µs for the
+PID-tree target (which starts counting later, at finish_task_switch), with running == enabled on every group and
+0..20 ms of steal; the wakers' cpu.stat was above their own perf count by 0.8..1.4 times the job's excess (the
+time moved, it was not made up). No scaling is involved.
 """
 from __future__ import annotations
 
@@ -18,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import workload
+from conftest import wait_for, workload
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
 from jobprobe.probe import Field
@@ -72,6 +84,17 @@ def test_source_delta_scales_each_interval_by_its_own_ratio():
     assert src.delta() == ({"cycles": 100, "instructions": 200}, 1.0)
     assert src.delta() == ({"cycles": 100, "instructions": 200}, 0.5)
     assert src.delta() == ({"cycles": 0, "instructions": 0}, None)
+
+
+class FakeSoftware(FakeSource):
+    events = ("task_clock", "context_switches")
+
+
+def test_software_events_are_never_scaled():
+    # A cgroup group's time_enabled runs on the cgroup's clock; a gap between it and time_running must not inflate
+    # a task clock, which is exact (software groups are never multiplexed).
+    src = FakeSoftware([({"task_clock": 900, "context_switches": 3}, 1000, 900)])
+    assert src.delta() == ({"task_clock": 900, "context_switches": 3}, 0.9)
 
 
 def test_source_delta_survives_a_counter_wrap():
@@ -143,18 +166,41 @@ def steal_ns() -> int:
     return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
-def assert_cpu_close(perf_ns: int, kernel_ns: int, steal: int, rel: float) -> None:
-    """perf agrees with cpu.stat within rel, plus at most the steal time of the run on the high side."""
-    assert kernel_ns * (1 - rel) <= perf_ns <= kernel_ns * (1 + rel) + steal, \
-        f"perf {perf_ns / 1e9:.3f} s vs cpu.stat {kernel_ns / 1e9:.3f} s (steal {steal / 1e9:.3f} s)"
+# Upper bound of perf's task clock above cpu.stat per involuntary switch of the job (see the module docstring; wakeup
+# preemptions by tasks outside the job, e.g. other tests running at the same time, cost ~5.5 µs each for cgroup
+# targets and ~3.7 µs for PID trees here, the same with three runs at once). Loose enough for CI, tight enough to
+# fail on a further +4.5% in the preemption test (a mutant that added 6.5% to task-clock failed it).
+PREEMPT_SKEW_NS = {"cgroup": 7_500, "pids": 5_000}
 
 
-def run_sampling(probes, procs, targets=(), every=0.3) -> list[int]:
-    """Sample each probe every `every` s until all procs exit, then once more; sum task_clock_ns per probe."""
+def assert_cpu_close(perf_ns: int, kernel_ns: int, steal: int, rel: float, switches: int = 0,
+                     kind: str = "cgroup") -> None:
+    """perf agrees with cpu.stat within rel, plus on the high side at most the steal time of the run and
+    PREEMPT_SKEW_NS per involuntary switch of the job's processes (their own rusage)."""
+    skew = PREEMPT_SKEW_NS[kind] * switches
+    assert kernel_ns * (1 - rel) <= perf_ns <= kernel_ns * (1 + rel) + steal + skew, \
+        f"{kind}: perf {perf_ns / 1e9:.3f} s vs cpu.stat {kernel_ns / 1e9:.3f} s (steal {steal / 1e9:.3f} s, " \
+        f"{switches} involuntary switches: {(perf_ns - kernel_ns) / max(switches, 1):+.0f} ns each)"
+
+
+def reap(proc: subprocess.Popen):
+    """The rusage of proc (and of the children it waited for) once it has exited, else None. Reaped here with
+    wait4, since Popen.poll() throws the kernel's rusage away."""
+    if proc.returncode is None:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid == 0:
+            return None
+        proc.returncode, proc.rusage = os.waitstatus_to_exitcode(status), usage
+    return proc.rusage
+
+
+def run_sampling(probes, procs, targets=(), every=0.3) -> tuple[list[int], int]:
+    """Sample each probe every `every` s until all procs exit, then once more: (task_clock_ns summed per probe,
+    involuntary context switches of the procs from their rusage)."""
     total = [0] * len(probes)
     done = False
     while not done:
-        done = all(p.poll() is not None for p in procs)
+        done = all(reap(p) is not None for p in procs)
         time.sleep(0 if done else every)
         for t in targets:
             try:
@@ -165,7 +211,7 @@ def run_sampling(probes, procs, targets=(), every=0.3) -> list[int]:
             frame = probe.sample()
             assert set(frame) == SW_FIELDS and all(v >= 0 for v in frame.values())
             total[i] += frame["task_clock_ns"]
-    return total
+    return total, sum(reap(p).ru_nivcsw for p in procs)
 
 
 @pytest.mark.kernel
@@ -177,8 +223,8 @@ def test_cgroup_burner_matches_cpu_stat(make_cgroup):
         assert len(probe.fds) == 4 * len(Host().online_cpus())
         s0 = steal_ns()
         burner = cg.spawn(workload("burn", 3))
-        (total,) = run_sampling([probe], [burner])
-        assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02)
+        (total,), switches = run_sampling([probe], [burner])
+        assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02, switches)
         assert total > 0.5e9      # it ran (3 s of wall time: less CPU on a busy host; the match above is the proof)
     finally:
         probe.stop()
@@ -192,12 +238,51 @@ def test_cgroup_ignores_a_busy_process_outside(make_cgroup):
     try:
         s0 = steal_ns()
         procs = [job.spawn(workload("burn", 3)), other.spawn(workload("burn", 3))]
-        (total,) = run_sampling([probe], procs)
+        (total,), _ = run_sampling([probe], procs)
         mine, theirs = job.cpu_usage_ns(), other.cpu_usage_ns()
-        assert_cpu_close(total, mine, steal_ns() - s0, 0.02)
+        assert_cpu_close(total, mine, steal_ns() - s0, 0.02, reap(procs[0]).ru_nivcsw)
         assert theirs > 0.5e9 and total < mine + theirs / 2, (total, mine, theirs)
     finally:
         probe.stop()
+
+
+@pytest.mark.kernel
+def test_task_clock_with_a_busy_neighbour_preempting_the_job(make_cgroup):
+    # Issue 8: stress-ng --cpu 2 read 6.5% above cpu.stat with 89994 involuntary switches. The same shape here: two
+    # burners in the job, four wakers outside it that sleep 20 µs at a time on the same 2 CPUs, until the job has
+    # been switched out >= 10^5 times.
+    job, outside = make_cgroup("job"), make_cgroup("wakers")
+    for _ in range(4):
+        outside.spawn(workload("sleepwake", 10 ** 9, 20))
+    by_cgroup, by_pids = PerfProbe(), PerfProbe()
+    by_cgroup.start(CgroupTarget(str(job.path)))
+    try:
+        burners = [job.spawn(workload("burn", 60)) for _ in range(2)]
+        by_pids.start(PidTreeTarget([b.pid for b in burners]))
+        u0, s0 = job.cpu_usage_ns(), steal_ns()
+        by_cgroup.sample()  # both probes count from here
+        totals, switches, ratios = {"cgroup": 0, "pids": 0}, 0, []
+        deadline = time.monotonic() + 45  # ~25k switches/s here; the assert below says if it fell short
+        while switches < 1.2e5 and time.monotonic() < deadline:
+            time.sleep(0.3)
+            for kind, probe in (("cgroup", by_cgroup), ("pids", by_pids)):
+                frame = probe.sample()
+                totals[kind] += frame["task_clock_ns"]
+                ratios.append(frame["running_ratio"])
+            switches += frame["context_switches"]  # the PID tree's own count
+        for b in burners:
+            b.kill()
+        involuntary = sum(wait_for(lambda: reap(b)).ru_nivcsw for b in burners)
+        for kind, probe in (("cgroup", by_cgroup), ("pids", by_pids)):
+            totals[kind] += probe.sample()["task_clock_ns"]
+        kernel, steal = job.cpu_usage_ns() - u0, steal_ns() - s0
+        assert involuntary >= 1e5, f"the wakers preempted the job only {involuntary} times"
+        assert set(ratios) == {1.0}  # software counters: never multiplexed, so nothing was ever scaled
+        for kind, total in totals.items():
+            assert_cpu_close(total, kernel, steal, 0.02, involuntary, kind)
+    finally:
+        by_pids.stop()
+        by_cgroup.stop()
 
 
 @pytest.mark.kernel
@@ -213,9 +298,11 @@ def test_pid_tree_counts_children_forked_after_attach(make_cgroup):
         by_pids.start(target)
         u0, s0 = cg.cpu_usage_ns(), steal_ns()
         by_cgroup.sample()  # both probes count from here
-        pids_total, cg_total = run_sampling([by_pids, by_cgroup], [tree], [target])
-        assert_cpu_close(pids_total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.03)
-        assert abs(pids_total - cg_total) <= 0.03 * cg_total, (pids_total, cg_total)
+        (pids_total, cg_total), switches = run_sampling([by_pids, by_cgroup], [tree], [target])
+        assert_cpu_close(pids_total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.03, switches, "pids")
+        # The two targets start counting at different points of a switch (module docstring): ~2 µs apart each.
+        assert abs(pids_total - cg_total) <= 0.03 * cg_total + PREEMPT_SKEW_NS["pids"] * switches, \
+            (pids_total, cg_total, switches)
         # 3 burners × 2 s on 2 cores is ~4 s alone, but CI's 2 cores are shared: the cpu.stat match above is the
         # real proof that the children were counted; this floor only says that they ran.
         assert pids_total > 0.5e9
@@ -238,10 +325,10 @@ def test_pid_tree_opens_a_new_root_from_outside(make_cgroup):
         u0, s0 = cg.cpu_usage_ns(), steal_ns()
         second = cg.spawn(workload("burn", 1.5))
         extra.append(second.pid)
-        (total,) = run_sampling([probe], [first, second], [target], every=0.1)
+        (total,), switches = run_sampling([probe], [first, second], [target], every=0.1)
         assert len(probe.fds) == 8
         # The second step's start-up before its first sample is missed: allow for it on the low side.
-        assert_cpu_close(total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.05)
+        assert_cpu_close(total, cg.cpu_usage_ns() - u0, steal_ns() - s0, 0.05, switches, "pids")
     finally:
         probe.stop()
 
