@@ -16,13 +16,20 @@
  * are not, so a flush request's sector cannot match a write's key.
  * Not attributable here: buffered writes flushed by writeback kworkers, the journal (jbd2), readahead started by
  * another task: they are submitted outside the job's context. O_DIRECT and the job's own fsync are its own.
- * Hooks: tracepoints block:block_io_start or block:block_bio_queue (+ block_bio_backmerge, block_split),
+ * Hooks: block:block_io_start or block:block_bio_queue (+ block_bio_backmerge, block_split),
  *   block:block_bio_frontmerge, block:block_rq_merge, block:block_rq_issue, block:block_rq_complete; fork/exit
- *   from common.h. Only tracepoint arguments are read, never struct request/bio.
- * Oldest kernel: 4.18 (common.h; LRU hash 4.10); block_io_start mode 6.5.
- * Cost: issue and complete run for every request of the node: one hash lookup each, plus an update/delete for
- *   the job's; the submit hook runs job_slot_current() (1-2 lookups) per request (per bio in bio_queue mode).
- *   Measured (bpf_stats, 6.18 VM): ~0.65-1.5 µs per request of the job, ~0.35-0.6 µs per request of others.
+ *   from common.h. -DRAW_BLOCK (user space: raw tracepoints and BTF present): raw tracepoint programs (*_raw), which
+ *   read struct request/bio/gendisk fields at offsets from the running kernel's BTF (-DRQ_SECTOR=… below). Why: the
+ *   kernel skips a classic tracepoint program whenever any classic/kprobe BPF program already runs on that CPU
+ *   (trace_call_bpf's bpf_prog_active), and block_rq_complete runs in softirq, interrupting submit and issue
+ *   programs: 12-20k completions of the node missed in 10 s of fio inside and outside a job (6.18 VM), some of the
+ *   job's. A raw program is skipped only when it re-enters itself on one CPU (a hard-irq completion interrupting
+ *   on_rq_complete_raw). Without RAW_BLOCK: classic programs on the tracepoints' format records.
+ * Oldest kernel: 4.18 (common.h; LRU hash 4.10); raw programs 5.11 (these prototypes; BTF); block_io_start 6.5.
+ * Cost: issue and complete run for every request of the node: one hash lookup each (raw: after 4-5 field reads),
+ *   plus an update/delete for the job's; the submit hook runs job_slot_current() (1-2 lookups) per request (per bio
+ *   in bio_queue mode). Measured (bpf_stats, 6.18 VM, raw): ~1.1-1.4 µs per request of the job, less for others'
+ *   (docs/PERFORMANCE.md).
  *   Memory: `inflight` is an LRU hash of MAX_INFLIGHT entries (~1.5 MiB preallocated): it cannot grow without
  *   bound, and user space also drops entries older than a minute (a request that never completes).
  */
@@ -71,6 +78,8 @@ BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked be
 #define OP_OF(rwbs) ((rwbs)[0] == 'R' || (rwbs)[1] == 'R' ? OP_READ : \
                      (rwbs)[0] == 'W' || (rwbs)[1] == 'W' ? OP_WRITE : -1)
 
+/* ---- what each hook does, from plain values (the classic and raw programs below only gather them) ---------- */
+
 /* Remember a job's read/write at the point of submission (the submitter's context). */
 static inline int remember(u32 dev, u64 sector, u32 nr_sector, int op)
 {
@@ -85,56 +94,40 @@ static inline int remember(u32 dev, u64 sector, u32 nr_sector, int op)
     return 0;
 }
 
-int on_io_start(struct tracepoint__block__block_io_start *args)
+/* Drop the entry at (dev, sector). bio_queue mode's back merge: the bio joined the end of a request that has its own
+ * key, so its own entry would never be used. Both modes' request merge: a request merged into the one before it
+ * (the elevator's request merge); only the survivor completes. */
+static inline int forget(u32 dev, u64 sector)
 {
-    return remember(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs));
-}
-
-int on_bio_queue(struct tracepoint__block__block_bio_queue *args)
-{
-    return remember(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs));
-}
-
-/* bio_queue mode: the bio joined the end of a request that has its own key; its own entry would never be used. */
-int on_backmerge(struct tracepoint__block__block_bio_backmerge *args)
-{
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
+    struct rq_key key = {.sector = sector, .dev = dev};
     inflight.delete(&key);
     return 0;
 }
 
 /* The bio now starts the request, which began at sector + nr_sector: its owner moves to the new key, unless the
  * bio has an entry of its own (bio_queue mode), which then speaks for the request. */
-int on_frontmerge(struct tracepoint__block__block_bio_frontmerge *args)
+static inline int front_merged(u32 dev, u64 sector, u32 nr_sector)
 {
-    struct rq_key old = {.sector = args->sector + args->nr_sector, .dev = args->dev};
+    struct rq_key old = {.sector = sector + nr_sector, .dev = dev};
     struct rq_val *v = inflight.lookup(&old);
     if (!v)
         return 0;
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
+    struct rq_key key = {.sector = sector, .dev = dev};
     struct rq_val copy = *v;
     inflight.insert(&key, &copy);      /* insert: never overwrite the bio's own entry */
     inflight.delete(&old);
     return 0;
 }
 
-/* A request merged into the one before it (the elevator's request merge): only the survivor completes. */
-int on_rq_merge(struct tracepoint__block__block_rq_merge *args)
-{
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
-    inflight.delete(&key);
-    return 0;
-}
-
 /* bio_queue mode: a bio too large for the device was split; the remainder (from new_sector) is resubmitted
  * without a second block_bio_queue, so it inherits the entry. */
-int on_split(struct tracepoint__block__block_split *args)
+static inline int split(u32 dev, u64 sector, u64 new_sector)
 {
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
+    struct rq_key key = {.sector = sector, .dev = dev};
     struct rq_val *v = inflight.lookup(&key);
     if (!v)
         return 0;
-    struct rq_key rest = {.sector = args->new_sector, .dev = args->dev};
+    struct rq_key rest = {.sector = new_sector, .dev = dev};
     struct rq_val copy = *v;
     inflight.update(&rest, &copy);
     return 0;
@@ -142,31 +135,31 @@ int on_split(struct tracepoint__block__block_split *args)
 
 /* Every request of the node passes here: one lookup, and the job's get their issue time and size. A requeued
  * request is issued again: its latency counts from the last issue. */
-int on_rq_issue(struct tracepoint__block__block_rq_issue *args)
+static inline int issued(u32 dev, u64 sector, u32 nr_sector, int op)
 {
-    if (args->nr_sector == 0 || OP_OF(args->rwbs) < 0)
+    if (nr_sector == 0 || op < 0)
         return 0;
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
+    struct rq_key key = {.sector = sector, .dev = dev};
     struct rq_val *v = inflight.lookup(&key);
     if (!v)
         return 0;
     v->issue_ns = bpf_ktime_get_ns();
-    v->left = (u64)args->nr_sector << 9;
+    v->left = (u64)nr_sector << 9;
     return 0;
 }
 
 /* A request that went through the flush machinery (PREFLUSH/FUA emulated with flushes) may report a second,
  * empty completion when the sequence ends: its entry is gone by then, and empty ones are skipped at once. */
-int on_rq_complete(struct tracepoint__block__block_rq_complete *args)
+static inline int completed(u32 dev, u64 sector, u32 nr_sector, int op, int error)
 {
-    if (args->nr_sector == 0 || OP_OF(args->rwbs) < 0)
+    if (nr_sector == 0 || op < 0)
         return 0;
-    struct rq_key key = {.sector = args->sector, .dev = args->dev};
+    struct rq_key key = {.sector = sector, .dev = dev};
     struct rq_val *v = inflight.lookup(&key);
     if (!v)
         return 0;
     u64 now = bpf_ktime_get_ns();
-    u64 done = (u64)args->nr_sector << 9;
+    u64 done = (u64)nr_sector << 9;
     u32 slot = v->slot;
     struct slot_stats *s = stats.lookup(&slot);
     if (!s) {
@@ -174,13 +167,13 @@ int on_rq_complete(struct tracepoint__block__block_rq_complete *args)
         return 0;
     }
     struct dir_stats *d = v->op == OP_WRITE ? &s->dir[OP_WRITE] : &s->dir[OP_READ];
-    if (args->error)
+    if (error)
         d->errors++;
     else
         d->bytes += done;
     if (v->issue_ns && v->left > done) {
         /* Partial completion: the request's position has moved past `done` bytes; follow it. */
-        struct rq_key next = {.sector = args->sector + args->nr_sector, .dev = args->dev};
+        struct rq_key next = {.sector = sector + nr_sector, .dev = dev};
         struct rq_val rest = *v;
         rest.left -= done;
         inflight.update(&next, &rest);
@@ -199,3 +192,140 @@ int on_rq_complete(struct tracepoint__block__block_rq_complete *args)
     inflight.delete(&key);
     return 0;
 }
+
+#ifdef RAW_BLOCK
+/* ---- raw tracepoint programs (default where the kernel has them): the arguments are struct request / bio
+ * pointers (TP_PROTO of 5.11+, checked against the kernel's BTF by user space), read at the byte offsets user space
+ * took from the running kernel's BTF (-DRQ_SECTOR=…), never from the headers bcc compiles with. The values are
+ * those the classic records hold: dev = disk_devt(q->disk) (bio_dev() for bios), sector = blk_rq_pos(),
+ * nr_sector = blk_rq_sectors() (nr_bytes >> 9 at completion), the op = the low 8 bits of cmd_flags/bi_opf
+ * (REQ_OP_READ 0, REQ_OP_WRITE 1: what rwbs' 'R' and 'W' say). */
+#define READ_AT(ptr, off, type) ({ type _v = 0; bpf_probe_read_kernel(&_v, sizeof(_v), (void *)((ptr) + (off))); _v; })
+#define REQ_OP_MASK 0xff
+#define OP_OF_FLAGS(f) (((f) & REQ_OP_MASK) == 0 ? OP_READ : ((f) & REQ_OP_MASK) == 1 ? OP_WRITE : -1)
+
+static inline u32 disk_dev(u64 disk)
+{
+    if (!disk)
+        return 0;
+#if DISK_FIRST_MINOR == DISK_MAJOR + 4
+    u64 both = READ_AT(disk, DISK_MAJOR, u64);          /* int major; int first_minor; side by side: one read */
+    return ((u32)both << 20) | (u32)(both >> 32);       /* MKDEV(major, first_minor); little-endian */
+#else
+    return ((u32)READ_AT(disk, DISK_MAJOR, int) << 20) | (u32)READ_AT(disk, DISK_FIRST_MINOR, int);   /* MKDEV */
+#endif
+}
+
+static inline u32 rq_dev(u64 rq)
+{
+    return disk_dev(READ_AT(READ_AT(rq, RQ_Q, u64), Q_DISK, u64));
+}
+
+static inline u32 bio_dev(u64 bio)
+{
+    return disk_dev(READ_AT(READ_AT(bio, BIO_BDEV, u64), BDEV_DISK, u64));
+}
+
+int on_io_start_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 rq = ctx->args[0];
+    return remember(rq_dev(rq), READ_AT(rq, RQ_SECTOR, u64), READ_AT(rq, RQ_DATA_LEN, u32) >> 9,
+                    OP_OF_FLAGS(READ_AT(rq, RQ_CMD_FLAGS, u32)));
+}
+
+int on_bio_queue_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 bio = ctx->args[0];
+    return remember(bio_dev(bio), READ_AT(bio, BIO_SECTOR, u64), READ_AT(bio, BIO_SIZE, u32) >> 9,
+                    OP_OF_FLAGS(READ_AT(bio, BIO_OPF, u32)));
+}
+
+int on_backmerge_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 bio = ctx->args[0];
+    return forget(bio_dev(bio), READ_AT(bio, BIO_SECTOR, u64));
+}
+
+int on_frontmerge_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 bio = ctx->args[0];
+    return front_merged(bio_dev(bio), READ_AT(bio, BIO_SECTOR, u64), READ_AT(bio, BIO_SIZE, u32) >> 9);
+}
+
+int on_rq_merge_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 rq = ctx->args[0];
+    return forget(rq_dev(rq), READ_AT(rq, RQ_SECTOR, u64));
+}
+
+/* TP_PROTO(struct bio *bio, unsigned int new_sector) */
+int on_split_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 bio = ctx->args[0];
+    return split(bio_dev(bio), READ_AT(bio, BIO_SECTOR, u64), (u32)ctx->args[1]);
+}
+
+/* Cheapest first: most requests of the node are not the job's, and a read/write with data is all that counts. */
+int on_rq_issue_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 rq = ctx->args[0];
+    int op = OP_OF_FLAGS(READ_AT(rq, RQ_CMD_FLAGS, u32));
+    if (op < 0)
+        return 0;
+    return issued(rq_dev(rq), READ_AT(rq, RQ_SECTOR, u64), READ_AT(rq, RQ_DATA_LEN, u32) >> 9, op);
+}
+
+/* TP_PROTO(struct request *rq, blk_status_t error, unsigned int nr_bytes); runs in softirq or hardirq context. */
+int on_rq_complete_raw(struct bpf_raw_tracepoint_args *ctx)
+{
+    u64 rq = ctx->args[0];
+    int op = OP_OF_FLAGS(READ_AT(rq, RQ_CMD_FLAGS, u32));
+    u32 nr_sector = (u32)ctx->args[2] >> 9;
+    if (op < 0 || nr_sector == 0)
+        return 0;
+    return completed(rq_dev(rq), READ_AT(rq, RQ_SECTOR, u64), nr_sector, op, (u8)ctx->args[1] != 0);
+}
+
+#else
+/* ---- classic tracepoint programs (kernels without raw tracepoints or BTF): the tracepoints' format records ---- */
+
+int on_io_start(struct tracepoint__block__block_io_start *args)
+{
+    return remember(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs));
+}
+
+int on_bio_queue(struct tracepoint__block__block_bio_queue *args)
+{
+    return remember(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs));
+}
+
+int on_backmerge(struct tracepoint__block__block_bio_backmerge *args)
+{
+    return forget(args->dev, args->sector);
+}
+
+int on_frontmerge(struct tracepoint__block__block_bio_frontmerge *args)
+{
+    return front_merged(args->dev, args->sector, args->nr_sector);
+}
+
+int on_rq_merge(struct tracepoint__block__block_rq_merge *args)
+{
+    return forget(args->dev, args->sector);
+}
+
+int on_split(struct tracepoint__block__block_split *args)
+{
+    return split(args->dev, args->sector, args->new_sector);
+}
+
+int on_rq_issue(struct tracepoint__block__block_rq_issue *args)
+{
+    return issued(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs));
+}
+
+int on_rq_complete(struct tracepoint__block__block_rq_complete *args)
+{
+    return completed(args->dev, args->sector, args->nr_sector, OP_OF(args->rwbs), args->error);
+}
+#endif

@@ -12,19 +12,37 @@
  * Cost: job_slot_current() is one array read plus one hash lookup per kind of membership in use (job_kinds);
  *   fork/exit add one lookup and at most one update/delete per process or thread created or ended.
  *
+ * One owner per node: the maps and the fork/exit/exec handlers are compiled into bpf/membership.c (-DJOB_MEMBERSHIP)
+ * and loaded once; every probe's module is compiled with -DJOB_PIN_DIR="<dir>" and finds the same three maps
+ * pinned there (BPF_TABLE_PINNED: its loader pins the owner's map fds in a bpffs of its own, probes/_bpf_loader.py),
+ * so a node has one set of membership handlers whatever the number of probes and jobs. Without JOB_PIN_DIR a
+ * module owns private maps (tests of one program on its own).
  * Handlers are plain functions, attached by name from user space (job_fork → sched:sched_process_fork, job_exit →
  * sched:sched_process_exit), not bcc's auto-attached TRACEPOINT_PROBE: when one program of several fails to load,
  * bcc's constructor raises with the others already attached and no object left to detach them with.
  * A probe that keeps per-thread state defines JOB_ON_EXIT_HOOK and `static inline void job_exit_hook(u32 tid)`
- * before including this file: the exit handler calls it, since a program has one handler per tracepoint.
+ * before including this file: its own program on sched:sched_process_exit, job_exit_probe, calls it (and
+ * JOB_ON_EXEC_HOOK / job_exec_hook: job_exec_probe on sched:sched_process_exec).
+ * Per probe and job: `slots_on` (this module's own array, one bit per slot) says for which jobs the probe counts;
+ * job_slot_current() answers -1 for a job whose bit is clear, so a probe switched off for one job does no work for
+ * its events (one more array read for members only).
  */
 #define MAX_SLOTS 64
 #define MAX_MEMBER_TASKS 65536
 
+#ifdef JOB_PIN_DIR
+BPF_TABLE_PINNED("hash", u64, u32, job_of_cgroup, 4096, JOB_PIN_DIR "/job_of_cgroup");
+BPF_TABLE_PINNED("hash", u32, u32, job_of_tgid, MAX_MEMBER_TASKS, JOB_PIN_DIR "/job_of_tgid");
+BPF_TABLE_PINNED("array", u32, u32, job_kinds, 1, JOB_PIN_DIR "/job_kinds");
+#else
 BPF_HASH(job_of_cgroup, u64, u32, 4096);
 /* Keyed by tgid for processes, but fork cannot tell a new thread from a new process (the tracepoint has no
  * clone flags), so members' threads get a key too (their tid); it is deleted when the thread exits. */
 BPF_HASH(job_of_tgid, u32, u32, MAX_MEMBER_TASKS);
+#endif
+#ifndef JOB_MEMBERSHIP
+BPF_ARRAY(slots_on, u64, 1);   /* bit s: this probe counts for the job in slot s (user space sets it) */
+#endif
 
 /* floor(log2(v)), 0 for v <= 1: the bucket of a log2 histogram (callers clamp to their bucket count). Unrolled:
  * the verifier of older kernels refuses loops. */
@@ -45,7 +63,9 @@ static inline u32 log2_floor(u64 v)
  * registered anything: nothing is a member yet.) */
 #define JOB_BY_CGROUP 1
 #define JOB_BY_TGID 2
+#ifndef JOB_PIN_DIR
 BPF_ARRAY(job_kinds, u32, 1);
+#endif
 
 /* The job slot of the task running now, or -1. Cgroup first: on v2 hosts that is the only lookup for members. */
 static inline int job_slot_current(void)
@@ -62,10 +82,17 @@ static inline int job_slot_current(void)
         u32 tgid = bpf_get_current_pid_tgid() >> 32;
         slot = job_of_tgid.lookup(&tgid);
     }
-    if (!slot)
+    if (!slot || *slot >= MAX_SLOTS)
         return -1;
-    return *slot < MAX_SLOTS ? (int)*slot : -1;
+#ifndef JOB_MEMBERSHIP
+    u64 *on = slots_on.lookup(&zero);
+    if (!on || !((*on >> *slot) & 1))
+        return -1;
+#endif
+    return (int)*slot;
 }
+
+#ifdef JOB_MEMBERSHIP
 
 /* Runs in the parent's context. args->parent_pid is the forking *thread*'s id, which is not a key when a worker
  * thread forks, so the parent's tgid comes from the helper instead. */
@@ -96,9 +123,6 @@ int job_exit(struct tracepoint__sched__sched_process_exit *args)
     /* Without group_dead the leader's exit ends membership; its other threads exit right after in practice. */
     job_of_tgid.delete(&tid);
 #endif
-#ifdef JOB_ON_EXIT_HOOK
-    job_exit_hook(tid);
-#endif
     return 0;
 }
 
@@ -107,11 +131,29 @@ int job_exit(struct tracepoint__sched__sched_process_exit *args)
 int job_exec(struct tracepoint__sched__sched_process_exec *args)
 {
     u32 old = args->old_pid, now = args->pid;
-    if (old != now) {
+    if (old != now)
         job_of_tgid.delete(&old);
-#ifdef JOB_ON_EXEC_HOOK
-        job_exec_hook(old, now);   /* a probe moves its own per-thread state from the old tid to the new */
-#endif
-    }
     return 0;
 }
+#endif /* JOB_MEMBERSHIP */
+
+#ifdef JOB_ON_EXIT_HOOK
+/* The probe's own exit program (sched:sched_process_exit), once per thread: its per-thread state goes. */
+int job_exit_probe(struct tracepoint__sched__sched_process_exit *args)
+{
+    job_exit_hook((u32)bpf_get_current_pid_tgid());
+    return 0;
+}
+#endif
+
+#ifdef JOB_ON_EXEC_HOOK
+/* The probe's own exec program (sched:sched_process_exec): a non-leader thread that execs takes the leader's pid;
+ * the probe moves its per-thread state from the old tid to the new. */
+int job_exec_probe(struct tracepoint__sched__sched_process_exec *args)
+{
+    u32 old = args->old_pid, now = args->pid;
+    if (old != now)
+        job_exec_hook(old, now);
+    return 0;
+}
+#endif

@@ -14,7 +14,7 @@
  * Oldest kernel: 4.18 (common.h). by_nr keys are never deleted, so an insert never reuses an element that holds
  *   other CPUs' old values (kernels before 5.10 did not zero them).
  * Cost: both programs run on every syscall of every task on the node, so the non-member path is the one that
- *   matters: enter does one inlined array read (member_mode) and one hash lookup (job_of_cgroup for a cgroup job,
+ *   matters: enter does one inlined array read (job_kinds) and one hash lookup (job_of_cgroup for a cgroup job,
  *   job_of_tgid for a PID tree, both only when both kinds are watched); exit does one hash lookup (inflight, by
  *   tid). A member's call adds an in-place write at enter and, at exit, one per-CPU array and one per-CPU hash
  *   lookup. Measured (6.18 VM, bpf_stats): ~100-130 ns per non-member syscall for both programs, ~210-270 ns per
@@ -30,8 +30,6 @@
 #define MAX_NR_KEYS 4096       /* (slot, nr) pairs: 64 syscalls per slot on average, far more than jobs use */
 #define MAX_INFLIGHT 65536
 
-#define BY_CGROUP 1            /* member_mode bits: which membership maps hold watched jobs */
-#define BY_TGID 2
 
 struct inflight_rec {
     u64 ts;                    /* sys_enter time; 0: not inside a syscall we are timing */
@@ -57,7 +55,6 @@ BPF_HASH(inflight, u32, struct inflight_rec, MAX_INFLIGHT);
 BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked below */
 BPF_PERCPU_HASH(by_nr, u32, struct nr_total, MAX_NR_KEYS);
 BPF_ARRAY(class_of, u32, NR_MAX + 1);
-BPF_ARRAY(member_mode, u32, 1);
 
 /* A thread killed inside a syscall (exit_group from another thread, a fatal signal) never reaches sys_exit. */
 #define JOB_ON_EXIT_HOOK
@@ -85,24 +82,11 @@ static inline void job_exec_hook(u32 old, u32 now)
 #endif
 
 
-/* job_slot_current() asks job_of_cgroup then job_of_tgid: two hash lookups for every non-member syscall on a node
- * that watches only PID trees (hybrid hosts). member_mode says which maps are in use, so a non-member costs one. */
+/* The job's slot of the calling thread: common.h's job_slot_current(), which asks only the membership maps in use
+ * on the node (job_kinds: one hash lookup for a non-member on a node that watches only PID trees). */
 static inline int syscall_slot(void)
 {
-    u32 zero = 0, *mode = member_mode.lookup(&zero), *slot = 0;
-    if (!mode)
-        return -1;
-    if (*mode & BY_CGROUP) {
-        u64 cg = bpf_get_current_cgroup_id();
-        slot = job_of_cgroup.lookup(&cg);
-    }
-    if (!slot && (*mode & BY_TGID)) {
-        u32 tgid = bpf_get_current_pid_tgid() >> 32;
-        slot = job_of_tgid.lookup(&tgid);
-    }
-    if (!slot)
-        return -1;
-    return *slot < MAX_SLOTS ? (int)*slot : -1;
+    return job_slot_current();
 }
 
 static inline int entered(long id)

@@ -1,4 +1,5 @@
-"""jobprobe's command line: run (attach and sample), probes (what can run here), read (decode a frame file).
+"""jobprobe's command line: run (attach and sample one job), agent (the node daemon) and its clients attach, detach,
+status and probes --job, probes (what can run here), read (decode a frame file), bench.
 
 Bad input gets one line on stderr and exit code 2; nothing deeper than this module exits the process.
 """
@@ -50,8 +51,47 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stdout", nargs="?", const="human", choices=["human", "json"],
                    help="a human line per tick (default when no --out), or 'json': one JSON frame per line")
 
-    sub.add_parser("probes", help="list every probe: default, fields and units, can it run here").add_argument(
-        "--json", action="store_true", help="as JSON")
+    pr = sub.add_parser("probes", help="list every probe: default, fields and units, can it run here; with --job, "
+                        "switch probes on or off for one attached job",
+                        usage="jobprobe probes [--json] | jobprobe probes --job JOB +x,-y")
+    pr.add_argument("--json", action="store_true", help="as JSON")
+    pr.add_argument("--job", metavar="JOB", help="an attached job: toggle its probes at run time")
+    pr.add_argument("toggle", nargs="?", metavar="+x,-y", help="with --job: probes to start (+) and stop (-)")
+    pr.add_argument("--toggle", dest="toggle_opt", help=argparse.SUPPRESS)
+    pr.add_argument("--socket", metavar="PATH", default=None, help="the agent's control socket")
+
+    ag = sub.add_parser("agent", help="the node agent: attach/detach jobs at run time over its control socket")
+    ag.add_argument("--config", metavar="FILE", default=None,
+                    help="TOML settings (default /etc/jobprobe/agent.toml if it exists); flags win")
+    ag.add_argument("--interval", type=float, metavar="S", help="seconds per tick (default 1.0)")
+    ag.add_argument("--probes", metavar="SPEC", help="default probes of attached jobs (as run's --probes)")
+    ag.add_argument("--out", metavar="DIR", help="each job's frames to DIR/<job>.mpk")
+    ag.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate each job's file when it passes MB")
+    ag.add_argument("--stdout", nargs="?", const="human", choices=["human", "json"], help="frames on stdout too")
+    ag.add_argument("--socket", metavar="PATH", help="control socket (default /run/jobprobe/agent.sock)")
+    ag.add_argument("--state", metavar="FILE", help="attached jobs, for a restart (default /run/jobprobe/jobs.json)")
+    ag.add_argument("--attach-wait", type=float, metavar="S",
+                    help="how long an attach waits for a job's processes to appear (default 30)")
+    ag.add_argument("--queue", type=int, metavar="N", help="frames a sink may hold before dropping (default 1024)")
+
+    at = sub.add_parser("attach", help="ask the agent to attach a job",
+                        usage="jobprobe attach (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID) "
+                              "[--job NAME] [--probes SPEC]")
+    atg = at.add_mutually_exclusive_group(required=True)
+    atg.add_argument("--cgroup", metavar="PATH")
+    atg.add_argument("--pid", type=int, metavar="PID")
+    atg.add_argument("--slurm-job", metavar="ID")
+    atg.add_argument("--k8s-pod", metavar="UID")
+    at.add_argument("--job", metavar="NAME")
+    at.add_argument("--probes", metavar="SPEC")
+    at.add_argument("--wait", type=float, metavar="S", help="wait up to S s for the job's processes (SLURM, pods)")
+    at.add_argument("--socket", metavar="PATH", default=None)
+    dt = sub.add_parser("detach", help="ask the agent to detach a job (after a last frame)")
+    dt.add_argument("job")
+    dt.add_argument("--socket", metavar="PATH", default=None)
+    st = sub.add_parser("status", help="the agent's jobs, each probe's status per job, the agent's own cost")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--socket", metavar="PATH", default=None)
 
     b = sub.add_parser("bench", help="benchmarks: what the probes cost a job")
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
@@ -85,6 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int)
     ev.add_argument("--json", metavar="FILE")
 
+    ba = bsub.add_parser("agent", help="the node agent with 1, 16, 64 jobs: ns per event, idle cost, attach "
+                         "latency, leaks over attach/detach cycles")
+    ba.add_argument("--jobs", default="1,16,64", help="numbers of attached jobs to measure (default 1,16,64)")
+    ba.add_argument("--n", type=int, default=50_000, help="pingpong round trips per measurement")
+    ba.add_argument("--idle-seconds", type=float, default=30.0)
+    ba.add_argument("--cycles", type=int, default=1000)
+    ba.add_argument("--probes", default="std", help="the agent's --probes (default: standard collection)")
+    ba.add_argument("--no-peer", action="store_true", help="without bcc's runqlat beside it")
+    ba.add_argument("--json", metavar="FILE")
+
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
@@ -101,7 +151,7 @@ def cmd_probes(args, host: Host) -> int:
         why = cls(host).check(host)
         rows.append({"name": name, "default": cls.default, "runs_here": why is None, "why_not": why,
                      "summary": cls.summary,
-                     "fields": {k: {"type": f.type, "unit": f.unit, "meaning": f.meaning}
+                     "fields": {k: {"type": f.type, "unit": f.unit, "kind": f.kind, "meaning": f.meaning}
                                 for k, f in cls.fields.items()}})
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -111,7 +161,7 @@ def cmd_probes(args, host: Host) -> int:
         print(f"{row['name']:<10} {'default on ' if row['default'] else 'default off'}  {state}")
         print(f"           {row['summary']}")
         for k, f in row["fields"].items():
-            print(f"             {k:<24} {f['type']:<9} {f['unit']:<8} {f['meaning']}")
+            print(f"             {k:<24} {f['type']:<9} {f['unit']:<8} {f['kind']:<9} {f['meaning']}")
     return 0
 
 
@@ -206,10 +256,12 @@ def make_target(args, command: list[str]):
 
 
 def cmd_run(args, command: list[str], host: Host) -> int:
+    """The agent with one job, in the foreground: the same job table, tick and sinks as `jobprobe agent`."""
     from exporters.file import FileExporter
+    from exporters.queued import QueuedSink
     from exporters.stdout import StdoutExporter
+    from jobprobe.agent import Agent, Config
     from jobprobe.registry import all_probes, parse_probes
-    from jobprobe.sampler import Sampler
     from jobprobe.target import CommandTarget
 
     if args.interval <= 0:
@@ -222,44 +274,133 @@ def cmd_run(args, command: list[str], host: Host) -> int:
             raise BadInput(f"not root: probes {', '.join(need)} need root (BPF, perf_event on cgroups); "
                            f"run as root or choose --probes {','.join(n for n in names if n not in need) or 'self'}")
     target = make_target(args, command)
-    exporters = []
+    sinks: list = []
+    agent = None
     try:
         if args.out:
             try:
-                exporters.append(FileExporter(args.out, args.out_max_mb))
+                sinks.append(QueuedSink(FileExporter(args.out, args.out_max_mb), "file"))
             except OSError as err:
                 raise BadInput(f"cannot write {args.out}: {err.strerror}") from err
         if args.stdout or not args.out:
-            exporters.append(StdoutExporter(args.stdout or "human"))
-        sampler = Sampler(target, [reg[n](host) for n in names], exporters, args.interval, host)
+            sinks.append(QueuedSink(StdoutExporter(args.stdout or "human"), "stdout"))
+        agent = Agent(Config(interval=args.interval), host)
 
         def on_signal(signum, _frame):
-            sampler.stop_event.set()
+            agent.stop_event.set()
             child = getattr(target, "proc_handle", None)
             if child is not None and child.poll() is None:
                 child.send_signal(signum)
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
-        try:
-            sampler.start()
-            child = None
-            if isinstance(target, CommandTarget):
-                child = target.launch()
-                # Wake the loop as soon as CMD exits, so its last partial interval is sampled at once.
-                threading.Thread(target=lambda: (child.wait(), sampler.stop_event.set()), daemon=True).start()
-            reason = sampler.run(args.duration)
-            if sampler.end_reason and not isinstance(target, CommandTarget):
-                # the job ended on its own (not a signal, not --duration, not CMD's exit): say so once
-                logging.getLogger("jobprobe").warning("job ended: %s", reason)
-        finally:
-            sampler.stop()
+        agent.attach_target(target, names, sinks=sinks)
+        child = None
+        if isinstance(target, CommandTarget):
+            child = target.launch()
+            # Wake the loop as soon as CMD exits, so its last partial interval is sampled at once.
+            threading.Thread(target=lambda: (child.wait(), agent.stop_event.set()), daemon=True).start()
+        agent.run(until=lambda: not agent.jobs, duration=args.duration)
+        ended = [r for r in agent.recent if r["job"] == target.job]
+        if ended and not isinstance(target, CommandTarget):
+            # the job ended on its own (not a signal, not --duration, not CMD's exit): say so once
+            logging.getLogger("jobprobe").warning("job ended: %s", ended[-1]["why"])
+        agent.close()
         if child is not None:
             child.wait()
             return child.returncode if child.returncode >= 0 else 128 - child.returncode
         return 0
     finally:
+        if agent is not None:
+            agent.close()
+        else:
+            for sink in sinks:
+                sink.close()
         target.close()
+
+
+# ---- the agent and its clients ------------------------------------------------------------------------------
+def socket_path(args) -> str:
+    from jobprobe.agent import Config
+    return args.socket or os.environ.get("JOBPROBE_SOCKET") or Config.socket
+
+
+def cmd_agent(args, host: Host) -> int:
+    from jobprobe.agent import DEFAULT_CONFIG, Agent, Config
+    from jobprobe.control import ControlServer
+    if not host.is_root:
+        raise BadInput("not root: the agent loads eBPF programs and serves a root-only socket; run it as root")
+    cfg = Config.load(args.config or DEFAULT_CONFIG,
+                      {"interval": args.interval, "probes": args.probes, "out": args.out,
+                       "out_max_mb": args.out_max_mb, "stdout": args.stdout, "socket": args.socket,
+                       "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue})
+    from jobprobe.registry import all_probes, parse_probes
+    parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
+    agent = Agent(cfg, host)
+    server = ControlServer(agent, cfg.socket)
+    server.start()
+
+    def on_signal(signum, _frame):
+        agent.stop_event.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, state in agent.preload().items():   # the node's programs: loaded once, before any job
+            logging.getLogger("jobprobe").info("%s: %s", name, state)
+        agent.persist = True
+        for r in agent.restore():
+            logging.getLogger("jobprobe").warning("restart: %s %s", r.get("job"), r.get("state"))
+        logging.getLogger("jobprobe").warning("agent ready on %s (run %s)", cfg.socket, agent.run_id)
+        agent.run()
+    finally:
+        server.close()
+        agent.close()
+    return 0
+
+
+def client_call(args, req: dict) -> dict:
+    from jobprobe.control import call
+    reply = call(socket_path(args), req)
+    if not reply.get("ok"):
+        raise BadInput(reply.get("error") or "the agent refused")
+    return reply
+
+
+def cmd_attach(args) -> int:
+    req = {"cmd": "attach", "cgroup": args.cgroup, "pid": args.pid, "slurm_job": args.slurm_job,
+           "k8s_pod": args.k8s_pod, "job": args.job, "probes": args.probes, "wait": args.wait}
+    r = client_call(args, {k: v for k, v in req.items() if v is not None})
+    extra = f": {r['why']}" if r.get("why") else (f" ({r['note']})" if r.get("note") else "")
+    if r["state"] == "pending":
+        extra = f" (waiting up to {r['waiting_s']:g} s for its processes: {r['why']})"
+    print(f"{r['job']}: {r['state']}{extra}")
+    return 0
+
+
+def cmd_detach(args) -> int:
+    r = client_call(args, {"cmd": "detach", "job": args.job})
+    print(f"{r['job']}: {r['state']}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    r = client_call(args, {"cmd": "status"})
+    if args.json:
+        print(json.dumps(r, indent=1, default=str))
+        return 0
+    a = r["agent"]
+    print(f"node {r['node']}  run {r['run']}  interval {r['interval']:g} s  agent pid {a['pid']}  "
+          f"{a['cpu_cores']:.4f} cores  {a['rss_bytes'] / 2**20:.1f} MiB")
+    for j in r["jobs"]:
+        print(f"  {j['job']}  slot {j['slot']}  frames {j['frames']}  {j['target']}")
+        for name, state in j["probes"].items():
+            print(f"      {name:<10} {state}")
+    for p in r["pending"]:
+        print(f"  {p['job']}  pending ({p['waiting_s']:g} s left): {p['why']}")
+    if not r["jobs"] and not r["pending"]:
+        print("  no jobs attached")
+    return 0
 
 
 def cmd_bench(args, command: list[str], host: Host) -> int:
@@ -273,6 +414,21 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(events.markdown(res))
+        return 0
+    if args.bench == "agent":
+        from pathlib import Path
+        from jobprobe.bench import agent as agent_bench
+        try:
+            counts = tuple(int(x) for x in args.jobs.split(","))
+        except ValueError:
+            raise BadInput(f"--jobs: numbers separated by commas, got {args.jobs!r}") from None
+        if not counts or min(counts) < 1 or max(counts) > 64:
+            raise BadInput("--jobs: each between 1 and 64 (the node's job slots)")
+        res = agent_bench.bench_agent(counts, args.n, args.idle_seconds, args.cycles, args.probes, not args.no_peer,
+                                      progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(agent_bench.markdown(res))
         return 0
     if not command:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
@@ -308,12 +464,29 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     logging.basicConfig(format="jobprobe: %(message)s", level=logging.WARNING, stream=sys.stderr)
     host = Host()
+    if argv[:1] == ["probes"]:   # a toggle such as "-sched" is a value, not an option
+        argv = [f"--toggle={a}" if a[:1] in "+-" and a[1:2].isalpha() else a for a in argv]
     try:
         args = build_parser().parse_args(argv)
         if command and args.cmd not in ("run", "bench"):
             raise BadInput("-- CMD is only for 'jobprobe run' and 'jobprobe bench'")
         if args.cmd == "probes":
+            args.toggle = args.toggle or args.toggle_opt
+            if args.job or args.toggle:
+                if not (args.job and args.toggle):
+                    raise BadInput("give both: jobprobe probes --job JOB +x,-y")
+                r = client_call(args, {"cmd": "probes", "job": args.job, "toggle": args.toggle})
+                print("\n".join(f"{r['job']}: {n} {st}" for n, st in r["probes"].items()))
+                return 0
             return cmd_probes(args, host)
+        if args.cmd == "agent":
+            return cmd_agent(args, host)
+        if args.cmd == "attach":
+            return cmd_attach(args)
+        if args.cmd == "detach":
+            return cmd_detach(args)
+        if args.cmd == "status":
+            return cmd_status(args)
         if args.cmd == "read":
             return cmd_read(args)
         if args.cmd == "bench":

@@ -1,9 +1,11 @@
 """Frames: one msgpack map per job per tick (schema v1, docs/FRAMES.md). Self-delimiting in a stream.
 
-Every frame: v, kind, node, job, seq (per node and job, from 0, no gaps), t (end of interval, UNIX s), dt (s).
+Every frame: v, kind, node, job, run (this agent run's id), seq (per node, job and run, from 0, no gaps), t (end of
+interval, UNIX s), dt (s). (node, job, run, seq) is unique across agent restarts.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import IO, Any, Iterator
 
@@ -14,6 +16,7 @@ from jobprobe.errors import JobprobeError
 SCHEMA_VERSION = 1
 KINDS = ("hello", "sample", "event", "stacks", "trace")
 REQUIRED = {"v": int, "kind": str, "node": str, "job": str, "seq": int, "t": (int, float), "dt": (int, float)}
+OPTIONAL = {"run": str}   # absent in files written before the run id: such frames are valid, just not keyed by run
 
 
 class MalformedFrame(JobprobeError):
@@ -24,15 +27,21 @@ class MalformedFrame(JobprobeError):
         self.offset = offset
 
 
-class FrameBuilder:
-    """Stamps frames for one node and job with consecutive seq numbers."""
+def new_run_id() -> str:
+    """16 hex digits, random: tells one agent run from another (a restart starts seq at 0 again)."""
+    return os.urandom(8).hex()
 
-    def __init__(self, node: str, job: str):
+
+class FrameBuilder:
+    """Stamps frames for one node and job with one run id and consecutive seq numbers (from 0)."""
+
+    def __init__(self, node: str, job: str, run: str | None = None):
         self.node, self.job, self.seq = node, job, 0
+        self.run = run or new_run_id()
 
     def _frame(self, kind: str, t: float, dt: float, **body: Any) -> dict:
-        f = {"v": SCHEMA_VERSION, "kind": kind, "node": self.node, "job": self.job, "seq": self.seq,
-             "t": round(t, 6), "dt": round(dt, 6), **body}
+        f = {"v": SCHEMA_VERSION, "kind": kind, "node": self.node, "job": self.job, "run": self.run,
+             "seq": self.seq, "t": round(t, 6), "dt": round(dt, 6), **body}
         self.seq += 1
         return f
 
@@ -57,6 +66,9 @@ def validate(frame: Any, offset: int | None = None) -> dict:
         if key not in frame:
             raise MalformedFrame(f"frame has no {key!r} field", offset)
         if not isinstance(frame[key], typ) or isinstance(frame[key], bool):
+            raise MalformedFrame(f"frame field {key!r} has type {type(frame[key]).__name__}", offset)
+    for key, typ in OPTIONAL.items():
+        if key in frame and not isinstance(frame[key], typ):
             raise MalformedFrame(f"frame field {key!r} has type {type(frame[key]).__name__}", offset)
     if frame["kind"] not in KINDS:
         raise MalformedFrame(f"unknown frame kind {frame['kind']!r}", offset)

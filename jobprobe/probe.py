@@ -1,7 +1,8 @@
 """The probe contract (DESIGN.md). Each probe is one module in probes/, found by the registry by its `name`."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import re
+from typing import Any, Iterable, NamedTuple
 
 from jobprobe.host import Host
 from jobprobe.target import Target
@@ -12,12 +13,64 @@ from jobprobe.target import Target
 EVENTS_KEY = "_events"
 
 
+# What a field's value is, for a reader that aggregates frames (docs/FRAMES.md, "Kinds of field"):
+#   counter   what happened within the interval (a delta): sum it over frames, divide by dt for a rate
+#   gauge     a value at t (or the device's own average over its last period, a ratio, a percentile): never sum it
+#   histogram a log2 bucket list of the periods that ended in the interval: add bucket by bucket
+#   info      a label, id, flag or structure: compare or group by it, never do arithmetic on it
+FIELD_KINDS = ("counter", "gauge", "histogram", "info")
+
+# The inferred kind (infer_kind); a field it gets wrong says its kind= in its declaration.
+_INFO_TYPES = {"str", "bool", "list[str]", "map", "list[map]"}   # labels, flags; a list[map]'s records have
+                                                                  # their keys declared as `name[].key`
+_INFO_UNITS = {"—", "", "bitmask"}                                # a number without a unit is an id; bits are a set
+_GAUGE_UNITS = {"%", "ratio", "cores", "1/s", "bytes/s", "MHz", "mW", "°C"}  # ratios, rates, states: never deltas
+_GAUGE_NAME = re.compile(r"_p\d+_[a-z]+$"          # a percentile of the interval's histogram (runq_lat_p99_us)
+                         r"|(^|_)(mem|rss)(_\w+)?_bytes$"   # memory held now, or its peak (mem_peak_bytes)
+                         r"|(^|_)n?procs$")          # processes present now (nprocs, job_procs)
+
+
+def infer_kind(name: str, field: "Field") -> str:
+    """The kind a field declared as `name` most likely has, from its type, unit and name (the last part of a
+    nested name, `gpus[].temp_c` → `temp_c`): a log2 list is a histogram; a string, flag, list of strings, map,
+    list of maps, id (no unit) or bitmask is info; a ratio, rate, clock, power, temperature, percentile, memory
+    size or process count is a gauge; any other number is a counter (a per-interval delta)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if field.type == "list[int]" and leaf.endswith("_log2"):
+        return "histogram"
+    if field.type in _INFO_TYPES or field.unit in _INFO_UNITS:
+        return "info"
+    if field.unit in _GAUGE_UNITS or _GAUGE_NAME.search(leaf):
+        return "gauge"
+    return "counter"
+
+
 class Field(NamedTuple):
-    """One field a probe emits: msgpack type, unit, meaning. docs/FRAMES.md lists every one of them."""
+    """One field a probe emits: msgpack type, unit, meaning, kind. docs/FRAMES.md lists every one of them.
+
+    `kind` left out is inferred from the declaration (infer_kind) when the probe class is made; say it where the
+    inference would be wrong (a running total, a count of things present now)."""
 
     type: str     # int | float | bool | str | list[int] | list[str] | list[map] | map
     unit: str     # ns, bytes, count, ratio, us, ...
     meaning: str
+    kind: str = ""  # counter | gauge | histogram | info (FIELD_KINDS); "" → infer_kind
+
+
+def resolve_kinds(fields: dict[str, Field]) -> dict[str, Field]:
+    """`fields` with every kind filled in (declared, else inferred). A kind not in FIELD_KINDS is a declaration
+    bug: TypeError, when the probe's class is made."""
+    out = {k: f if f.kind else f._replace(kind=infer_kind(k, f)) for k, f in fields.items()}
+    bad = [f"{k}: {f.kind!r}" for k, f in out.items() if f.kind not in FIELD_KINDS]
+    if bad:
+        raise TypeError(f"field kind not one of {', '.join(FIELD_KINDS)}: {', '.join(bad)}")
+    return out
+
+
+def schema_of(probes: Iterable[Any]) -> dict[str, dict[str, dict[str, str]]]:
+    """{probe: {field: {type, unit, kind}}} of probes (instances or classes), for the hello frame."""
+    return {p.name: {k: {"type": f.type, "unit": f.unit, "kind": f.kind} for k, f in p.fields.items()}
+            for p in probes}
 
 
 class Probe:
@@ -26,6 +79,13 @@ class Probe:
     needs_root = False            # does start() need root (BPF, cgroup perf counters)?
     summary = ""                  # one line for `jobprobe probes`
     fields: dict[str, Field] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """Every declared field gets its kind here, once: the declared one, else the inferred one."""
+        super().__init_subclass__(**kw)
+        resolved = resolve_kinds(cls.fields)
+        if resolved != cls.fields:
+            cls.fields = resolved
 
     def __init__(self, host: Host | None = None):
         self.host = host or Host()

@@ -12,7 +12,7 @@ from jobprobe import __version__
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.frame import FrameBuilder, encode
 from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, Probe
+from jobprobe.probe import EVENTS_KEY, Probe, schema_of
 from jobprobe.target import Target
 
 log = logging.getLogger("jobprobe.sampler")
@@ -25,14 +25,14 @@ def _reason(err: BaseException) -> str:
 
 class Sampler:
     def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
-                 host: Host | None = None, clock: Callable[[], float] = time.monotonic):
+                 host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None):
         self.target = target
         self.probes = {p.name: p for p in probes}
         self.exporters = list(exporters)
         self.interval = float(interval)
         self.host = host or Host()
         self.clock = clock
-        self.builder = FrameBuilder(self.host.node, target.job)
+        self.builder = FrameBuilder(self.host.node, target.job, run)
         self.status: dict[str, str] = {}
         self.running: dict[str, Probe] = {}
         self.stop_event = threading.Event()
@@ -66,7 +66,8 @@ class Sampler:
                 self.status[name] = f"unavailable: {whys[name]}"
         self._last = self.clock()
         hello = self.builder.hello(kernel=self.host.kernel, version=__version__, interval=self.interval,
-                                   target=self.target.describe(), probes=dict(self.status))
+                                   target=self.target.describe(), probes=dict(self.status),
+                                   schema=schema_of(self.running.values()))
         self._emit(hello)
         return hello
 
@@ -79,6 +80,26 @@ class Sampler:
                 exp.close()
             except Exception:
                 log.exception("exporter %s failed to close", exp)
+
+    def enable(self, probe: Probe) -> str:
+        """Start one more probe for this job while it runs (a per-job toggle); its status, said in the next
+        frame. A probe already running stays as it is."""
+        if probe.name in self.running:
+            return self.status[probe.name]
+        self.probes[probe.name] = probe
+        why = self._start_one(probe.name, probe)
+        if why is None:
+            self.running[probe.name] = probe
+            self._note(probe.name, probe)
+        else:
+            self.status[probe.name] = f"unavailable: {why}"
+        return self.status[probe.name]
+
+    def disable(self, name: str) -> None:
+        """Stop one probe for this job only (the others, and other jobs, go on); frames then say "off"."""
+        self._stop_probe(name)
+        self.probes.pop(name, None)
+        self.status[name] = "off"
 
     def _note(self, name: str, probe: Probe) -> None:
         """status "ok", or "ok: <what it waits for>" while a running probe has nothing to count yet."""

@@ -41,6 +41,7 @@ NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wr
 # include/uapi/linux/bpf.h: enum bpf_cmd, enum bpf_map_type, update flags
 MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
 PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13
+OBJ_PIN = 6
 OBJ_GET_INFO_BY_FD = 15
 MAP_LOOKUP_BATCH = 24
 LINK_CREATE = 28
@@ -84,6 +85,17 @@ class LinkCreateAttr(ct.Structure):
 class IdAttr(ct.Structure):
     """union bpf_attr for PROG_GET_NEXT_ID / PROG_GET_FD_BY_ID."""
     _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
+
+
+class PinAttr(ct.Structure):
+    """union bpf_attr for OBJ_PIN."""
+    _fields_ = [("pathname", ct.c_uint64), ("bpf_fd", ct.c_uint32), ("file_flags", ct.c_uint32)]
+
+
+def obj_pin(fd: int, path: str) -> None:
+    """Pin a map or program at `path` in a mounted bpffs."""
+    buf = ct.create_string_buffer(path.encode())
+    sys_bpf(OBJ_PIN, PinAttr(pathname=ct.addressof(buf), bpf_fd=fd))
 
 
 class InfoAttr(ct.Structure):
@@ -430,20 +442,24 @@ def build(name: str, meta: dict[str, Any], fds: list[int], ncpus: int, loader_pi
 
 def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]], text: str | None = None,
          timeout: float = 120.0, sys_root: str = "/sys",
-         cgroups: Sequence[tuple[str, str, str]] = (), uprobes: Sequence[str] = ()) -> Loaded:
+         cgroups: Sequence[tuple[str, str, str]] = (), uprobes: Sequence[str] = (),
+         pinned: dict[str, int] | None = None) -> Loaded:
     """Compile bpf/<name>.c (or `text`), attach each (tracepoint "category:event" or "raw:category:event", function)
     in order, then each (function, cgroup2 directory, hook in CGROUP_HOOKS) through a BPF link, load each function
     of `uprobes` as a
     BPF_PROG_TYPE_KPROBE program WITHOUT attaching it (the caller attaches it to uprobes through perf_event_open,
     probes/cuda.py: which files to probe is only known later), and return the fds. Raises
     ProbeUnavailable with the compiler's or verifier's last lines; then no fd is left open here and nothing stays
-    attached (the loader's own fds die with it)."""
+    attached (the loader's own fds die with it). `pinned`: maps the caller holds ({name: fd}: the node's membership
+    maps) that the module declares with BPF_TABLE_PINNED; the loader inherits the fds and pins them where only it
+    can see them."""
     text = bpf.source(name) if text is None else text
     for _, _, hook in cgroups:
         if hook not in CGROUP_HOOKS:
             raise ValueError(f"unknown cgroup hook {hook!r}; known: {', '.join(CGROUP_HOOKS)}")
     request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints],
-                          "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes)})
+                          "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes),
+                          "pinned": dict(pinned or {})})
     what = f"cannot load bpf/{name}.c"
     root = str(Path(__file__).resolve().parent.parent)   # so that `-m probes._bpf_loader` imports from any cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -454,7 +470,7 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
             with theirs:
                 proc = subprocess.Popen([sys.executable, "-m", "probes._bpf_loader", str(theirs.fileno())],
                                         stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                        pass_fds=(theirs.fileno(),))
+                                        pass_fds=(theirs.fileno(), *(pinned or {}).values()))
             try:
                 proc.communicate(request.encode(), timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -2,7 +2,12 @@
 
 Run by probes/_bpf.load() as `python -m probes._bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
-"cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…]}; compiles it with bcc,
+"cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…}};
+with "pinned" (maps the agent already holds, passed as inherited fds: the node's membership maps), it first moves to
+a mount namespace of its own, mounts a bpffs there, pins each fd under its name and compiles with
+-DJOB_PIN_DIR="<that dir>", so that the module's BPF_TABLE_PINNED declarations (bpf/common.h) open those very maps;
+the namespace, the mount and the pins vanish with this process, and nothing stays in the kernel but what the agent
+holds by fd. Then it compiles with bcc,
 attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
 detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
@@ -53,14 +58,42 @@ def describe_maps(lib: Any, module: int) -> list[dict[str, Any]]:
     return out
 
 
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+
+
+def pin_shared(pinned: dict[str, int]) -> str:
+    """Pin the inherited map fds in a bpffs of this process's own mount namespace; returns the directory."""
+    import tempfile
+
+    from probes._bpf import obj_pin
+    libc = ct.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ct.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    # Private propagation first, so that the bpffs mounted below is never seen in the host's namespace.
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+    where = tempfile.mkdtemp(prefix="jobprobe-pins-")
+    check(libc.mount(b"bpf", where.encode(), b"bpf", 0, None), f"mount bpffs on {where}")
+    for name, fd in pinned.items():
+        obj_pin(fd, f"{where}/{name}")
+    return where
+
+
 def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
     from probes._bpf import CGROUP_HOOKS, RAW, attach_cgroup
 
+    cflags = list(req["cflags"])
+    if req.get("pinned"):
+        cflags.append(f'-DJOB_PIN_DIR="{pin_shared(req["pinned"])}"')
     # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
-    b = BPF(text=req["text"].encode(), cflags=list(req["cflags"]))
+    b = BPF(text=req["text"].encode(), cflags=cflags)
     fds: list[int] = []
     progs: dict[str, int] = {}
     links = []

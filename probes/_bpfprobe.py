@@ -1,54 +1,35 @@
-"""BpfProbe: what every eBPF probe shares — loading through probes._bpf, the job-membership maps of bpf/common.h
-kept current, and cumulative per-slot readings turned into per-interval deltas.
+"""BpfProbe: what every eBPF probe shares — loading through probes._bpf against the node's membership maps
+(probes/_membership.py), a slot per job, and cumulative per-slot readings turned into per-interval deltas.
 
-A probe subclasses it with: `bpf_name` (its bpf/<name>.c), `handlers` (its own (tracepoint, function) pairs; the
-membership handlers job_fork/job_exit/job_exec are attached first, so forks are followed before the job is registered),
+A probe subclasses it with: `bpf_name` (its bpf/<name>.c), `handlers` (its own (tracepoint, function) pairs; a
+module that defines JOB_ON_EXIT_HOOK / JOB_ON_EXEC_HOOK also gets its job_exit_probe / job_exec_probe program),
 `map_types` (ctypes key/value types of its own maps), `reading()` (cumulative counters of its slot) and
 `interval(now, before)` (the frame fields of one interval).
+Node and jobs: a probe instance serves one job. Given a `node` (the agent's), it takes the job's slot from it and, if
+the probe class says `shared_load = True` (its sample reads and sweeps only its own slot's state), uses the one
+load of its programs that serves every job of the node; otherwise it loads its own copy, still against the node's
+membership maps. Without a node (a probe used on its own) it makes a private one and closes it at stop.
 """
 from __future__ import annotations
 
 import array
-import contextlib
 import ctypes as ct
 import importlib.util
-from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
+from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, Probe
 from jobprobe.target import Target
 from probes import _bpf
-
-JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits
-MEMBERSHIP = (("sched:sched_process_fork", "job_fork"), ("sched:sched_process_exit", "job_exit"),
-              ("sched:sched_process_exec", "job_exec"))
-
-
-def exit_has_group_dead(sys_root: str = "/sys") -> bool:
-    """Whether sched_process_exit carries group_dead (recent kernels), read from the tracepoint's format file."""
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            return "group_dead" in Path(sys_root, base, "events/sched/sched_process_exit/format").read_text()
-        except OSError:
-            continue
-    return False
-
-
-def proc_gone(proc: str, pid: int) -> bool:
-    """True when pid has exited: no /proc entry, or a zombie/dead task (its exit tracepoint has fired)."""
-    try:
-        stat = Path(proc, str(pid), "stat").read_bytes()
-    except OSError:
-        return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
-
+from probes._membership import (JOB_BY_CGROUP, JOB_BY_TGID, MEMBERSHIP, Node,  # noqa: F401  (re-exported)
+                                exit_has_group_dead, proc_gone)
 
 MISSED = "bpf_missed"
 MISSED_FIELD = Field("int", "count", "runs of this probe's BPF programs that the kernel skipped in the interval, "
                      "node-wide (recursion_misses: an event that fired while another BPF program was running on its "
-                     "CPU); 0: every event was seen. Always 0 before Linux 5.12, which does not count them")
+                     "CPU); 0: every event was seen. Always 0 before Linux 5.12, which does not count them",
+                     kind="counter")
 
 
 class BpfProbe(Probe):
@@ -57,6 +38,7 @@ class BpfProbe(Probe):
     handlers: tuple[tuple[str, str], ...] = ()
     map_types: dict[str, tuple[Any, Any]] = {}
     cflags: tuple[str, ...] = ()
+    shared_load = False          # True: one load serves every job of the node (see the module docstring)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Every eBPF probe reports how many of its events the kernel did not run it for (MISSED_FIELD): the
@@ -65,12 +47,14 @@ class BpfProbe(Probe):
         if "fields" in cls.__dict__ and MISSED not in cls.fields:
             cls.fields = {**cls.fields, MISSED: MISSED_FIELD}
 
-    def __init__(self, host: Host | None = None, slot: int = 0):
+    def __init__(self, host: Host | None = None, node: Node | None = None):
         super().__init__(host)
-        self.slot = slot          # job slot in the membership maps (one job per probe instance for now)
+        self.node = node
+        self.slot = -1            # the job's slot in the node's membership maps, while started
         self.loaded: _bpf.Loaded | None = None   # fds of programs, attachments and maps while started
         self.target: Target | None = None
-        self._cg_ids: set[int] = set()
+        self._own_node: Node | None = None
+        self._load_key: Any = None
         self._last: Any = None
         self._missed = 0
 
@@ -81,6 +65,9 @@ class BpfProbe(Probe):
 
     def interval(self, now: Any, before: Any) -> dict[str, Any]:
         raise NotImplementedError
+
+    def prepare(self, loaded: _bpf.Loaded) -> None:
+        """Once per load, before any job counts: fill the module's own tables (syscalls' class table)."""
 
     def slot_totals(self, map_name: str = "stats") -> dict[str, Any]:
         """This slot's per-CPU struct of u64 counters (scalars and arrays) summed over CPUs: {field: int or list}.
@@ -94,15 +81,28 @@ class BpfProbe(Probe):
             i += n
         return out
 
+    def hook_handlers(self) -> tuple[tuple[str, str], ...]:
+        """The module's own exit / exec programs, where its C keeps per-thread state (bpf/common.h)."""
+        import bpf
+        text = bpf.source(self.bpf_name) if self.bpf_name else ""
+        out = []
+        if "#define JOB_ON_EXIT_HOOK" in text:
+            out.append(("sched:sched_process_exit", "job_exit_probe"))
+        if "#define JOB_ON_EXEC_HOOK" in text:
+            out.append(("sched:sched_process_exec", "job_exec_probe"))
+        return tuple(out)
+
     def all_handlers(self) -> tuple[tuple[str, str], ...]:
-        return MEMBERSHIP + tuple(self.handlers)
+        """What this probe's module attaches: its hooks, then its exit/exec programs (membership itself is the
+        node's: MEMBERSHIP, once)."""
+        return tuple(self.handlers) + self.hook_handlers()
 
     # ---- the contract ------------------------------------------------------------------------------------
     def check(self, host: Host) -> str | None:
         why = super().check(host)
         if why:
             return why
-        missing = [tp for tp, _ in self.all_handlers()
+        missing = [tp for tp, _ in MEMBERSHIP + self.all_handlers()
                    if not host.tracepoint_exists(*tp.removeprefix(_bpf.RAW).split(":"))]
         if missing:
             return f"tracepoint {missing[0]} not found in tracefs"
@@ -111,29 +111,67 @@ class BpfProbe(Probe):
         return None
 
     def base_cflags(self) -> list[str]:
-        cflags = ["-w", *self.cflags]
-        if exit_has_group_dead(self.host.sys):
-            cflags.append("-DJOB_EXIT_HAS_GROUP_DEAD")
-        return cflags
+        return ["-w", *self.cflags]
+
+    def pinned(self) -> dict[str, int]:
+        """The node's membership maps, for the loader (bpf/common.h JOB_PIN_DIR)."""
+        return self.node_in_use().pinned()
+
+    def node_in_use(self) -> Node:
+        node = self.node or self._own_node
+        if node is None:
+            raise RuntimeError("BpfProbe: not started")
+        return node
 
     def load(self, target: Target) -> _bpf.Loaded:
         """Compile and attach in a loader subprocess; ProbeUnavailable carries the compiler/verifier's words. A
         probe that attaches more than tracepoints (cgroup programs, uprobes) overrides this."""
-        return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys)
+        return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
+                         pinned=self.pinned())
+
+    def _load_typed(self, target: Target) -> _bpf.Loaded:
+        loaded = self.load(target)
+        try:
+            maps = loaded.maps
+            maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
+            maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
+            maps["job_kinds"].typed(ct.c_uint32, ct.c_uint32)
+            maps["slots_on"].typed(ct.c_uint32, ct.c_uint64)
+            for name, (key, value) in self.map_types.items():
+                maps[name].typed(key, value)
+            self.prepare(loaded)
+        except BaseException:
+            loaded.close()
+            raise
+        return loaded
+
+    def load_key(self) -> Any:
+        return (type(self), tuple(self.base_cflags()), self.all_handlers()) if self.shared_load \
+            else (type(self), id(self))
+
+    def preload(self, target: Target | None = None) -> bool:
+        """Load this probe's shared programs into the node now (the agent's start), so that attaching a job later
+        compiles nothing. False for a probe whose programs are per job (shared_load False)."""
+        if not self.shared_load or self.node is None:
+            return False
+        self.node.shared(self.load_key(), lambda: self._load_typed(target))
+        self.node.unshare(self.load_key())     # kept: the agent's node keeps its loads
+        return True
 
     def start(self, target: Target) -> None:
         self.target = target
         try:
-            self.loaded = self.load(target)
-            maps = self.loaded.maps
-            maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
-            maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
-            maps["job_kinds"].typed(ct.c_uint32, ct.c_uint32)
-            for name, (key, value) in self.map_types.items():
-                maps[name].typed(key, value)
-            self._register()
+            if self.node is None:
+                self._own_node = Node(self.host)
+            node = self.node_in_use()
+            self.slot = node.attach(target)
+            self._load_key = self.load_key()
+            shared = node.shared(self._load_key, lambda: self._load_typed(target), keep=self.shared_load)
+            self.loaded = shared.loaded
+            self.release()                  # a slot reused: nothing of its last job is left
             self._last = self.reading()
             self._missed = self.missed_total()
+            shared.set_slot(self.slot, True)
         except ProbeUnavailable:
             self.stop()
             raise
@@ -158,64 +196,54 @@ class BpfProbe(Probe):
             return 0
         return sum(s.recursion_misses for s in self.loaded.prog_stats().values())
 
+    def release(self) -> None:
+        """Take this slot's state out of the module's maps: the per-slot counters zeroed, every entry whose value
+        names the slot deleted (per-thread records of the job's threads)."""
+        if self.loaded is None or self.slot < 0:
+            return
+        for name, (_, value) in self.map_types.items():   # records first: they may still add to the counters
+            if value is not None and name != "stats" and any(f == "slot" for f, _ in getattr(value, "_fields_", ())):
+                table = self.loaded.maps[name]
+                for key, val in table.items():
+                    if val.slot == self.slot:
+                        table.delete(key)
+        if "stats" in self.map_types:
+            table, value = self.loaded.maps["stats"], self.map_types["stats"][1]
+            table.update(self.slot, [value()] * table.ncpus if table.percpu else value())
+
     def stop(self) -> None:
-        """Detach every tracepoint, close program and map fds. Idempotent."""
+        """Stop counting for the job, release its slot's state and the load (its programs detach when no job
+        uses them), the job's membership (when no other probe of the job holds it). Idempotent."""
+        node = self.node or self._own_node
         loaded, self.loaded = self.loaded, None
-        self._cg_ids, self.target = set(), None
-        if loaded is not None:
-            loaded.close()
+        if node is not None and loaded is not None:
+            shared = node.loads.get(self._load_key)
+            if shared is not None:
+                shared.set_slot(self.slot, False)
+            self.loaded = loaded
+            try:
+                self.release()
+            except OSError:
+                pass
+            self.loaded = None
+            node.unshare(self._load_key)
+        if node is not None and self.target is not None and self.slot >= 0:
+            node.detach(self.target)
+        self.slot, self.target = -1, None
+        if self._own_node is not None:
+            self._own_node.close()
+            self._own_node = None
 
-    # ---- job membership (bpf/common.h) -------------------------------------------------------------------
-    def _register(self) -> None:
-        """Put the job's cgroups or processes in the membership maps. For a PID tree, the in-kernel fork handler
-        follows forks only of processes already in the map, so the tree is scanned again afterwards to catch
-        children forked between the first scan and the insert."""
-        target = self.target
-        if target is None:
-            return
-        kinds = self.loaded.maps["job_kinds"]
-        kinds.update(0, (kinds.lookup(0) or 0) | (JOB_BY_CGROUP if target.kind == "cgroup" else JOB_BY_TGID))
-        if target.kind == "cgroup":
-            self._sync_cgroups()
-            return
-        self._add_pids(target.pids())
-        with contextlib.suppress(TargetGone):  # every process already exited: nothing more to add
-            target.refresh()
-        self._add_pids(target.pids())
-
+    # ---- job membership (probes/_membership.py) ----------------------------------------------------------
     def sync_members(self) -> None:
         """What the kernel cannot see by itself (a cgroup made after attach, a SLURM step started by slurmstepd
-        outside the tree) has been found by the target's refresh: add it."""
-        if self.target is None:
-            return
-        if self.target.kind == "cgroup":
-            self._sync_cgroups()
-        else:
-            self._add_pids(self.target.pids())
-
-    def _sync_cgroups(self) -> None:
-        """Add ids of groups created since the last call (new steps, sub-containers), drop those removed."""
-        table = self.loaded.maps["job_of_cgroup"]
-        ids = set(self.target.cgroup_ids())
-        for cg in ids - self._cg_ids:
-            table.update(cg, self.slot)
-        for cg in self._cg_ids - ids:
-            table.delete(cg)
-        self._cg_ids = ids
-
-    def _add_pids(self, pids: list[int]) -> None:
-        table = self.loaded.maps["job_of_tgid"]
-        for pid in pids:
-            if pid in table:
-                continue
-            table.update(pid, self.slot)
-            # Insert first, then look: a process that exits after the look finds its key and deletes it in the
-            # kernel; one that exited before it is removed here. Either way no stale key stays.
-            if proc_gone(self.host.proc, pid):
-                table.delete(pid)
+        outside the tree) has been found by the target's refresh: add it (once per tick for the job)."""
+        if self.target is not None:
+            self.node_in_use().sync(self.target)
 
     def members(self) -> set[int]:
         """tgids (and member threads' tids) in the kernel's job_of_tgid map for this probe's slot."""
-        if self.loaded is None:
+        node = self.node or self._own_node
+        if node is None or self.slot < 0:
             return set()
-        return {k for k, v in self.loaded.maps["job_of_tgid"].items() if v == self.slot}
+        return node.members(self.slot)

@@ -3,22 +3,35 @@
 Measures, per interval, for requests the job submitted: completed read and write requests (as the device saw
 them, after merges), their exact bytes (partial completions included), errors, and the device latency (issue →
 completion) as a log2 µs histogram with sum, p50 and p99.
-Hooks: eBPF on tracepoints block:block_io_start (6.5+; else block:block_bio_queue with block_bio_backmerge and
-block_split), block_bio_frontmerge, block_rq_merge, block_rq_issue, block_rq_complete (bpf/blockio.c), plus
-fork/exit of bpf/common.h. The owner is decided at submission, in the submitting task's context, and found again
-at issue and completion by (dev, sector). Only tracepoint arguments are read, never struct request.
-Oldest kernel: 4.18; the block_io_start mode needs 6.5 (chosen when the tracepoint exists).
-Cost (bpf_stats, 6.18 VM, 4 KiB O_DIRECT reads on a loop device): a request of the job ~0.65-1.5 µs in all
-(submit hook 370-810 ns, most of it the LRU insert; issue ~100 ns; completion 180-630 ns); any other request of
-the node ~0.35-0.6 µs (submit 75-160 ns, issue and completion one missed lookup each). sample(): one per-CPU map
-lookup (~125 µs of Python); every SWEEP_NS a walk of the in-flight map (~45 µs when empty) drops entries older
-than STALE_NS (requests that never complete, e.g. on a removed device), counted in inflight_expired.
+Hooks: eBPF on block:block_io_start (6.5+; else block:block_bio_queue with block_bio_backmerge and block_split),
+block_bio_frontmerge, block_rq_merge, block_rq_issue, block_rq_complete (bpf/blockio.c), plus fork/exit of
+bpf/common.h. The owner is decided at submission, in the submitting task's context, and found again at issue and
+completion by (dev, sector). Raw tracepoint programs where the kernel has them (4.17) and its BTF
+(/sys/kernel/btf/vmlinux) gives the 5.11+ prototypes and the offsets of the struct request/bio/gendisk fields they
+read (raw_cflags); else classic tracepoint programs on the format records (classic_why says why). Why raw: the
+kernel skips a classic program whenever any classic/kprobe BPF program is already running on its CPU, and a
+block_rq_complete in softirq keeps interrupting submit/issue programs under load (12-20k completions missed in 10 s
+of fio inside and outside the job, bytes short); a raw program is skipped only when it would re-enter itself.
+Oldest kernel: 4.18 (classic); raw programs 5.11 with BTF; the block_io_start mode 6.5 (chosen when it exists).
+Cost (bpf_stats, 6.18 VM, 4 KiB O_DIRECT on a loop device, raw programs): a request of the job ~1.1-1.4 µs in all
+(per-run averages over its and others' requests: submit hook 455-550 ns, issue 325-360 ns, completion 360-490 ns);
+any other request of the node less: its issue and completion are each 4-5 field reads and one missed lookup.
+Classic programs ran 140-280 ns each, but that excludes the kernel filling the tracepoint's record for them (the
+rwbs string, the command), which raw programs do not need.
+sample(): one per-CPU map lookup (~125 µs of Python); every SWEEP_NS a walk of the in-flight map (~45 µs when empty)
+drops entries older than STALE_NS (requests that never complete, e.g. on a removed device), counted in
+inflight_expired. Start: ~70 ms more to index the kernel's BTF.
 Not the job's, by design: buffered writes flushed later by writeback kworkers, the filesystem journal (jbd2),
 I/O on bio-based devices (dm, md, zram: no requests) — only their lower devices' requests are seen.
+bpf_missed can still be nonzero: with classic programs (no raw tracepoints or BTF); with raw ones only when a
+completion in hard-irq context (multi-queue devices, e.g. NVMe) interrupts on_rq_complete_raw already running on
+that CPU for another completion (softirq or task context); and the classic membership hooks of bpf/common.h (task
+context) if a classic/kprobe BPF program is running under them on their CPU.
 """
 from __future__ import annotations
 
 import ctypes as ct
+import struct
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,7 +40,9 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from jobprobe.target import Target
-from probes._bpfprobe import MEMBERSHIP, BpfProbe
+from probes._bpf import RAW
+from probes._bpfprobe import BpfProbe
+from probes._membership import Node
 
 NBUCKETS = 27                 # bpf/blockio.c NBUCKETS
 DIRS = ("read", "write")      # bpf/blockio.c OP_READ, OP_WRITE: the index into slot_stats.dir
@@ -51,6 +66,28 @@ BY_MODE = {
 }
 # Without these the counts stay right; their stale entries are left to the sweep and the LRU.
 OPTIONAL = {"block:block_rq_merge", "block:block_bio_frontmerge", "block:block_bio_backmerge", "block:block_split"}
+
+# Raw tracepoint programs (bpf/blockio.c RAW_BLOCK) get the tracepoints' C arguments. The prototypes they are written
+# for (5.11+: no request_queue argument), checked against the running kernel's BTF (its btf_trace_<event> typedefs,
+# 5.5+); any other shape and the classic programs are used.
+RAW_PROTOS = {
+    "block_rq_complete": ("struct request *", "blk_status_t", "unsigned int"),
+    "block_rq_issue": ("struct request *",), "block_rq_merge": ("struct request *",),
+    "block_io_start": ("struct request *",), "block_bio_frontmerge": ("struct bio *",),
+    "block_bio_backmerge": ("struct bio *",), "block_bio_queue": ("struct bio *",),
+    "block_split": ("struct bio *", "unsigned int"),
+}
+# -D<name>=<byte offset> for bpf/blockio.c: (struct, member path, size in bytes), from the running kernel's BTF, never
+# from the compiled headers (which need not be this kernel's: here 6.12 headers on a 6.18 kernel).
+RAW_OFFSETS = {
+    "RQ_Q": ("request", "q", 8), "RQ_SECTOR": ("request", "__sector", 8),
+    "RQ_DATA_LEN": ("request", "__data_len", 4), "RQ_CMD_FLAGS": ("request", "cmd_flags", 4),
+    "Q_DISK": ("request_queue", "disk", 8),
+    "DISK_MAJOR": ("gendisk", "major", 4), "DISK_FIRST_MINOR": ("gendisk", "first_minor", 4),
+    "BIO_BDEV": ("bio", "bi_bdev", 8), "BIO_OPF": ("bio", "bi_opf", 4),
+    "BIO_SECTOR": ("bio", "bi_iter.bi_sector", 8), "BIO_SIZE": ("bio", "bi_iter.bi_size", 4),
+    "BDEV_DISK": ("block_device", "bd_disk", 8),
+}
 
 
 class RqKey(ct.Structure):
@@ -114,6 +151,127 @@ def plan(sys_root: str, mode: str) -> tuple[list[tuple[str, str]], str | None]:
     return out, None
 
 
+class Btf:
+    """The type information of the running kernel (/sys/kernel/btf/vmlinux; include/uapi/linux/btf.h): struct
+    member offsets and tracepoint prototypes. One pass indexes the ~130k types (~70 ms)."""
+    FIXED = {1: 4, 3: 12, 14: 4, 17: 4}                       # bytes after a btf_type, per kind
+    PER_MEMBER = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}  # ... and per vlen item
+    INT, PTR, STRUCT, UNION, ENUM, TYPEDEF, FUNC_PROTO, ENUM64 = 1, 2, 4, 5, 6, 8, 13, 19
+    QUALIFIERS = {9, 10, 11, 18}                              # volatile, const, restrict, type_tag: see through
+
+    def __init__(self, data: bytes):
+        magic, _, _, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
+        if magic != 0xEB9F:
+            raise ValueError("not BTF")
+        self.data, self.strs = data, data[hdr_len + str_off:hdr_len + str_off + str_len]
+        self.pos = [0]                                        # type id -> offset of its btf_type; 0 is void
+        self.ids: dict[tuple[int, int], int] = {}             # (kind, name offset) -> first such type
+        pos, end = hdr_len + type_off, hdr_len + type_off + type_len
+        head = struct.Struct("<II").unpack_from
+        while pos < end:
+            name_off, info = head(data, pos)
+            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+            if name_off:
+                self.ids.setdefault((kind, name_off), len(self.pos))
+            self.pos.append(pos)
+            pos += 12 + self.FIXED.get(kind, 0) + vlen * self.PER_MEMBER.get(kind, 0)
+
+    def _type(self, tid: int) -> tuple[str, int, int, int, int]:
+        """(name, kind, vlen, size_or_type, offset of what follows the btf_type)."""
+        name_off, info, size = struct.unpack_from("<III", self.data, self.pos[tid])
+        name = self.strs[name_off:self.strs.find(b"\0", name_off)].decode(errors="replace")
+        return name, (info >> 24) & 0x1F, info & 0xFFFF, size, self.pos[tid] + 12
+
+    def find(self, kind: int, name: str) -> int | None:
+        off = self.strs.find(b"\0" + name.encode() + b"\0")   # the string section holds each string once
+        return None if off < 0 else self.ids.get((kind, off + 1))
+
+    def describe(self, tid: int) -> str:
+        """A type as C spells it, qualifiers dropped: "struct request *", "blk_status_t", "unsigned int"."""
+        if tid == 0:
+            return "void"
+        name, kind, _, ref, _ = self._type(tid)
+        if kind == self.PTR:
+            return self.describe(ref) + " *"
+        if kind in self.QUALIFIERS:
+            return self.describe(ref)
+        return {self.STRUCT: "struct ", self.UNION: "union ", self.ENUM: "enum ", self.ENUM64: "enum "}.get(kind, "") \
+            + name
+
+    def size(self, tid: int) -> int:
+        _, kind, _, ref, _ = self._type(tid)
+        if kind == self.PTR:
+            return 8 if struct.calcsize("P") == 8 else 4
+        return self.size(ref) if kind in self.QUALIFIERS or kind == self.TYPEDEF else ref
+
+    def member(self, tid: int, name: str) -> tuple[int, int] | None:
+        """(byte offset, type id) of a member of a struct/union, looking into anonymous members as C does."""
+        _, kind, vlen, ref, at = self._type(tid)
+        while kind in self.QUALIFIERS or kind == self.TYPEDEF:
+            tid = ref
+            _, kind, vlen, ref, at = self._type(tid)
+        kind_flag = self.data[self.pos[tid] + 7] & 0x80   # then a bitfield's size is kept in the top byte
+        for j in range(vlen):
+            name_off, mtype, moff = struct.unpack_from("<III", self.data, at + 12 * j)
+            bits = moff & 0xFFFFFF if kind_flag else moff
+            mname = self.strs[name_off:self.strs.find(b"\0", name_off)].decode(errors="replace")
+            if mname == name:
+                return bits // 8, mtype
+            if not name_off:
+                inner = self.member(mtype, name)
+                if inner:
+                    return bits // 8 + inner[0], inner[1]
+        return None
+
+    def offset(self, struct_name: str, path: str) -> tuple[int, int]:
+        """(byte offset, size) of struct_name.path ("bi_iter.bi_sector"); KeyError naming what is missing."""
+        tid = self.find(self.STRUCT, struct_name)
+        if tid is None:
+            raise KeyError(f"struct {struct_name}")
+        total = 0
+        for part in path.split("."):
+            got = self.member(tid, part)
+            if got is None:
+                raise KeyError(f"struct {struct_name} member {path}")
+            total, tid = total + got[0], got[1]
+        return total, self.size(tid)
+
+    def tracepoint_args(self, event: str) -> tuple[str, ...] | None:
+        """The C argument types of a raw tracepoint (after its leading void *), from btf_trace_<event>."""
+        tid = self.find(self.TYPEDEF, f"btf_trace_{event}")
+        if tid is None:
+            return None
+        _, _, _, ref, _ = self._type(tid)
+        _, kind, _, proto, _ = self._type(ref)
+        _, kind2, vlen, _, at = self._type(proto) if kind == self.PTR else ("", 0, 0, 0, 0)
+        if kind2 != self.FUNC_PROTO:
+            return None
+        params = [struct.unpack_from("<II", self.data, at + 8 * j)[1] for j in range(vlen)]
+        return tuple(self.describe(p) for p in params[1:])
+
+
+def raw_cflags(btf_path: str | Path, events: list[str]) -> tuple[list[str], str | None]:
+    """The -D flags (struct offsets) of the raw programs for these block events, or why they cannot be used."""
+    try:
+        btf = Btf(Path(btf_path).read_bytes())
+    except (OSError, ValueError, struct.error) as err:
+        return [], f"no kernel BTF ({err})"
+    for event in events:
+        got = btf.tracepoint_args(event)
+        if got != RAW_PROTOS[event]:
+            return [], f"raw tracepoint {event} has arguments {got}, not {RAW_PROTOS[event]}"
+    flags = ["-DRAW_BLOCK"]
+    for define, (name, path, want) in RAW_OFFSETS.items():
+        try:
+            off, size = btf.offset(name, path)
+        except (KeyError, struct.error, IndexError) as err:
+            return [], f"kernel BTF has no {err}"
+        if size != want:
+            return [], f"{name}.{path} is {size} bytes in the kernel's BTF, not {want}"
+        flags.append(f"-D{define}={off}")
+    return flags, None
+
+
 def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """This interval's fields from two cumulative readings {"read": {counter: int, "hist": [...]}, "write": ...,
     "expired": int}."""
@@ -161,20 +319,45 @@ class BlockioProbe(BpfProbe):
                                         f"device such as dm, which makes no requests)")}
 
     bpf_name = "blockio"
+    shared_load = True     # sample() reads and sweeps its own slot only; in-flight records carry their slot
     map_types = {"inflight": (RqKey, RqVal), "stats": (ct.c_uint32, SlotStats)}
 
-    def __init__(self, host: Host | None = None, slot: int = 0, mode: str | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns):
-        super().__init__(host, slot)
+    def __init__(self, host: Host | None = None, node: Node | None = None, mode: str | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns, raw: bool | None = None):
+        super().__init__(host, node)
         self.mode = mode or choose_mode(self.host.sys)   # "io_start" | "bio_queue"; tests force the other one
         self.clock = clock                               # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns()
         self.sweep_every_ns = SWEEP_NS
         self._expired = 0
         self._swept = 0
+        self.raw = raw              # raw tracepoint programs? None: decided once, by raw_plan(); tests force False
+        self.classic_why: str | None = None   # why the classic programs are used, when they are
+        self._raw_flags: list[str] = []
+
+    def raw_plan(self) -> bool:
+        """Raw tracepoint programs where the kernel has them (4.17) and its BTF gives the prototypes and struct
+        offsets they need; else classic ones, the reason kept in classic_why. Decided once. A classic program is
+        skipped whenever any classic/kprobe BPF program already runs on its CPU (a completion in softirq interrupting
+        a submit hook: thousands a second under fio); a raw one only when it would re-enter itself."""
+        if self.raw is None or (self.raw and not self._raw_flags):
+            why = None if self.host.has_raw_tracepoints else "no raw tracepoints (Linux 4.17+)"
+            if why is None:
+                events = [tp.split(":")[1] for tp, _ in plan(self.host.sys, self.mode)[0]]
+                self._raw_flags, why = raw_cflags(Path(self.host.sys, "kernel/btf/vmlinux"), events)
+            if why and self.raw:
+                raise ProbeUnavailable(f"raw tracepoint programs asked for: {why}")
+            self.raw, self.classic_why = why is None, why
+        return bool(self.raw)
 
     # BpfProbe.check() asks that every handler's tracepoint exists: the optional ones are only listed if they do.
     def all_handlers(self) -> tuple[tuple[str, str], ...]:
-        return MEMBERSHIP + tuple(plan(self.host.sys, self.mode)[0])
+        hooks = plan(self.host.sys, self.mode)[0]
+        if self.raw_plan():
+            hooks = [(RAW + tp, fn + "_raw") for tp, fn in hooks]
+        return tuple(hooks) + self.hook_handlers()
+
+    def base_cflags(self) -> list[str]:
+        return super().base_cflags() + (self._raw_flags if self.raw_plan() else [])
 
     def check(self, host: Host) -> str | None:
         why = super().check(host)

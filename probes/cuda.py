@@ -40,6 +40,7 @@ from jobprobe.probe import EVENTS_KEY, Field, delta, log2_percentile
 from jobprobe.target import Target
 from probes import _bpf, _elf, _perf
 from probes._bpfprobe import BpfProbe
+from probes._membership import Node
 
 NBUCKETS = 27                                   # bpf/cuda.c NBUCKETS
 DIRS = ("htod", "dtoh", "dtod", "other")        # bpf/cuda.c memcpy_* index order
@@ -212,7 +213,7 @@ def _fields() -> dict[str, Field]:
     out["nccl_unknown_dtype_calls"] = Field("int", "count", "NCCL calls whose ncclDataType_t this probe does not "
                                             "know (a newer NCCL's type): counted, their bytes not")
     out["libraries_probed"] = Field("int", "count", "library files (libcuda, libcudart, libnccl) with uprobes "
-                                    "attached now, node-wide")
+                                    "attached now, node-wide", kind="gauge")
     return out
 
 
@@ -234,8 +235,8 @@ class CudaProbe(BpfProbe):
     bpf_name = "cuda"
     map_types = {"calls": (ct.c_uint32, None), "stats": (ct.c_uint32, CudaStats)}
 
-    def __init__(self, host: Host | None = None, slot: int = 0):
-        super().__init__(host, slot)
+    def __init__(self, host: Host | None = None, node: Node | None = None):
+        super().__init__(host, node)
         self.pmu: UprobePmu | None = None
         self.libraries: dict[tuple[int, int], Library] = {}   # (st_dev, st_ino) of the file → its probes
         self.refused: dict[tuple[int, int], str] = {}         # files not to try again, and why
@@ -256,6 +257,7 @@ class CudaProbe(BpfProbe):
         """The programs are loaded unattached: uprobes are attached here, per library file, as files are found."""
         self.pmu = UprobePmu(self.host.sys)
         return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
+                         pinned=self.pinned(),
                          uprobes=PROGRAMS)
 
     def start(self, target: Target) -> None:

@@ -135,8 +135,8 @@ class GpuProbe(Probe):
     summary = "the job's GPUs (NVML): utilization, memory, clocks, power, energy, PCIe/NVLink, throttling, ECC, GPM"
     fields = {
         "gpus": Field("list[map]", "—", "one map per GPU of the job now (fields gpus[].*); empty: the job has none"),
-        "ngpus": Field("int", "count", "GPUs of the job now (lost ones included)"),
-        "node_gpus": Field("int", "count", "GPUs NVML sees on this node"),
+        "ngpus": Field("int", "count", "GPUs of the job now (lost ones included)", kind="gauge"),
+        "node_gpus": Field("int", "count", "GPUs NVML sees on this node", kind="gauge"),
         "note": Field("str", "—", "only when gpus is empty: why (the job uses no GPU, or the node has none)"),
         "unsupported": Field("list[str]", "—", "only in the tick they were found: `gpuN.metric` (that GPU) or "
                              "`metric` (the driver lacks it); never asked again"),
@@ -168,8 +168,11 @@ class GpuProbe(Probe):
                                           "hw_thermal_slowdown, …"),
         "gpus[].ecc_corrected": Field("int", "count", "corrected ECC errors this interval (volatile counter delta)"),
         "gpus[].ecc_uncorrected": Field("int", "count", "uncorrected ECC errors this interval"),
-        "gpus[].remapped_rows_corrected": Field("int", "count", "rows remapped for corrected errors, lifetime"),
-        "gpus[].remapped_rows_uncorrected": Field("int", "count", "rows remapped for uncorrected errors, lifetime"),
+        # the two remapped_rows_* are NVML's running totals, not deltas: gauges
+        "gpus[].remapped_rows_corrected": Field("int", "count", "rows remapped for corrected errors, lifetime",
+                                                kind="gauge"),
+        "gpus[].remapped_rows_uncorrected": Field("int", "count", "rows remapped for uncorrected errors, lifetime",
+                                                  kind="gauge"),
         "gpus[].remap_pending": Field("bool", "—", "a remapping waits for a GPU reset"),
         "gpus[].remap_failure": Field("bool", "—", "a row remapping has failed"),
         "gpus[].xid_errors": Field("int", "count", "XID errors this interval (each also a gpu_xid event)"),

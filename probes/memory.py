@@ -31,6 +31,7 @@ from typing import Any
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY, Field, delta
 from probes._bpfprobe import MEMBERSHIP, BpfProbe, proc_gone
+from probes._membership import Node
 
 NBUCKETS = 27       # bpf/memory.c NBUCKETS
 SLOT_PENDING, SLOT_NONE = -2, -1
@@ -257,8 +258,8 @@ class MemoryProbe(BpfProbe):
     map_types = {"stats": (ct.c_uint32, SlotStats), "stalls": (ct.c_uint64, None),
                  "oom_victims": (ct.c_uint32, OomRec)}
 
-    def __init__(self, host: Host | None = None, slot: int = 0):
-        super().__init__(host, slot)
+    def __init__(self, host: Host | None = None, node: Node | None = None):
+        super().__init__(host, node)
         self.unavailable: dict[str, str] = {}   # field → why it is absent on this host (decided at start)
         self.handlers: tuple[tuple[str, str], ...] = ()
 
@@ -276,7 +277,7 @@ class MemoryProbe(BpfProbe):
     def all_handlers(self) -> tuple[tuple[str, str], ...]:
         if not self.handlers:
             self.handlers = tuple(plan(self.host)[0])
-        return MEMBERSHIP + self.handlers
+        return self.handlers + self.hook_handlers()
 
     def start(self, target: Any) -> None:
         handlers, cflags, self.unavailable = plan(self.host)

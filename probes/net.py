@@ -32,6 +32,7 @@ from jobprobe.probe import EVENTS_KEY, Field, delta
 from jobprobe.target import Target
 from probes import _bpf
 from probes._bpfprobe import BpfProbe
+from probes._membership import Node
 
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",
@@ -152,8 +153,8 @@ class NetProbe(BpfProbe):
     bpf_name = "net"
     map_types = {"stats": (ct.c_uint32, NetStats), "peers": (PeerKey, PeerVal), "socks": (ct.c_uint64, SockInfo)}
 
-    def __init__(self, host: Host | None = None, slot: int = 0):
-        super().__init__(host, slot)
+    def __init__(self, host: Host | None = None, node: Node | None = None):
+        super().__init__(host, node)
         self.source = ""
         self.emit: tuple[str, ...] = ()
         self._pending_events: list[dict[str, Any]] = []
@@ -212,7 +213,7 @@ class NetProbe(BpfProbe):
             cgroups = [(fn, target.cgroup_path, hook) for fn, hook in SKB]
             try:
                 loaded = _bpf.load(self.bpf_name, self.cflags_for("packets"), tps, sys_root=self.host.sys,
-                                   cgroups=cgroups)
+                                   cgroups=cgroups, pinned=self.pinned())
                 self.source, self.emit = "packets", self.fields_for("packets")
                 return loaded
             except ProbeUnavailable as err:
@@ -225,7 +226,8 @@ class NetProbe(BpfProbe):
         elif not self.has_lengths():
             raise ProbeUnavailable("a PID-tree target needs sock:sock_send_length and sock_recv_length "
                                    "(Linux 6.3+), not found in tracefs")
-        loaded = _bpf.load(self.bpf_name, self.cflags_for("syscalls"), tps, sys_root=self.host.sys)
+        loaded = _bpf.load(self.bpf_name, self.cflags_for("syscalls"), tps, sys_root=self.host.sys,
+                           pinned=self.pinned())
         self.source, self.emit = "syscalls", self.fields_for("syscalls")
         return loaded
 

@@ -46,6 +46,7 @@ from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from probes._bpf import trim_log  # noqa: F401  (re-exported: the probe's error messages are trimmed with it)
 from probes._bpfprobe import BpfProbe, exit_has_group_dead, proc_gone  # noqa: F401  (re-exported for tests)
+from probes._membership import Node
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
 NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (REASONS), T_WAKEUP 6
@@ -219,13 +220,14 @@ class SchedProbe(BpfProbe):
     fields = _fields()
 
     bpf_name = "sched"
+    shared_load = True     # sample() reads its slot only; per-thread records carry their slot (released with it)
     map_types = {"start": (ct.c_uint32, OffRec), "stats": (ct.c_uint32, SlotStats)}
 
-    def __init__(self, host: Host | None = None, slot: int = 0, syscall_reasons: bool = True,
+    def __init__(self, host: Host | None = None, node: Node | None = None, syscall_reasons: bool = True,
                  machine: str | None = None, syscall_source: str | None = None):
         """syscall_source: "regs" (read at switch-out), "hook" (raw_syscalls:sys_enter), or None: regs where the
         kernel can, else the hook."""
-        super().__init__(host, slot)
+        super().__init__(host, node)
         machine = machine or platform.machine()
         self.from_regs = syscall_source == "regs" or (syscall_source is None and syscall_from_regs(self.host))
         # Why lock and sleep are not told apart from wait (None: they are); decided once, from the host.

@@ -33,7 +33,6 @@ from probes._bpfprobe import BpfProbe
 NBUCKETS = 27     # bpf/syscalls.c NBUCKETS
 NR_MAX = 1024     # bpf/syscalls.c NR_MAX: numbers outside [0, NR_MAX) are all counted as NR_MAX
 TOP = 5
-BY_CGROUP, BY_TGID = 1, 2   # bpf/syscalls.c member_mode bits
 # Index = the class number stored in the kernel's class_of map; 0 ("other") is what an unfilled entry reads.
 CLASSES = ("other", "rw", "net", "futex", "mem", "poll", "file", "ioctl")
 CLASS_MEANING = {
@@ -242,8 +241,7 @@ class SyscallsProbe(BpfProbe):
     handlers = (("raw_syscalls:sys_enter", "on_enter"), ("raw_syscalls:sys_exit", "on_exit"))
     raw_handlers = (("raw:raw_syscalls:sys_enter", "on_enter_raw"), ("raw:raw_syscalls:sys_exit", "on_exit_raw"))
     map_types = {"inflight": (ct.c_uint32, InflightRec), "stats": (ct.c_uint32, SlotStats),
-                 "by_nr": (ct.c_uint32, NrTotal), "class_of": (ct.c_uint32, ct.c_uint32),
-                 "member_mode": (ct.c_uint32, ct.c_uint32)}
+                 "by_nr": (ct.c_uint32, NrTotal), "class_of": (ct.c_uint32, ct.c_uint32)}
 
     def __init__(self, *args: Any, **kw: Any):
         super().__init__(*args, **kw)
@@ -254,17 +252,14 @@ class SyscallsProbe(BpfProbe):
         self.table_source = ""
         self.last_by_name: dict[str, tuple[int, int]] = {}   # the last interval, every syscall (tests, debugging)
 
-    def _register(self) -> None:
-        """Fill the class table and say which membership maps to ask, then register the job."""
+    def prepare(self, loaded: Any) -> None:
+        """Fill the module's class table (once per load)."""
         self.table, self.table_source = syscall_table()
-        classes = self.loaded.maps["class_of"]
+        classes = loaded.maps["class_of"]
         for nr, name in self.table.items():
             cls = class_index(name)
             if cls and 0 <= nr < NR_MAX:
                 classes.update(nr, cls)
-        mode = BY_CGROUP if self.target is not None and self.target.kind == "cgroup" else BY_TGID
-        self.loaded.maps["member_mode"].update(0, mode)
-        super()._register()
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs; by_nr: nr -> (calls, ns) of our slot."""

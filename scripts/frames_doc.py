@@ -15,8 +15,9 @@ def tables() -> str:
     from jobprobe.registry import all_probes
     out = [MARK, ""]
     for name, cls in all_probes().items():
-        out += [f"### `{name}` — {cls.summary}", "", "| field | type | unit | meaning |", "|---|---|---|---|"]
-        out += [f"| `{name}.{k}` | {f.type} | {f.unit} | {f.meaning} |" for k, f in cls.fields.items()]
+        out += [f"### `{name}` — {cls.summary}", "", "| field | type | unit | kind | meaning |",
+                "|---|---|---|---|---|"]
+        out += [f"| `{name}.{k}` | {f.type} | {f.unit} | {f.kind} | {f.meaning} |" for k, f in cls.fields.items()]
         out.append("")
     return "\n".join(out)
 

@@ -28,6 +28,7 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf, _elf
 from probes._bpfprobe import MISSED
+from probes._membership import MEMBERSHIP
 from probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, UprobePmu, interval,
                          mapped_libraries, plan_library, zero_reading)
 from tests.conftest import TESTS, bpf_fds
@@ -310,10 +311,17 @@ def test_stop_detaches_every_uprobe_and_leaves_no_fd(probe, fakes, progs):
     attachments = sum(len(plan_library(_elf.dynamic_functions(str(fakes / so), SYMBOLS))) for so in LIBS)
     before = {k: bpf_fds(k) for k in ("prog", "map", "perf")}
     probe.start(PidTreeTarget([job.pid]))
-    assert bpf_fds("perf") == before["perf"] + len(probe.all_handlers()) + attachments
-    assert bpf_fds("prog") == before["prog"] + len(probe.all_handlers()) + len(PROGRAMS)
-    assert {"job_of_cgroup", "job_of_tgid", "calls", "stats"} <= set(probe.loaded.maps)   # and common.h's others
-    assert bpf_fds("map") == before["map"] + len(probe.loaded.maps)
+    # job_exit_probe only (JOB_ON_EXIT_HOOK: a thread killed inside a call leaves no calls entry)
+    assert probe.all_handlers() == (("sched:sched_process_exit", "job_exit_probe"),)
+    # perf: job_exit_probe's tracepoint, one uprobe PMU event per attachment, and the private node's membership
+    # handlers (classic tracepoints)
+    assert bpf_fds("perf") == before["perf"] + len(probe.all_handlers()) + attachments + len(MEMBERSHIP)
+    # prog: job_exit_probe, the uprobe programs (loaded unattached, attached per library), the membership handlers
+    assert bpf_fds("prog") == before["prog"] + len(probe.all_handlers()) + len(PROGRAMS) + len(MEMBERSHIP)
+    # the module's fds of the node's three membership maps (pinned for its loader), its slots_on, calls, stats
+    assert set(probe.loaded.maps) == {"job_of_cgroup", "job_of_tgid", "job_kinds", "slots_on", "calls", "stats"}
+    # those, and the node's own fds of its three membership maps
+    assert bpf_fds("map") == before["map"] + len(probe.loaded.maps) + 3
     assert job.probed() == (37, 37) and len(probe.libraries) == 3
     probe.stop()
     assert {k: bpf_fds(k) for k in before} == before

@@ -64,3 +64,32 @@ def test_validate_rejects(bad):
 def test_decode_rejects_garbage():
     with pytest.raises(MalformedFrame):
         decode(b"\xc1")  # 0xc1 is never used in msgpack
+
+
+def test_run_is_in_every_frame_constant_within_a_run_and_new_for_the_next():
+    first, second = frames(3), frames(3)
+    runs = {f["run"] for f in first}
+    assert len(runs) == 1 and all(decode(encode(f))["run"] == f["run"] for f in first)
+    (run,) = runs
+    assert isinstance(run, str) and len(run) == 16 and int(run, 16) >= 0
+    assert second[0]["run"] != run                              # a restart is a new run: seq starts at 0 again,
+    assert [f["seq"] for f in second] == [f["seq"] for f in first]  # (node, job, run, seq) stays unique
+    keys = {(f["node"], f["job"], f["run"], f["seq"]) for f in first + second}
+    assert len(keys) == len(first) + len(second)
+
+
+def test_a_given_run_id_is_used():
+    b = FrameBuilder("n", "j", run="00000000deadbeef")
+    assert b.hello()["run"] == b.sample(1.0, 1.0, {}, {})["run"] == b.event(1.0, "x")["run"] == "00000000deadbeef"
+
+
+def test_frames_from_before_the_run_id_still_validate():
+    old = {"v": 1, "kind": "sample", "node": "n", "job": "j", "seq": 3, "t": 1.0, "dt": 1.0, "probes": {},
+           "status": {}}
+    assert decode(msgpack.packb(old)) == old
+    assert list(StreamReader(io.BytesIO(msgpack.packb(old) * 2))) == [old, old]
+
+
+def test_run_of_the_wrong_type_is_refused():
+    with pytest.raises(MalformedFrame, match="'run' has type int"):
+        validate({"v": 1, "kind": "sample", "node": "n", "job": "j", "run": 7, "seq": 0, "t": 1.0, "dt": 1.0})

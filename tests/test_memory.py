@@ -202,12 +202,13 @@ def test_drain_oom_emits_ours_drops_the_decided_keeps_the_dying(tmp_path):
     for pid in (11, 12):      # alive
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "stat").write_text(f"{pid} (x) S 1\n")
-    table = FakeMap({10: OomRec(pid=10, slot=0, ts_ns=2 << 30), 11: OomRec(pid=11, slot=SLOT_PENDING),
+    ours = 2                  # the job's slot (start() takes it from the node; -1 before start)
+    table = FakeMap({10: OomRec(pid=10, slot=ours, ts_ns=2 << 30), 11: OomRec(pid=11, slot=SLOT_PENDING),
                      12: OomRec(pid=12, slot=3), 13: OomRec(pid=13, slot=SLOT_NONE),
                      14: OomRec(pid=14, slot=SLOT_PENDING), 15: OomRec(pid=15, slot=SLOT_PENDING, ts_ns=1 << 30)})
-    table.resolve = {15: 0}   # exited (no /proc entry) and decided by its exit after the walk
+    table.resolve = {15: ours}   # exited (no /proc entry) and decided by its exit after the walk
     p = MemoryProbe(Host(proc=str(tmp_path)))
-    p.loaded = SimpleNamespace(maps={"oom_victims": table})
+    p.loaded, p.slot = SimpleNamespace(maps={"oom_victims": table}), ours
     events = p.drain_oom()
     p.loaded = None
     assert [e["pid"] for e in events] == [15, 10]      # ordered by time
@@ -403,9 +404,14 @@ def test_absent_parts_are_absent_not_zero(probe, monkeypatch, make_cgroup):
 def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
     probe.start(PidTreeTarget([os.getpid()]))
-    assert bpf_fds("prog") == before + len(probe.all_handlers())
-    assert bpf_fds("perf") == perf + len(probe.all_handlers())
-    assert bpf_fds("map") == maps + 6          # job_of_cgroup, job_of_tgid, job_kinds, stats, stalls, oom_victims
+    # its own hooks and job_exit_probe (JOB_ON_EXIT_HOOK: stalls and OOM victims are per-thread state)
+    assert probe.hook_handlers() == (("sched:sched_process_exit", "job_exit_probe"),)
+    # the probe's programs, and its private node's membership handlers; all classic tracepoints: a perf event each
+    assert bpf_fds("prog") == before + len(probe.all_handlers()) + len(MEMBERSHIP)
+    assert bpf_fds("perf") == perf + len(probe.all_handlers()) + len(MEMBERSHIP)
+    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
+    # slots_on, stats, stalls, oom_victims
+    assert bpf_fds("map") == maps + 3 + 3 + 4
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     assert probe.loaded.maps["oom_victims"].value_size == ct.sizeof(OomRec)
     probe.stop()

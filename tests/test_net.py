@@ -128,8 +128,10 @@ def test_hooks_follow_what_tracefs_offers(tmp_path):
     assert [fn for _, fn in old.handlers] == ["on_state"]
     assert old.check(old.host) is None or "bcc" in old.check(old.host)
     assert "tcp_retransmits" not in old.fields_for("packets") and "tcp_passive_opens" not in old.fields_for("packets")
+    # a PID-tree target: the source is chosen before anything of the module is compiled (load(); start() would
+    # first start the probe's node, which loads bpf/membership.c for real: kernel tier)
     with pytest.raises(ProbeUnavailable, match="sock_send_length"):
-        old.start(PidTreeTarget([os.getpid()]))
+        old.load(PidTreeTarget([os.getpid()]))
     assert old.loaded is None
     # 4.17+: the softirq hooks become raw tracepoint programs, and closes get one of their own
     raw = NetProbe(tracefs(tmp_path / "d", BASE + ["tcp/tcp_retransmit_skb", "tcp/tcp_destroy_sock"], "6.18.44-x"))
@@ -432,8 +434,14 @@ def test_stop_detaches_and_leaves_no_bpf_fd(probe, make_cgroup):
     got = {k: bpf_fds(k) - before[k] for k in kinds}
     raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())   # a raw tracepoint is a bpf_link (5.8+)
     assert raw == 3
-    assert got == {"prog": len(probe.all_handlers()) + 2, "map": 6, "link": 2 + raw,
-                   "perf": len(probe.all_handlers()) - raw}
+    assert not probe.hook_handlers()                      # net keeps no per-thread state: no exit/exec program
+    # prog: the probe's tracepoint programs, its 2 cgroup_skb programs, and its private node's membership handlers.
+    # map: the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its
+    #   loader); slots_on, stats, peers, socks.
+    # link: the 2 cgroup_skb links, and one per raw tracepoint.
+    # perf: one per classic tracepoint: the probe's own, and the membership handlers' (sched:*).
+    assert got == {"prog": len(probe.all_handlers()) + 2 + len(MEMBERSHIP), "map": 3 + 3 + 4, "link": 2 + raw,
+                   "perf": len(probe.all_handlers()) - raw + len(MEMBERSHIP)}
     ids = [_bpf.prog_info(fd).id for fd in probe.loaded.progs.values()]
     probe.stop()
     assert {k: bpf_fds(k) for k in kinds} == before

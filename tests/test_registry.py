@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from jobprobe.errors import BadInput
-from jobprobe.probe import Field, Probe
+from jobprobe.probe import FIELD_KINDS, Field, Probe, infer_kind
 from jobprobe.registry import all_probes, parse_probes, standard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,3 +69,50 @@ def test_frames_doc_tables_are_generated_from_the_declarations():
     import subprocess, sys
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "frames_doc.py"), "--check"])
     assert res.returncode == 0, "docs/FRAMES.md is out of date: run python scripts/frames_doc.py"
+
+
+def test_every_field_of_every_probe_has_a_kind():
+    for name, cls in all_probes().items():
+        for k, f in cls.fields.items():
+            assert f.kind in FIELD_KINDS, f"{name}.{k} has kind {f.kind!r}"
+            if f.type == "list[int]" and k.endswith("_log2"):
+                assert f.kind == "histogram", f"{name}.{k}"
+            if f.kind == "histogram":
+                assert f.type == "list[int]", f"{name}.{k}: a histogram is a bucket list"
+            if f.type in ("str", "bool", "list[str]", "list[map]", "map"):
+                assert f.kind == "info", f"{name}.{k}: only numbers count or measure"
+
+
+@pytest.mark.parametrize("field,kind", [
+    # inferred
+    ("cgroup.cpu_user_ns", "counter"), ("cgroup.io_read_bytes", "counter"), ("cgroup.mem_bytes", "gauge"),
+    ("cgroup.mem_peak_bytes", "gauge"), ("cgroup.nprocs", "gauge"), ("sched.runq_lat_us_log2", "histogram"),
+    ("sched.runq_lat_p99_us", "gauge"), ("sched.offcpu_io_ns", "counter"), ("blockio.read_lat_p50_us", "gauge"),
+    ("blockio.write_bytes", "counter"), ("blockio.bpf_missed", "counter"), ("perf.ipc", "gauge"),
+    ("perf.cycles", "counter"), ("self.cpu_cores", "gauge"), ("self.rss_peak_bytes", "gauge"),
+    ("syscalls.mem_calls", "counter"), ("syscalls.mem_ns", "counter"), ("syscalls.top", "info"),
+    ("syscalls.slowest_class", "info"), ("cuda.memcpy_htod_bytes", "counter"), ("cuda.kernel_launches_per_s", "gauge"),
+    ("gpu.gpus", "info"), ("gpu.gpus[].index", "info"), ("gpu.gpus[].temp_c", "gauge"),
+    ("gpu.gpus[].sm_clock_mhz", "gauge"), ("gpu.gpus[].util_gpu_pct", "gauge"), ("gpu.gpus[].energy_mj", "counter"),
+    ("gpu.gpus[].pcie_tx_bytes_per_s", "gauge"), ("gpu.gpus[].clock_event_reasons", "info"),
+    ("gpu.gpus[].job_mem_bytes", "gauge"), ("gpu.gpus[].mig[].job_procs", "gauge"),
+    ("gpu.gpus[].ecc_corrected", "counter"), ("net.top_peers[].port", "info"), ("net.top_peers[].tx_bytes", "counter"),
+    ("memory.reclaimed_pages", "counter"),
+    # declared, where the rule would say counter
+    ("gpu.ngpus", "gauge"), ("gpu.node_gpus", "gauge"), ("cuda.libraries_probed", "gauge"),
+    ("gpu.gpus[].remapped_rows_corrected", "gauge"), ("gpu.gpus[].remapped_rows_uncorrected", "gauge"),
+])
+def test_field_kinds(field, kind):
+    probe, name = field.split(".", 1)
+    assert all_probes()[probe].fields[name].kind == kind
+
+
+def test_a_declared_kind_overrides_the_inference_and_a_bad_one_is_refused():
+    lifetime = Field("int", "count", "rows remapped, lifetime", kind="gauge")
+    assert infer_kind("remapped_rows", lifetime) == "counter"
+    declared = type("Declared", (P,), {"name": "declared", "fields": {
+        "remapped_rows": lifetime, "calls": Field("int", "count", "calls this interval")}})
+    assert declared.fields["remapped_rows"] is lifetime
+    assert declared.fields["calls"] == Field("int", "count", "calls this interval", "counter")
+    with pytest.raises(TypeError, match="'rate'"):
+        type("Bad", (P,), {"name": "bad", "fields": {"x": Field("float", "1/s", "x", kind="rate")}})

@@ -4,7 +4,8 @@ import itertools
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
-from jobprobe.probe import Probe
+from jobprobe.frame import decode, encode
+from jobprobe.probe import Field, Probe
 from jobprobe.sampler import Sampler
 from jobprobe.target import Target
 
@@ -180,3 +181,38 @@ def test_probes_start_side_by_side():
     assert list(hello["probes"]) == ["fake0", "fake1", "fake2", "nofake"]
     assert hello["probes"]["fake0"] == "ok" and hello["probes"]["nofake"] == "unavailable: no such hardware here"
     assert not barrier.broken
+
+
+class DeclaredFake(CountingFake):
+    name = "declfake"
+    fields = {"n": Field("int", "count", "ticks sampled this interval"),
+              "n_now": Field("int", "count", "ticks so far", kind="gauge"),
+              "n_us_log2": Field("list[int]", "count", "a histogram")}
+
+
+def test_hello_carries_the_schema_of_the_probes_that_started():
+    from probes.self import SelfProbe
+    s, rec = make([SelfProbe(), DeclaredFake(), UnavailableFake(), NeedsRootFake()])
+    hello = s.start()
+    s.stop()
+    assert set(hello["schema"]) == {"self", "declfake"}          # only the probes that started: "ok" in `probes`
+    assert hello["schema"]["declfake"] == {"n": {"type": "int", "unit": "count", "kind": "counter"},
+                                           "n_now": {"type": "int", "unit": "count", "kind": "gauge"},
+                                           "n_us_log2": {"type": "list[int]", "unit": "count", "kind": "histogram"}}
+    assert hello["schema"]["self"] == {k: {"type": f.type, "unit": f.unit, "kind": f.kind}
+                                       for k, f in SelfProbe.fields.items()}
+    assert hello["schema"]["self"]["cpu_cores"]["kind"] == "gauge"
+    assert decode(encode(hello)) == hello
+
+
+def test_every_frame_of_a_run_carries_its_run_and_the_next_run_another():
+    runs = []
+    for _ in range(2):
+        s, rec = make([EventFake()], target=FakeTarget(ticks_alive=2))
+        s.start()
+        s.run()
+        assert {f["kind"] for f in rec.frames} == {"hello", "sample", "event"}
+        assert len({f["run"] for f in rec.frames}) == 1
+        assert [f["seq"] for f in rec.frames] == list(range(len(rec.frames)))
+        runs.append(rec.frames[0]["run"])
+    assert runs[0] != runs[1]

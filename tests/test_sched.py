@@ -22,6 +22,7 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
+from probes._membership import MEMBERSHIP
 from probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
                           SYSCALL_HANDLERS, TIMES, OffRec, time_totals,
                           SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, raw_sched, syscall_from_regs,
@@ -202,7 +203,7 @@ def test_syscall_read_from_registers_where_the_kernel_can(tmp_path):
 
 def test_syscall_hook_is_chosen_from_the_host(tmp_path):
     events = tmp_path / "kernel/tracing/events"
-    for tp, _ in SchedProbe().all_handlers() + SYSCALL_HANDLERS:
+    for tp, _ in MEMBERSHIP + SchedProbe().all_handlers() + SYSCALL_HANDLERS:
         (events / tp.removeprefix(_bpf.RAW).replace(":", "/")).mkdir(parents=True, exist_ok=True)
     host = Host(is_root=True, sys=str(tmp_path), kernel="5.15.0")
     p = SchedProbe(host, machine="x86_64")
@@ -391,11 +392,14 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     probe.start(PidTreeTarget([os.getpid()]))
     raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())
     assert raw == ((3 + probe.syscall_hook) if probe.raw else 0)
-    assert bpf_fds("prog") == before + len(probe.all_handlers())
+    # the probe's programs, and its private node's membership handlers (classic tracepoints: perf events)
+    assert bpf_fds("prog") == before + len(probe.all_handlers()) + len(MEMBERSHIP)
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
-    assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw and bpf_fds("link") == links + raw
-    # job_of_cgroup, job_of_tgid, job_kinds, start, stats, and in_call with the sys_enter hook
-    assert bpf_fds("map") == maps + 5 + probe.syscall_hook
+    assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
+    assert bpf_fds("link") == links + raw
+    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
+    # slots_on, start, stats, and in_call with the sys_enter hook
+    assert bpf_fds("map") == maps + 3 + 3 + 3 + probe.syscall_hook
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
@@ -407,14 +411,14 @@ def test_stop_leaves_no_bpf_program_fd(probe):
 
 @pytest.mark.kernel
 @pytest.mark.parametrize("old, new, said", [
-    # on_switch fails the verifier after job_fork and job_exit are already attached
+    # on_switch fails the verifier after the node's membership handlers are already attached
     ("if (b >= NBUCKETS)\n                b = NBUCKETS - 1;", "", "invalid access to map value"),
     ("return 0;\n}\n\n/* Fired", "return 0;\n}\n}\n/* Fired", "error:"),    # a compile error
 ])
 def test_failed_start_says_why_and_releases_everything(probe, monkeypatch, old, new, said):
-    real = bpf.source("sched")
+    real, source = bpf.source("sched"), bpf.source
     assert old in real
-    monkeypatch.setattr(bpf, "source", lambda name: real.replace(old, new))
+    monkeypatch.setattr(bpf, "source", lambda name: real.replace(old, new) if name == "sched" else source(name))
     before, maps, perf = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf")
     with pytest.raises(ProbeUnavailable, match=said) as err:
         probe.start(PidTreeTarget([os.getpid()]))
@@ -445,7 +449,7 @@ sys.stdin.readline()
 def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead):
     if group_dead and not exit_has_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
-    monkeypatch.setattr("probes.sched.exit_has_group_dead", lambda sys_root: group_dead)
+    monkeypatch.setattr("probes._membership.exit_has_group_dead", lambda sys_root: group_dead)
     root = subprocess.Popen([sys.executable, "-c", FORK_STORM, "2000", "200"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:

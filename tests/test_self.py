@@ -33,3 +33,29 @@ def test_self_counts_its_own_cpu_memory_and_writes(tmp_path):
     del buf
     s2 = p.sample()
     assert s2["written_bytes"] < 10_000 and s2["rss_peak_bytes"] >= 64 << 20
+
+
+def test_sink_fields_are_per_interval_deltas_of_the_injected_counters():
+    # What the caller hands in: {sink: counters since the sink was made} (QueuedSink.stats()); the probe never
+    # imports a sink. Here the test is the sinks, so every number is known.
+    stats = {"file": {"queued": 5, "written": 3, "dropped": 2, "errors": 0, "depth": 0, "in_flight": 0,
+                      "state": "ok"}}
+    p = SelfProbe(sinks=lambda: {k: dict(v) for k, v in stats.items()})
+    p.start(None)
+    s = p.sample()                                       # the first interval counts from the sink's making
+    assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (2, 0, 0)
+    assert s["sinks"] == [{"name": "file", "dropped": 2, "errors": 0, "depth": 0, "state": "ok"}]
+    stats["file"].update(dropped=9, errors=4, depth=7)
+    stats["nats"] = {"queued": 1, "written": 0, "dropped": 1, "errors": 1, "depth": 30, "in_flight": 0,
+                     "state": "stopped: broken pipe"}    # a sink seen for the first time: from zero
+    s = p.sample()
+    assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (7 + 1, 4 + 1, 30)
+    assert s["sinks"][1] == {"name": "nats", "dropped": 1, "errors": 1, "depth": 30, "state": "stopped: broken pipe"}
+    s = p.sample()                                       # nothing new happened: 0, while the queues stay deep
+    assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (0, 0, 30)
+
+
+def test_without_sinks_the_sink_fields_are_absent_not_zero():
+    p = SelfProbe()
+    p.start(None)
+    assert not any(k.startswith("sink") for k in p.sample())

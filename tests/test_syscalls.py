@@ -22,6 +22,7 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from probes import _bpf
 from probes._bpfprobe import MISSED
+from probes._membership import MEMBERSHIP
 from probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
                              interval, name_of, parse_unistd, syscall_table, zero_reading)
 from tests.conftest import bpf_fds, wait_for
@@ -277,10 +278,17 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))
     raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())   # a raw tracepoint is a bpf_link
-    assert bpf_fds("prog") == before + len(probe.all_handlers())
-    assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw and bpf_fds("link") == links + raw
-    # job_of_cgroup, job_of_tgid, inflight, stats, by_nr, class_of, member_mode
-    assert bpf_fds("map") == maps + 8   # with common.h job_kinds
+    # its hooks, then job_exit_probe and job_exec_probe (JOB_ON_EXIT_HOOK, JOB_ON_EXEC_HOOK: per-thread inflight)
+    assert probe.all_handlers()[-2:] == (("sched:sched_process_exit", "job_exit_probe"),
+                                         ("sched:sched_process_exec", "job_exec_probe"))
+    # the probe's programs, and its private node's membership handlers (classic tracepoints: perf events)
+    assert bpf_fds("prog") == before + len(probe.all_handlers()) + len(MEMBERSHIP)
+    # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
+    assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
+    assert bpf_fds("link") == links + raw
+    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
+    # slots_on, inflight, stats, by_nr, class_of
+    assert bpf_fds("map") == maps + 3 + 3 + 5
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     probe.stop()
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf

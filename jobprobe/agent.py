@@ -1,0 +1,450 @@
+"""The node agent: a job table, one tick for all jobs, one set of kernel programs for the node.
+
+Each attached job has a slot in the node's membership maps (probes/_membership.py) and a Sampler of its own (its
+probes, its frames, its sinks), but the eBPF probes of every job share one load of their programs (BpfProbe with a
+node). A tick samples every job at once and sends one frame per job. Jobs arrive and leave at run time:
+attach(spec), detach(job), probes(job, "+x,-y"); a job whose processes have all exited is detached by itself after
+its last frame. `jobprobe run` is this agent with one job; `jobprobe agent` adds the control socket
+(jobprobe/control.py) and the state file from which a restarted agent attaches the jobs still running.
+
+Nothing of a dead agent stays in the kernel: every program, link and map is held by the agent's file descriptors (the
+loaders pin maps only inside a mount namespace that dies with them), so SIGKILL releases everything.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import resource
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from exporters.file import FileExporter
+from exporters.queued import QueuedSink, sink_stats
+from exporters.stdout import StdoutExporter
+from jobprobe.errors import BadInput, TargetGone
+from jobprobe.frame import new_run_id
+from jobprobe.host import Host
+from jobprobe.probe import Probe
+from jobprobe.registry import all_probes, parse_probes
+from jobprobe.sampler import Sampler
+from jobprobe.target import Target
+from probes._membership import Node
+
+log = logging.getLogger("jobprobe.agent")
+
+
+@dataclass
+class JobSpec:
+    """What a scheduler or a person asked to attach (also what the state file keeps)."""
+    cgroup: str | None = None
+    pid: int | None = None
+    slurm_job: str | None = None
+    k8s_pod: str | None = None
+    job: str | None = None
+    probes: str | None = None
+
+    def target(self) -> Target:
+        from jobprobe.target import CgroupTarget, PidTreeTarget, k8s_pod_target, slurm_target
+        given = [x for x in (self.cgroup, self.pid, self.slurm_job, self.k8s_pod) if x is not None]
+        if len(given) != 1:
+            raise BadInput("give exactly one of --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID")
+        if self.cgroup is not None:
+            return CgroupTarget(self.cgroup, job=self.job)
+        if self.pid is not None:
+            return PidTreeTarget([int(self.pid)], job=self.job)
+        if self.slurm_job is not None:
+            return slurm_target(str(self.slurm_job), job=self.job)
+        return k8s_pod_target(str(self.k8s_pod), job=self.job)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> JobSpec:
+        known = {f: d[f] for f in cls.__dataclass_fields__ if d.get(f) is not None}
+        if "pid" in known:
+            try:
+                known["pid"] = int(known["pid"])
+            except (TypeError, ValueError):
+                raise BadInput(f"pid must be a number, got {known['pid']!r}") from None
+        return cls(**known)
+
+
+@dataclass
+class Config:
+    """The agent's settings: /etc/jobprobe/agent.toml, every key also a flag (flags win)."""
+    interval: float = 1.0
+    probes: str | None = None           # the default --probes spec of attached jobs
+    out: str | None = None              # a directory: each job's frames to OUT/<job>.mpk
+    out_max_mb: float | None = None
+    stdout: str | None = None           # "human" | "json": every job's frames on stdout too
+    socket: str = "/run/jobprobe/agent.sock"
+    state: str = "/run/jobprobe/jobs.json"
+    attach_wait: float = 30.0           # s to wait for a job's processes to appear (the prolog case)
+    queue: int = 1024                   # frames each sink may hold before it drops the oldest
+
+    @classmethod
+    def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:
+        data: dict[str, Any] = {}
+        if path:
+            import tomllib
+            try:
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            except FileNotFoundError:
+                if path != DEFAULT_CONFIG:
+                    raise BadInput(f"config {path} does not exist") from None
+            except (OSError, tomllib.TOMLDecodeError) as err:
+                raise BadInput(f"config {path}: {err}") from err
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise BadInput(f"config {path}: unknown key {sorted(unknown)[0]!r}; known: "
+                           f"{', '.join(cls.__dataclass_fields__)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        cfg = cls(**data)
+        if cfg.interval <= 0:
+            raise BadInput(f"interval must be positive, got {cfg.interval}")
+        return cfg
+
+
+DEFAULT_CONFIG = "/etc/jobprobe/agent.toml"
+
+
+def make_probe(cls: type[Probe], host: Host, node: Node | None, sinks: Callable[[], dict] | None) -> Probe:
+    """An instance of a probe for one job, given what its constructor takes (the node, the sinks' counters)."""
+    params = inspect.signature(cls.__init__).parameters
+    kw: dict[str, Any] = {}
+    if "node" in params:
+        kw["node"] = node
+    if "sinks" in params and sinks is not None:
+        kw["sinks"] = sinks
+    return cls(host, **kw)
+
+
+class Job:
+    """One attached job: its target, its probes' sampler and sinks."""
+
+    def __init__(self, name: str, spec: JobSpec | None, target: Target, sampler: Sampler, sinks: list):
+        self.name, self.spec, self.target, self.sampler, self.sinks = name, spec, target, sampler, sinks
+        self.attached_at = time.time()
+        self.ended: str | None = None
+        self.had_procs = False      # a group attached before its processes start is not "ended" while empty
+
+
+class Agent:
+    """The job table and the tick. Thread-safe: the control socket calls attach/detach/probes/status from its own
+    thread while run() ticks."""
+
+    def __init__(self, config: Config | None = None, host: Host | None = None,
+                 sinks_for: Callable[[str], list] | None = None, clock: Callable[[], float] = time.monotonic):
+        self.cfg = config or Config()
+        self.host = host or Host()
+        self.node = Node(self.host, keep_loads=True)
+        self.registry = all_probes()
+        self.run_id = new_run_id()
+        self.jobs: dict[str, Job] = {}
+        self.starting: set[str] = set()
+        self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
+        self.recent: list[dict[str, Any]] = []                      # the last jobs that ended or were given up
+        self.lock = threading.RLock()
+        self.stop_event = threading.Event()
+        self.clock = clock
+        self.sinks_for = sinks_for or self._default_sinks
+        self.persist = False     # write cfg.state on every change (the daemon; not `jobprobe run`)
+        self._t0 = clock()
+        self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
+
+    # ---- sinks --------------------------------------------------------------------------------------------
+    def _default_sinks(self, job: str) -> list:
+        out: list = []
+        if self.cfg.out:
+            os.makedirs(self.cfg.out, exist_ok=True)
+            path = os.path.join(self.cfg.out, f"{safe_name(job)}.mpk")
+            try:
+                out.append(QueuedSink(FileExporter(path, self.cfg.out_max_mb), f"file:{path}", self.cfg.queue))
+            except OSError as err:
+                raise BadInput(f"cannot write {path}: {err.strerror}") from err
+        if self.cfg.stdout:
+            out.append(QueuedSink(StdoutExporter(self.cfg.stdout), "stdout", self.cfg.queue))
+        return out
+
+    # ---- the job table ------------------------------------------------------------------------------------
+    def attach(self, spec: JobSpec, wait: float | None = None) -> dict[str, Any]:
+        """Attach the job now, or — when its processes do not exist yet (a prolog runs before them) — keep trying
+        each tick for up to `wait` s (cfg.attach_wait). Returns what happened, for the caller to show."""
+        names = parse_probes(spec.probes or self.cfg.probes, self.registry)   # an unknown probe: BadInput now
+        try:
+            target = spec.target()
+        except BadInput as err:
+            wait = self.cfg.attach_wait if wait is None else wait
+            if wait <= 0 or not waitable(spec):
+                raise
+            key = spec.job or spec_key(spec)
+            with self.lock:
+                if key in self.jobs or key in self.pending:
+                    return {"job": key, "state": "already attached" if key in self.jobs else "pending",
+                            "note": "attached once; the second request changed nothing"}
+                self.pending[key] = (spec, self.clock() + wait, str(err))
+                self._save()
+            return {"job": key, "state": "pending", "waiting_s": wait, "why": str(err)}
+        return self.attach_target(target, names, spec)
+
+    def attach_target(self, target: Target, names: list[str], spec: JobSpec | None = None,
+                      sinks: list | None = None) -> dict[str, Any]:
+        with self.lock:
+            if target.job in self.jobs or target.job in self.starting:
+                target.close()
+                return {"job": target.job, "state": "already attached",
+                        "note": "attached once; the second request changed nothing"}
+            self.starting.add(target.job)
+        try:
+            sinks = self.sinks_for(target.job) if sinks is None else sinks
+            probes = [make_probe(self.registry[n], self.host, self.node, lambda: sink_stats(sinks)) for n in names]
+            sampler = Sampler(target, probes, sinks, self.cfg.interval, self.host, clock=self.clock,
+                              run=self.run_id)
+            job = Job(target.job, spec, target, sampler, sinks)
+            try:
+                hello = sampler.start()      # outside the lock: the other jobs' ticks go on meanwhile
+            except BaseException:
+                sampler.stop()
+                target.close()
+                raise
+            with self.lock:
+                self.jobs[job.name] = job
+                self.pending.pop(job.name, None)
+                self._save()
+        finally:
+            with self.lock:
+                self.starting.discard(target.job)
+        log.info("attached %s (%s): %s", job.name, target.describe(), hello["probes"])
+        return {"job": job.name, "state": "attached", "probes": hello["probes"], "target": target.describe()}
+
+    def detach(self, name: str, why: str = "detached") -> dict[str, Any]:
+        """A last frame (what happened since the last tick), then the job's probes and sinks are released."""
+        with self.lock:
+            if name in self.pending:
+                del self.pending[name]
+                self._save()
+                return {"job": name, "state": "detached (was pending)"}
+            job = self.jobs.pop(name, None)
+            if job is None:
+                raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
+            self._save()
+        try:
+            job.sampler.tick()
+        except Exception:
+            log.exception("last frame of %s", name)
+        self._remember(name, why)
+        job.sampler.stop()
+        job.target.close()
+        log.info("detached %s: %s", name, why)
+        return {"job": name, "state": "detached", "why": why}
+
+    def set_probes(self, name: str, spec: str) -> dict[str, Any]:
+        """'+x,-y' for one job: start x, stop y, for that job only."""
+        edits = [s.strip() for s in spec.split(",") if s.strip()]
+        bad = [e for e in edits if e[0] not in "+-" or e[1:] not in self.registry]
+        if not edits or bad:
+            what = bad[0] if bad else spec
+            raise BadInput(f"bad probe toggle {what!r}: give +name or -name, names from: {', '.join(self.registry)}")
+        with self.lock:
+            job = self.jobs.get(name)
+            if job is None:
+                raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
+            for e in edits:
+                if e[0] == "+":
+                    job.sampler.enable(make_probe(self.registry[e[1:]], self.host, self.node,
+                                                  lambda: sink_stats(job.sinks)))
+                else:
+                    job.sampler.disable(e[1:])
+            if job.spec is not None:   # a restart attaches it again with the probes it has now
+                job.spec.probes = ",".join(n for n, st in job.sampler.status.items() if st != "off")
+                self._save()
+            return {"job": name, "probes": dict(job.sampler.status)}
+
+    def status(self) -> dict[str, Any]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        wall = max(1e-9, self.clock() - self._t0)
+        cpu = (ru.ru_utime + ru.ru_stime) - (self._ru0.ru_utime + self._ru0.ru_stime)
+        with self.lock:
+            jobs = [{"job": j.name, "target": j.target.describe(), "probes": dict(j.sampler.status),
+                     "slot": self.node.slot_of(j.target), "attached_at": j.attached_at,
+                     "frames": j.sampler.builder.seq, "sinks": sink_stats(j.sinks)} for j in self.jobs.values()]
+            pending = [{"job": k, "waiting_s": round(max(0.0, d - self.clock()), 1), "why": w}
+                       for k, (_, d, w) in self.pending.items()]
+            loads = {str(k[0].name if isinstance(k[0], type) else k[0]): v.refs for k, v in self.node.loads.items()}
+        return {"node": self.host.node, "run": self.run_id, "interval": self.cfg.interval, "jobs": jobs,
+                "pending": pending, "recent": list(self.recent),
+                "agent": {"pid": os.getpid(), "cpu_cores": round(cpu / wall, 5), "uptime_s": round(wall, 1),
+                          "rss_bytes": rss_bytes(self.host.proc), "program_loads": loads}}
+
+    def preload(self) -> dict[str, str]:
+        """Load the node's programs before any job: the membership handlers and every default probe's shared
+        programs, so that an attach compiles nothing (a per-job probe — one whose programs are per job — still
+        loads at attach)."""
+        self.node.start()
+        done = {}
+        for name in parse_probes(self.cfg.probes, self.registry):
+            probe = make_probe(self.registry[name], self.host, self.node, None)
+            if probe.check(self.host) is not None or not hasattr(probe, "preload"):
+                continue
+            try:
+                done[name] = "loaded" if probe.preload() else "per job"
+            except Exception as err:   # it will say so again, per job, at attach
+                done[name] = f"not loaded: {err}"
+        return done
+
+    # ---- the tick ---------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One frame per job; jobs that ended get their last frame and go; pending jobs are tried again."""
+        with self.lock:
+            jobs = list(self.jobs.values())
+        for job in jobs:
+            try:
+                job.target.refresh()
+                if job.target.kind == "cgroup":
+                    has = bool(job.target.pids())
+                    if job.had_procs and not has:
+                        job.ended = f"every process of {job.name} has exited"
+                    job.had_procs |= has
+            except TargetGone as err:
+                job.ended = str(err)
+            try:
+                job.sampler.tick()
+            except Exception:
+                log.exception("tick of %s", job.name)
+            if job.ended or job.sampler.end_reason:
+                self._end(job, job.ended or job.sampler.end_reason or "ended")
+        self._retry_pending()
+
+    def _end(self, job: Job, why: str) -> None:
+        with self.lock:
+            if self.jobs.get(job.name) is not job:
+                return
+            del self.jobs[job.name]
+            self._save()
+            self._remember(job.name, why)
+        job.sampler.stop()
+        job.target.close()
+        log.info("job %s ended: %s", job.name, why)
+
+    def _retry_pending(self) -> None:
+        with self.lock:
+            pending = list(self.pending.items())
+        for key, (spec, deadline, _) in pending:
+            try:
+                self.attach_target(spec.target(), parse_probes(spec.probes or self.cfg.probes, self.registry), spec)
+                with self.lock:
+                    self.pending.pop(key, None)
+            except BadInput as err:
+                if self.clock() >= deadline:
+                    with self.lock:
+                        self.pending.pop(key, None)
+                        self._save()
+                    self._remember(key, f"gave up waiting for its processes: {err}")
+                    log.warning("job %s: gave up waiting for its processes: %s", key, err)
+                else:
+                    with self.lock:
+                        if key in self.pending:
+                            self.pending[key] = (spec, deadline, str(err))
+
+    def _remember(self, name: str, why: str) -> None:
+        with self.lock:
+            self.recent.append({"job": name, "why": why, "t": time.time()})
+            del self.recent[:-20]
+
+    def run(self, until: Callable[[], bool] = lambda: False, duration: float | None = None) -> str:
+        """Tick on the monotonic clock (no drift; overrun ticks are skipped, not fired back to back) until
+        stopped, `until()` says so, or `duration` s pass."""
+        t0, k = self.clock(), 1
+        while True:
+            deadline = t0 + k * self.cfg.interval
+            if duration is not None:
+                deadline = min(deadline, t0 + duration)
+            self.stop_event.wait(max(0.0, deadline - self.clock()))
+            self.tick()
+            if self.stop_event.is_set():
+                return "stopped"
+            if until():
+                return "done"
+            if duration is not None and self.clock() - t0 >= duration - 1e-6:
+                return "duration reached"
+            k = max(k + 1, int((self.clock() - t0) / self.cfg.interval) + 1)
+
+    def close(self) -> None:
+        """Every job gets its last frame and is released (kept in the state file: a restart attaches them again),
+        then the node's programs and maps."""
+        with self.lock:
+            names = list(self.jobs)
+            persist, self.persist = self.persist, False   # stopping the agent is not detaching its jobs
+        for name in names:
+            try:
+                self.detach(name, "agent stopped")
+            except BadInput:
+                pass
+        self.node.close()
+        self.persist = persist
+
+    # ---- state across restarts ----------------------------------------------------------------------------
+    def _save(self) -> None:
+        if not self.persist:
+            return
+        specs = [asdict(j.spec) for j in self.jobs.values() if j.spec is not None]
+        specs += [asdict(s) for s, _, _ in self.pending.values()]
+        path = Path(self.cfg.state)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"jobs": specs}))
+            os.replace(tmp, path)
+        except OSError as err:
+            log.error("cannot write %s: %s", path, err)
+
+    def restore(self) -> list[dict[str, Any]]:
+        """Attach again the jobs a previous agent had (its state file), those still running; the others go."""
+        try:
+            specs = json.loads(Path(self.cfg.state).read_text()).get("jobs", [])
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as err:
+            log.error("cannot read %s: %s; starting with no jobs", self.cfg.state, err)
+            return []
+        out = []
+        for d in specs:
+            try:
+                out.append(self.attach(JobSpec.from_dict(d), wait=0))
+            except BadInput as err:
+                log.warning("not attached again: %s: %s", d, err)
+                out.append({"job": d.get("job"), "state": "gone", "why": str(err)})
+        self._save()
+        return out
+
+
+def waitable(spec: JobSpec) -> bool:
+    """Targets whose processes may appear after the attach (a SLURM prolog runs before them; a pod's cgroup is
+    made when its containers start). A --pid or --cgroup that does not exist is a mistake, said at once."""
+    return spec.slurm_job is not None or spec.k8s_pod is not None
+
+
+def spec_key(spec: JobSpec) -> str:
+    if spec.slurm_job is not None:
+        return str(spec.slurm_job)
+    if spec.k8s_pod is not None:
+        return f"pod-{str(spec.k8s_pod).lower().replace('_', '-')}"
+    return f"pid-{spec.pid}" if spec.pid is not None else str(spec.cgroup)
+
+
+def safe_name(job: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_.@" else "_" for c in job) or "job"
+
+
+def rss_bytes(proc: str = "/proc") -> int:
+    try:
+        for line in Path(proc, "self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

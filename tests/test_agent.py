@@ -1,0 +1,396 @@
+"""The node agent: real jobs in real cgroups attached and detached at run time, one set of kernel programs for the
+node whatever the number of jobs (counted from the kernel), the control socket's bad input, restarts and leaks.
+
+Kernel tier (root): real BPF, perf_event, cgroups; each job's CPU checked against its own cpu.stat.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IS_ROOT, wait_for, workload
+from jobprobe.agent import Agent, Config, JobSpec
+from jobprobe.control import ControlServer, call
+from jobprobe.errors import BadInput
+from jobprobe.frame import StreamReader
+from probes import _bpf
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
+pytestmark = pytest.mark.kernel
+
+
+def held_prog_ids(pid: int | str = "self") -> set[int]:
+    """The ids of the BPF programs a process holds, from the kernel's own fdinfo of its fds."""
+    ids = set()
+    base = Path(f"/proc/{pid}/fdinfo")
+    for fd in os.listdir(base):
+        with contextlib.suppress(OSError):
+            for line in (base / fd).read_text().splitlines():
+                if line.startswith("prog_id:"):
+                    ids.add(int(line.split()[1]))
+    return ids
+
+
+def prog_names(ids: set[int]) -> collections.Counter:
+    """How many of these programs the kernel has, by name (a program gone from the kernel is not counted)."""
+    out: collections.Counter = collections.Counter()
+    for prog_id in ids:
+        try:
+            fd = _bpf.prog_fd_by_id(prog_id)
+        except OSError:
+            continue                      # gone
+        try:
+            out[_bpf.prog_info(fd).name.decode()] += 1
+        finally:
+            os.close(fd)
+    return out
+
+
+def kernel_progs(pid: int | str = "self") -> collections.Counter:
+    return prog_names(held_prog_ids(pid))
+
+
+OURS = ("job_fork", "job_exit", "job_exec", "on_switch_raw", "on_switch", "on_wakeup_raw", "job_exit_probe")
+
+
+def ours(progs: collections.Counter) -> dict[str, int]:
+    return {n: progs[n] for n in OURS if progs[n]}
+
+
+@pytest.fixture
+def agent(tmp_path):
+    cfg = Config(interval=0.25, probes="cgroup,sched,perf,self", out=str(tmp_path / "out"),
+                 socket=str(tmp_path / "run" / "agent.sock"), state=str(tmp_path / "run" / "jobs.json"),
+                 attach_wait=5.0)
+    a = Agent(cfg)
+    a.persist = True
+    server = ControlServer(a, cfg.socket)
+    server.start()
+    loop = threading.Thread(target=a.run, daemon=True)
+    loop.start()
+    yield a
+    a.stop_event.set()
+    loop.join(timeout=10)
+    server.close()
+    a.close()
+
+
+def frames_of(agent: Agent, job: str) -> list[dict]:
+    with open(Path(agent.cfg.out, f"{job}.mpk"), "rb") as f:
+        return list(StreamReader(f))
+
+
+def ctl(agent: Agent, **req) -> dict:
+    return call(agent.cfg.socket, req)
+
+
+def test_jobs_attached_and_detached_at_run_time_each_count_their_own_cpu(agent, make_cgroup):
+    """Three jobs on one agent: two burners and an idle one, attached while the agent runs; each job's CPU time
+    (perf's task clock, per cgroup) within 2% of its own cpu.stat, the idle one's near zero although the burners ran
+    beside it; one set of programs in the kernel for all three."""
+    before = ours(kernel_progs())
+    cgs = {name: make_cgroup(name) for name in ("burn-a", "burn-b", "idle-c")}
+    for name, cg in cgs.items():      # attached before their work starts, as a scheduler's prolog does
+        r = ctl(agent, cmd="attach", cgroup=str(cg.path), job=name)
+        assert r["ok"] and r["state"] == "attached", r
+    procs = {"burn-a": cgs["burn-a"].spawn(workload("burn", 3)), "burn-b": cgs["burn-b"].spawn(workload("burn", 2)),
+             "idle-c": cgs["idle-c"].spawn(["sleep", "3"])}
+    one_set = ours(kernel_progs())
+    st = ctl(agent, cmd="status")
+    assert {j["job"] for j in st["jobs"]} == set(cgs) and len({j["slot"] for j in st["jobs"]}) == 3
+    for p in procs.values():
+        p.wait(timeout=30)
+    # each job is detached by itself after its last frame, once its processes have all exited
+    assert wait_for(lambda: not agent.jobs, timeout=10), list(agent.jobs)
+    for name, cg in cgs.items():
+        samples = [f for f in frames_of(agent, name) if f["kind"] == "sample"]
+        got = sum(f["probes"]["perf"]["task_clock_ns"] for f in samples)
+        want = cg.cpu_usage_ns()
+        switches = sum(f["probes"]["sched"]["involuntary_switches"] for f in samples)
+        print(f"{name}: perf task clock {got / 1e6:.1f} ms, cpu.stat {want / 1e6:.1f} ms, {switches} preemptions, "
+              f"{len(samples)} frames")
+        if name == "idle-c":
+            assert got < 20e6, got                     # `sleep`: nothing of the burners' work is counted here
+        else:
+            # 2%, plus the µs per preemption perf's task clock and the scheduler charge differently (test_perf.py)
+            assert abs(got - want) <= 0.02 * want + 7_500 * switches, (got, want)
+        assert all(f["run"] == agent.run_id for f in samples)
+        assert [f["seq"] for f in frames_of(agent, name)] == list(range(len(frames_of(agent, name))))
+    # one program per hook for the node, whatever the number of jobs: three jobs, one of each
+    assert before == {} and all(one_set[n] == 1 for n in ("job_fork", "job_exit", "job_exec")), one_set
+    assert one_set.get("on_switch_raw", 0) + one_set.get("on_switch", 0) == 1, one_set
+    # the jobs gone, the node keeps its one set (compiled once, never per job)
+    assert ours(kernel_progs()) == one_set, (ours(kernel_progs()), one_set)
+
+
+def test_per_job_toggle_leaves_the_other_jobs_alone(agent, make_cgroup):
+    a, b = make_cgroup("tog-a"), make_cgroup("tog-b")
+    pa, pb = a.spawn(workload("burn", 3)), b.spawn(workload("burn", 3))
+    try:
+        for cg, name in ((a, "tog-a"), (b, "tog-b")):
+            assert ctl(agent, cmd="attach", cgroup=str(cg.path), job=name)["ok"]
+        r = ctl(agent, cmd="probes", job="tog-a", toggle="-sched,+pressure")
+        assert r["probes"]["sched"] == "off" and r["probes"]["pressure"].startswith(("ok", "unavailable"))
+        time.sleep(1.0)
+        fa = [f for f in frames_of(agent, "tog-a") if f["kind"] == "sample"]
+        fb = [f for f in frames_of(agent, "tog-b") if f["kind"] == "sample"]
+        assert "sched" not in fa[-1]["probes"] and fa[-1]["status"]["sched"] == "off"
+        assert fb[-1]["probes"]["sched"]["involuntary_switches"] >= 0 and fb[-1]["status"]["sched"] == "ok"
+        # switched back on, it counts again, from then
+        assert ctl(agent, cmd="probes", job="tog-a", toggle="+sched")["probes"]["sched"] == "ok"
+        time.sleep(0.8)
+        last = [f for f in frames_of(agent, "tog-a") if f["kind"] == "sample"][-1]
+        assert last["status"]["sched"] == "ok" and last["probes"]["sched"]["voluntary_switches"] >= 0
+        bad = ctl(agent, cmd="probes", job="tog-a", toggle="+nosuch")
+        assert not bad["ok"] and "nosuch" in bad["error"]
+    finally:
+        pa.kill(), pb.kill()
+        pa.wait(), pb.wait()
+
+
+def test_bad_requests_are_rejected_and_the_agent_goes_on(agent, make_cgroup):
+    cg = make_cgroup("bad-ok")
+    p = cg.spawn(["sleep", "5"])
+    try:
+        r = ctl(agent, cmd="attach", cgroup="/no/such/group")
+        assert not r["ok"] and "does not exist" in r["error"]
+        assert not ctl(agent, cmd="detach", job="nobody")["ok"]
+        assert not ctl(agent, cmd="frobnicate")["ok"]
+        assert not ctl(agent, cmd="attach", cgroup=str(cg.path), probes="nosuch")["ok"]
+        assert not ctl(agent, cmd="attach", pid="abc")["ok"]
+        # not JSON, not an object, too long
+        for raw in (b"not json\n", b"[1, 2]\n", b"{" + b" " * (70 << 10)):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(agent.cfg.socket)
+                with contextlib.suppress(OSError):
+                    s.sendall(raw + b"\n")
+                reply = json.loads(s.makefile().readline())
+                assert reply["ok"] is False and reply["error"], raw[:20]
+        first = ctl(agent, cmd="attach", cgroup=str(cg.path), job="bad-ok")
+        again = ctl(agent, cmd="attach", cgroup=str(cg.path), job="bad-ok")
+        assert first["state"] == "attached" and again["state"] == "already attached"
+        assert [j["job"] for j in ctl(agent, cmd="status")["jobs"]] == ["bad-ok"]
+        # the socket: root only
+        mode = os.stat(agent.cfg.socket).st_mode
+        assert stat.S_IMODE(mode) == 0o600 and stat.S_IMODE(os.stat(Path(agent.cfg.socket).parent).st_mode) == 0o700
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="switches to another user to be refused")
+def test_a_non_root_client_is_refused_by_its_uid(agent):
+    """What is tested is the agent's SO_PEERCRED check itself: a second socket of the same agent, opened to
+    everyone (mode 0666 in a 0755 directory, which the agent never does), still refuses uid 65534."""
+    import tempfile
+    d = tempfile.mkdtemp(prefix="jobprobe-peercred-")
+    server = ControlServer(agent, os.path.join(d, "agent.sock"))
+    server.start()
+    try:
+        os.chmod(d, 0o755)
+        os.chmod(server.path, 0o666)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the client: this process's copy, dropped to uid 65534 (no interpreter files to read)
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                os.write(w, json.dumps(call(server.path, {"cmd": "status"})).encode())
+            except BaseException as err:
+                os.write(w, json.dumps({"client_error": repr(err)}).encode())
+            os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            reply = json.loads(f.read())
+        assert reply == {"ok": False, "error": "permission denied: the agent serves root only"}
+        assert call(server.path, {"cmd": "status"})["ok"]          # root still is
+    finally:
+        server.close()
+        os.rmdir(d)
+
+
+def test_attach_before_the_processes_exist_waits_then_attaches(agent, cgroup2_mount):
+    """The prolog case: a pod (or SLURM job) attached before its group exists is pending, attached when it appears;
+    one that never appears is given up after attach_wait, and said so."""
+    uid = "0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
+    r = ctl(agent, cmd="attach", k8s_pod=uid, wait=5)
+    assert r["ok"] and r["state"] == "pending", r
+    pod = Path(cgroup2_mount, "jobprobe-test-kubepods", "besteffort", f"pod{uid}")
+    pod.mkdir(parents=True)
+    p = None
+    try:
+        p = subprocess.Popen(["sleep", "3"], preexec_fn=lambda: (pod / "cgroup.procs").write_text(str(os.getpid())))
+        assert wait_for(lambda: [j["job"] for j in ctl(agent, cmd="status")["jobs"]] == [f"pod-{uid}"], timeout=5)
+        never = ctl(agent, cmd="attach", k8s_pod="ffffffff-4f50-6172-8394-a5b6c7d8e9f0", wait=0.5)
+        assert never["state"] == "pending"
+        assert wait_for(lambda: any("gave up" in r["why"] for r in ctl(agent, cmd="status")["recent"]), timeout=5)
+    finally:
+        if p is not None:
+            p.kill()
+            p.wait()
+        wait_for(lambda: not agent.jobs, timeout=5)
+        with contextlib.suppress(OSError):
+            pod.rmdir()
+            pod.parent.rmdir()
+            pod.parent.parent.rmdir()
+
+
+def test_a_removed_group_and_a_fork_storm_leave_nothing_behind(agent, make_cgroup):
+    cg = make_cgroup("gone")
+    p = cg.spawn(["sleep", "30"])
+    r = ctl(agent, cmd="attach", cgroup=str(cg.path), job="gone")
+    assert r["state"] == "attached", r
+    p.kill()
+    p.wait()
+    cg.remove()
+    assert wait_for(lambda: not agent.jobs, timeout=5)
+    recent = ctl(agent, cmd="status")["recent"]
+    assert any(r["job"] == "gone" for r in recent), recent
+    # a PID tree forking 3000 short processes: membership follows them, and none is left when they are gone
+    storm = subprocess.Popen([sys.executable, "-c", FORK_STORM, "3000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    r = ctl(agent, cmd="attach", pid=storm.pid, job="storm")
+    assert r["ok"] and r["state"] == "attached", r
+    slot = ctl(agent, cmd="status")["jobs"][0]["slot"]
+    storm.stdin.write("go\n")
+    storm.stdin.flush()
+    assert storm.stdout.readline().strip() == "done"
+    assert wait_for(lambda: agent.node.members(slot) == {storm.pid}), agent.node.members(slot)
+    storm.communicate("\n", timeout=30)
+    assert wait_for(lambda: not agent.jobs, timeout=5)
+    assert agent.node.members(slot) == set()
+    samples = [f for f in frames_of(agent, "storm") if f["kind"] == "sample"]
+    assert sum(f["probes"]["sched"]["runq_events"] for f in samples) >= 3000   # each child ran: it was a member
+
+
+FORK_STORM = """
+import os, sys
+sys.stdin.readline()
+for _ in range(int(sys.argv[1])):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_attach_detach_cycles_leak_nothing(agent, make_cgroup):
+    """Attach/detach cycles (1000 in the bench kit; 40 here) leave the agent's fds, the kernel's programs and every
+    map's entries where they started."""
+    cg = make_cgroup("cycles")
+    p = cg.spawn(workload("burn", 60))
+    try:
+        def snapshot():
+            fds = len(os.listdir("/proc/self/fd"))
+            maps = {n: len(m.keys()) for n, m in agent.node.loaded.maps.items() if n != "job_kinds"}
+            return fds, ours(kernel_progs()), maps
+        assert ctl(agent, cmd="attach", cgroup=str(cg.path), job="warm")["ok"]
+        assert ctl(agent, cmd="detach", job="warm")["ok"]
+        start = snapshot()
+        for i in range(40):
+            assert ctl(agent, cmd="attach", cgroup=str(cg.path), job=f"c{i}")["state"] == "attached"
+            assert ctl(agent, cmd="detach", job=f"c{i}")["state"] == "detached"
+        # (a reply reaches the client before the agent's side of the connection is closed: let it settle)
+        assert wait_for(lambda: snapshot() == start, timeout=5), (snapshot(), start)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def agent_cmd(tmp_path, *extra) -> list[str]:
+    return [*JOBPROBE, "agent", "--socket", str(tmp_path / "run" / "s.sock"), "--state",
+            str(tmp_path / "run" / "jobs.json"), "--out", str(tmp_path / "out"), "--interval", "0.25",
+            "--probes", "cgroup,sched,self", *extra]
+
+
+def jp(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([*JOBPROBE, *args, "--socket", str(tmp_path / "run" / "s.sock")], capture_output=True,
+                          text=True, timeout=60, cwd=str(ROOT))
+
+
+def start_agent(tmp_path) -> subprocess.Popen:
+    proc = subprocess.Popen(agent_cmd(tmp_path), cwd=str(ROOT), stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: jp(tmp_path, "status").returncode == 0 or proc.poll() is not None, timeout=30)
+    assert proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def test_cli_agent_sigkill_restart_attaches_running_jobs_and_leaves_nothing(tmp_path, make_cgroup):
+    """The daemon and its clients end to end; SIGKILL with jobs attached leaves no program in the kernel; a new
+    agent attaches again the jobs still running (a new run id, seq from 0) and drops the one that ended."""
+    live, ends = make_cgroup("live"), make_cgroup("ends")
+    plive, pends = live.spawn(["sleep", "60"]), ends.spawn(["sleep", "60"])
+    agent = start_agent(tmp_path)
+    try:
+        assert jp(tmp_path, "attach", "--cgroup", str(live.path), "--job", "live").stdout == "live: attached\n"
+        assert jp(tmp_path, "attach", "--cgroup", str(ends.path), "--job", "ends").returncode == 0
+        bad = jp(tmp_path, "attach", "--cgroup", "/no/such")
+        assert bad.returncode == 2 and bad.stderr.startswith("jobprobe: error: cgroup /no/such does not exist")
+        assert jp(tmp_path, "detach", "nobody").returncode == 2
+        st = json.loads(jp(tmp_path, "status", "--json").stdout)
+        assert sorted(j["job"] for j in st["jobs"]) == ["ends", "live"] and st["agent"]["rss_bytes"] > 0
+        assert "live" in jp(tmp_path, "status").stdout
+        time.sleep(0.6)
+        held = held_prog_ids(agent.pid)
+        assert ours(prog_names(held))["job_fork"] == 1, prog_names(held)
+        agent.kill()
+        agent.wait()
+        # nothing of the dead agent stays in the kernel: none of the programs it held exists any more
+        assert wait_for(lambda: not prog_names(held), timeout=10), prog_names(held)
+        run1 = [f for f in StreamReader(open(tmp_path / "out" / "live.mpk", "rb"))][0]["run"]
+        pends.kill()
+        pends.wait()
+        ends.remove()
+        agent = start_agent(tmp_path)
+        assert wait_for(lambda: [j["job"] for j in json.loads(jp(tmp_path, "status", "--json").stdout)["jobs"]]
+                        == ["live"], timeout=10)
+        time.sleep(0.6)
+        frames = list(StreamReader(open(tmp_path / "out" / "live.mpk", "rb")))
+        runs = [f["run"] for f in frames]
+        second = [f for f in frames if f["run"] != run1]
+        assert runs[0] == run1 and second and second[0]["kind"] == "hello" and second[0]["seq"] == 0
+        assert [f["seq"] for f in second] == list(range(len(second)))
+        assert jp(tmp_path, "detach", "live").stdout == "live: detached\n"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0
+        assert not (tmp_path / "run" / "s.sock").exists()
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        plive.kill()
+        plive.wait()
+
+
+def test_agent_flags_and_config(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('interval = 0.5\nprobes = "cgroup,sched"\nattach_wait = 3\n')
+    c = Config.load(str(cfg), {"interval": 2.0, "probes": None})
+    assert (c.interval, c.probes, c.attach_wait) == (2.0, "cgroup,sched", 3)
+    cfg.write_text("bogus = 1\n")
+    with pytest.raises(BadInput, match="unknown key 'bogus'"):
+        Config.load(str(cfg), {})
+    with pytest.raises(BadInput, match="does not exist"):
+        Config.load(str(tmp_path / "none.toml"), {})
+    res = subprocess.run([*JOBPROBE, "agent", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "unknown key" in res.stderr
+    res = subprocess.run([*JOBPROBE, "status", "--socket", str(tmp_path / "none.sock")], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 2 and "no agent is running" in res.stderr
+    assert JobSpec.from_dict({"pid": "12", "job": "x"}) == JobSpec(pid=12, job="x")
