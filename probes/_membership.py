@@ -47,13 +47,22 @@ def exit_has_group_dead(sys_root: str = "/sys") -> bool:
     return False
 
 
+PF_EXITING = 0x4   # include/linux/sched.h: set in do_exit before the sched_process_exit tracepoint fires
+
+
 def proc_gone(proc: str, pid: int) -> bool:
-    """True when pid has exited: no /proc entry, or a zombie/dead task (its exit tracepoint has fired)."""
+    """True when pid has exited or is past its exit tracepoint: no /proc entry, a zombie/dead task, or a
+    single-threaded process already exiting (PF_EXITING is set before sched_process_exit fires, and the process is
+    not yet a zombie for a while after: a key inserted then would never be deleted by the kernel)."""
     try:
         stat = Path(proc, str(pid), "stat").read_bytes()
     except OSError:
         return True
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    f = stat[stat.rfind(b")") + 2:].split()
+    if f[0] in (b"Z", b"X"):
+        return True
+    # fields after comm: state(0) ppid(1) pgrp(2) session(3) tty_nr(4) tpgid(5) flags(6) ... num_threads(17)
+    return len(f) > 17 and bool(int(f[6]) & PF_EXITING) and int(f[17]) == 1
 
 
 class Job:

@@ -298,7 +298,11 @@ def test_attach_detach_cycles_leak_nothing(agent, make_cgroup):
     p = cg.spawn(workload("burn", 60))
     try:
         def snapshot():
-            fds = len(os.listdir("/proc/self/fd"))
+            fds = collections.Counter()
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/self/fd/{fd}")
+                    fds[link.split(":[")[0] if ":[" in link else link] += 1
             maps = {n: len(m.keys()) for n, m in agent.node.loaded.maps.items() if n != "job_kinds"}
             return fds, ours(kernel_progs()), maps
         assert ctl(agent, cmd="attach", cgroup=str(cg.path), job="warm")["ok"]
@@ -308,7 +312,10 @@ def test_attach_detach_cycles_leak_nothing(agent, make_cgroup):
             assert ctl(agent, cmd="attach", cgroup=str(cg.path), job=f"c{i}")["state"] == "attached"
             assert ctl(agent, cmd="detach", job=f"c{i}")["state"] == "detached"
         # (a reply reaches the client before the agent's side of the connection is closed: let it settle)
-        assert wait_for(lambda: snapshot() == start, timeout=5), (snapshot(), start)
+        if not wait_for(lambda: snapshot() == start, timeout=10):
+            now = snapshot()
+            pytest.fail(f"fds now - at start: {now[0] - start[0]}, at start - now: {start[0] - now[0]}; "
+                        f"programs {now[1]} vs {start[1]}; map entries {now[2]} vs {start[2]}")
     finally:
         p.kill()
         p.wait()

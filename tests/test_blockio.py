@@ -249,7 +249,9 @@ def test_direct_io_counts_are_exact(probe, make_cgroup, loop, kind):
           f"{disk_w['write_bytes']} B; p50 {s1['write_lat_p50_us']} µs")
     assert within(s1["write_requests"], n) and within(s1["write_bytes"], n * bs)
     assert within(s1["write_bytes"], wr["proc_write_bytes"]) and within(s1["write_requests"], disk_w["writes"])
-    assert s1["read_requests"] == 0 and s1["write_errors"] == 0
+    # no reads, but those the job's own interpreter made the storage layer fetch (a page of a library paged in)
+    assert s1["read_bytes"] == 0 or s1["read_bytes"] <= wr["proc_read_bytes"], (s1["read_bytes"], wr)
+    assert s1["write_errors"] == 0
     assert sum(s1["write_lat_us_log2"]) == s1["write_requests"] and s1["write_lat_ns"] > 0
     # Device latency issue → complete is inside the kernel's own request time (allocation → done), summed in ms.
     assert s1["write_lat_ns"] / 1e6 <= disk_w["write_ms"] * 1.02 + 2

@@ -56,6 +56,14 @@ def test_proc_gone(tmp_path):
     assert proc_gone(str(tmp_path), 11)       # zombie: its exit tracepoint has fired
     assert not proc_gone(str(tmp_path), 12)   # ')' inside comm does not confuse the parser
     assert proc_gone(str(tmp_path), 13)
+    # past its exit tracepoint but not yet a zombie: PF_EXITING (0x4) in flags, one thread left
+    rest = lambda flags, threads: " ".join(["1", "1", "1", "0", "-1", str(flags)] + ["0"] * 10 + [str(threads)])
+    for pid, flags, threads in ((14, 0x400004, 1), (15, 0x400004, 3), (16, 0x400000, 1)):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a) R {rest(flags, threads)} 0 0\n")
+    assert proc_gone(str(tmp_path), 14)
+    assert not proc_gone(str(tmp_path), 15)   # the leader exiting while other threads live: still a member
+    assert not proc_gone(str(tmp_path), 16)
 
 
 def test_interval_deltas_and_percentiles():
