@@ -14,7 +14,7 @@
  *
  * One owner per node: the maps and the fork/exit/exec handlers are compiled into bpf/membership.c (-DJOB_MEMBERSHIP)
  * and loaded once; every probe's module is compiled with -DJOB_PIN_DIR="<dir>" and finds the same three maps
- * pinned there (BPF_TABLE_PINNED: its loader pins the owner's map fds in a bpffs of its own, probes/_bpf_loader.py),
+ * pinned there (BPF_TABLE_PINNED: its loader pins the owner's map fds in a bpffs of its own, jobprobe/kernel/bpf_loader.py),
  * so a node has one set of membership handlers whatever the number of probes and jobs. Without JOB_PIN_DIR a
  * module owns private maps (tests of one program on its own).
  * Handlers are plain functions, attached by name from user space (job_fork → sched:sched_process_fork, job_exit →

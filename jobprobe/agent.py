@@ -1,6 +1,6 @@
 """The node agent: a job table, one tick for all jobs, one set of kernel programs for the node.
 
-Each attached job has a slot in the node's membership maps (probes/_membership.py) and a Sampler of its own (its
+Each attached job has a slot in the node's membership maps (jobprobe/kernel/membership.py) and a Sampler of its own (its
 probes, its frames, its sinks), but the eBPF probes of every job share one load of their programs (BpfProbe with a
 node). A tick samples every job at once and sends one frame per job. Jobs arrive and leave at run time:
 attach(spec), detach(job), probes(job, "+x,-y"); a job whose processes have all exited is detached by itself after
@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from exporters.file import FileExporter
-from exporters.queued import QueuedSink, sink_stats
-from exporters.stdout import StdoutExporter
+from jobprobe.exporters.file import FileExporter
+from jobprobe.exporters.queued import QueuedSink, sink_stats
+from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe.errors import BadInput, TargetGone
 from jobprobe.frame import new_run_id
 from jobprobe.host import Host
@@ -33,7 +33,7 @@ from jobprobe.probe import Probe
 from jobprobe.registry import all_probes, parse_probes
 from jobprobe.sampler import Sampler
 from jobprobe.target import Target
-from probes._membership import Node
+from jobprobe.kernel.membership import Node
 
 log = logging.getLogger("jobprobe.agent")
 

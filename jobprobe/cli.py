@@ -257,9 +257,9 @@ def make_target(args, command: list[str]):
 
 def cmd_run(args, command: list[str], host: Host) -> int:
     """The agent with one job, in the foreground: the same job table, tick and sinks as `jobprobe agent`."""
-    from exporters.file import FileExporter
-    from exporters.queued import QueuedSink
-    from exporters.stdout import StdoutExporter
+    from jobprobe.exporters.file import FileExporter
+    from jobprobe.exporters.queued import QueuedSink
+    from jobprobe.exporters.stdout import StdoutExporter
     from jobprobe.agent import Agent, Config
     from jobprobe.registry import all_probes, parse_probes
     from jobprobe.target import CommandTarget

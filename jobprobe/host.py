@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobprobe.kernel import tracefs
+
 
 def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[str, str, str, list[str]]]:
     """(fstype, mount point, root, super options) of every line of a mountinfo file; [] if unreadable."""
@@ -76,10 +78,7 @@ class Host:
         return self.kernel_at_least(4, 17)
 
     def tracepoint_exists(self, category: str, event: str) -> bool:
-        for base in ("kernel/tracing", "kernel/debug/tracing"):
-            if Path(self.sys, base, "events", category, event).is_dir():
-                return True
-        return False
+        return tracefs.event_dir(self.sys, category, event) is not None
 
     def online_cpus(self) -> list[int]:
         return parse_cpu_list(Path(self.sys, "devices/system/cpu/online").read_text())

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-import probes as probes_pkg
+import jobprobe.probes as probes_pkg
 from jobprobe.errors import BadInput
 from jobprobe.probe import Probe
 
@@ -17,7 +17,7 @@ def all_probes() -> dict[str, type[Probe]]:
     for info in pkgutil.iter_modules(probes_pkg.__path__):
         if info.name.startswith("_"):
             continue  # private helpers (_perf, _bpf)
-        mod = importlib.import_module(f"probes.{info.name}")
+        mod = importlib.import_module(f"jobprobe.probes.{info.name}")
         for obj in vars(mod).values():
             if isinstance(obj, type) and issubclass(obj, Probe) and obj is not Probe and obj.name \
                     and obj.__module__ == mod.__name__:

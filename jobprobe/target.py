@@ -17,17 +17,14 @@ from typing import Callable, Iterable
 
 from jobprobe.errors import BadInput, CommandNotExecutable, CommandNotFound, TargetGone
 from jobprobe.host import find_cgroup2_mount
+from jobprobe.kernel import procfs
 
 
 def read_ppid(proc: str, pid: int) -> int | None:
-    """Parent PID from /proc/PID/stat, or None if the process is gone or a zombie (it has ended; only its exit
-    status waits to be collected). The comm field may hold spaces and ')'."""
-    try:
-        data = Path(proc, str(pid), "stat").read_bytes()
-    except OSError:
-        return None
-    rest = data[data.rfind(b")") + 2:].split()
-    return None if rest[0] in (b"Z", b"X") else int(rest[1])
+    """Parent PID, or None if the process is gone or a zombie (it has ended; only its exit status waits to be
+    collected)."""
+    st = procfs.read_stat(proc, pid)
+    return None if st is None or st.state in ("Z", "X") else st.ppid
 
 
 def list_pids(proc: str) -> list[int]:
@@ -178,11 +175,7 @@ def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
 
 def cgroup2_path_of(proc: str, pid: int) -> str | None:
     """A process's cgroup2 path ("0::/…" in /proc/PID/cgroup), relative to the cgroup2 mount; None if it is gone."""
-    try:
-        text = Path(proc, str(pid), "cgroup").read_text()
-    except OSError:
-        return None
-    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
+    return procfs.cgroup2_path(proc, pid)
 
 
 def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:

@@ -40,9 +40,11 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from jobprobe.target import Target
-from probes._bpf import RAW
-from probes._bpfprobe import BpfProbe
-from probes._membership import Node
+from jobprobe.kernel.bpf import RAW
+from jobprobe.bpfprobe import BpfProbe
+from jobprobe.kernel import tracefs
+from jobprobe.kernel.btf import Btf
+from jobprobe.kernel.membership import Node
 
 NBUCKETS = 27                 # bpf/blockio.c NBUCKETS
 DIRS = ("read", "write")      # bpf/blockio.c OP_READ, OP_WRITE: the index into slot_stats.dir
@@ -112,21 +114,8 @@ class SlotStats(ct.Structure):
 
 
 def tp_fields(sys_root: str, tracepoint: str) -> set[str] | None:
-    """Field names of a tracepoint, from its format file ("field:unsigned int nr_sector;" → nr_sector); None
-    when the tracepoint does not exist."""
-    category, event = tracepoint.split(":")
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            text = Path(sys_root, base, "events", category, event, "format").read_text()
-        except OSError:
-            continue
-        names = set()
-        for line in text.splitlines():
-            decl = line.strip().partition(";")[0]
-            if decl.startswith("field:"):
-                names.add(decl.split()[-1].partition("[")[0])
-        return names
-    return None
+    """Field names of a tracepoint "category:event"; None when it does not exist."""
+    return tracefs.event_fields(sys_root, *tracepoint.split(":"))
 
 
 def choose_mode(sys_root: str) -> str:
@@ -149,105 +138,6 @@ def plan(sys_root: str, mode: str) -> tuple[list[tuple[str, str]], str | None]:
             return out, f"tracepoint {tp} has no field {missing[0]}"
         out.append((tp, fn))
     return out, None
-
-
-class Btf:
-    """The type information of the running kernel (/sys/kernel/btf/vmlinux; include/uapi/linux/btf.h): struct
-    member offsets and tracepoint prototypes. One pass indexes the ~130k types (~70 ms)."""
-    FIXED = {1: 4, 3: 12, 14: 4, 17: 4}                       # bytes after a btf_type, per kind
-    PER_MEMBER = {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}  # ... and per vlen item
-    INT, PTR, STRUCT, UNION, ENUM, TYPEDEF, FUNC_PROTO, ENUM64 = 1, 2, 4, 5, 6, 8, 13, 19
-    QUALIFIERS = {9, 10, 11, 18}                              # volatile, const, restrict, type_tag: see through
-
-    def __init__(self, data: bytes):
-        magic, _, _, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
-        if magic != 0xEB9F:
-            raise ValueError("not BTF")
-        self.data, self.strs = data, data[hdr_len + str_off:hdr_len + str_off + str_len]
-        self.pos = [0]                                        # type id -> offset of its btf_type; 0 is void
-        self.ids: dict[tuple[int, int], int] = {}             # (kind, name offset) -> first such type
-        pos, end = hdr_len + type_off, hdr_len + type_off + type_len
-        head = struct.Struct("<II").unpack_from
-        while pos < end:
-            name_off, info = head(data, pos)
-            kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
-            if name_off:
-                self.ids.setdefault((kind, name_off), len(self.pos))
-            self.pos.append(pos)
-            pos += 12 + self.FIXED.get(kind, 0) + vlen * self.PER_MEMBER.get(kind, 0)
-
-    def _type(self, tid: int) -> tuple[str, int, int, int, int]:
-        """(name, kind, vlen, size_or_type, offset of what follows the btf_type)."""
-        name_off, info, size = struct.unpack_from("<III", self.data, self.pos[tid])
-        name = self.strs[name_off:self.strs.find(b"\0", name_off)].decode(errors="replace")
-        return name, (info >> 24) & 0x1F, info & 0xFFFF, size, self.pos[tid] + 12
-
-    def find(self, kind: int, name: str) -> int | None:
-        off = self.strs.find(b"\0" + name.encode() + b"\0")   # the string section holds each string once
-        return None if off < 0 else self.ids.get((kind, off + 1))
-
-    def describe(self, tid: int) -> str:
-        """A type as C spells it, qualifiers dropped: "struct request *", "blk_status_t", "unsigned int"."""
-        if tid == 0:
-            return "void"
-        name, kind, _, ref, _ = self._type(tid)
-        if kind == self.PTR:
-            return self.describe(ref) + " *"
-        if kind in self.QUALIFIERS:
-            return self.describe(ref)
-        return {self.STRUCT: "struct ", self.UNION: "union ", self.ENUM: "enum ", self.ENUM64: "enum "}.get(kind, "") \
-            + name
-
-    def size(self, tid: int) -> int:
-        _, kind, _, ref, _ = self._type(tid)
-        if kind == self.PTR:
-            return 8 if struct.calcsize("P") == 8 else 4
-        return self.size(ref) if kind in self.QUALIFIERS or kind == self.TYPEDEF else ref
-
-    def member(self, tid: int, name: str) -> tuple[int, int] | None:
-        """(byte offset, type id) of a member of a struct/union, looking into anonymous members as C does."""
-        _, kind, vlen, ref, at = self._type(tid)
-        while kind in self.QUALIFIERS or kind == self.TYPEDEF:
-            tid = ref
-            _, kind, vlen, ref, at = self._type(tid)
-        kind_flag = self.data[self.pos[tid] + 7] & 0x80   # then a bitfield's size is kept in the top byte
-        for j in range(vlen):
-            name_off, mtype, moff = struct.unpack_from("<III", self.data, at + 12 * j)
-            bits = moff & 0xFFFFFF if kind_flag else moff
-            mname = self.strs[name_off:self.strs.find(b"\0", name_off)].decode(errors="replace")
-            if mname == name:
-                return bits // 8, mtype
-            if not name_off:
-                inner = self.member(mtype, name)
-                if inner:
-                    return bits // 8 + inner[0], inner[1]
-        return None
-
-    def offset(self, struct_name: str, path: str) -> tuple[int, int]:
-        """(byte offset, size) of struct_name.path ("bi_iter.bi_sector"); KeyError naming what is missing."""
-        tid = self.find(self.STRUCT, struct_name)
-        if tid is None:
-            raise KeyError(f"struct {struct_name}")
-        total = 0
-        for part in path.split("."):
-            got = self.member(tid, part)
-            if got is None:
-                raise KeyError(f"struct {struct_name} member {path}")
-            total, tid = total + got[0], got[1]
-        return total, self.size(tid)
-
-    def tracepoint_args(self, event: str) -> tuple[str, ...] | None:
-        """The C argument types of a raw tracepoint (after its leading void *), from btf_trace_<event>."""
-        tid = self.find(self.TYPEDEF, f"btf_trace_{event}")
-        if tid is None:
-            return None
-        _, _, _, ref, _ = self._type(tid)
-        _, kind, _, proto, _ = self._type(ref)
-        _, kind2, vlen, _, at = self._type(proto) if kind == self.PTR else ("", 0, 0, 0, 0)
-        if kind2 != self.FUNC_PROTO:
-            return None
-        params = [struct.unpack_from("<II", self.data, at + 8 * j)[1] for j in range(vlen)]
-        return tuple(self.describe(p) for p in params[1:])
 
 
 def raw_cflags(btf_path: str | Path, events: list[str]) -> tuple[list[str], str | None]:

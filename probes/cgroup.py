@@ -2,7 +2,7 @@
 
 Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets; /proc/PID/{stat,statm}
 and /proc/PID/task/TID/io for process-tree targets and for controllers that a hybrid (v1+v2) host keeps on v1; as
-root, the kernel's taskstats exit records (probes/_taskstats.py) for what a thread did between its last read and
+root, the kernel's taskstats exit records (jobprobe/kernel/taskstats.py) for what a thread did between its last read and
 its exit. Kernel: cgroup2 cpu.stat needs 4.15+, memory.peak 5.19+ (older: the highest value seen). Cost: a few small
 file reads per tick (~0.1 ms), one more per thread of the job where I/O comes from /proc (~20 µs each); no root
 needed for the job's own files.
@@ -21,9 +21,10 @@ from pathlib import Path
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
-from probes._taskstats import ExitListener, ExitRecord
+from jobprobe.kernel import procfs
+from jobprobe.kernel.taskstats import ExitListener, ExitRecord
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+CLK_TCK = procfs.CLK_TCK
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -69,16 +70,16 @@ def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
     """CPU (ns), RSS (bytes) and I/O bytes of one process from /proc; None if it has gone. (The probe reads I/O
     per thread, ThreadIo; the process's figure is for the tests' and tools' use.)"""
     base = Path(proc, str(pid))
+    st = procfs.read_stat(proc, pid)
     try:
-        stat = (base / "stat").read_bytes()
         statm = (base / "statm").read_text().split()
     except OSError:
         return None
-    f = stat[stat.rfind(b")") + 2:].split()
-    # fields after comm: state(0) ppid(1) ... utime(11) stime(12) cutime(13) cstime(14)
-    ns = 1_000_000_000 // CLK_TCK
+    if st is None:
+        return None
+    ns = procfs.NS_PER_TICK
     # statm: size resident shared(RssFile + RssShmem) ...
-    out = {"user": int(f[11]) * ns, "system": int(f[12]) * ns, "cuser": int(f[13]) * ns, "csystem": int(f[14]) * ns,
+    out = {"user": st.utime * ns, "system": st.stime * ns, "cuser": st.cutime * ns, "csystem": st.cstime * ns,
            "rss": int(statm[1]) * PAGE, "rss_file": int(statm[2]) * PAGE, "rd": 0, "wr": 0}
     io = read_kv_colon(base / "io")
     if io:

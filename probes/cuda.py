@@ -10,7 +10,7 @@ job's processes' /proc/PID/maps are read; a library file seen for the first time
 node (a uprobe lives on the file: every process mapping it, now or later, hits it; the programs keep only the job's
 calls, by job_slot_current()). Attaching needs no bcc: the loader only loads the programs (BPF_PROG_TYPE_KPROBE);
 here perf_event_open on the uprobe PMU (type and retprobe bit from sysfs; config1 = path, config2 = file offset from
-the library's .dynsym, probes/_elf.py) and PERF_EVENT_IOC_SET_BPF. Return probes are attached before entry probes,
+the library's .dynsym, jobprobe/kernel/elf.py) and PERF_EVENT_IOC_SET_BPF. Return probes are attached before entry probes,
 so that every entry seen has its return seen.
 Oldest kernel: 4.18 (common.h); the uprobe PMU 4.17. Needs root, bcc to compile, and the uprobe PMU.
 Cost: measured in the 6.18 VM (tests/test_cuda.py::test_cost_per_call: wall time of 20k calls on vs off, and
@@ -28,7 +28,6 @@ copies count as "other" (their direction is decided from the pointers inside the
 from __future__ import annotations
 
 import ctypes as ct
-import fcntl
 import os
 import time
 from pathlib import Path
@@ -38,15 +37,16 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY, Field, delta, log2_percentile
 from jobprobe.target import Target
-from probes import _bpf, _elf, _perf
-from probes._bpfprobe import BpfProbe
-from probes._membership import Node
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import elf as _elf
+from jobprobe.bpfprobe import BpfProbe
+from jobprobe.kernel.membership import Node
+from jobprobe.kernel.uprobe import UprobePmu
 
 NBUCKETS = 27                                   # bpf/cuda.c NBUCKETS
 DIRS = ("htod", "dtoh", "dtod", "other")        # bpf/cuda.c memcpy_* index order
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "send", "recv")
 LIBRARY_PREFIXES = ("libcuda.so", "libcudart.so", "libnccl.so")
-PERF_EVENT_IOC_SET_BPF = 0x40042408             # _IOW('$', 8, __u32)
 
 
 def _variants(names: str, suffix: str) -> list[str]:
@@ -79,46 +79,6 @@ class CudaStats(ct.Structure):
 
 
 ARRAYS = tuple(n for n, t in CudaStats._fields_ if n not in SCALARS)
-
-
-class UprobePmu:
-    """The kernel's uprobe PMU: perf events that put a uprobe (or uretprobe) on a file offset and run a BPF program."""
-
-    def __init__(self, sys_root: str = "/sys"):
-        base = Path(sys_root, "bus/event_source/devices/uprobe")
-        try:
-            self.type = int((base / "type").read_text())
-            fmt = (base / "format/retprobe").read_text().strip()   # "config:0"
-        except (OSError, ValueError) as err:
-            raise ProbeUnavailable(f"no uprobe PMU ({base}): the kernel lacks CONFIG_UPROBE_EVENTS or is older "
-                                   f"than 4.17") from err
-        field, _, bit = fmt.partition(":")
-        if field != "config" or not bit.isdigit():
-            raise ProbeUnavailable(f"unexpected uprobe retprobe format {fmt!r} in {base}")
-        self.retprobe_bit = int(bit)
-
-    def attr(self, path: bytes, offset: int, retprobe: bool) -> tuple[_perf.PerfEventAttr, Any]:
-        """The perf_event_attr, and the buffer its config1 points to (keep it alive until the open)."""
-        buf = ct.create_string_buffer(path)
-        attr = _perf.PerfEventAttr()
-        attr.type, attr.size = self.type, ct.sizeof(attr)
-        attr.config = (1 << self.retprobe_bit) if retprobe else 0
-        attr.config1, attr.config2 = ct.addressof(buf), offset
-        attr.sample_period, attr.wakeup_events = 1, 1
-        return attr, buf
-
-    def attach(self, prog_fd: int, path: str, offset: int, retprobe: bool) -> int:
-        """A uprobe on path+offset for every process (pid -1; the BPF program runs on any CPU), running prog_fd.
-        Returns the perf event fd: closing it detaches."""
-        attr, _buf = self.attr(os.fsencode(path), offset, retprobe)
-        fd = _perf.perf_event_open(attr, -1, 0)
-        try:
-            fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
-            fcntl.ioctl(fd, _perf.PERF_EVENT_IOC_ENABLE, 0)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd
 
 
 def mapped_libraries(maps_text: bytes) -> set[str]:

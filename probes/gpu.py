@@ -5,13 +5,13 @@ remapped rows, GPM profiling metrics (Hopper+); XID errors and lost GPUs as even
 Which GPUs are the job's, decided again every tick (a job may open a GPU late), strongest rule first:
   process — one of the job's PIDs is on the GPU's compute, graphics or MPS process list (NVML);
   devices — a job process's device cgroup allows that GPU's /dev/nvidiaN (major 195) and not all GPUs: the v1
-            devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run (probes/_devcg.py);
+            devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run (jobprobe/kernel/devcg.py);
   env     — CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES in a job process's /proc/PID/environ (indices or UUIDs).
 On a GPU in MIG mode the same holds per MIG device (process: on that device's list; env: its MIG-UUID named), a GPU
 is the job's when one of its MIG devices is, and `mig` lists those devices with their own memory and processes.
 A GPU is `shared` when NVML lists processes on it that are not the job's.
 
-Hooks: nvidia-ml-py (`pynvml`, the real binding; probes/_nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
+Hooks: nvidia-ml-py (`pynvml`, the real binding; jobprobe/kernel/nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
 hierarchy found in mountinfo, or bpf(2) PROG_QUERY on the job's cgroup2 groups. Needs: libnvidia-ml.so.1 (the
 NVIDIA driver), root to read other users' environ and the device programs.
 Cost: 2–3 process-list calls per GPU of the node, ~15 NVML calls per job GPU and two small reads per job process
@@ -26,8 +26,9 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host, find_cgroup_v1_mount
 from jobprobe.probe import EVENTS_KEY, Field, Probe
 from jobprobe.target import Target, cgroup2_path_of
-from probes._devcg import DeviceRules
-from probes._nvml import LIBRARY, Gpu, GpuLost, Mig, Nvml
+from jobprobe.kernel import procfs
+from jobprobe.kernel.devcg import DeviceRules
+from jobprobe.kernel.nvml import LIBRARY, Gpu, GpuLost, Mig, Nvml
 
 NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
 INIT_ERRORS = {12: NO_DRIVER,                                                   # NVML_ERROR_LIBRARY_NOT_FOUND
@@ -101,15 +102,7 @@ def v1_mount(mountinfo: str, controller: str = "devices") -> tuple[str, str] | N
 
 
 def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | None:
-    try:
-        text = Path(proc, str(pid), "cgroup").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        _, ctrls, path = line.split(":", 2)
-        if controller in ctrls.split(","):
-            return path
-    return None
+    return procfs.cgroup_v1_path(proc, pid, controller)
 
 
 def allowed_gpu_minors(devices_list: str) -> set[int] | None:

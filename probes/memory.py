@@ -30,8 +30,10 @@ from typing import Any
 
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY, Field, delta
-from probes._bpfprobe import MEMBERSHIP, BpfProbe, proc_gone
-from probes._membership import Node
+from jobprobe.bpfprobe import MEMBERSHIP, BpfProbe
+from jobprobe.kernel import tracefs
+from jobprobe.kernel.btf import enum_values
+from jobprobe.kernel.membership import Node, proc_gone
 
 NBUCKETS = 27       # bpf/memory.c NBUCKETS
 SLOT_PENDING, SLOT_NONE = -2, -1
@@ -87,48 +89,7 @@ class OomRec(ct.Structure):
 
 # ---- feature detection (pure: every path under a root) ---------------------------------------------------------
 def tracepoint_format(sys_root: str, tp: str) -> str:
-    cat, _, ev = tp.partition(":")
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            return Path(sys_root, base, "events", cat, ev, "format").read_text()
-        except OSError:
-            continue
-    return ""
-
-
-def btf_enum_values(path: str | Path, names: tuple[str, ...]) -> dict[str, int]:
-    """Values of enum members `names`, all taken from the one enum that has them all (vmlinux BTF: the running
-    kernel's own numbering, which depends on its config, unlike the headers'). {} if no enum has them all."""
-    data = Path(path).read_bytes()
-    magic, _, _, hdr_len, type_off, type_len, str_off, str_len = struct.unpack_from("<HBBIIIII", data, 0)
-    if magic != 0xEB9F:
-        raise ValueError(f"{path}: not BTF")
-    strs = data[hdr_len + str_off:hdr_len + str_off + str_len]
-    if not all(b"\0" + n.encode() + b"\0" in strs for n in names):
-        return {}
-
-    def name_at(off: int) -> str:
-        return strs[off:strs.find(b"\0", off)].decode(errors="replace")
-
-    # Bytes after the 12-byte btf_type: fixed per kind, or per member (vlen) — include/uapi/linux/btf.h.
-    fixed, member = {1: 4, 3: 12, 14: 4, 17: 4}, {4: 12, 5: 12, 6: 8, 13: 8, 15: 12, 19: 12}
-    pos, end = hdr_len + type_off, hdr_len + type_off + type_len
-    while pos < end:
-        info = struct.unpack_from("<I", data, pos + 4)[0]
-        kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
-        pos += 12
-        if kind in (6, 19):   # ENUM (name_off, s32) / ENUM64 (name_off, lo32, hi32)
-            found = {}
-            for j in range(vlen):
-                name_off, lo = struct.unpack_from("<Ii", data, pos + member[kind] * j)
-                name = name_at(name_off)
-                if name in names:
-                    hi = struct.unpack_from("<i", data, pos + 12 * j + 8)[0] if kind == 19 else None
-                    found[name] = lo if hi is None else (hi << 32) | (lo & 0xFFFFFFFF)
-            if len(found) == len(names):
-                return found
-        pos += fixed.get(kind, 0) + vlen * member.get(kind, 0)
-    return {}
+    return tracefs.event_format(sys_root, *tp.split(":")) or ""
 
 
 def memcg_disabled(proc: str) -> bool:
@@ -170,7 +131,7 @@ def memcg_items(host: Host) -> tuple[str | None, dict[str, int]]:
     if memcg_disabled(host.proc):
         return "the memory cgroup controller is disabled (cgroup_disable=memory)", {}
     try:
-        items = btf_enum_values(Path(host.sys, "kernel/btf/vmlinux"), ("PGFAULT", "PGMAJFAULT"))
+        items = enum_values(Path(host.sys, "kernel/btf/vmlinux"), ("PGFAULT", "PGMAJFAULT"))
     except (OSError, ValueError, struct.error) as err:
         return f"no kernel BTF to number PGFAULT/PGMAJFAULT: {err}", {}
     return (None if items else "PGFAULT/PGMAJFAULT not found in the kernel's BTF"), items

@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import ctypes as ct
 import ipaddress
-import re
-from pathlib import Path
 from typing import Any
 
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY, Field, delta
 from jobprobe.target import Target
-from probes import _bpf
-from probes._bpfprobe import BpfProbe
-from probes._membership import Node
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import BpfProbe
+from jobprobe.kernel import tracefs
+from jobprobe.kernel.membership import Node
 
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",
@@ -71,13 +70,7 @@ class SockInfo(ct.Structure):
 
 def tracepoint_has_field(sys_root: str, category: str, event: str, field: str) -> bool:
     """Whether a tracepoint's format file declares `field` (fields are added across kernel versions)."""
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            text = Path(sys_root, base, "events", category, event, "format").read_text()
-        except OSError:
-            continue
-        return re.search(rf"field:[^;]*\b{re.escape(field)}(\[\d+\])?;", text) is not None
-    return False
+    return field in (tracefs.event_fields(sys_root, category, event) or ())
 
 
 def peer_addr(family: int, raw: bytes) -> str:

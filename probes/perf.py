@@ -33,7 +33,7 @@ from jobprobe.errors import ProbeFailed, ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, Probe
 from jobprobe.target import Target, read_ppid
-from probes import _perf
+from jobprobe.kernel import perf as _perf
 
 # _perf event name → field name (task-clock is a time, so it carries its unit in the name).
 FIELD_OF = {"task_clock": "task_clock_ns", "context_switches": "context_switches",

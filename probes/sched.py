@@ -24,7 +24,7 @@ in the same run); a switch of tasks outside the job 133 ns. Nothing per syscall 
 registers (5.15+ with BTF); with the hook, getppid +15 ns (raw) / +43 ns (classic) per call of the node
 (scripts/syscall_cost.py --probe sched). The hook is on by default where it is needed because lock vs sleep vs wait
 is most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
-(probes/_bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
+(jobprobe/kernel/bpf.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
 ~141 MB). sample(): one per-CPU map lookup, ~50 µs.
 Times are per interval where they happened: each interval's off-CPU time (total and per reason) and run-queue
 wait time is the part spent within that interval, threads still off CPU at the tick included (the kernel keeps, per
@@ -44,9 +44,8 @@ from typing import Any
 
 from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
-from probes._bpf import trim_log  # noqa: F401  (re-exported: the probe's error messages are trimmed with it)
-from probes._bpfprobe import BpfProbe, exit_has_group_dead, proc_gone  # noqa: F401  (re-exported for tests)
-from probes._membership import Node
+from jobprobe.bpfprobe import BpfProbe
+from jobprobe.kernel.membership import Node
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
 NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (REASONS), T_WAKEUP 6

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.probe import Field, delta, log2_percentile
-from probes._bpfprobe import BpfProbe
+from jobprobe.bpfprobe import BpfProbe
 
 NBUCKETS = 27     # bpf/syscalls.c NBUCKETS
 NR_MAX = 1024     # bpf/syscalls.c NR_MAX: numbers outside [0, NR_MAX) are all counted as NR_MAX

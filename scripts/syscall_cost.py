@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobprobe.host import Host  # noqa: E402
 from jobprobe.target import PidTreeTarget  # noqa: E402
-from probes.sched import SchedProbe  # noqa: E402
-from probes.syscalls import SyscallsProbe  # noqa: E402
+from jobprobe.probes.sched import SchedProbe  # noqa: E402
+from jobprobe.probes.syscalls import SyscallsProbe  # noqa: E402
 
 # probe → mode → how to make it (None: nothing attached). An older kernel version makes a probe choose its classic
 # programs.

@@ -103,7 +103,7 @@ def wait_for(what, timeout: float = 10.0):
 
 def prog_exists(prog_id: int) -> bool:
     """Whether the kernel still has a BPF program with this id."""
-    from probes import _bpf
+    from jobprobe.kernel import bpf as _bpf
     try:
         os.close(_bpf.prog_fd_by_id(prog_id))
     except FileNotFoundError:

@@ -6,8 +6,8 @@ import ctypes as ct
 import os
 import struct
 
-from probes import _bpf
-from probes._devcg import ACC_WRITE, DEV_CHAR
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.devcg import ACC_WRITE, DEV_CHAR
 
 PROG_LOAD = 5
 PROG_CGROUP_DEVICE = 15

@@ -25,7 +25,7 @@ from jobprobe.agent import Agent, Config, JobSpec
 from jobprobe.control import ControlServer, call
 from jobprobe.errors import BadInput
 from jobprobe.frame import StreamReader
-from probes import _bpf
+from jobprobe.kernel import bpf as _bpf
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-import bpf
+from jobprobe import bpf
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes._bpfprobe import MISSED
-from probes._membership import MEMBERSHIP
-from probes.blockio import (COUNTERS, DIRS, NBUCKETS, RAW_OFFSETS, RAW_PROTOS, STALE_NS, BlockioProbe, Btf, DirStats,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import MISSED
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.kernel.btf import Btf
+from jobprobe.probes.blockio import (COUNTERS, DIRS, NBUCKETS, RAW_OFFSETS, RAW_PROTOS, STALE_NS, BlockioProbe, DirStats,
                             RqKey, RqVal, SlotStats, choose_mode, interval, plan, raw_cflags, tp_fields, zero_reading)
 from tests.conftest import bpf_fds, wait_for
 from tests.workloads_blockio import Loop
@@ -489,6 +490,10 @@ def test_concurrent_io_inside_and_outside_misses_nothing(make_cgroup, tmp_path, 
     assert sum(o["read"] + o["write"] for o in outside) > 64 * MiB      # the node was busy meanwhile
     assert job["read"] > 16 * MiB and job["write"] > 16 * MiB
     assert s[MISSED] == 0
-    assert within(s["read_bytes"], job["read"], 0.001) and within(s["write_bytes"], job["write"], 0.001)
-    assert within(s["read_bytes"], disk["read_bytes"], 0.001) and within(s["write_bytes"], disk["write_bytes"], 0.001)
+    # Reads may exceed fio's by what the job's own process paged in from other devices (fio's binary and libraries
+    # after the page cache dropped them: 1.8 MB seen once), never fall short; writes are fio's alone.
+    paged_in = 8 * MiB
+    assert -0.001 * job["read"] <= s["read_bytes"] - job["read"] <= 0.001 * job["read"] + paged_in
+    assert -0.001 * disk["read_bytes"] <= s["read_bytes"] - disk["read_bytes"] <= 0.001 * disk["read_bytes"] + paged_in
+    assert within(s["write_bytes"], job["write"], 0.001) and within(s["write_bytes"], disk["write_bytes"], 0.001)
     assert s["read_errors"] == s["write_errors"] == 0

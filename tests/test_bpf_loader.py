@@ -1,4 +1,4 @@
-"""The loader/reader split (probes/_bpf.py, probes/_bpf_loader.py): unit tests of the bpf(2) attr packing, per-CPU
+"""The loader/reader split (jobprobe/kernel/bpf.py, jobprobe/kernel/bpf_loader.py): unit tests of the bpf(2) attr packing, per-CPU
 sizing and the fd-passing reply, then real programs and maps on the real kernel (kernel tier).
 
 Independent references: the UAPI header compiled by gcc (struct offsets, enum values), the kernel's own view of
@@ -23,8 +23,8 @@ import pytest
 
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.target import CgroupTarget
-from probes import _bpf
-from probes.sched import SchedProbe
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.probes.sched import SchedProbe
 from tests.conftest import TESTS, prog_exists, workload
 
 TEST_C = TESTS / "bpf_loader_test.c"
@@ -249,7 +249,7 @@ def test_programs_stay_attached_after_the_loader_exits(make_cgroup):
 AGENT = r"""
 import json, os, sys, time
 from jobprobe.target import PidTreeTarget
-from probes.sched import SchedProbe
+from jobprobe.probes.sched import SchedProbe
 p = SchedProbe()
 p.start(PidTreeTarget([os.getpid()]))
 switches = 0

@@ -1,4 +1,4 @@
-"""What every eBPF probe shares (probes/_bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
+"""What every eBPF probe shares (jobprobe/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
 is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess
 import sys
@@ -9,9 +9,9 @@ import pytest
 from jobprobe import registry
 from jobprobe.probe import Field
 from jobprobe.target import PidTreeTarget
-from probes import _bpf
-from probes._bpfprobe import MISSED, MISSED_FIELD, BpfProbe
-from probes.sched import SchedProbe
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
+from jobprobe.probes.sched import SchedProbe
 
 EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(0.5); "
                       "t = threading.Thread(target=lambda: os.execv('/bin/sleep', ['sleep', '1.5'])); "

@@ -13,8 +13,8 @@ import pytest
 from conftest import workload
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes._taskstats import ExitRecord
-from probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadIo, io_stat_bytes, proc_counters, read_kv
+from jobprobe.kernel.taskstats import ExitRecord
+from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadIo, io_stat_bytes, proc_counters, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
 
 
 class FakeListener:
-    """A named fake of probes._taskstats.ExitListener: hands out the exit records the test queues."""
+    """A named fake of jobprobe.kernel.taskstats.ExitListener: hands out the exit records the test queues."""
 
     def __init__(self):
         self.queue: list[ExitRecord] = []
@@ -310,7 +310,6 @@ def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
     data = tmp_path / "fio.dat"
     with open(data, "wb") as f:
         f.write(os.urandom(64 << 20))
-    out = tmp_path / "x.mpk"
     report = tmp_path / "fio.json"
     res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup", "--interval",
                           "0.5", "--stdout", "json", "--", "fio", "--name=x", f"--filename={data}", "--size=64M",

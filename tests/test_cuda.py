@@ -1,4 +1,4 @@
-"""The cuda probe (probes/cuda.py, bpf/cuda.c, probes/_elf.py): unit tests of the ELF reader, the maps scan, the
+"""The cuda probe (probes/cuda.py, bpf/cuda.c, jobprobe/kernel/elf.py): unit tests of the ELF reader, the maps scan, the
 attach plan and the interval arithmetic; then real uprobes on TEST FAKES of libcuda.so.1, libcudart.so.12 and
 libnccl.so.2 (tests/fake_cuda/, compiled here with gcc, exporting the real symbol names with the real argument
 order), called by a real program in a real cgroup2 group or process tree (kernel tier).
@@ -22,14 +22,16 @@ from pathlib import Path
 
 import pytest
 
-import bpf
+from jobprobe import bpf
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf, _elf
-from probes._bpfprobe import MISSED
-from probes._membership import MEMBERSHIP
-from probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, UprobePmu, interval,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import elf as _elf
+from jobprobe.bpfprobe import MISSED
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.kernel.uprobe import UprobePmu
+from jobprobe.probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, interval,
                          mapped_libraries, plan_library, zero_reading)
 from tests.conftest import TESTS, bpf_fds
 from tests.fake_cuda.build import LIBS, build

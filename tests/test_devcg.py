@@ -1,4 +1,4 @@
-"""The cgroup2 device rule: device programs read back from the kernel and run by probes/_devcg.py's interpreter,
+"""The cgroup2 device rule: device programs read back from the kernel and run by jobprobe/kernel/devcg.py's interpreter,
 checked against the kernel's own verdict (opening device nodes from inside the group), (the gpu probe's
 `devices` rule on a real group with such a program attached: tests/test_gpu.py)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from probes import _bpf
-from probes._devcg import (ACC_READ, ACC_WRITE, DEV_BLOCK, DEV_CHAR, DeviceRules, Undecidable, allows,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.devcg import (ACC_READ, ACC_WRITE, DEV_BLOCK, DEV_CHAR, DeviceRules, Undecidable, allows,
                            device_ctx, effective_programs, program_insns, run)
 from tests.devcg_progs import (CALL, EXIT, JA, LDXW, allow_list, attach_device_program, insn, odd_expected,
                                odd_program)
@@ -21,7 +21,7 @@ from tests.devcg_progs import (CALL, EXIT, JA, LDXW, allow_list, attach_device_p
 # ---- unit tier: the interpreter on its own -----------------------------------------------------------------------
 def test_prog_info_layout():
     """struct bpf_prog_info (include/uapi/linux/bpf.h): the instruction lengths and pointers sit before the name."""
-    from probes._bpf import ProgInfo
+    from jobprobe.kernel.bpf import ProgInfo
     offsets = {name: getattr(ProgInfo, name).offset for name, _ in ProgInfo._fields_}
     assert (offsets["xlated_prog_len"], offsets["xlated_prog_insns"], offsets["name"]) == (20, 32, 64)
     assert (offsets["run_time_ns"], offsets["recursion_misses"], ct.sizeof(ProgInfo)) == (192, 208, 216)

@@ -2,8 +2,8 @@
 import io
 import json
 
-from exporters.file import FileExporter
-from exporters.stdout import StdoutExporter, human_line
+from jobprobe.exporters.file import FileExporter
+from jobprobe.exporters.stdout import StdoutExporter, human_line
 from jobprobe.frame import FrameBuilder, StreamReader, encode
 
 
@@ -63,6 +63,6 @@ def test_stdout_human_and_json():
     assert "runq_lat_us_log2" not in line
     assert "io_read_bytes" not in line and "net[" not in line       # only what is not zero: compact
     assert "sched=off" in human_line(frames[0])
-    from exporters.stdout import human_value
+    from jobprobe.exporters.stdout import human_value
     assert [human_value("x_ns", v) for v in (7, 858_000, 12_340_000, 1_500_000_000)] == ["7ns", "858us", "12.3ms",
                                                                                           "1.50s"]

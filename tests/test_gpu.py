@@ -20,9 +20,9 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.sampler import Sampler
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes._nvml import decode_reasons
-from probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.nvml import decode_reasons
+from jobprobe.probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

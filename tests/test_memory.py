@@ -18,15 +18,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from probes._bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.bpfprobe import MEMBERSHIP, MISSED
 
-import bpf
+from jobprobe import bpf
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,
-                           btf_enum_values, interval, oom_cflags, oom_event, plan, zero_reading)
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.btf import enum_values as btf_enum_values
+from jobprobe.probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,
+                           interval, oom_cflags, oom_event, plan, zero_reading)
 from tests.conftest import bpf_fds
 from tests.workloads_memory import (MemcgV1, failcnt, go, memcg_v1_root, memwork, populated_zones, said,
                                     spawn, window)
@@ -256,7 +257,7 @@ def cold_file():
 @pytest.mark.parametrize("kind", ["cgroup", "pids"])
 def test_page_faults_agree_with_perf_for_the_same_job(probe, make_cgroup, kind):
     """Two mechanisms on the same job and window: eBPF on the exceptions tracepoints vs perf's software counter."""
-    from probes.perf import PerfProbe
+    from jobprobe.probes.perf import PerfProbe
     perf = PerfProbe()
     cg = make_cgroup()
     try:

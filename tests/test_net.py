@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-import bpf
+from jobprobe import bpf
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import EVENTS_KEY
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes._bpfprobe import MEMBERSHIP, MISSED
-from probes.net import (COUNTERS, PACKET_FIELDS, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
 from tests.conftest import bpf_fds, prog_exists
 from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, near, result
@@ -455,7 +455,7 @@ def test_stop_detaches_and_leaves_no_bpf_fd(probe, make_cgroup):
 
 @pytest.mark.kernel
 def test_a_refused_cgroup_link_falls_back_to_syscalls_and_says_so(probe, make_cgroup, monkeypatch, net):
-    monkeypatch.setattr("probes.net.SKB", (("no_such_function", "cgroup_skb/ingress"),))
+    monkeypatch.setattr("jobprobe.probes.net.SKB", (("no_such_function", "cgroup_skb/ingress"),))
     cg = make_cgroup()
     net.start(net.b, "tcp_sink", 5008, 0, ready=True)
     probe.start(CgroupTarget(str(cg.path)))

@@ -35,8 +35,8 @@ from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
 from jobprobe.probe import Field
 from jobprobe.target import CgroupTarget, PidTreeTarget, Target
-from probes import _perf
-from probes.perf import PerfProbe
+from jobprobe.kernel import perf as _perf
+from jobprobe.probes.perf import PerfProbe
 
 SW_FIELDS = {"task_clock_ns", "context_switches", "cpu_migrations", "page_faults", "running_ratio"}
 HW_FIELDS = {"cycles", "instructions", "cache_misses", "branch_misses", "ipc"}

@@ -17,7 +17,7 @@ import pytest
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes.pressure import PressureProbe, read_pressure
+from jobprobe.probes.pressure import PressureProbe, read_pressure
 from tests.conftest import TESTS
 from tests.test_memory import cold_file, make_memcg  # noqa: F401 (fixtures)
 from tests.test_sched import account, sched_workload
@@ -99,7 +99,7 @@ def test_cpu_stall_and_the_run_queue_waits(pressure, beside, make_cgroup):
     the sum of every wait of its tasks (the sched probe's run-queue latency, from the scheduler's tracepoints), and
     with at most two tasks at least half of it; `full` (all of them waiting) no more than `some`; and some + full
     at least the burners' own run_delay (schedstat) over their loops."""
-    from probes.sched import SchedProbe
+    from jobprobe.probes.sched import SchedProbe
     cg = make_cgroup()
     sched = beside(CgroupTarget(str(cg.path)), SchedProbe())
     ref = account(cg.spawn(on_cpu(FIRST, sched_workload("preempt", 1.0)), stdout=subprocess.PIPE, text=True))
@@ -154,7 +154,7 @@ def test_io_stall_matches_the_off_cpu_io_time(pressure, beside, make_cgroup, tmp
     PSI counts as I/O stall, and is off the CPU in D state meanwhile, which the sched probe counts as off-CPU for
     I/O. (Not a file on ext4: there a read may also wait in D state, but not iowait, for the conversion of extents
     written just before — the sched probe counts that as I/O, PSI does not.)"""
-    from probes.sched import SchedProbe
+    from jobprobe.probes.sched import SchedProbe
     dev = Loop(tmp_path / "disk.img", 64 << 20)
     cg = make_cgroup()
     sched = beside(CgroupTarget(str(cg.path)), SchedProbe())
@@ -175,7 +175,7 @@ def test_io_stall_matches_the_off_cpu_io_time(pressure, beside, make_cgroup, tmp
 @pytest.mark.kernel
 def test_memory_stall_matches_the_memcg_reclaim_time(pressure, beside, make_cgroup, make_memcg,  # noqa: F811
                                                      cold_file):  # noqa: F811
-    from probes.memory import MemoryProbe
+    from jobprobe.probes.memory import MemoryProbe
     path = cold_file(128)
     mem, cg = make_memcg(32), make_cgroup()
     memory = beside(CgroupTarget(str(cg.path)), MemoryProbe())

@@ -7,11 +7,11 @@ import os
 import threading
 import time
 
-from exporters.file import FileExporter
-from exporters.queued import QueuedSink, sink_stats
-from exporters.stdout import StdoutExporter
+from jobprobe.exporters.file import FileExporter
+from jobprobe.exporters.queued import QueuedSink, sink_stats
+from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe.frame import FrameBuilder, StreamReader, encode
-from probes.self import SelfProbe
+from jobprobe.probes.self import SelfProbe
 
 
 def frames(n, hello=True):

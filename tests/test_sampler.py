@@ -191,7 +191,7 @@ class DeclaredFake(CountingFake):
 
 
 def test_hello_carries_the_schema_of_the_probes_that_started():
-    from probes.self import SelfProbe
+    from jobprobe.probes.self import SelfProbe
     s, rec = make([SelfProbe(), DeclaredFake(), UnavailableFake(), NeedsRootFake()])
     hello = s.start()
     s.stop()

@@ -16,17 +16,18 @@ from pathlib import Path
 
 import pytest
 
-import bpf
+from jobprobe import bpf
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes._bpfprobe import MISSED
-from probes._membership import MEMBERSHIP
-from probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import MISSED
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
                           SYSCALL_HANDLERS, TIMES, OffRec, time_totals,
-                          SchedProbe, SlotStats, exit_has_group_dead, interval, proc_gone, raw_sched, syscall_from_regs,
-                          trim_log, zero_reading)
+                          SchedProbe, SlotStats, interval, raw_sched, syscall_from_regs, zero_reading)
+from jobprobe.kernel.bpf import trim_log
+from jobprobe.kernel.membership import exit_has_group_dead, proc_gone
 from tests.conftest import TESTS, bpf_fds, wait_for, workload
 
 # ---------------------------------------------------------------- unit
@@ -286,7 +287,7 @@ def test_cgroup_switches_match_the_kernels_count(probe, make_cgroup):
 @pytest.mark.parametrize("kind", ["cgroup", "pids"])
 def test_switches_agree_with_perf_context_switches_for_the_same_job(probe, make_cgroup, kind):
     """Two independent mechanisms on the same job and window: eBPF tracepoints vs perf's software counter."""
-    from probes.perf import PerfProbe
+    from jobprobe.probes.perf import PerfProbe
     perf = PerfProbe()
     cg = make_cgroup()
     if kind == "cgroup":
@@ -457,7 +458,7 @@ sys.stdin.readline()
 def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead):
     if group_dead and not exit_has_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
-    monkeypatch.setattr("probes._membership.exit_has_group_dead", lambda sys_root: group_dead)
+    monkeypatch.setattr("jobprobe.kernel.membership.exit_has_group_dead", lambda sys_root: group_dead)
     root = subprocess.Popen([sys.executable, "-c", FORK_STORM, "2000", "200"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -721,7 +722,7 @@ def test_offcpu_time_lands_in_the_intervals_it_was_spent(probe, make_cgroup, kin
     prev = (marks[0], marks[1])
     for a, b, s in ticks:
         # The interval runs from the previous reading to this one, each somewhere inside its bracket.
-        longest, shortest = b - prev[0], max(0, a - prev[1])
+        longest = b - prev[0]
         hi, lo = overlap(prev[0], b, spans), overlap(prev[1], a, spans)
         got = s["offcpu_sleep_ns"]
         # a sleep's own edges (the clock read around the call, the wakeup's wait for a CPU: `wakeup`) are µs

@@ -2,7 +2,7 @@
 import os
 import time
 
-from probes.self import SelfProbe
+from jobprobe.probes.self import SelfProbe
 
 
 def test_self_counts_its_own_cpu_memory_and_writes(tmp_path):

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-import bpf
+from jobprobe import bpf
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
-from probes import _bpf
-from probes._bpfprobe import MISSED
-from probes._membership import MEMBERSHIP
-from probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.bpfprobe import MISSED
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
                              interval, name_of, parse_unistd, syscall_table, zero_reading)
 from tests.conftest import bpf_fds, wait_for
 

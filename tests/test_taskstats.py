@@ -1,4 +1,4 @@
-"""probes/_taskstats.py: the layout against the kernel's header (compiled by the test), the message parser on a
+"""jobprobe/kernel/taskstats.py: the layout against the kernel's header (compiled by the test), the message parser on a
 crafted datagram, and a real exit record of a real process against the process's own /proc/self/io."""
 import os
 import shutil
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT
-from probes import _taskstats as ts
+from jobprobe.kernel import taskstats as ts
 
 HEADER = Path("/usr/include/linux/taskstats.h")
 

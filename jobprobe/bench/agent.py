@@ -25,9 +25,9 @@ from jobprobe.control import call
 from jobprobe.errors import BadInput
 from jobprobe.frame import StreamReader
 from jobprobe.host import find_cgroup2_mount
-from probes import _bpf
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import procfs
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def held_programs(pid: int) -> set[int]:
@@ -44,8 +44,8 @@ def held_programs(pid: int) -> set[int]:
 
 
 def cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / CLK_TCK
+    st = procfs.read_stat("/proc", pid)
+    return 0.0 if st is None else (st.utime + st.stime) / procfs.CLK_TCK
 
 
 def rss(pid: int) -> int:

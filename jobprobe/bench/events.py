@@ -25,7 +25,7 @@ from jobprobe.bench.overhead import _rmdir, _wait_for_hello
 from jobprobe.bench.stats import estimate, median
 from jobprobe.errors import BadInput
 from jobprobe.host import find_cgroup2_mount
-from probes import _bpf
+from jobprobe.kernel import bpf as _bpf
 
 # probe → (micro-workload, peer tool from Debian's bpfcc-tools measuring the same events, its argv)
 CASES = {
@@ -70,7 +70,7 @@ class Collector:
 
 def program_stats() -> dict[int, tuple[str, int, int]]:
     """Every BPF program on the node: id → (name, run_time_ns, run_cnt). The counters only move while stats are
-    enabled (probes._bpf.stats_enabled)."""
+    enabled (jobprobe.kernel.bpf.stats_enabled)."""
     out: dict[int, tuple[str, int, int]] = {}
     attr = _bpf.IdAttr(id=0)
     while True:

@@ -6,7 +6,6 @@ run), their memory from VmRSS / VmHWM. Both run at once, so both see the same jo
 """
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -17,17 +16,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from jobprobe.kernel import procfs
 from jobprobe.bench.overhead import _wait_for_hello, collector_stats
 from jobprobe.errors import BadInput
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
 
 
 def proc_cpu_s(pid: int) -> float:
-    data = Path(f"/proc/{pid}/stat").read_bytes()
-    f = data[data.rfind(b")") + 2:].split()
-    return (int(f[11]) + int(f[12])) / CLK_TCK
+    st = procfs.read_stat("/proc", pid)
+    return 0.0 if st is None else (st.utime + st.stime) / procfs.CLK_TCK
 
 
 def proc_mem(pid: int) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """_bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
-Run by probes/_bpf.load() as `python -m probes._bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
+Run by jobprobe.kernel.bpf.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
 "cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…}};
 with "pinned" (maps the agent already holds, passed as inherited fds: the node's membership maps), it first moves to
@@ -11,7 +11,7 @@ holds by fd. Then it compiles with bcc,
 attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
 detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
-by name) and links it to its directory (BPF_LINK_CREATE, probes/_bpf.attach_cgroup), loads each uprobes function as
+by name) and links it to its directory (BPF_LINK_CREATE, jobprobe.kernel.bpf.attach_cgroup), loads each uprobes function as
 a kprobe-type program (what uprobes run) without attaching it (the agent attaches it per library file, later), and
 replies with ONE message: JSON metadata plus, as SCM_RIGHTS, the fds of every program, every attachment (perf_event,
 bpf_link) and every map. Any failure replies {"error": ...} with no fds; bcc's compiler and verifier logs go to
@@ -66,7 +66,7 @@ def pin_shared(pinned: dict[str, int]) -> str:
     """Pin the inherited map fds in a bpffs of this process's own mount namespace; returns the directory."""
     import tempfile
 
-    from probes._bpf import obj_pin
+    from jobprobe.kernel.bpf import obj_pin
     libc = ct.CDLL(None, use_errno=True)
 
     def check(ret: int, what: str) -> None:
@@ -87,7 +87,7 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
-    from probes._bpf import CGROUP_HOOKS, RAW, attach_cgroup
+    from jobprobe.kernel.bpf import CGROUP_HOOKS, RAW, attach_cgroup
 
     cflags = list(req["cflags"])
     if req.get("pinned"):

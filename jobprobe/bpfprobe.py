@@ -1,5 +1,5 @@
-"""BpfProbe: what every eBPF probe shares — loading through probes._bpf against the node's membership maps
-(probes/_membership.py), a slot per job, and cumulative per-slot readings turned into per-interval deltas.
+"""BpfProbe: what every eBPF probe shares — loading through jobprobe.kernel.bpf against the node's membership maps
+(jobprobe/kernel/membership.py), a slot per job, and cumulative per-slot readings turned into per-interval deltas.
 
 A probe subclasses it with: `bpf_name` (its bpf/<name>.c), `handlers` (its own (tracepoint, function) pairs; a
 module that defines JOB_ON_EXIT_HOOK / JOB_ON_EXEC_HOOK also gets its job_exit_probe / job_exec_probe program),
@@ -21,9 +21,8 @@ from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, Probe
 from jobprobe.target import Target
-from probes import _bpf
-from probes._membership import (JOB_BY_CGROUP, JOB_BY_TGID, MEMBERSHIP, Node,  # noqa: F401  (re-exported)
-                                exit_has_group_dead, proc_gone)
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.membership import MEMBERSHIP, Node
 
 MISSED = "bpf_missed"
 MISSED_FIELD = Field("int", "count", "runs of this probe's BPF programs that the kernel skipped in the interval, "
@@ -83,7 +82,7 @@ class BpfProbe(Probe):
 
     def hook_handlers(self) -> tuple[tuple[str, str], ...]:
         """The module's own exit / exec programs, where its C keeps per-thread state (bpf/common.h)."""
-        import bpf
+        from jobprobe import bpf
         text = bpf.source(self.bpf_name) if self.bpf_name else ""
         out = []
         if "#define JOB_ON_EXIT_HOOK" in text:
@@ -234,7 +233,7 @@ class BpfProbe(Probe):
             self._own_node.close()
             self._own_node = None
 
-    # ---- job membership (probes/_membership.py) ----------------------------------------------------------
+    # ---- job membership (jobprobe/kernel/membership.py) ----------------------------------------------------------
     def sync_members(self) -> None:
         """What the kernel cannot see by itself (a cgroup made after attach, a SLURM step started by slurmstepd
         outside the tree) has been found by the target's refresh: add it (once per tick for the job)."""

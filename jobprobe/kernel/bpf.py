@@ -1,6 +1,6 @@
 """_bpf — the one way an eBPF probe loads programs and reads maps, without bcc or LLVM in the agent.
 
-What: load() starts a short-lived loader (probes/_bpf_loader.py, same interpreter) that compiles bpf/<name>.c with
+What: load() starts a short-lived loader (jobprobe/kernel/bpf_loader.py, same interpreter) that compiles bpf/<name>.c with
   bcc, loads its programs, attaches them to tracepoints (and, when asked, to cgroup2 directories through BPF links)
   and sends back, over a socketpair (SCM_RIGHTS), the fds of every program, every attachment (a perf_event fd per
   tracepoint, a bpf_link fd per cgroup hook) and every map, then exits. Holding those fds keeps everything
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import bpf
+from jobprobe import bpf
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import parse_cpu_list
 
@@ -461,14 +461,14 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
                           "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes),
                           "pinned": dict(pinned or {})})
     what = f"cannot load bpf/{name}.c"
-    root = str(Path(__file__).resolve().parent.parent)   # so that `-m probes._bpf_loader` imports from any cwd
+    root = str(Path(__file__).resolve().parents[2])   # the checkout: `-m jobprobe.kernel.bpf_loader` imports from any cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # The loader's log goes to a file, not a pipe: a verifier log can be megabytes and would block a full pipe.
     with ours, tempfile.TemporaryFile() as log:
         try:
             with theirs:
-                proc = subprocess.Popen([sys.executable, "-m", "probes._bpf_loader", str(theirs.fileno())],
+                proc = subprocess.Popen([sys.executable, "-m", "jobprobe.kernel.bpf_loader", str(theirs.fileno())],
                                         stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
                                         pass_fds=(theirs.fileno(), *(pinned or {}).values()))
             try:

@@ -5,7 +5,7 @@ What: `Node` loads bpf/membership.c once — the maps job_of_cgroup, job_of_tgid
   processes in, sync(target) adds what the kernel cannot see by itself (a group made later, a step started from
   outside the tree), detach(target) takes every entry of the slot out again. Every eBPF probe's module is compiled
   against the same three maps (handed to its loader by fd, pinned where only the loader sees them: bpf/common.h,
-  probes/_bpf_loader.py), so the node runs one set of membership handlers whatever the number of probes and jobs.
+  jobprobe/kernel/bpf_loader.py), so the node runs one set of membership handlers whatever the number of probes and jobs.
   `Node.shared(key, load)` keeps one load of a probe's programs for all the jobs that use it (reference-counted);
   each job's slot bit in the module's `slots_on` says whether that probe counts for that job.
 Slots are reused least-recently-freed first, and a probe zeroes what it kept for a slot when the slot is released
@@ -21,13 +21,13 @@ import contextlib
 import ctypes as ct
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
 from jobprobe.target import Target
-from probes import _bpf
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import procfs, tracefs
 
 MAX_SLOTS = 64                        # bpf/common.h MAX_SLOTS
 JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits
@@ -39,12 +39,7 @@ SYNC_EVERY = 0.05                     # s: probes of one job sampled in one tick
 
 def exit_has_group_dead(sys_root: str = "/sys") -> bool:
     """Whether sched_process_exit carries group_dead (recent kernels), read from the tracepoint's format file."""
-    for base in ("kernel/tracing", "kernel/debug/tracing"):
-        try:
-            return "group_dead" in Path(sys_root, base, "events/sched/sched_process_exit/format").read_text()
-        except OSError:
-            continue
-    return False
+    return "group_dead" in (tracefs.event_fields(sys_root, "sched", "sched_process_exit") or ())
 
 
 PF_EXITING = 0x4   # include/linux/sched.h: set in do_exit before the sched_process_exit tracepoint fires
@@ -54,15 +49,10 @@ def proc_gone(proc: str, pid: int) -> bool:
     """True when pid has exited or is past its exit tracepoint: no /proc entry, a zombie/dead task, or a
     single-threaded process already exiting (PF_EXITING is set before sched_process_exit fires, and the process is
     not yet a zombie for a while after: a key inserted then would never be deleted by the kernel)."""
-    try:
-        stat = Path(proc, str(pid), "stat").read_bytes()
-    except OSError:
+    st = procfs.read_stat(proc, pid)
+    if st is None or st.state in ("Z", "X"):
         return True
-    f = stat[stat.rfind(b")") + 2:].split()
-    if f[0] in (b"Z", b"X"):
-        return True
-    # fields after comm: state(0) ppid(1) pgrp(2) session(3) tty_nr(4) tpgid(5) flags(6) ... num_threads(17)
-    return len(f) > 17 and bool(int(f[6]) & PF_EXITING) and int(f[17]) == 1
+    return bool(st.flags & PF_EXITING) and st.num_threads == 1
 
 
 class Job:

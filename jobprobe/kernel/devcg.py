@@ -22,7 +22,7 @@ import os
 import struct
 from collections.abc import Iterable
 
-from probes._bpf import ProgInfo, obj_info, prog_fd_by_id, sys_bpf
+from jobprobe.kernel.bpf import ProgInfo, obj_info, prog_fd_by_id, sys_bpf
 
 PROG_QUERY = 16
 CGROUP_DEVICE = 6              # enum bpf_attach_type BPF_CGROUP_DEVICE
