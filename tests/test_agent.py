@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, wait_for, workload
+from conftest import IS_ROOT, TESTS, wait_for, workload
 from jobprobe.agent import Agent, Config, JobSpec
 from jobprobe.control import ControlServer, call
 from jobprobe.errors import BadInput
@@ -262,8 +262,8 @@ def test_a_removed_group_and_a_fork_storm_leave_nothing_behind(agent, make_cgrou
     recent = ctl(agent, cmd="status")["recent"]
     assert any(r["job"] == "gone" for r in recent), recent
     # a PID tree forking 3000 short processes: membership follows them, and none is left when they are gone
-    storm = subprocess.Popen([sys.executable, "-c", FORK_STORM, "3000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    storm = subprocess.Popen([sys.executable, str(TESTS / "workloads_sched.py"), "forkstorm", "3000", "100"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     r = ctl(agent, cmd="attach", pid=storm.pid, job="storm")
     assert r["ok"] and r["state"] == "attached", r
     slot = ctl(agent, cmd="status")["jobs"][0]["slot"]
@@ -278,17 +278,6 @@ def test_a_removed_group_and_a_fork_storm_leave_nothing_behind(agent, make_cgrou
     assert sum(f["probes"]["sched"]["runq_events"] for f in samples) >= 3000   # each child ran: it was a member
 
 
-FORK_STORM = """
-import os, sys
-sys.stdin.readline()
-for _ in range(int(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-print("done", flush=True)
-sys.stdin.readline()
-"""
 
 
 def test_attach_detach_cycles_leak_nothing(agent, make_cgroup):

@@ -436,21 +436,6 @@ def test_failed_start_says_why_and_releases_everything(probe, monkeypatch, old, 
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf
 
 
-FORK_STORM = """
-import os, sys, threading
-sys.stdin.readline()
-for _ in range(int(sys.argv[1])):
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-for _ in range(int(sys.argv[2])):   # threads get keys too (fork cannot tell them apart); they must go as well
-    t = threading.Thread(target=lambda: None)
-    t.start()
-    t.join()
-print("done", flush=True)
-sys.stdin.readline()
-"""
 
 
 @pytest.mark.kernel
@@ -459,7 +444,7 @@ def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead
     if group_dead and not exit_has_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
     monkeypatch.setattr("jobprobe.kernel.membership.exit_has_group_dead", lambda sys_root: group_dead)
-    root = subprocess.Popen([sys.executable, "-c", FORK_STORM, "2000", "200"], stdin=subprocess.PIPE,
+    root = subprocess.Popen(sched_workload("forkstorm", 2000, 200), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
     try:
         probe.start(PidTreeTarget([root.pid]))
