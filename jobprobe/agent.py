@@ -31,7 +31,7 @@ from jobprobe.frame import new_run_id
 from jobprobe.host import Host
 from jobprobe.probe import Probe
 from jobprobe.registry import all_probes, parse_probes
-from jobprobe.sampler import Sampler
+from jobprobe.sampler import Sampler, run_ticks
 from jobprobe.target import Target
 from jobprobe.kernel.membership import Node
 
@@ -358,20 +358,10 @@ class Agent:
     def run(self, until: Callable[[], bool] = lambda: False, duration: float | None = None) -> str:
         """Tick on the monotonic clock (no drift; overrun ticks are skipped, not fired back to back) until
         stopped, `until()` says so, or `duration` s pass."""
-        t0, k = self.clock(), 1
-        while True:
-            deadline = t0 + k * self.cfg.interval
-            if duration is not None:
-                deadline = min(deadline, t0 + duration)
-            self.stop_event.wait(max(0.0, deadline - self.clock()))
+        def step() -> str | None:
             self.tick()
-            if self.stop_event.is_set():
-                return "stopped"
-            if until():
-                return "done"
-            if duration is not None and self.clock() - t0 >= duration - 1e-6:
-                return "duration reached"
-            k = max(k + 1, int((self.clock() - t0) / self.cfg.interval) + 1)
+            return "done" if until() else None
+        return run_ticks(step, self.cfg.interval, self.clock, self.stop_event, duration)
 
     def close(self) -> None:
         """Every job gets its last frame and is released (kept in the state file: a restart attaches them again),

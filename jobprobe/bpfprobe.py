@@ -65,6 +65,10 @@ class BpfProbe(Probe):
     def interval(self, now: Any, before: Any) -> dict[str, Any]:
         raise NotImplementedError
 
+    def configure(self) -> None:
+        """Decide hooks and C defines from the host before anything is loaded (a probe whose plan needs the host's
+        tracefs or BTF): called at start and by preload, so that both name the same load."""
+
     def prepare(self, loaded: _bpf.Loaded) -> None:
         """Once per load, before any job counts: fill the module's own tables (syscalls' class table)."""
 
@@ -153,12 +157,14 @@ class BpfProbe(Probe):
         compiles nothing. False for a probe whose programs are per job (shared_load False)."""
         if not self.shared_load or self.node is None:
             return False
+        self.configure()
         self.node.shared(self.load_key(), lambda: self._load_typed(target))
         self.node.unshare(self.load_key())     # kept: the agent's node keeps its loads
         return True
 
     def start(self, target: Target) -> None:
         self.target = target
+        self.configure()
         try:
             if self.node is None:
                 self._own_node = Node(self.host)

@@ -155,21 +155,31 @@ class Sampler:
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self, duration: float | None = None) -> str:
         """Tick until stopped, the job ends, or `duration` seconds pass. Returns why it ended."""
-        t0 = self._last
-        k = 1
-        while True:
-            deadline = t0 + k * self.interval
-            if duration is not None:
-                deadline = min(deadline, t0 + duration)
-            self.stop_event.wait(max(0.0, deadline - self.clock()))
+        def step() -> str | None:
             try:
                 self.target.refresh()
             except TargetGone as err:
                 self.end_reason = str(err)
             self.tick()  # the last, partial interval too: nothing collected is lost
-            if self.stop_event.is_set() or self.end_reason:
-                return self.end_reason or "stopped"
-            if duration is not None and self.clock() - t0 >= duration - 1e-6:
-                return "duration reached"
-            # Skip ticks we overran (a stalled host) instead of firing them back to back: no drift, no burst.
-            k = max(k + 1, int((self.clock() - t0) / self.interval) + 1)
+            return self.end_reason
+        return run_ticks(step, self.interval, self.clock, self.stop_event, duration, self._last)
+
+
+def run_ticks(step: Callable[[], str | None], interval: float, clock: Callable[[], float], stop: threading.Event,
+              duration: float | None = None, t0: float | None = None) -> str:
+    """Call step() at t0 + k·interval on the monotonic clock (no drift) until it returns why it is done, `stop` is
+    set, or `duration` s pass; the tick at the end of a partial interval is taken too. Ticks overrun (a stalled
+    host) are skipped, not fired back to back. Returns why it ended."""
+    t0 = clock() if t0 is None else t0
+    k = 1
+    while True:
+        deadline = t0 + k * interval
+        if duration is not None:
+            deadline = min(deadline, t0 + duration)
+        stop.wait(max(0.0, deadline - clock()))
+        done = step()
+        if stop.is_set() or done:
+            return done or "stopped"
+        if duration is not None and clock() - t0 >= duration - 1e-6:
+            return "duration reached"
+        k = max(k + 1, int((clock() - t0) / interval) + 1)

@@ -216,6 +216,7 @@ class MemoryProbe(BpfProbe):
     }
 
     bpf_name = "memory"
+    shared_load = True     # sample() reads its slot; drain_oom() takes only its own and undecided-not-ours records
     map_types = {"stats": (ct.c_uint32, SlotStats), "stalls": (ct.c_uint64, None),
                  "oom_victims": (ct.c_uint32, OomRec)}
 
@@ -240,10 +241,9 @@ class MemoryProbe(BpfProbe):
             self.handlers = tuple(plan(self.host)[0])
         return self.handlers + self.hook_handlers()
 
-    def start(self, target: Any) -> None:
+    def configure(self) -> None:
         handlers, cflags, self.unavailable = plan(self.host)
         self.handlers, self.cflags = tuple(handlers), tuple(cflags)
-        super().start(target)
 
     def reading(self) -> dict[str, Any]:
         out = self.slot_totals()
@@ -264,7 +264,8 @@ class MemoryProbe(BpfProbe):
         return out
 
     def drain_oom(self) -> list[dict[str, Any]]:
-        """Events of this job's victims; every decided entry leaves the map. A victim not decided yet (still
+        """Events of this job's victims; they, and entries decided as no job's, leave the map (another job's stay for
+        its own drain, and go with its slot at its detach). A victim not decided yet (still
         dying) stays for a later tick, unless its process is gone: then its exit said "no job" just now, or it
         exited before we attached — either way not ours."""
         table = self.loaded.maps["oom_victims"]
@@ -275,6 +276,8 @@ class MemoryProbe(BpfProbe):
                 rec = table.lookup(pid) or rec   # decided by its exit between the walk and the look
             if rec.slot == SLOT_PENDING and not proc_gone(self.host.proc, pid):
                 continue
+            if rec.slot >= 0 and rec.slot != self.slot:
+                continue                         # another job's, on a node where jobs share the program: its own
             if rec.slot == self.slot:
                 events.append(oom_event(rec, list(self.cflags), now_unix, now_mono))
             table.delete(pid)

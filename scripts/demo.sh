@@ -13,3 +13,34 @@ echo "== jobprobe read out/demo.mpk --format summary (per field over the run)"
 .venv/bin/jobprobe read out/demo.mpk --format summary
 echo
 echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/jobprobe read out/demo.mpk"
+
+echo
+echo "== the node agent: two jobs attached at run time, one set of kernel programs for both"
+cg2=$(.venv/bin/python -c 'from jobprobe.host import find_cgroup2_mount; print(find_cgroup2_mount())')
+sock=out/agent.sock
+rm -rf out/agent out/jobs.json
+$sudo_ .venv/bin/jobprobe agent --socket "$sock" --state out/jobs.json --out out/agent --interval 1 &
+agent=$!
+trap '$sudo_ kill $agent 2>/dev/null || true' EXIT
+for _ in $(seq 100); do .venv/bin/jobprobe status --socket "$sock" >/dev/null 2>&1 && break; sleep 0.1; done
+pids=()
+for j in demo-a demo-b; do
+  $sudo_ mkdir -p "$cg2/jobprobe-demo/$j"
+  $sudo_ .venv/bin/jobprobe attach --socket "$sock" --cgroup "$cg2/jobprobe-demo/$j" --job "$j"
+  $sudo_ sh -c "echo \$\$ > '$cg2/jobprobe-demo/$j/cgroup.procs'; exec .venv/bin/python scripts/train_cpu.py --steps 8" \
+    > /dev/null 2>&1 &
+  pids+=($!)
+done
+sleep 3
+$sudo_ .venv/bin/jobprobe status --socket "$sock"
+wait "${pids[@]}"
+sleep 2                                   # each job is detached by itself after its last frame
+$sudo_ .venv/bin/jobprobe status --socket "$sock"
+$sudo_ kill -TERM $agent; wait $agent || true
+trap - EXIT
+for j in demo-a demo-b; do $sudo_ rmdir "$cg2/jobprobe-demo/$j" 2>/dev/null || true; done
+$sudo_ rmdir "$cg2/jobprobe-demo" 2>/dev/null || true
+for j in demo-a demo-b; do
+  echo "== out/agent/$j.mpk: sched and perf over the run"
+  .venv/bin/jobprobe read "out/agent/$j.mpk" --format summary | grep -E "^field|perf.task_clock_ns|sched.offcpu_ns|sched.runq_lat_ns" || true
+done
