@@ -26,6 +26,7 @@ from typing import Any, Callable
 from jobprobe.exporters.file import FileExporter
 from jobprobe.exporters.queued import QueuedSink, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
+from jobprobe import tickmemo
 from jobprobe.errors import BadInput, TargetGone
 from jobprobe.frame import new_run_id
 from jobprobe.host import Host
@@ -301,6 +302,14 @@ class Agent:
         """One frame per job; jobs that ended get their last frame and go; pending jobs are tried again."""
         with self.lock:
             jobs = list(self.jobs.values())
+        tickmemo.begin()
+        try:
+            self._tick_jobs(jobs)
+        finally:
+            tickmemo.end()
+        self._retry_pending()
+
+    def _tick_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
             try:
                 job.target.refresh()
@@ -317,7 +326,6 @@ class Agent:
                 log.exception("tick of %s", job.name)
             if job.ended or job.sampler.end_reason:
                 self._end(job, job.ended or job.sampler.end_reason or "ended")
-        self._retry_pending()
 
     def _end(self, job: Job, why: str) -> None:
         with self.lock:

@@ -17,6 +17,7 @@ import ctypes as ct
 import importlib.util
 from typing import Any
 
+from jobprobe import tickmemo
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
 from jobprobe.probe import Field, Probe
@@ -199,19 +200,24 @@ class BpfProbe(Probe):
         """Runs the kernel skipped, summed over this probe's programs since they were loaded."""
         if self.loaded is None:
             return 0
-        return sum(s.recursion_misses for s in self.loaded.prog_stats().values())
+        loaded = self.loaded     # a shared load's counts are the same for every job of a tick: read once
+        return tickmemo.get(("missed", id(loaded)),
+                            lambda: sum(s.recursion_misses for s in loaded.prog_stats().values()))
 
     def release(self) -> None:
         """Take this slot's state out of the module's maps: the per-slot counters zeroed, every entry whose value
         names the slot deleted (per-thread records of the job's threads)."""
         if self.loaded is None or self.slot < 0:
             return
-        for name, (_, value) in self.map_types.items():   # records first: they may still add to the counters
-            if value is not None and name != "stats" and any(f == "slot" for f, _ in getattr(value, "_fields_", ())):
-                table = self.loaded.maps[name]
-                for key, val in table.items():
-                    if val.slot == self.slot:
-                        table.delete(key)
+        def has_slot(t: Any) -> bool:
+            return t is not None and any(f == "slot" for f, _ in getattr(t, "_fields_", ()))
+        for name, (key_t, value_t) in self.map_types.items():   # records first: they may still add to the counters
+            if name == "stats" or not (has_slot(key_t) or has_slot(value_t)):
+                continue
+            table = self.loaded.maps[name]
+            for key, val in table.items():
+                if (key if has_slot(key_t) else val).slot == self.slot:
+                    table.delete(key)
         if "stats" in self.map_types:
             table, value = self.loaded.maps["stats"], self.map_types["stats"][1]
             table.update(self.slot, [value()] * table.ncpus if table.percpu else value())

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from jobprobe import tickmemo
 from jobprobe.errors import BadInput, CommandNotExecutable, CommandNotFound, TargetGone
 from jobprobe.host import find_cgroup2_mount
 from jobprobe.kernel import procfs
@@ -76,11 +77,8 @@ class CgroupTarget(Target):
         return {"kind": self.kind, "job": self.job, "cgroup": self.cgroup_path}
 
     def dirs(self) -> list[str]:
-        """The job's cgroup and all its descendants (SLURM steps, container sub-groups)."""
-        out = []
-        for root, subdirs, _ in os.walk(self.cgroup_path):
-            out.append(root)
-        return out
+        """The job's cgroup and all its descendants (SLURM steps, container sub-groups); walked once per agent tick."""
+        return tickmemo.get(("dirs", id(self)), lambda: [root for root, _, _ in os.walk(self.cgroup_path)])
 
     def cgroup_ids(self) -> list[int]:
         """cgroup2 ids as bpf_get_current_cgroup_id() returns them: the directories' inode numbers."""
@@ -93,6 +91,9 @@ class CgroupTarget(Target):
         return ids
 
     def pids(self) -> list[int]:
+        return list(tickmemo.get(("pids", id(self)), self._pids_now))   # once per agent tick
+
+    def _pids_now(self) -> list[int]:
         pids: list[int] = []
         for d in self.dirs():
             try:

@@ -30,6 +30,7 @@ context) if a classic/kprobe BPF program is running under them on their CPU.
 """
 from __future__ import annotations
 
+import array
 import ctypes as ct
 import struct
 import time
@@ -278,10 +279,15 @@ class BlockioProbe(BpfProbe):
         if self.clock() - self._swept >= self.sweep_every_ns:
             self._expired += self.sweep()
         per_cpu = self.loaded.maps["stats"].lookup(self.slot)
+        # Summed as flat u64 columns (DirStats: the COUNTERS, then hist, per direction): reading ctypes fields one
+        # by one costs ~0.1 ms a job a tick.
+        tot = [sum(col) for col in zip(*(array.array("Q", bytes(s)) for s in per_cpu))]
         out: dict[str, Any] = {"expired": self._expired}
+        width = len(COUNTERS) + NBUCKETS
         for i, d in enumerate(DIRS):
-            out[d] = {k: sum(getattr(s.dir[i], k) for s in per_cpu) for k in COUNTERS}
-            out[d]["hist"] = [sum(s.dir[i].hist[b] for s in per_cpu) for b in range(NBUCKETS)]
+            cols = tot[i * width:(i + 1) * width]
+            out[d] = dict(zip(COUNTERS, cols))
+            out[d]["hist"] = cols[len(COUNTERS):]
         return out
 
     def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:

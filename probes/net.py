@@ -144,11 +144,13 @@ class NetProbe(BpfProbe):
     }
 
     bpf_name = "net"
+    shared_load = True     # reads its slot's counters and peers; links to a job's group are the job's own
     map_types = {"stats": (ct.c_uint32, NetStats), "peers": (PeerKey, PeerVal), "socks": (ct.c_uint64, SockInfo)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None):
         super().__init__(host, node)
         self.source = ""
+        self._links: list[int] = []
         self.emit: tuple[str, ...] = ()
         self._pending_events: list[dict[str, Any]] = []
 
@@ -197,32 +199,52 @@ class NetProbe(BpfProbe):
         return tuple(k for k in COUNTERS if k not in skip)
 
     # ---- the contract -----------------------------------------------------------------------------------
-    def load(self, target: Target) -> _bpf.Loaded:
-        """Choose the source: cgroup skb links for a cgroup target (load() attaches them in the loader), else the
-        send/recv length tracepoints."""
-        self._pending_events = []
-        tps = self.all_handlers()
+    def preload(self, target: Target | None = None) -> bool:
+        """The packets programs (what cgroup targets use) are loaded at the agent's start."""
+        self.source = "packets"
+        return super().preload(target)
+
+    def load_key(self):
+        return (*super().load_key(), self.source)      # the packets and the syscalls programs are two loads
+
+    def start(self, target: Target) -> None:
+        """Choose the source: cgroup skb programs linked to the job's group for a cgroup target (one load for every
+        job of the node; a link per job), else — or when the links are refused — the send/recv length
+        tracepoints."""
+        self._pending_events, self._links = [], []
         if target.kind == "cgroup" and target.cgroup_path:
-            cgroups = [(fn, target.cgroup_path, hook) for fn, hook in SKB]
+            self.source, self.emit = "packets", self.fields_for("packets")
             try:
-                loaded = _bpf.load(self.bpf_name, self.cflags_for("packets"), tps, sys_root=self.host.sys,
-                                   cgroups=cgroups, pinned=self.pinned())
-                self.source, self.emit = "packets", self.fields_for("packets")
-                return loaded
-            except ProbeUnavailable as err:
+                super().start(target)
+                self._links = [_bpf.attach_cgroup(self.loaded.progs[fn], target.cgroup_path, hook)
+                               for fn, hook in SKB]
+                return
+            except (ProbeUnavailable, OSError, KeyError) as err:
+                self.stop()
                 if not self.has_lengths():
-                    raise
+                    raise ProbeUnavailable(f"cannot link the cgroup skb programs: {err}") from err
                 # An older kernel (no cgroup links) or a refused program: the syscall tracepoints see the same
                 # job through its cgroup id, with less detail. Said once, as an event.
-                self._pending_events.append({"event": "net_source_fallback", "source": "syscalls",
-                                             "why": str(err)})
+                why = str(err) if isinstance(err, ProbeUnavailable) else f"cannot link to {target.cgroup_path}: {err}"
+                self._pending_events = [{"event": "net_source_fallback", "source": "syscalls", "why": why}]
         elif not self.has_lengths():
             raise ProbeUnavailable("a PID-tree target needs sock:sock_send_length and sock_recv_length "
                                    "(Linux 6.3+), not found in tracefs")
-        loaded = _bpf.load(self.bpf_name, self.cflags_for("syscalls"), tps, sys_root=self.host.sys,
-                           pinned=self.pinned())
         self.source, self.emit = "syscalls", self.fields_for("syscalls")
-        return loaded
+        super().start(target)
+
+    def load(self, target: Target) -> _bpf.Loaded:
+        """The packets programs are loaded unlinked (the cgroup skb functions as programs of their hook's type):
+        start() links them to each job's group."""
+        cgroups = [(fn, "", hook) for fn, hook in SKB] if self.source == "packets" else []
+        return _bpf.load(self.bpf_name, self.cflags_for(self.source), self.all_handlers(), sys_root=self.host.sys,
+                         cgroups=cgroups, pinned=self.pinned())
+
+    def stop(self) -> None:
+        """The job's links first (its group stops running the programs), then the rest. Idempotent."""
+        links, self._links = getattr(self, "_links", []), []
+        _bpf.close_all(links)
+        super().stop()
 
     def sample(self) -> dict[str, Any]:
         out = super().sample()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from jobprobe.host import Host
+from jobprobe import tickmemo
 from jobprobe.probe import Field, Probe
 
 
@@ -58,6 +59,9 @@ class SelfProbe(Probe):
         self._sink_prev: dict[str, dict] = {}   # counters at the last sample; a new sink counts from 0
 
     def _read(self) -> tuple[float, int, int, int]:
+        return tickmemo.get(("self", self.host.proc), self._read_now)   # the same for every job of a tick
+
+    def _read_now(self) -> tuple[float, int, int, int]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
         status = Path(self.host.proc, "self/status").read_text()
         wchar = 0

@@ -118,6 +118,8 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         if fn not in progs:
             progs[fn] = len(fds)
             fds.append(f.fd)
+        if not path:
+            continue              # loaded only: the agent links it to each job's group itself (attach_cgroup)
         # A link fd, unlike bcc's attach_func (PROG_ATTACH), detaches when the last holder closes it.
         links.append({"tracepoint": f"{hook}:{path}", "prog": fn, "fd": len(fds)})
         try:

@@ -1,0 +1,32 @@
+"""Values read once per agent tick: what every job of a tick would otherwise read alike — the agent's own rusage
+(the `self` probe), a shared program's run counts (`bpf_missed`), a cgroup's directory walk and process list (read by
+the agent's end-of-job check, the membership sync and the `cgroup` probe). The agent opens a tick with begin() and
+closes it with end(); outside a tick (a probe used on its own, a test) nothing is cached. Imports nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_tick = 0
+_values: dict[Any, Any] = {}
+
+
+def begin() -> None:
+    global _tick
+    _tick = abs(_tick) + 1
+    _values.clear()
+
+
+def end() -> None:
+    global _tick
+    _values.clear()
+    _tick = -abs(_tick)     # remembered, but not in a tick
+
+
+def get(key: Any, fn: Callable[[], Any]) -> Any:
+    """fn()'s value, computed once per tick for `key` (every call outside a tick computes it)."""
+    if _tick <= 0:
+        return fn()
+    if key not in _values:
+        _values[key] = fn()
+    return _values[key]
