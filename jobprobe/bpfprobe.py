@@ -54,6 +54,7 @@ class BpfProbe(Probe):
         self.loaded: _bpf.Loaded | None = None   # fds of programs, attachments and maps while started
         self.target: Target | None = None
         self._own_node: Node | None = None
+        self.shared: Any = None   # the node's SharedLoad this probe uses, while started
         self._load_key: Any = None
         self._last: Any = None
         self._missed = 0
@@ -173,7 +174,7 @@ class BpfProbe(Probe):
             self.slot = node.attach(target)
             self._load_key = self.load_key()
             shared = node.shared(self._load_key, lambda: self._load_typed(target), keep=self.shared_load)
-            self.loaded = shared.loaded
+            self.shared, self.loaded = shared, shared.loaded
             self.release()                  # a slot reused: nothing of its last job is left
             self._last = self.reading()
             self._missed = self.missed_total()
@@ -240,7 +241,7 @@ class BpfProbe(Probe):
             node.unshare(self._load_key)
         if node is not None and self.target is not None and self.slot >= 0:
             node.detach(self.target)
-        self.slot, self.target = -1, None
+        self.slot, self.target, self.shared = -1, None, None
         if self._own_node is not None:
             self._own_node.close()
             self._own_node = None

@@ -180,8 +180,8 @@ def _fields() -> dict[str, Field]:
 class Library:
     """One library file with probes on it: where it was found and the perf event fds that hold them."""
 
-    def __init__(self, path: str, fds: list[int], functions: int):
-        self.path, self.fds, self.functions = path, fds, functions
+    def __init__(self, path: str, fds: list[int], functions: int, exported: int = 0):
+        self.path, self.fds, self.functions, self.exported = path, fds, functions, exported
 
 
 class CudaProbe(BpfProbe):
@@ -193,15 +193,30 @@ class CudaProbe(BpfProbe):
     fields = _fields()
 
     bpf_name = "cuda"
+    shared_load = True     # one set of uprobes per library file for every job; counts kept per slot
     map_types = {"calls": (ct.c_uint32, None), "stats": (ct.c_uint32, CudaStats)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None):
         super().__init__(host, node)
         self.pmu: UprobePmu | None = None
-        self.libraries: dict[tuple[int, int], Library] = {}   # (st_dev, st_ino) of the file → its probes
-        self.refused: dict[tuple[int, int], str] = {}         # files not to try again, and why
+        self.libraries: dict[tuple[int, int], Library] = {}   # files this job maps that are probed
         self._seen: dict[int, set[str]] = {}                  # pid → library paths already looked at
         self._events: list[dict[str, Any]] = []
+
+    # The uprobes of a library file are the load's, not a job's: one set per file for every job of the node (the
+    # program counts each call for the slot of the thread that makes it), detached when the load closes.
+    @property
+    def probed(self) -> dict[tuple[int, int], Library]:
+        """(st_dev, st_ino) of a file → its uprobes, for every job of this load."""
+        return self.shared.extra.setdefault("libraries", {})
+
+    @property
+    def refused(self) -> dict[tuple[int, int], str]:
+        """Files not to try again, and why (for every job of this load)."""
+        return self.shared.extra.setdefault("refused", {})
+
+    def prepare(self, loaded: Any) -> None:
+        self.pmu = UprobePmu(self.host.sys)
 
     def check(self, host: Host) -> str | None:
         why = super().check(host)
@@ -215,13 +230,16 @@ class CudaProbe(BpfProbe):
 
     def load(self, target: Target) -> _bpf.Loaded:
         """The programs are loaded unattached: uprobes are attached here, per library file, as files are found."""
-        self.pmu = UprobePmu(self.host.sys)
         return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
                          pinned=self.pinned(),
                          uprobes=PROGRAMS)
 
     def start(self, target: Target) -> None:
+        self.pmu = UprobePmu(self.host.sys)
         super().start(target)
+        if "libraries" not in self.shared.extra:   # the load's uprobes go with it
+            probed = self.probed
+            self.shared.closers.append(lambda: [_bpf.close_all(lib.fds) for lib in probed.values()])
         self.scan()   # libraries mapped already are probed before the first tick
 
     def sample(self) -> dict[str, Any]:
@@ -234,11 +252,9 @@ class CudaProbe(BpfProbe):
         return out
 
     def stop(self) -> None:
-        """Detach every uprobe (close its perf event), then the programs and maps. Idempotent."""
-        libraries, self.libraries = self.libraries, {}
-        self.refused, self._seen, self._events = {}, {}, []
-        for lib in libraries.values():
-            _bpf.close_all(lib.fds)
+        """Stop counting for the job; the uprobes go with the load (when no job uses it, on a node that does not keep
+        its loads; a probe used on its own: now). Idempotent."""
+        self.libraries, self._seen, self._events = {}, {}, []
         super().stop()
 
     def note(self) -> str | None:
@@ -282,6 +298,10 @@ class CudaProbe(BpfProbe):
         key = (st.st_dev, st.st_ino)
         if key in self.libraries or key in self.refused:
             return True
+        if key in self.probed:                   # probed for another job of the node: counted for this one too
+            self.libraries[key] = self.probed[key]
+            self._events.append({"event": "cuda_library", "path": path, "functions": self.probed[key].exported})
+            return True
         try:
             functions = _elf.dynamic_functions(where, SYMBOLS)
             plan = plan_library(functions)
@@ -294,7 +314,7 @@ class CudaProbe(BpfProbe):
         if not plan:
             self.refused[key] = "exports none of the probed functions"
         else:
-            self.libraries[key] = Library(path, fds, len(plan))
+            self.libraries[key] = self.probed[key] = Library(path, fds, len(plan), len(functions))
         self._events.append({"event": "cuda_library", "path": path, "functions": len(functions)})
         return True
 

@@ -15,6 +15,9 @@ $jp bench peers --json out/bench/peers.json -- "${job[@]}" | tee out/bench/peers
 echo "== per-event cost of the eBPF probes (on vs off, interleaved), with bcc's runqlat as a peer"
 $jp bench events --json out/bench/events.json | tee out/bench/events.md
 
+echo "== the node agent with 1, 16, 64 jobs: ns per event beside runqlat, idle cost, attach latency, leaks"
+$jp bench agent --json out/bench/agent.json | tee out/bench/agent.md
+
 echo "== job slowdown per config: paired runs, up to $minutes minutes"
 $jp bench overhead --config std --config std-perf --config std-sched --config cgroup,self \
     --max-minutes "$minutes" --max-runs 400 --json out/bench/overhead.json --markdown out/bench/overhead.md \

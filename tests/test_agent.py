@@ -175,6 +175,9 @@ def test_jobs_sharing_one_load_count_apart(agent, make_cgroup):
                          text=True, cwd=str(ROOT), preexec_fn=lambda: (busy.path / "cgroup.procs").write_text(
                              str(os.getpid())), check=True)
     sleeper.wait()
+    for name in ("share-busy", "share-quiet"):   # (a group may empty between two ticks: detached here, last frame)
+        if name in agent.jobs:
+            ctl(agent, cmd="detach", job=name)
     assert wait_for(lambda: not agent.jobs, timeout=10), list(agent.jobs)
     calls = {n: sum(f["probes"]["syscalls"]["syscalls"] for f in frames_of(agent, n) if f["kind"] == "sample")
              for n in ("share-busy", "share-quiet")}

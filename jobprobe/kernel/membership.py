@@ -73,7 +73,16 @@ class SharedLoad:
         self.refs = 0
         self.slots = 0                # the bits written to the module's slots_on
         self.keep = True
+        self.extra: dict[str, Any] = {}          # what the probe keeps for every job of this load (cuda's uprobes)
+        self.closers: list[Callable[[], None]] = []
         self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """What the probe attached for the load first (its closers), then the programs and maps."""
+        for fn in self.closers:
+            fn()
+        self.closers = []
+        self.loaded.close()
 
     def set_slot(self, slot: int, on: bool) -> None:
         with self.lock:
@@ -121,7 +130,7 @@ class Node:
         """Release everything: every shared load, the membership module. Idempotent."""
         with self._lock:
             for shared in self.loads.values():
-                shared.loaded.close()
+                shared.close()
             self.loads.clear()
             self.jobs.clear()
             self._free = collections.deque(range(MAX_SLOTS))
@@ -267,4 +276,4 @@ class Node:
             if shared.refs > 0 or (self.keep_loads and shared.keep):
                 return
             del self.loads[key]
-        shared.loaded.close()
+        shared.close()
