@@ -299,7 +299,10 @@ def test_split_bios_and_merged_readahead(probe, make_cgroup, loop):
           f"{rd['proc_read_bytes']} B; disk {disk['reads']} req {disk['read_bytes']} B")
     assert rd["bytes"] == 48 * MiB and disk["read_bytes"] >= 48 * MiB
     assert within(s["read_bytes"], disk["read_bytes"]) and within(s["read_bytes"], rd["proc_read_bytes"])
-    assert within(s["read_requests"], disk["reads"])
+    # The job's own interpreter may page files in from another device (a fresh checkout's .py files: 5 requests of
+    # 4 KiB seen in CI); they are the job's, in its /proc io, but not in the loop device's count.
+    elsewhere = max(0, s["read_bytes"] - disk["read_bytes"]) // 4096
+    assert 0.98 * disk["reads"] <= s["read_requests"] <= 1.02 * disk["reads"] + elsewhere
     assert ours_inflight(probe) == []
 
 
