@@ -96,10 +96,7 @@ class CgroupTarget(Target):
     def _pids_now(self) -> list[int]:
         pids: list[int] = []
         for d in self.dirs():
-            try:
-                pids.extend(int(x) for x in Path(d, "cgroup.procs").read_text().split())
-            except OSError:
-                pass
+            pids.extend(int(x) for x in (procfs.read_small(f"{d}/cgroup.procs") or "").split())
         return pids
 
     def refresh(self) -> None:

@@ -30,9 +30,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 
 def read_kv(path: Path) -> dict[str, int] | None:
     """'key value' lines (cpu.stat, memory.stat) → dict, or None if the file does not exist."""
-    try:
-        text = path.read_text()
-    except OSError:
+    text = procfs.read_small(path)
+    if text is None:
         return None
     out = {}
     for line in text.splitlines():
@@ -44,16 +43,15 @@ def read_kv(path: Path) -> dict[str, int] | None:
 
 def read_int(path: Path) -> int | None:
     try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return int((procfs.read_small(path) or "").split()[0])
+    except (ValueError, IndexError):
         return None
 
 
 def io_stat_bytes(path: Path) -> tuple[int, int] | None:
     """Sum rbytes and wbytes over every device line of a cgroup2 io.stat; None if there is no io.stat."""
-    try:
-        text = path.read_text()
-    except OSError:
+    text = procfs.read_small(path)
+    if text is None:
         return None
     rd = wr = 0
     for line in text.splitlines():
@@ -71,9 +69,8 @@ def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
     per thread, ThreadIo; the process's figure is for the tests' and tools' use.)"""
     base = Path(proc, str(pid))
     st = procfs.read_stat(proc, pid)
-    try:
-        statm = (base / "statm").read_text().split()
-    except OSError:
+    statm = (procfs.read_small(base / "statm") or "").split()
+    if len(statm) < 3:
         return None
     if st is None:
         return None
@@ -88,9 +85,8 @@ def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
 
 
 def read_kv_colon(path: Path) -> dict[str, int] | None:
-    try:
-        text = path.read_text()
-    except OSError:
+    text = procfs.read_small(path)
+    if text is None:
         return None
     return {k: int(v) for k, _, v in (ln.partition(": ") for ln in text.splitlines()) if v.strip().isdigit()}
 

@@ -161,7 +161,7 @@ def test_cpu_time_of_a_burner_matches_cpu_stat(make_cgroup):
     got = run_probe_until_exit(probe, job)
     outsider.wait()
     want = cg.cpu_usage_ns()
-    assert want > 0.5e9   # (2 s of wall time; less CPU when the host is busy)
+    assert want > 0.2e9   # it ran (2 s of wall time; much less CPU when the host is busy: the match is the proof)
     assert abs(got - want) / want < 0.02, (got, want)
 
 
