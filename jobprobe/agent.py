@@ -151,6 +151,8 @@ class Agent:
         self.recent: list[dict[str, Any]] = []                      # the last jobs that ended or were given up
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
+        self.ready = threading.Event()    # cleared by the daemon while it loads its programs and restores its jobs
+        self.ready.set()
         self.clock = clock
         self.sinks_for = sinks_for or self._default_sinks
         self.persist = False     # write cfg.state on every change (the daemon; not `jobprobe run`)

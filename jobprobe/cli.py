@@ -338,6 +338,7 @@ def cmd_agent(args, host: Host) -> int:
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     agent = Agent(cfg, host)
     server = ControlServer(agent, cfg.socket)
+    agent.ready.clear()           # requests wait until the programs are loaded and the jobs restored
     server.start()
 
     def on_signal(signum, _frame):
@@ -351,6 +352,7 @@ def cmd_agent(args, host: Host) -> int:
         agent.persist = True
         for r in agent.restore():
             logging.getLogger("jobprobe").warning("restart: %s %s", r.get("job"), r.get("state"))
+        agent.ready.set()
         logging.getLogger("jobprobe").warning("agent ready on %s (run %s)", cfg.socket, agent.run_id)
         agent.run()
     finally:

@@ -103,6 +103,8 @@ class ControlServer:
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         from jobprobe.agent import JobSpec
+        if not self.agent.ready.wait(TIMEOUT - 1):
+            raise BadInput("the agent is still starting (loading its programs); try again")
         cmd = req.get("cmd")
         try:
             if cmd == "attach":
