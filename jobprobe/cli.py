@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:i], argv[i + 1:]
     logging.basicConfig(format="jobprobe: %(message)s", level=logging.WARNING, stream=sys.stderr)
     host = Host()
-    if argv[:1] == ["probes"]:   # a toggle such as "-sched" is a value, not an option
+    if argv[:1] == ["probes"] and "--job" in argv:   # a toggle such as "-sched" is a value, not an option
         argv = [f"--toggle={a}" if a[:1] in "+-" and a[1:2].isalpha() else a for a in argv]
     try:
         args = build_parser().parse_args(argv)

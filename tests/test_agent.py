@@ -374,6 +374,8 @@ def test_cli_agent_sigkill_restart_attaches_running_jobs_and_leaves_nothing(tmp_
         st = json.loads(jp(tmp_path, "status", "--json").stdout)
         assert sorted(j["job"] for j in st["jobs"]) == ["ends", "live"] and st["agent"]["rss_bytes"] > 0
         assert "live" in jp(tmp_path, "status").stdout
+        toggled = jp(tmp_path, "probes", "--job", "ends", "-sched")     # "-sched" is a toggle, not an option
+        assert toggled.returncode == 0 and "ends: sched off" in toggled.stdout, toggled
         time.sleep(0.6)
         held = held_prog_ids(agent.pid)
         assert ours(prog_names(held))["job_fork"] == 1, prog_names(held)
