@@ -287,7 +287,7 @@ def test_a_removed_group_and_a_fork_storm_leave_nothing_behind(agent, make_cgrou
     recent = ctl(agent, cmd="status")["recent"]
     assert any(r["job"] == "gone" for r in recent), recent
     # a PID tree forking 3000 short processes: membership follows them, and none is left when they are gone
-    storm = subprocess.Popen([sys.executable, str(TESTS / "workloads_sched.py"), "forkstorm", "3000", "100"],
+    storm = subprocess.Popen([sys.executable, str(TESTS / "workloads_syscalls.py"), "storm", "3000", "100"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     r = ctl(agent, cmd="attach", pid=storm.pid, job="storm")
     assert r["ok"] and r["state"] == "attached", r

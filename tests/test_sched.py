@@ -444,8 +444,8 @@ def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead
     if group_dead and not exit_has_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
     monkeypatch.setattr("jobprobe.kernel.membership.exit_has_group_dead", lambda sys_root: group_dead)
-    root = subprocess.Popen(sched_workload("forkstorm", 2000, 200), stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    root = subprocess.Popen([sys.executable, str(TESTS / "workloads_syscalls.py"), "storm", "2000", "200"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         probe.start(PidTreeTarget([root.pid]))
         root.stdin.write("go\n")

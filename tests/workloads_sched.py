@@ -15,8 +15,6 @@ field of /proc/thread-self/schedstat, which the scheduler adds up from enqueue t
     io PATH N         write and fsync a file of N 64 KiB blocks at PATH, then N O_DIRECT reads of it: reason io
     pipe N            print "ready", then read N lines from stdin (a pipe the test writes slowly): reason wait
     preempt SECONDS   pin to one CPU, fork; parent and child burn SECONDS each there: reason preempt
-    forkstorm N T     after a line on stdin: N processes forked and reaped one by one, then T threads started and
-                      joined one by one; prints "done" and waits for another line (membership must follow them all)
     sleepers S1 S2 …  print "ready" and wait for a line on stdin; then one thread per S sleeps S seconds in one
                       time.sleep call (clock_nanosleep), all started together; prints each sleep's own [start, end]
                       (CLOCK_MONOTONIC ns) as "sleeps"
@@ -159,21 +157,6 @@ def preempt(seconds: float) -> dict:
     return {k: v + child[k] for k, v in acct.out().items()}
 
 
-def forkstorm(n: int, threads: int) -> None:
-    sys.stdin.readline()
-    for _ in range(n):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-    for _ in range(threads):   # threads get keys too (fork cannot tell them apart); they must go as well
-        t = threading.Thread(target=lambda: None)
-        t.start()
-        t.join()
-    print("done", flush=True)
-    sys.stdin.readline()
-
-
 def sleepers(seconds: list[float]) -> dict:
     print("ready", flush=True)
     sys.stdin.readline()
@@ -206,9 +189,6 @@ if __name__ == "__main__":
         res = pipe(int(args[0]))
     elif what == "preempt":
         res = preempt(float(args[0]))
-    elif what == "forkstorm":
-        forkstorm(int(args[0]), int(args[1]))
-        sys.exit(0)
     elif what == "sleepers":
         res = sleepers([float(a) for a in args])
     else:
