@@ -231,17 +231,15 @@ class Agent:
                 del self.pending[name]
                 self._save()
                 return {"job": name, "state": "detached (was pending)"}
-            job = self.jobs.pop(name, None)
+            job = self.jobs.get(name)
             if job is None:
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
-            self._save()
+            self._drop(job, why)      # out of the table first: the tick does not sample it meanwhile
         try:
             job.sampler.tick()
         except Exception:
             log.exception("last frame of %s", name)
-        self._remember(name, why)
-        job.sampler.stop()
-        job.target.close()
+        self._release(job)
         log.info("detached %s: %s", name, why)
         return {"job": name, "state": "detached", "why": why}
 
@@ -294,7 +292,8 @@ class Agent:
             if probe.check(self.host) is not None or not hasattr(probe, "preload"):
                 continue
             try:
-                done[name] = "loaded" if probe.preload() else "per job"
+                probe.preload()
+                done[name] = "loaded"
             except Exception as err:   # it will say so again, per job, at attach
                 done[name] = f"not loaded: {err}"
         return done
@@ -330,15 +329,26 @@ class Agent:
                 self._end(job, job.ended or job.sampler.end_reason or "ended")
 
     def _end(self, job: Job, why: str) -> None:
+        """A job that ended by itself, after its last frame."""
+        if self._drop(job, why):
+            self._release(job)
+            log.info("job %s ended: %s", job.name, why)
+
+    def _drop(self, job: Job, why: str) -> bool:
+        """Out of the job table (and the state file), remembered with why; False if it was not there."""
         with self.lock:
             if self.jobs.get(job.name) is not job:
-                return
+                return False
             del self.jobs[job.name]
             self._save()
             self._remember(job.name, why)
+            return True
+
+    @staticmethod
+    def _release(job: Job) -> None:
+        """The job's probes (its slot's state in every module) and sinks, then what its target made."""
         job.sampler.stop()
         job.target.close()
-        log.info("job %s ended: %s", job.name, why)
 
     def _retry_pending(self) -> None:
         with self.lock:

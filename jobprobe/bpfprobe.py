@@ -5,14 +5,15 @@ A probe subclasses it with: `bpf_name` (its bpf/<name>.c), `handlers` (its own (
 module that defines JOB_ON_EXIT_HOOK / JOB_ON_EXEC_HOOK also gets its job_exit_probe / job_exec_probe program),
 `map_types` (ctypes key/value types of its own maps), `reading()` (cumulative counters of its slot) and
 `interval(now, before)` (the frame fields of one interval).
-Node and jobs: a probe instance serves one job. Given a `node` (the agent's), it takes the job's slot from it and, if
-the probe class says `shared_load = True` (its sample reads and sweeps only its own slot's state), uses the one
-load of its programs that serves every job of the node; otherwise it loads its own copy, still against the node's
-membership maps. Without a node (a probe used on its own) it makes a private one and closes it at stop.
+Node and jobs: a probe instance serves one job. Given a `node` (the agent's), it takes the job's slot from it and uses
+the one load of its programs that serves every job of the node — so a probe's sample must read, sweep and drain only
+its own slot's state, and keep per-thread records that carry their slot (release() takes them out with the slot).
+Without a node (a probe used on its own) it makes a private one and closes it at stop.
 """
 from __future__ import annotations
 
 import array
+import contextlib
 import ctypes as ct
 import importlib.util
 from typing import Any
@@ -38,7 +39,6 @@ class BpfProbe(Probe):
     handlers: tuple[tuple[str, str], ...] = ()
     map_types: dict[str, tuple[Any, Any]] = {}
     cflags: tuple[str, ...] = ()
-    shared_load = False          # True: one load serves every job of the node (see the module docstring)
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Every eBPF probe reports how many of its events the kernel did not run it for (MISSED_FIELD): the
@@ -151,18 +151,14 @@ class BpfProbe(Probe):
         return loaded
 
     def load_key(self) -> Any:
-        return (type(self), tuple(self.base_cflags()), self.all_handlers()) if self.shared_load \
-            else (type(self), id(self))
+        return (type(self), tuple(self.base_cflags()), self.all_handlers())
 
-    def preload(self, target: Target | None = None) -> bool:
-        """Load this probe's shared programs into the node now (the agent's start), so that attaching a job later
-        compiles nothing. False for a probe whose programs are per job (shared_load False)."""
-        if not self.shared_load or self.node is None:
-            return False
+    def preload(self, target: Target | None = None) -> None:
+        """Load this probe's programs into the node now (the agent's start), so that attaching a job later compiles
+        nothing (the agent's node keeps its loads)."""
         self.configure()
         self.node.shared(self.load_key(), lambda: self._load_typed(target))
-        self.node.unshare(self.load_key())     # kept: the agent's node keeps its loads
-        return True
+        self.node.unshare(self.load_key())
 
     def start(self, target: Target) -> None:
         self.target = target
@@ -173,7 +169,7 @@ class BpfProbe(Probe):
             node = self.node_in_use()
             self.slot = node.attach(target)
             self._load_key = self.load_key()
-            shared = node.shared(self._load_key, lambda: self._load_typed(target), keep=self.shared_load)
+            shared = node.shared(self._load_key, lambda: self._load_typed(target))
             self.shared, self.loaded = shared, shared.loaded
             self.release()                  # a slot reused: nothing of its last job is left
             self._last = self.reading()
@@ -227,16 +223,10 @@ class BpfProbe(Probe):
         """Stop counting for the job, release its slot's state and the load (its programs detach when no job
         uses them), the job's membership (when no other probe of the job holds it). Idempotent."""
         node = self.node or self._own_node
-        loaded, self.loaded = self.loaded, None
-        if node is not None and loaded is not None:
-            shared = node.loads.get(self._load_key)
-            if shared is not None:
-                shared.set_slot(self.slot, False)
-            self.loaded = loaded
-            try:
+        if node is not None and self.shared is not None:
+            self.shared.set_slot(self.slot, False)
+            with contextlib.suppress(OSError):
                 self.release()
-            except OSError:
-                pass
             self.loaded = None
             node.unshare(self._load_key)
         if node is not None and self.target is not None and self.slot >= 0:

@@ -210,7 +210,8 @@ class BlockioProbe(BpfProbe):
                                         f"device such as dm, which makes no requests)")}
 
     bpf_name = "blockio"
-    shared_load = True     # sample() reads and sweeps its own slot only; in-flight records carry their slot
+    # One load for every job of the node: sample() reads and sweeps its own slot only; in-flight records carry their
+    # slot.
     map_types = {"inflight": (RqKey, RqVal), "stats": (ct.c_uint32, SlotStats)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None, mode: str | None = None,

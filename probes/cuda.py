@@ -193,7 +193,7 @@ class CudaProbe(BpfProbe):
     fields = _fields()
 
     bpf_name = "cuda"
-    shared_load = True     # one set of uprobes per library file for every job; counts kept per slot
+    # One load for every job of the node: one set of uprobes per library file for every job; counts kept per slot.
     map_types = {"calls": (ct.c_uint32, None), "stats": (ct.c_uint32, CudaStats)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None):

@@ -216,7 +216,8 @@ class MemoryProbe(BpfProbe):
     }
 
     bpf_name = "memory"
-    shared_load = True     # sample() reads its slot; drain_oom() takes only its own and undecided-not-ours records
+    # One load for every job of the node: sample() reads its slot; drain_oom() takes only its own and undecided-not-
+    # ours records.
     map_types = {"stats": (ct.c_uint32, SlotStats), "stalls": (ct.c_uint64, None),
                  "oom_victims": (ct.c_uint32, OomRec)}
 

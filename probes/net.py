@@ -144,7 +144,8 @@ class NetProbe(BpfProbe):
     }
 
     bpf_name = "net"
-    shared_load = True     # reads its slot's counters and peers; links to a job's group are the job's own
+    # One load for every job of the node: reads its slot's counters and peers; links to a job's group are the job's
+    # own.
     map_types = {"stats": (ct.c_uint32, NetStats), "peers": (PeerKey, PeerVal), "socks": (ct.c_uint64, SockInfo)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None):

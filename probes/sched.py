@@ -219,7 +219,8 @@ class SchedProbe(BpfProbe):
     fields = _fields()
 
     bpf_name = "sched"
-    shared_load = True     # sample() reads its slot only; per-thread records carry their slot (released with it)
+    # One load for every job of the node: sample() reads its slot only; per-thread records carry their slot
+    # (released with it).
     map_types = {"start": (ct.c_uint32, OffRec), "stats": (ct.c_uint32, SlotStats)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None, syscall_reasons: bool = True,

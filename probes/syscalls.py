@@ -238,7 +238,8 @@ class SyscallsProbe(BpfProbe):
     }
 
     bpf_name = "syscalls"
-    shared_load = True     # reads its slot's counters and by_nr keys (slot << 16 | nr); per-thread records carry their slot
+    # One load for every job of the node: reads its slot's counters and by_nr keys (slot << 16 | nr); per-thread
+    # records carry their slot.
     handlers = (("raw_syscalls:sys_enter", "on_enter"), ("raw_syscalls:sys_exit", "on_exit"))
     raw_handlers = (("raw:raw_syscalls:sys_enter", "on_enter_raw"), ("raw:raw_syscalls:sys_exit", "on_exit_raw"))
     map_types = {"inflight": (ct.c_uint32, InflightRec), "stats": (ct.c_uint32, SlotStats),

@@ -72,7 +72,6 @@ class SharedLoad:
         self.loaded = loaded
         self.refs = 0
         self.slots = 0                # the bits written to the module's slots_on
-        self.keep = True
         self.extra: dict[str, Any] = {}          # what the probe keeps for every job of this load (cuda's uprobes)
         self.closers: list[Callable[[], None]] = []
         self.lock = threading.Lock()
@@ -183,6 +182,7 @@ class Node:
         self._free.append(job.slot)
 
     def _set_kinds(self) -> None:
+        """Which membership maps the programs ask, from the jobs attached now."""
         kinds = 0
         for job in self.jobs.values():
             kinds |= JOB_BY_CGROUP if job.target.kind == "cgroup" else JOB_BY_TGID
@@ -193,7 +193,7 @@ class Node:
         follows forks only of processes already in the map, so the tree is scanned again afterwards to catch
         children forked between the first scan and the insert."""
         target = job.target
-        self._set_kinds_with(job)
+        self._set_kinds()
         if target.kind == "cgroup":
             self._sync_cgroups(job)
             return
@@ -201,10 +201,6 @@ class Node:
         with contextlib.suppress(TargetGone):  # every process already exited: nothing more to add
             target.refresh()
         self._add_pids(job, target.pids())
-
-    def _set_kinds_with(self, job: Job) -> None:
-        kinds = self.loaded.maps["job_kinds"]
-        kinds.update(0, (kinds.lookup(0) or 0) | (JOB_BY_CGROUP if job.target.kind == "cgroup" else JOB_BY_TGID))
 
     def sync(self, target: Target) -> None:
         """What the kernel cannot see by itself (a cgroup made after attach, a SLURM step started by slurmstepd
@@ -251,15 +247,13 @@ class Node:
         return {k for k, v in self.loaded.maps["job_of_tgid"].items() if v == slot}
 
     # ---- shared loads ----------------------------------------------------------------------------------
-    def shared(self, key: Any, load: Callable[[], _bpf.Loaded], keep: bool = True) -> SharedLoad:
-        """The one load of `key` (made by `load()` on first use), with a reference taken. keep=False: a load of one
-        job's own (closed with its last reference even on a node that keeps its loads)."""
+    def shared(self, key: Any, load: Callable[[], _bpf.Loaded]) -> SharedLoad:
+        """The one load of `key` (made by `load()` on first use), with a reference taken."""
         with self._load_locks[key]:            # one compile per key, while other keys compile side by side
             with self._lock:
                 shared = self.loads.get(key)
             if shared is None:
                 shared = SharedLoad(load())
-                shared.keep = keep
                 with self._lock:
                     self.loads[key] = shared
             with self._lock:
@@ -273,7 +267,7 @@ class Node:
             if shared is None:
                 return
             shared.refs -= 1
-            if shared.refs > 0 or (self.keep_loads and shared.keep):
+            if shared.refs > 0 or self.keep_loads:
                 return
             del self.loads[key]
         shared.close()
