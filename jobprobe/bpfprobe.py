@@ -12,7 +12,6 @@ Without a node (a probe used on its own) it makes a private one and closes it at
 """
 from __future__ import annotations
 
-import array
 import contextlib
 import ctypes as ct
 import importlib.util
@@ -57,6 +56,7 @@ class BpfProbe(Probe):
         self.shared: Any = None   # the node's SharedLoad this probe uses, while started
         self._load_key: Any = None
         self._last: Any = None
+        self._still: dict[str, Any] | None = None   # the interval of a reading equal to the one before
         self._missed = 0
 
     # ---- what a probe provides ---------------------------------------------------------------------------
@@ -77,10 +77,10 @@ class BpfProbe(Probe):
     def slot_totals(self, map_name: str = "stats") -> dict[str, Any]:
         """This slot's per-CPU struct of u64 counters (scalars and arrays) summed over CPUs: {field: int or list}.
         Summed as flat u64 columns: reading ctypes fields one by one costs ~1 ms a tick on wide structs."""
-        per_cpu = self.loaded.maps[map_name].lookup(self.slot)
-        tot = [sum(col) for col in zip(*(array.array("Q", bytes(s)) for s in per_cpu))]
+        table = self.loaded.maps[map_name]
+        tot = table.lookup_sums(self.slot)
         out, i = {}, 0
-        for name, typ in type(per_cpu[0])._fields_:
+        for name, typ in table.value_type._fields_:
             n = ct.sizeof(typ) // 8
             out[name] = tot[i] if not hasattr(typ, "_length_") else tot[i:i + n]
             i += n
@@ -187,7 +187,12 @@ class BpfProbe(Probe):
             return {}
         self.sync_members()
         now = self.reading()
-        out = self.interval(now, self._last)
+        if now == self._last:   # nothing happened (an idle job): the zero interval, worked out once
+            if self._still is None:
+                self._still = self.interval(now, now)
+            out = dict(self._still)
+        else:
+            out = self.interval(now, self._last)
         self._last = now
         missed = self.missed_total()
         out[MISSED], self._missed = missed - self._missed, missed

@@ -72,6 +72,7 @@ class CgroupTarget(Target):
         self.mount = mount
         self.cgroup_path = str(p)
         self.job = job or p.name
+        self.files = procfs.OpenFiles()      # each group's cgroup.procs, read every tick
 
     def describe(self) -> dict:
         return {"kind": self.kind, "job": self.job, "cgroup": self.cgroup_path}
@@ -96,12 +97,16 @@ class CgroupTarget(Target):
     def _pids_now(self) -> list[int]:
         pids: list[int] = []
         for d in self.dirs():
-            pids.extend(int(x) for x in (procfs.read_small(f"{d}/cgroup.procs") or "").split())
+            pids.extend(int(x) for x in (self.files.read(f"{d}/cgroup.procs") or "").split())
+        self.files.sweep()
         return pids
 
     def refresh(self) -> None:
-        if not Path(self.cgroup_path, "cgroup.procs").exists():
+        if not self.dirs():      # the walk (once per agent tick) finds not even the job's own group
             raise TargetGone(f"cgroup {self.cgroup_path} was removed")
+
+    def close(self) -> None:
+        self.files.close()
 
 
 class PidTreeTarget(Target):
@@ -346,8 +351,11 @@ class CommandTarget(CgroupTarget):
             raise TargetGone(f"{self.argv[0]} exited with code {self.proc_handle.returncode}")
 
     def close(self) -> None:
-        if self._made is None:
-            return
+        if self._made is not None:
+            self._remove_group()
+        super().close()
+
+    def _remove_group(self) -> None:
         # Processes CMD left behind would keep the group busy: move them to the parent before removing it.
         for pid in self.pids():
             try:

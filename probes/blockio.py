@@ -30,8 +30,8 @@ context) if a classic/kprobe BPF program is running under them on their CPU.
 """
 from __future__ import annotations
 
-import array
 import ctypes as ct
+import functools
 import struct
 import time
 from pathlib import Path
@@ -141,6 +141,14 @@ def plan(sys_root: str, mode: str) -> tuple[list[tuple[str, str]], str | None]:
     return out, None
 
 
+@functools.lru_cache(maxsize=4)
+def raw_flags_once(btf_path: str, events: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """raw_cflags, worked out once per process: indexing the kernel's BTF takes ~70 ms and ~12 MiB of small
+    objects, which every job the agent attaches would otherwise pay again (and leave as heap the process keeps)."""
+    flags, why = raw_cflags(btf_path, list(events))
+    return tuple(flags), why
+
+
 def raw_cflags(btf_path: str | Path, events: list[str]) -> tuple[list[str], str | None]:
     """The -D flags (struct offsets) of the raw programs for these block events, or why they cannot be used."""
     try:
@@ -235,7 +243,8 @@ class BlockioProbe(BpfProbe):
             why = None if self.host.has_raw_tracepoints else "no raw tracepoints (Linux 4.17+)"
             if why is None:
                 events = [tp.split(":")[1] for tp, _ in plan(self.host.sys, self.mode)[0]]
-                self._raw_flags, why = raw_cflags(Path(self.host.sys, "kernel/btf/vmlinux"), events)
+                flags, why = raw_flags_once(f"{self.host.sys}/kernel/btf/vmlinux", tuple(events))
+                self._raw_flags = list(flags)
             if why and self.raw:
                 raise ProbeUnavailable(f"raw tracepoint programs asked for: {why}")
             self.raw, self.classic_why = why is None, why
@@ -279,10 +288,9 @@ class BlockioProbe(BpfProbe):
         """Cumulative counters of our slot, summed over CPUs, and the entries given up so far."""
         if self.clock() - self._swept >= self.sweep_every_ns:
             self._expired += self.sweep()
-        per_cpu = self.loaded.maps["stats"].lookup(self.slot)
         # Summed as flat u64 columns (DirStats: the COUNTERS, then hist, per direction): reading ctypes fields one
         # by one costs ~0.1 ms a job a tick.
-        tot = [sum(col) for col in zip(*(array.array("Q", bytes(s)) for s in per_cpu))]
+        tot = self.loaded.maps["stats"].lookup_sums(self.slot)
         out: dict[str, Any] = {"expired": self._expired}
         width = len(COUNTERS) + NBUCKETS
         for i, d in enumerate(DIRS):

@@ -15,22 +15,26 @@ taskstats), the I/O of a thread since the last tick when it exits.
 """
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
+from typing import Callable
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
 from jobprobe.kernel import procfs
-from jobprobe.kernel.taskstats import ExitListener, ExitRecord
+from jobprobe.kernel.taskstats import ExitFeed, ExitRecord, Subscription
 
 CLK_TCK = procfs.CLK_TCK
 PAGE = os.sysconf("SC_PAGE_SIZE")
+Reader = Callable[[str], "str | None"]
+OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 
 
-def read_kv(path: Path) -> dict[str, int] | None:
+def read_kv(path: Path, read: Reader = procfs.read_small) -> dict[str, int] | None:
     """'key value' lines (cpu.stat, memory.stat) → dict, or None if the file does not exist."""
-    text = procfs.read_small(path)
+    text = read(path)
     if text is None:
         return None
     out = {}
@@ -41,16 +45,16 @@ def read_kv(path: Path) -> dict[str, int] | None:
     return out
 
 
-def read_int(path: Path) -> int | None:
+def read_int(path: Path, read: Reader = procfs.read_small) -> int | None:
     try:
-        return int((procfs.read_small(path) or "").split()[0])
+        return int((read(path) or "").split()[0])
     except (ValueError, IndexError):
         return None
 
 
-def io_stat_bytes(path: Path) -> tuple[int, int] | None:
+def io_stat_bytes(path: Path, read: Reader = procfs.read_small) -> tuple[int, int] | None:
     """Sum rbytes and wbytes over every device line of a cgroup2 io.stat; None if there is no io.stat."""
-    text = procfs.read_small(path)
+    text = read(path)
     if text is None:
         return None
     rd = wr = 0
@@ -64,12 +68,12 @@ def io_stat_bytes(path: Path) -> tuple[int, int] | None:
     return rd, wr
 
 
-def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
+def proc_counters(proc: str, pid: int, io: bool = True, read: Reader = procfs.read_small) -> dict[str, int] | None:
     """CPU (ns), RSS (bytes) and I/O bytes of one process from /proc; None if it has gone. (The probe reads I/O
-    per thread, ThreadIo; the process's figure is for the tests' and tools' use.)"""
+    per thread, ThreadIo, and asks for no `io` here; the process's figure is for the tests' and tools' use.)"""
     base = Path(proc, str(pid))
-    st = procfs.read_stat(proc, pid)
-    statm = (procfs.read_small(base / "statm") or "").split()
+    st = procfs.read_stat(proc, pid, read)
+    statm = (read(base / "statm") or "").split()
     if len(statm) < 3:
         return None
     if st is None:
@@ -78,14 +82,14 @@ def proc_counters(proc: str, pid: int) -> dict[str, int] | None:
     # statm: size resident shared(RssFile + RssShmem) ...
     out = {"user": st.utime * ns, "system": st.stime * ns, "cuser": st.cutime * ns, "csystem": st.cstime * ns,
            "rss": int(statm[1]) * PAGE, "rss_file": int(statm[2]) * PAGE, "rd": 0, "wr": 0}
-    io = read_kv_colon(base / "io")
+    io = read_kv_colon(base / "io", read) if io else None
     if io:
         out["rd"], out["wr"] = io.get("read_bytes", 0), io.get("write_bytes", 0)
     return out
 
 
-def read_kv_colon(path: Path) -> dict[str, int] | None:
-    text = procfs.read_small(path)
+def read_kv_colon(path: Path, read: Reader = procfs.read_small) -> dict[str, int] | None:
+    text = read(path)
     if text is None:
         return None
     return {k: int(v) for k, _, v in (ln.partition(": ") for ln in text.splitlines()) if v.strip().isdigit()}
@@ -125,16 +129,16 @@ class PerPid:
         return out
 
 
-def thread_io(proc: str, pid: int) -> dict[int, tuple[int, int]]:
+def thread_io(proc: str, pid: int, read: Reader = procfs.read_small) -> dict[int, tuple[int, int]]:
     """{tid: (read_bytes, write_bytes)} of each thread of process pid, from /proc/PID/task/TID/io (the thread's
     own counters; the process's io file adds those of its threads that have exited). {} if it has gone."""
     out = {}
     try:
-        tids = os.listdir(Path(proc, str(pid), "task"))
+        tids = os.listdir(f"{proc}/{pid}/task")
     except OSError:
         return out
     for tid in tids:
-        io = read_kv_colon(Path(proc, str(pid), "task", tid, "io"))
+        io = read_kv_colon(f"{proc}/{pid}/task/{tid}/io", read)
         if io:
             out[int(tid)] = (io.get("read_bytes", 0), io.get("write_bytes", 0))
     return out
@@ -152,13 +156,13 @@ class ThreadIo:
     Order matters: records are drained before /proc is read. The kernel sends a thread's record from do_exit, before
     the thread leaves /proc, so a thread missing from /proc now has its record in this drain (or it was lost)."""
 
-    def __init__(self, listener: ExitListener | None):
+    def __init__(self, listener: Subscription | None):
         self.listener = listener
         self.last: dict[int, tuple[int, int, int]] = {}   # tid → (tgid, read, write) at its last read
         self.finished: set[int] = set()                   # tids whose exit record was counted (zombies linger)
         self.primed = False
 
-    def update(self, proc: str, pids: list[int]) -> tuple[int, int]:
+    def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small) -> tuple[int, int]:
         records = self.listener.drain() if self.listener is not None else []
         rd = wr = 0
         if self.primed:
@@ -170,7 +174,7 @@ class ThreadIo:
         now: dict[int, tuple[int, int, int]] = {}
         listed: set[int] = set()
         for pid in pids:
-            for tid, (r1, w1) in thread_io(proc, pid).items():
+            for tid, (r1, w1) in thread_io(proc, pid, read).items():
                 listed.add(tid)
                 if tid in self.finished:
                     continue
@@ -237,6 +241,7 @@ class CgroupProbe(Probe):
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.threadio: ThreadIo | None = None
         self.peak = 0
+        self.files = procfs.OpenFiles()   # the files read every tick, kept open
 
     def start(self, target: Target) -> None:
         self.target = target
@@ -250,34 +255,36 @@ class CgroupProbe(Probe):
         self.prev = self._read()  # baseline: the first sample reports this interval only
 
     def _read(self) -> dict[str, int]:
-        proc = self.host.proc
+        proc, read = self.host.proc, self.files.read
+        optional = functools.partial(self.files.read, recheck=OPTIONAL_RECHECK_S)   # controllers that may be off
         need_proc = self.cg is None
         cur: dict[str, int] = {}
         if self.cg is not None:
-            cpu = read_kv(self.cg / "cpu.stat")
+            cpu = read_kv(self.cg / "cpu.stat", read)
             if cpu is None:
                 raise TargetGone(f"cgroup {self.cg} was removed")
             cur["user"] = cpu.get("user_usec", 0) * 1000
             cur["system"] = cpu.get("system_usec", 0) * 1000
-            mem = read_int(self.cg / "memory.current")
+            mem = read_int(self.cg / "memory.current", optional)
             if mem is not None:  # the memory controller is on cgroup2 here
                 cur["mem"] = mem
-                stat = read_kv(self.cg / "memory.stat") or {}
+                stat = read_kv(self.cg / "memory.stat", optional) or {}
                 cur["anon"], cur["file"] = stat.get("anon", 0), stat.get("file", 0)
-                peak = read_int(self.cg / "memory.peak")
+                peak = read_int(self.cg / "memory.peak", optional)
                 if peak is not None:
                     cur["peak"] = peak
-            io = io_stat_bytes(self.cg / "io.stat")
+            io = io_stat_bytes(self.cg / "io.stat", optional)
             if io is not None:
                 cur["rd"], cur["wr"] = io
             need_proc = mem is None or io is None
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
-            per = {p: c for p in pids + self.target.ended_pids() if (c := proc_counters(proc, p)) is not None}
+            per = {p: c for p in pids + self.target.ended_pids()
+                   if (c := proc_counters(proc, p, io=False, read=read)) is not None}
             d = self.perpid.update(per, ("user", "system"))
             if "rd" not in cur:
-                d["rd"], d["wr"] = self.io_of_threads().update(proc, pids + self.target.ended_pids())
+                d["rd"], d["wr"] = self.io_of_threads().update(proc, pids + self.target.ended_pids(), read)
             if "mem" not in cur:
                 cur["mem"] = sum(c["rss"] for c in per.values())
                 cur["file"] = sum(c["rss_file"] for c in per.values())
@@ -291,7 +298,7 @@ class CgroupProbe(Probe):
         """Made at the first read that needs it: the exit-record listener only where I/O comes from /proc."""
         if self.threadio is None:
             try:
-                listener = ExitListener() if self.host.is_root else None
+                listener = ExitFeed.subscribe() if self.host.is_root else None
             except ProbeUnavailable:
                 listener = None   # I/O of a thread since the last tick is lost at its exit (the docstring says so)
             self.threadio = ThreadIo(listener)
@@ -299,6 +306,7 @@ class CgroupProbe(Probe):
 
     def sample(self) -> dict:
         cur = self._read()
+        self.files.sweep()
         prev, self.prev = self.prev, cur
 
         def d(k: str) -> int:
@@ -314,6 +322,7 @@ class CgroupProbe(Probe):
 
     def stop(self) -> None:
         self.target = None
+        self.files.close()
         if self.threadio is not None:
             self.threadio.close()
             self.threadio = None

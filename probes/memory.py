@@ -23,6 +23,7 @@ always empty) 256-entry hash. Start: ~0.5 s to compile in the loader subprocess;
 from __future__ import annotations
 
 import ctypes as ct
+import functools
 import struct
 import time
 from pathlib import Path
@@ -127,11 +128,18 @@ def plan(host: Host) -> tuple[list[tuple[str, str]], list[str], dict[str, str]]:
     return handlers, cflags, absent
 
 
+@functools.lru_cache(maxsize=4)
+def pgfault_items(btf_path: str) -> dict[str, int]:
+    """The kernel's numbers of PGFAULT and PGMAJFAULT, read once per process (the BTF file is ~5 MiB and every job
+    the agent attaches asks again). Do not change the result."""
+    return enum_values(btf_path, ("PGFAULT", "PGMAJFAULT"))
+
+
 def memcg_items(host: Host) -> tuple[str | None, dict[str, int]]:
     if memcg_disabled(host.proc):
         return "the memory cgroup controller is disabled (cgroup_disable=memory)", {}
     try:
-        items = enum_values(Path(host.sys, "kernel/btf/vmlinux"), ("PGFAULT", "PGMAJFAULT"))
+        items = pgfault_items(f"{host.sys}/kernel/btf/vmlinux")
     except (OSError, ValueError, struct.error) as err:
         return f"no kernel BTF to number PGFAULT/PGMAJFAULT: {err}", {}
     return (None if items else "PGFAULT/PGMAJFAULT not found in the kernel's BTF"), items

@@ -32,6 +32,7 @@ from jobprobe.kernel import bpf as _bpf
 from jobprobe.bpfprobe import BpfProbe
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.membership import Node
+from jobprobe import tickmemo
 
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",
@@ -105,6 +106,13 @@ def interval(now: dict[str, Any], before: dict[str, Any], emit: tuple[str, ...])
 
 def zero_reading() -> dict[str, Any]:
     return {"counters": {k: 0 for k in COUNTERS}, "peers": {}}
+
+
+def _by_slot(items: list[tuple[Any, Any]]) -> dict[int, list[tuple[Any, Any]]]:
+    out: dict[int, list[tuple[Any, Any]]] = {}
+    for key, val in items:
+        out.setdefault(key.slot, []).append((key, val))
+    return out
 
 
 class NetProbe(BpfProbe):
@@ -258,9 +266,9 @@ class NetProbe(BpfProbe):
         per_cpu = self.loaded.maps["stats"].lookup(self.slot)
         counters = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS}
         peers: dict[tuple[str, int], tuple[int, int]] = {}
-        for key, val in self.loaded.maps["peers"].items():
-            if key.slot != self.slot:
-                continue
+        table = self.loaded.maps["peers"]
+        by_slot = tickmemo.get(("peers", id(table)), lambda: _by_slot(table.items()))   # once a tick, every job
+        for key, val in by_slot.get(self.slot, ()):
             name = (peer_addr(key.family, bytes(key.addr)), key.port)
             tx, rx = peers.get(name, (0, 0))   # a v4-mapped and a plain v4 entry of one peer add up
             peers[name] = (tx + val.tx_bytes, rx + val.rx_bytes)

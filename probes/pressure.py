@@ -12,11 +12,12 @@ per tick, no root.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import Callable
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
+from jobprobe.kernel import procfs
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
 
@@ -24,24 +25,17 @@ RESOURCES = {"cpu": "a CPU (runnable, not running)", "mem": "memory", "io": "I/O
 FILES = {"cpu": "cpu.pressure", "mem": "memory.pressure", "io": "io.pressure", "irq": "irq.pressure"}
 
 
-def read_pressure(path: Path | str) -> dict[str, int] | None:
+def read_pressure(path: Path | str, read: Callable[[str], str | None] = procfs.read_small) -> dict[str, int] | None:
     """{"some": total µs, "full": total µs} of a *.pressure file (lines `some avg10=… total=N`); None if absent.
-    Read with one os.read: this runs four times a tick."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    The probe reads through its OpenFiles: this runs four times a job a tick."""
+    text = read(str(path))
+    if text is None:
         return None
-    try:
-        data = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     out = {}
-    for line in data.split(b"\n"):
-        at = line.rfind(b" total=")
+    for line in text.split("\n"):
+        at = line.rfind(" total=")
         if at > 0 and line[at + 7:].isdigit():
-            out[line[:line.find(b" ")].decode()] = int(line[at + 7:])
+            out[line[:line.find(" ")]] = int(line[at + 7:])
     return out
 
 
@@ -68,6 +62,7 @@ class PressureProbe(Probe):
         self.dir: Path | None = None
         self.paths: dict[str, str] = {}
         self.prev: dict[str, int | None] = {}
+        self.files = procfs.OpenFiles()
 
     def check(self, host: Host) -> str | None:
         if not Path(host.proc, "pressure", "cpu").exists():
@@ -88,7 +83,7 @@ class PressureProbe(Probe):
     def _read(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
         for res in FILES:
-            got = read_pressure(self.paths[res]) if res in self.paths else None
+            got = read_pressure(self.paths[res], self.files.read) if res in self.paths else None
             if got is None and res == "cpu" and not (self.dir / "cgroup.procs").exists():
                 raise TargetGone(f"cgroup {self.dir} was removed")   # (else PSI turned off for it: nulls)
             for kind in ("some", "full"):
@@ -100,8 +95,10 @@ class PressureProbe(Probe):
         if self.dir is None:
             return {}
         cur = self._read()
+        self.files.sweep()
         prev, self.prev = self.prev, cur
         return {k: None if v is None or prev.get(k) is None else delta(v, prev[k]) for k, v in cur.items()}
 
     def stop(self) -> None:
         self.dir, self.paths = None, {}
+        self.files.close()

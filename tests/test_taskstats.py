@@ -77,3 +77,35 @@ def test_a_real_exit_record_holds_the_process_final_io(tmp_path):
     finally:
         listener.close()
     listener.close()   # idempotent
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not IS_ROOT, reason="registering for taskstats needs CAP_NET_ADMIN (root)")
+def test_the_shared_feed_gives_each_subscriber_every_record_through_one_socket(tmp_path):
+    a = ts.ExitFeed.subscribe()
+    b = ts.ExitFeed.subscribe()
+    try:
+        listener = ts.ExitFeed._listener
+        assert listener is not None
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "f")], stdout=subprocess.PIPE,
+                                  text=True)
+        own = int(writer.communicate()[0]) & ~1023
+        got_a: list = []
+        got_b: list = []
+        deadline = time.monotonic() + 5
+        while not (got_a and got_b) and time.monotonic() < deadline:
+            got_a += [r for r in a.drain() if r.tid == writer.pid]
+            time.sleep(0.05)
+            got_b += [r for r in b.drain() if r.tid == writer.pid]
+        assert len(got_a) == len(got_b) == 1 and got_a[0] == got_b[0] and got_a[0].write_bytes == own
+        assert got_a[0] not in a.drain()                                   # each record once per subscriber
+        others = len(ts.ExitFeed._subs) - 2                                # a probe of an earlier test may hold one
+        a.close()
+        assert ts.ExitFeed._listener is listener                           # b still reads through it
+        b.close()
+        if not others:                                                     # the last one out closes the socket
+            assert ts.ExitFeed._listener is None and listener.sock is None
+        assert b.drain() == [] and a not in ts.ExitFeed._subs
+    finally:
+        a.close()
+        b.close()

@@ -283,6 +283,17 @@ class Map:
             return None
         return self._values(vb)
 
+    def lookup_sums(self, key: Any) -> list[int] | None:
+        """A per-CPU value made of u64 fields, summed over CPUs as flat u64 columns (no ctypes decode: the
+        agent reads one such value per job and probe every tick); None when the key is absent."""
+        kb, vb = self._key_buf(key), ct.create_string_buffer(self.stride * self.ncpus)
+        try:
+            sys_bpf(MAP_LOOKUP_ELEM, ElemAttr(map_fd=self.fd, key=addr(kb), value=addr(vb)))
+        except FileNotFoundError:
+            return None
+        words, per, n = array.array("Q", vb.raw), self.stride // 8, self.value_size // 8
+        return [sum(col) for col in zip(*(words[c * per:c * per + n] for c in range(self.ncpus)))]
+
     def update(self, key: Any, value: Any, flags: int = ANY) -> None:
         if self.percpu and not isinstance(value, (bytes, bytearray)):
             if len(value) != self.ncpus:

@@ -6,8 +6,9 @@ clock ticks (USER_HZ). Imports nothing of jobprobe.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NS_PER_TICK = 1_000_000_000 // CLK_TCK
@@ -24,14 +25,86 @@ def read_small(path: str | Path) -> str | None:
         chunks = []
         while True:
             b = os.read(fd, 65536)
-            if not b:
-                break
             chunks.append(b)
+            if len(b) < 65536:   # seq_file and sysfs fill a read to its size unless the file ends first
+                break
         return b"".join(chunks).decode(errors="replace")
     except OSError:
         return None
     finally:
         os.close(fd)
+
+
+class OpenFiles:
+    """Small /proc, /sys and cgroup files read again every tick, through an fd kept open: one pread(2) at offset 0
+    (seq_file and kernfs make the text anew) instead of open + read + close — 4–6× cheaper here, and the agent reads
+    some ten such files per job per tick. A read that fails on a kept fd (the process reaped: ESRCH; the group
+    removed: ENODEV) opens the path once more, so a PID used again is read as the new process. Files not read since
+    the previous sweep() are closed. Only the kernel's own files (under /proc and /sys) are kept: a regular file
+    (a fixture tree) could be replaced or removed under a kept fd. Bounded: past LIMIT fds held by all instances,
+    reads open and close as read_small does."""
+
+    LIMIT = 4096
+    KEEP = ("/proc/", "/sys/")
+    held = 0
+
+    def __init__(self):
+        self.fds: dict[str, list[int]] = {}    # path → [fd, generation of its last read]
+        self.absent: dict[str, float] = {}     # path → when to look again
+        self.gen = 0
+
+    def read(self, path: str | Path, recheck: float = 0.0) -> str | None:
+        """The file's text; None if it cannot be read. `recheck` > 0: a file found absent is not looked for again
+        for that many seconds (a controller file of a group whose controller is off: it rarely comes on)."""
+        path = str(path)
+        if recheck and self.absent and time.monotonic() < self.absent.get(path, 0.0):
+            return None
+        entry = self.fds.get(path)
+        if entry is not None:
+            entry[1] = self.gen
+            data = self._pread(entry[0])
+            if data is not None:
+                return data
+            self._drop(path)
+        if OpenFiles.held >= self.LIMIT or not path.startswith(self.KEEP):
+            return read_small(path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            if recheck:
+                self.absent[path] = time.monotonic() + recheck
+            return None
+        self.fds[path] = [fd, self.gen]
+        OpenFiles.held += 1
+        data = self._pread(fd)
+        if data is None:
+            self._drop(path)
+        return data
+
+    @staticmethod
+    def _pread(fd: int) -> str | None:
+        try:
+            chunks = [os.pread(fd, 65536, 0)]
+            while len(chunks[-1]) == 65536:
+                chunks.append(os.pread(fd, 65536, 65536 * len(chunks)))
+        except OSError:
+            return None
+        return b"".join(chunks).decode(errors="replace")
+
+    def _drop(self, path: str) -> None:
+        fd, _ = self.fds.pop(path)
+        OpenFiles.held -= 1
+        os.close(fd)
+
+    def sweep(self) -> None:
+        """Close what was not read since the last sweep (processes gone, groups removed)."""
+        for path in [p for p, (_, g) in self.fds.items() if g != self.gen]:
+            self._drop(path)
+        self.gen += 1
+
+    def close(self) -> None:
+        for path in list(self.fds):
+            self._drop(path)
 
 
 class Stat(NamedTuple):
@@ -45,9 +118,10 @@ class Stat(NamedTuple):
     num_threads: int
 
 
-def read_stat(proc: str, pid: int | str) -> Stat | None:
-    """The fields of /proc/PID/stat this project uses; None if the process is gone."""
-    data = read_small(f"{proc}/{pid}/stat")
+def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = read_small) -> Stat | None:
+    """The fields of /proc/PID/stat this project uses; None if the process is gone. `read`: OpenFiles.read for
+    a reader that comes back every tick."""
+    data = read(f"{proc}/{pid}/stat")
     if data is None:
         return None
     # after comm: state(0) ppid(1) pgrp session tty_nr tpgid flags(6) minflt cminflt majflt cmajflt utime(11)

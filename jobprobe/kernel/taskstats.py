@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 import struct
+import threading
 from typing import NamedTuple
 
 from jobprobe.errors import ProbeUnavailable
@@ -187,3 +188,71 @@ class ExitListener:
             pass   # closing the socket deregisters it too (the kernel drops listeners whose socket is gone)
         finally:
             sock.close()
+
+
+class ExitFeed:
+    """One listener per process, shared by every reader that wants exit records (the `cgroup` probe of each job
+    the agent holds): the kernel sends each record once, it is parsed once, and each subscription gets every record
+    that arrived since its own last drain. The socket is opened at the first subscription and closed with the last.
+    Without this, N jobs mean N sockets each receiving and parsing every exit of the node."""
+
+    _lock = threading.Lock()
+    _listener: ExitListener | None = None
+    _subs: set["Subscription"] = set()
+
+    @classmethod
+    def subscribe(cls) -> "Subscription":
+        """A new subscription; ProbeUnavailable (as ExitListener) when the kernel or the caller cannot listen."""
+        with cls._lock:
+            if cls._listener is None:
+                cls._listener = ExitListener()
+            sub = Subscription(cls)
+            cls._subs.add(sub)
+            return sub
+
+    @classmethod
+    def pump(cls) -> None:
+        """Read what the socket holds and hand it to every subscription."""
+        with cls._lock:
+            if cls._listener is None:
+                return
+            records = cls._listener.drain()
+            if records:
+                for sub in cls._subs:
+                    sub.pending.extend(records)
+
+    @classmethod
+    def lost(cls) -> int:
+        return cls._listener.lost if cls._listener is not None else 0
+
+    @classmethod
+    def unsubscribe(cls, sub: "Subscription") -> None:
+        with cls._lock:
+            cls._subs.discard(sub)
+            if not cls._subs and cls._listener is not None:
+                cls._listener.close()
+                cls._listener = None
+
+
+class Subscription:
+    """One reader's view of the shared ExitFeed: drain() as ExitListener's, close() leaves the feed."""
+
+    def __init__(self, feed: type[ExitFeed]):
+        self.feed: type[ExitFeed] | None = feed
+        self.pending: list[ExitRecord] = []
+
+    @property
+    def lost(self) -> int:
+        return self.feed.lost() if self.feed is not None else 0
+
+    def drain(self) -> list[ExitRecord]:
+        if self.feed is None:
+            return []
+        self.feed.pump()
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self) -> None:
+        feed, self.feed = self.feed, None
+        if feed is not None:
+            feed.unsubscribe(self)
