@@ -48,6 +48,9 @@ class JobSpec:
     k8s_pod: str | None = None
     job: str | None = None
     probes: str | None = None
+    labels: dict[str, str] | None = None   # the scheduler's names for the job (user, partition, …): in its frames
+    from_start: bool = False               # attached as it starts (a prolog): count what it did before the attach
+    note: str | None = None                # what the one who asked wants said in status (a refused probe)
 
     def target(self) -> Target:
         from jobprobe.target import CgroupTarget, PidTreeTarget, k8s_pod_target, slurm_target
@@ -55,12 +58,16 @@ class JobSpec:
         if len(given) != 1:
             raise BadInput("give exactly one of --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID")
         if self.cgroup is not None:
-            return CgroupTarget(self.cgroup, job=self.job)
-        if self.pid is not None:
-            return PidTreeTarget([int(self.pid)], job=self.job)
-        if self.slurm_job is not None:
-            return slurm_target(str(self.slurm_job), job=self.job)
-        return k8s_pod_target(str(self.k8s_pod), job=self.job)
+            target: Target = CgroupTarget(self.cgroup, job=self.job)
+        elif self.pid is not None:
+            target = PidTreeTarget([int(self.pid)], job=self.job)
+        elif self.slurm_job is not None:
+            target = slurm_target(str(self.slurm_job), job=self.job)
+        else:
+            target = k8s_pod_target(str(self.k8s_pod), job=self.job)
+        target.from_start = self.from_start
+        target.static_labels = {**target.static_labels, **(self.labels or {})}   # the scheduler's, then ours
+        return target
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
@@ -70,6 +77,15 @@ class JobSpec:
                 known["pid"] = int(known["pid"])
             except (TypeError, ValueError):
                 raise BadInput(f"pid must be a number, got {known['pid']!r}") from None
+        labels = known.get("labels")
+        if labels is not None and (not isinstance(labels, dict) or len(labels) > 32 or not all(
+                isinstance(k, str) and isinstance(v, (str, int)) and len(k) <= 64 and len(str(v)) <= 256
+                for k, v in labels.items())):
+            raise BadInput("labels must be a map of at most 32 names (≤ 64 characters) to strings (≤ 256)")
+        if labels is not None:
+            known["labels"] = {k: str(v) for k, v in labels.items()}
+        if not isinstance(known.get("from_start", False), bool):
+            raise BadInput(f"from_start must be true or false, got {known['from_start']!r}")
         return cls(**known)
 
 
@@ -85,6 +101,13 @@ class Config:
     state: str = "/run/jobprobe/jobs.json"
     attach_wait: float = 30.0           # s to wait for a job's processes to appear (the prolog case)
     queue: int = 1024                   # frames each sink may hold before it drops the oldest
+    slurm: bool = False                 # a SLURM node: at start, attach the running jobs the prolog could not
+    slurm_node: str | None = None       # this node's SLURM name (default: the short host name)
+    k8s: str | None = None              # the kubelet's URL (https://<node>:10250): probe the pods annotated for it
+    k8s_every: float = 5.0              # s between two looks at the kubelet's pod list
+    k8s_token_file: str | None = None   # a bearer token for the kubelet (the service account's)
+    k8s_ca: str | None = None           # the CA that signed the kubelet's certificate
+    k8s_insecure: bool = False          # do not check the kubelet's certificate (kubelets are often self-signed)
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:
@@ -111,6 +134,7 @@ class Config:
 
 
 DEFAULT_CONFIG = "/etc/jobprobe/agent.toml"
+RECENT = 256     # jobs that ended, remembered (with why) for status and for an epilog's detach that comes after
 
 
 def make_probe(cls: type[Probe], host: Host, node: Node | None, sinks: Callable[[], dict] | None) -> Probe:
@@ -174,11 +198,15 @@ class Agent:
         return out
 
     # ---- the job table ------------------------------------------------------------------------------------
-    def attach(self, spec: JobSpec, wait: float | None = None) -> dict[str, Any]:
+    def attach(self, spec: JobSpec, wait: float | None = None, defer: bool = False) -> dict[str, Any]:
         """Attach the job now, or — when its processes do not exist yet (a prolog runs before them) — keep trying
-        each tick for up to `wait` s (cfg.attach_wait). Returns what happened, for the caller to show."""
+        each tick for up to `wait` s (cfg.attach_wait). `defer`: do not try now, leave it to the next tick (a
+        prolog's request returns at once, whatever resolving the job costs). Returns what happened, for the caller
+        to show."""
         names = parse_probes(spec.probes or self.cfg.probes, self.registry)   # an unknown probe: BadInput now
         try:
+            if defer and waitable(spec):
+                raise BadInput("to be attached on the next tick")
             target = spec.target()
         except BadInput as err:
             wait = self.cfg.attach_wait if wait is None else wait
@@ -233,6 +261,9 @@ class Agent:
                 return {"job": name, "state": "detached (was pending)"}
             job = self.jobs.get(name)
             if job is None:
+                ended = next((r for r in reversed(self.recent) if r["job"] == name), None)
+                if ended is not None:   # it ended by itself (an epilog comes after the job's last process)
+                    return {"job": name, "state": "already ended", "why": ended["why"]}
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
             self._drop(job, why)      # out of the table first: the tick does not sample it meanwhile
         try:
@@ -271,6 +302,7 @@ class Agent:
         cpu = (ru.ru_utime + ru.ru_stime) - (self._ru0.ru_utime + self._ru0.ru_stime)
         with self.lock:
             jobs = [{"job": j.name, "target": j.target.describe(), "probes": dict(j.sampler.status),
+                     **({"note": j.spec.note} if j.spec is not None and j.spec.note else {}),
                      "slot": self.node.slot_of(j.target), "attached_at": j.attached_at,
                      "frames": j.sampler.builder.seq, "sinks": sink_stats(j.sinks)} for j in self.jobs.values()]
             pending = [{"job": k, "waiting_s": round(max(0.0, d - self.clock()), 1), "why": w}
@@ -373,7 +405,7 @@ class Agent:
     def _remember(self, name: str, why: str) -> None:
         with self.lock:
             self.recent.append({"job": name, "why": why, "t": time.time()})
-            del self.recent[:-20]
+            del self.recent[:-RECENT]
 
     def run(self, until: Callable[[], bool] = lambda: False, duration: float | None = None) -> str:
         """Tick on the monotonic clock (no drift; overrun ticks are skipped, not fired back to back) until
@@ -424,11 +456,34 @@ class Agent:
         out = []
         for d in specs:
             try:
-                out.append(self.attach(JobSpec.from_dict(d), wait=0))
+                spec = JobSpec.from_dict(d)
+                spec.from_start = False    # the agent before this one reported the job's start already
+                out.append(self.attach(spec, wait=0))
             except BadInput as err:
                 log.warning("not attached again: %s: %s", d, err)
                 out.append({"job": d.get("job"), "state": "gone", "why": str(err)})
         self._save()
+        return out
+
+
+    def adopt_slurm(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Attach the SLURM jobs running on this node that no one asked for: those whose prolog found no agent
+        (down, restarting). They count from now (their hello says so): their start was missed."""
+        from jobprobe.target import slurm_running_jobs
+        try:
+            running = slurm_running_jobs(node or self.cfg.slurm_node or self.host.node.split(".")[0])
+        except BadInput as err:
+            log.warning("cannot list this node's SLURM jobs: %s", err)
+            return []
+        out = []
+        for job_id, labels in running:
+            with self.lock:
+                if job_id in self.jobs or job_id in self.pending:
+                    continue
+            try:
+                out.append(self.attach(JobSpec(slurm_job=job_id, job=job_id, labels=labels), wait=0))
+            except BadInput as err:
+                out.append({"job": job_id, "state": "not attached", "why": str(err)})
         return out
 
 

@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--attach-wait", type=float, metavar="S",
                     help="how long an attach waits for a job's processes to appear (default 30)")
     ag.add_argument("--queue", type=int, metavar="N", help="frames a sink may hold before dropping (default 1024)")
+    ag.add_argument("--slurm", action="store_true", default=None,
+                    help="a SLURM node: at start, attach the jobs running here (squeue) that no prolog attached")
+    ag.add_argument("--slurm-node", metavar="NAME", help="this node's SLURM name (default: the short host name)")
+    ag.add_argument("--k8s", metavar="URL", help="the kubelet (https://NODE:10250): attach the pods annotated "
+                    "jobprobe.io/probe=true, detach them when they go")
+    ag.add_argument("--k8s-every", type=float, metavar="S", help="seconds between looks at the pod list (default 5)")
+    ag.add_argument("--k8s-token-file", metavar="FILE", help="bearer token for the kubelet (a service account's)")
+    ag.add_argument("--k8s-ca", metavar="FILE", help="CA of the kubelet's certificate")
+    ag.add_argument("--k8s-insecure", action="store_true", default=None,
+                    help="do not check the kubelet's certificate (kubelets often serve self-signed ones)")
 
     at = sub.add_parser("attach", help="ask the agent to attach a job",
                         usage="jobprobe attach (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID) "
@@ -85,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     at.add_argument("--job", metavar="NAME")
     at.add_argument("--probes", metavar="SPEC")
     at.add_argument("--wait", type=float, metavar="S", help="wait up to S s for the job's processes (SLURM, pods)")
+    at.add_argument("--label", action="append", metavar="NAME=VALUE", default=[],
+                    help="a name for the job carried in its frames' labels (user=…, partition=…); repeatable")
+    at.add_argument("--from-start", action="store_true", default=None,
+                    help="the job starts now: its first frame counts what it did before the attach")
     at.add_argument("--socket", metavar="PATH", default=None)
     dt = sub.add_parser("detach", help="ask the agent to detach a job (after a last frame)")
     dt.add_argument("job")
@@ -333,7 +347,10 @@ def cmd_agent(args, host: Host) -> int:
     cfg = Config.load(args.config or DEFAULT_CONFIG,
                       {"interval": args.interval, "probes": args.probes, "out": args.out,
                        "out_max_mb": args.out_max_mb, "stdout": args.stdout, "socket": args.socket,
-                       "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue})
+                       "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue,
+                       "slurm": args.slurm, "slurm_node": args.slurm_node, "k8s": args.k8s,
+                       "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
+                       "k8s_insecure": args.k8s_insecure})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     agent = Agent(cfg, host)
@@ -346,16 +363,27 @@ def cmd_agent(args, host: Host) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    watcher = None
     try:
         for name, state in agent.preload().items():   # the node's programs: loaded once, before any job
             logging.getLogger("jobprobe").info("%s: %s", name, state)
         agent.persist = True
         for r in agent.restore():
             logging.getLogger("jobprobe").warning("restart: %s %s", r.get("job"), r.get("state"))
+        if cfg.slurm:
+            for r in agent.adopt_slurm():
+                logging.getLogger("jobprobe").warning("SLURM job running here: %s %s", r.get("job"), r.get("state"))
         agent.ready.set()
         logging.getLogger("jobprobe").warning("agent ready on %s (run %s)", cfg.socket, agent.run_id)
+        if cfg.k8s:
+            from jobprobe.k8s import PodWatcher
+            watcher = PodWatcher(agent, cfg.k8s, every=cfg.k8s_every, token_file=cfg.k8s_token_file,
+                                 ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure)
+            watcher.start()
         agent.run()
     finally:
+        if watcher is not None:
+            watcher.stop()
         server.close()
         agent.close()
     return 0
@@ -371,7 +399,13 @@ def client_call(args, req: dict) -> dict:
 
 def cmd_attach(args) -> int:
     req = {"cmd": "attach", "cgroup": args.cgroup, "pid": args.pid, "slurm_job": args.slurm_job,
-           "k8s_pod": args.k8s_pod, "job": args.job, "probes": args.probes, "wait": args.wait}
+           "k8s_pod": args.k8s_pod, "job": args.job, "probes": args.probes, "wait": args.wait,
+           "from_start": args.from_start}
+    if args.label:
+        bad = [x for x in args.label if "=" not in x or not x.split("=", 1)[0]]
+        if bad:
+            raise BadInput(f"--label {bad[0]!r}: give NAME=VALUE")
+        req["labels"] = dict(x.split("=", 1) for x in args.label)
     r = client_call(args, {k: v for k, v in req.items() if v is not None})
     extra = f": {r['why']}" if r.get("why") else (f" ({r['note']})" if r.get("note") else "")
     if r["state"] == "pending":

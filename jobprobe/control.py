@@ -111,7 +111,8 @@ class ControlServer:
                 wait = req.get("wait")
                 if wait is not None and not isinstance(wait, (int, float)):
                     raise BadInput(f"wait must be a number of seconds, got {wait!r}")
-                return {"ok": True, **self.agent.attach(JobSpec.from_dict(req), wait=wait)}
+                return {"ok": True, **self.agent.attach(JobSpec.from_dict(req), wait=wait,
+                                                        defer=bool(req.get("defer")))}
             if cmd == "detach":
                 return {"ok": True, **self.agent.detach(str(need(req, "job")))}
             if cmd == "status":

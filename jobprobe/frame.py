@@ -16,7 +16,7 @@ from jobprobe.errors import JobprobeError
 SCHEMA_VERSION = 1
 KINDS = ("hello", "sample", "event", "stacks", "trace")
 REQUIRED = {"v": int, "kind": str, "node": str, "job": str, "seq": int, "t": (int, float), "dt": (int, float)}
-OPTIONAL = {"run": str}   # absent in files written before the run id: such frames are valid, just not keyed by run
+OPTIONAL = {"run": str, "labels": dict}   # absent in files written before the run id: such frames are valid, just not keyed by run
 
 
 class MalformedFrame(JobprobeError):
@@ -38,10 +38,13 @@ class FrameBuilder:
     def __init__(self, node: str, job: str, run: str | None = None):
         self.node, self.job, self.seq = node, job, 0
         self.run = run or new_run_id()
+        self.labels: dict[str, str] = {}   # the scheduler's names for the job; in every frame when there are any
 
     def _frame(self, kind: str, t: float, dt: float, **body: Any) -> dict:
         f = {"v": SCHEMA_VERSION, "kind": kind, "node": self.node, "job": self.job, "run": self.run,
              "seq": self.seq, "t": round(t, 6), "dt": round(dt, 6), **body}
+        if self.labels:
+            f["labels"] = self.labels
         self.seq += 1
         return f
 

@@ -65,8 +65,10 @@ class Sampler:
             else:
                 self.status[name] = f"unavailable: {whys[name]}"
         self._last = self.clock()
+        self.builder.labels = self._labels()
         hello = self.builder.hello(kernel=self.host.kernel, version=__version__, interval=self.interval,
-                                   target=self.target.describe(), probes=dict(self.status),
+                                   target=self.target.describe(), from_start=self.target.from_start,
+                                   probes=dict(self.status),
                                    schema=schema_of(self.running.values()))
         self._emit(hello)
         return hello
@@ -119,7 +121,15 @@ class Sampler:
                 log.exception("probe %s failed to stop", name)
 
     # ---- one tick ----------------------------------------------------------------------------------------
+    def _labels(self) -> dict[str, str]:
+        try:
+            return self.target.labels()
+        except Exception:   # the scheduler's names are a courtesy: a failure to read them must not cost a frame
+            log.exception("labels of %s", self.target.job)
+            return self.builder.labels
+
     def tick(self) -> dict:
+        self.builder.labels = self._labels()
         now = self.clock()
         dt, self._last = now - self._last, now
         t = time.time()

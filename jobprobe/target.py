@@ -38,9 +38,21 @@ class Target:
     kind = "pids"
     job = "job"
     cgroup_path: str | None = None
+    from_start = False                   # attached as the job starts (a prolog): probes that can count from zero do
+    static_labels: dict[str, str] = {}   # who the job is, as its scheduler names it (frames' `labels`)
+    steps: Callable[[], list[str]] | None = None   # the scheduler's steps running now (SLURM), for `labels`
 
     def describe(self) -> dict:
         return {"kind": self.kind, "job": self.job}
+
+    def labels(self) -> dict[str, str]:
+        """The frames' `labels`: what the scheduler said of the job, and the steps running now."""
+        out = dict(self.static_labels)
+        if self.steps is not None:
+            steps = self.steps()
+            if steps:
+                out["slurm_steps"] = ",".join(steps)
+        return out
 
     def pids(self) -> list[int]:
         raise NotImplementedError
@@ -195,18 +207,85 @@ def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
 
 
 def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
+    return [pid for pid, _ in scontrol_listpids_steps(job_id, scontrol)]
+
+
+def scontrol_listpids_steps(job_id: str, scontrol: str = "scontrol") -> list[tuple[int, str]]:
+    """(pid, step id) of each process of the job on this node: `batch`, `extern`, `0`, … ([] if none)."""
     try:
         out = subprocess.run([scontrol, "listpids", str(job_id)], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise BadInput(f"cannot run {scontrol} to find SLURM job {job_id}: {err}") from err
     if out.returncode != 0:
         return []
-    pids = []
+    rows = []
     for line in out.stdout.splitlines()[1:]:  # header: PID JOBID STEPID LOCALID GLOBALID
         cols = line.split()
         if cols and cols[0].isdigit():
-            pids.append(int(cols[0]))
-    return pids
+            rows.append((int(cols[0]), cols[2] if len(cols) > 2 else "?"))
+    return rows
+
+
+def slurm_job_labels(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
+    """The job's names as slurmctld has them (`scontrol -o show job`): what a prolog's environment may lack (array
+    ids, account, job name before Slurm 23). {} if scontrol cannot say."""
+    try:
+        res = subprocess.run([scontrol, "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    line = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
+    if not line.startswith("JobId="):
+        return {}
+    name = re.search(r" JobName=(.*?) UserId=", line)
+    fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+    user = re.match(r"([^()]*)\((\d+)\)", fields.get("UserId", ""))
+    out = {"slurm_job_id": fields.get("JobId", ""), "partition": fields.get("Partition", ""),
+           "account": fields.get("Account", ""), "job_name": name.group(1) if name else "",
+           "array_job_id": fields.get("ArrayJobId", ""), "array_task_id": fields.get("ArrayTaskId", "")}
+    if user:
+        out["user"], out["uid"] = user.group(1), user.group(2)
+    return {k: v for k, v in out.items() if v and v != "(null)"}
+
+
+SQUEUE_LABELS = ("slurm_job_id", "user", "partition", "account", "job_name", "array_job_id", "array_task_id")
+
+
+def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dict[str, str]]]:
+    """The jobs running on SLURM node `node`, each with its labels (the names the prolog would have given)."""
+    fmt = "%A|%u|%P|%a|%j|%F|%K"
+    try:
+        out = subprocess.run([squeue, "--noheader", "--nodelist", node, "--states", "RUNNING", "--format", fmt],
+                             capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BadInput(f"cannot run {squeue}: {err}") from err
+    if out.returncode != 0:
+        raise BadInput(f"{squeue} failed: {out.stderr.strip()[:200]}")
+    jobs = []
+    for line in out.stdout.splitlines():
+        cols = line.split("|")
+        if len(cols) != len(SQUEUE_LABELS) or not cols[0].isdigit():
+            continue
+        labels = dict(zip(SQUEUE_LABELS, cols))
+        if labels["array_task_id"] in ("N/A", ""):      # not an array job
+            del labels["array_task_id"], labels["array_job_id"]
+        jobs.append((cols[0], {k: v for k, v in labels.items() if v}))
+    return jobs
+
+
+def step_dirs(target: CgroupTarget) -> list[str]:
+    """The step ids of a SLURM job's cgroup2 group: its `step_<id>` children (`batch`, `extern`, `0`, …)."""
+    top = target.cgroup_path.rstrip("/")
+    return sorted(d[len(top) + 6:] for d in target.dirs() if d.startswith(top + "/step_") and "/" not in d[len(top) + 1:])
+
+
+def with_steps(target: CgroupTarget) -> CgroupTarget:
+    target.steps = lambda: step_dirs(target)
+    return target
+
+
+def with_labels(target: Target, job_id: str, scontrol: str) -> Target:
+    target.static_labels = slurm_job_labels(job_id, scontrol)
+    return target
 
 
 def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str = "/proc",
@@ -219,33 +298,41 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
     if mount:
         cg = slurm_job_cgroup(job_id, mount)
         if cg:
-            return CgroupTarget(cg, mountinfo=mountinfo, job=name)
+            return with_labels(with_steps(CgroupTarget(cg, mountinfo=mountinfo, job=name)), job_id, scontrol)
     # New steps are started by slurmstepd, outside the tree: ask scontrol again at most every 5 s.
     last = [time.monotonic()]
+    steps: list[str] = []
 
     def more() -> list[int]:
         if time.monotonic() - last[0] < 5:
             return []
         last[0] = time.monotonic()
-        return scontrol_listpids(job_id, scontrol)
+        rows = scontrol_listpids_steps(job_id, scontrol)
+        steps[:] = sorted({s for _, s in rows})
+        return [p for p, _ in rows]
 
     if mount:
         # No job_<id> group: a layout keyed otherwise (Slurm 26.05 names groups by SLUID) is found from where the
         # job's processes are.
         groups = {slurm_group_of(proc, p, mount) for p in scontrol_listpids(job_id, scontrol)} - {None}
         if len(groups) == 1:
-            return CgroupTarget(groups.pop(), mountinfo=mountinfo, job=name)
+            return with_labels(with_steps(CgroupTarget(groups.pop(), mountinfo=mountinfo, job=name)), job_id,
+                               scontrol)
     for _ in range(3):
         # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
         # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
         # not exist"). The check below can still lose that race, by microseconds; then ask again.
-        pids = [p for p in scontrol_listpids(job_id, scontrol) if Path(proc, str(p)).is_dir()]
+        rows = scontrol_listpids_steps(job_id, scontrol)
+        pids = [p for p, _ in rows if Path(proc, str(p)).is_dir()]
         if not pids:
             break
+        steps[:] = sorted({s for _, s in rows})
         try:
-            return PidTreeTarget(pids, proc=proc, job=name, extra_roots=more)
+            target = PidTreeTarget(pids, proc=proc, job=name, extra_roots=more)
         except BadInput:
             continue
+        target.steps = lambda: list(steps)
+        return with_labels(target, job_id, scontrol)
     raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")
 
 

@@ -1,17 +1,19 @@
 """cgroup — the job's own accounting: CPU time, memory, I/O bytes, read from the kernel's files.
 
 Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets; /proc/PID/{stat,statm}
-and /proc/PID/task/TID/io for process-tree targets and for controllers that a hybrid (v1+v2) host keeps on v1; as
-root, the kernel's taskstats exit records (jobprobe/kernel/taskstats.py) for what a thread did between its last read and
-its exit. Kernel: cgroup2 cpu.stat needs 4.15+, memory.peak 5.19+ (older: the highest value seen). Cost: a few small
-file reads per tick (~0.1 ms), one more per thread of the job where I/O comes from /proc (~20 µs each); no root
-needed for the job's own files.
-Nothing is lost at exits: cgroup figures count everything by themselves; /proc I/O bytes are read per thread (a
-process's own io file also adds the totals of the children it has waited for, which would count a reaped child
-twice) and a thread's exit record carries its final bytes (also of processes born and gone between two ticks, found
-by their parent); /proc CPU time of a process reaped by a member is found in the parent's cutime/cstime. What
-remains: the CPU time since the last tick of a PID tree's root, reaped outside the job; and, without root (no
-taskstats), the I/O of a thread since the last tick when it exits.
+and /proc/PID/task/TID/{io,stat} for process-tree targets and for controllers that a hybrid (v1+v2) host keeps on
+v1; as root, the kernel's taskstats exit records (jobprobe/kernel/taskstats.py) for what a thread did between its
+last read and its exit. Kernel: cgroup2 cpu.stat needs 4.15+, memory.peak 5.19+ (older: the highest value seen).
+Cost: a few small file reads per tick (kept open: one pread each), two more per thread of the job where counts come
+from /proc (~3 µs each); no root needed for the job's own files.
+Nothing is lost at exits: cgroup figures count everything by themselves; /proc CPU time and I/O bytes are read per
+thread (a process's own files add the totals of the children it has waited for, which would count a reaped child
+twice) and a thread's exit record carries its final counts — also of processes born and gone between two ticks
+(found by their parent) and of a PID tree's root, reaped outside the job. Without root (no taskstats) a thread's
+I/O since the last tick is lost at its exit, and CPU time is read per process: a child reaped by a member is found
+in the parent's cutime/cstime, the root's last interval is lost.
+A job attached as it starts (`from_start`: the SLURM prolog) counts from zero, so its first frame holds what it did
+before it was attached.
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def io_stat_bytes(path: Path, read: Reader = procfs.read_small) -> tuple[int, in
 
 def proc_counters(proc: str, pid: int, io: bool = True, read: Reader = procfs.read_small) -> dict[str, int] | None:
     """CPU (ns), RSS (bytes) and I/O bytes of one process from /proc; None if it has gone. (The probe reads I/O
-    per thread, ThreadIo, and asks for no `io` here; the process's figure is for the tests' and tools' use.)"""
+    per thread, ThreadAcct, and asks for no `io` here; the process's figure is for the tests' and tools' use.)"""
     base = Path(proc, str(pid))
     st = procfs.read_stat(proc, pid, read)
     statm = (read(base / "statm") or "").split()
@@ -129,9 +131,14 @@ class PerPid:
         return out
 
 
-def thread_io(proc: str, pid: int, read: Reader = procfs.read_small) -> dict[int, tuple[int, int]]:
-    """{tid: (read_bytes, write_bytes)} of each thread of process pid, from /proc/PID/task/TID/io (the thread's
-    own counters; the process's io file adds those of its threads that have exited). {} if it has gone."""
+KEYS = ("rd", "wr", "user", "system")   # what ThreadAcct counts per thread: bytes read, written; CPU ns
+
+
+def thread_counters(proc: str, pid: int, read: Reader = procfs.read_small,
+                    cpu: bool = True) -> dict[int, tuple[int, int, int, int]]:
+    """{tid: (read_bytes, write_bytes, user_ns, system_ns)} of each thread of process pid, from
+    /proc/PID/task/TID/io and .../stat (the thread's own counters; the process's files add those of its threads that
+    have exited, and its io those of the children it has waited for). CPU 0 when `cpu` is off. {} if it has gone."""
     out = {}
     try:
         tids = os.listdir(f"{proc}/{pid}/task")
@@ -139,59 +146,68 @@ def thread_io(proc: str, pid: int, read: Reader = procfs.read_small) -> dict[int
         return out
     for tid in tids:
         io = read_kv_colon(f"{proc}/{pid}/task/{tid}/io", read)
-        if io:
-            out[int(tid)] = (io.get("read_bytes", 0), io.get("write_bytes", 0))
+        if not io:
+            continue
+        st = procfs.read_stat(f"{proc}/{pid}/task", tid, read) if cpu else None
+        ut, stime = (st.utime * procfs.NS_PER_TICK, st.stime * procfs.NS_PER_TICK) if st else (0, 0)
+        out[int(tid)] = (io.get("read_bytes", 0), io.get("write_bytes", 0), ut, stime)
     return out
 
 
-class ThreadIo:
-    """Per-interval storage I/O bytes of the job's threads, exact through their exits.
+class ThreadAcct:
+    """Per-interval storage I/O bytes and CPU time of the job's threads, exact through their exits.
 
     Each live thread's own counters are read per tick; when a thread exits, its taskstats exit record holds its final
-    counters, and what it did since its last read is added. Records of threads never read (born and gone between two
-    ticks) count whole when their process is the job's or their parent process is (followed down a chain of such
-    short-lived processes). Without a listener (no root, no taskstats) a thread's I/O since the last tick is lost at
-    its exit. A baseline (the first update) counts nothing.
+    counters (bytes; CPU in µs), and what it did since its last read is added. Records of threads never read (born
+    and gone between two ticks) count whole when their process is the job's or their parent process is (followed
+    down a chain of such short-lived processes) — so the root of a PID tree, reaped outside the job (by slurmstepd,
+    a shell), loses nothing either. Without a listener (no root, no taskstats) a thread's counts since the last tick
+    are lost at its exit (the probe then takes CPU per process, with what a parent's cutime/cstime says of the
+    children it reaped). A baseline (the first update) counts nothing, unless `from_zero`: then every thread counts
+    whole (a job attached as it starts).
 
     Order matters: records are drained before /proc is read. The kernel sends a thread's record from do_exit, before
     the thread leaves /proc, so a thread missing from /proc now has its record in this drain (or it was lost)."""
 
-    def __init__(self, listener: Subscription | None):
+    def __init__(self, listener: Subscription | None, from_zero: bool = False):
         self.listener = listener
-        self.last: dict[int, tuple[int, int, int]] = {}   # tid → (tgid, read, write) at its last read
-        self.finished: set[int] = set()                   # tids whose exit record was counted (zombies linger)
-        self.primed = False
+        self.last: dict[int, tuple[int, tuple[int, ...]]] = {}   # tid → (tgid, KEYS values) at its last read
+        self.finished: set[int] = set()                          # tids whose exit record was counted (zombies)
+        self.primed = from_zero
 
-    def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small) -> tuple[int, int]:
+    def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
+               cpu: bool = True) -> dict[str, int]:
+        """This interval's KEYS summed over the job's threads (CPU 0 when `cpu` is off)."""
         records = self.listener.drain() if self.listener is not None else []
-        rd = wr = 0
+        out = [0, 0, 0, 0]
         if self.primed:
             for r in self.job_records(records, pids):
-                tgid, r0, w0 = self.last.pop(r.tid, (0, 0, 0))
-                rd += max(0, r.read_bytes - r0)
-                wr += max(0, r.write_bytes - w0)
+                _, before = self.last.pop(r.tid, (0, (0, 0, 0, 0)))
+                final = (r.read_bytes, r.write_bytes, r.utime_us * 1000, r.stime_us * 1000)
+                for i in range(4):
+                    out[i] += max(0, final[i] - before[i])
                 self.finished.add(r.tid)
-        now: dict[int, tuple[int, int, int]] = {}
+        now: dict[int, tuple[int, tuple[int, ...]]] = {}
         listed: set[int] = set()
         for pid in pids:
-            for tid, (r1, w1) in thread_io(proc, pid, read).items():
+            for tid, vals in thread_counters(proc, pid, read, cpu).items():
                 listed.add(tid)
                 if tid in self.finished:
                     continue
-                now[tid] = (pid, r1, w1)
+                now[tid] = (pid, vals)
                 if self.primed:   # a thread not read before was born in this interval
-                    _, r0, w0 = self.last.get(tid, (pid, 0, 0))
-                    rd += max(0, r1 - r0)
-                    wr += max(0, w1 - w0)
+                    before = self.last[tid][1] if tid in self.last else (0, 0, 0, 0)
+                    for i in range(4):
+                        out[i] += max(0, vals[i] - before[i])
         self.finished &= listed         # a zombie reaped: its tid may come back as someone else
         self.last = now                 # threads gone without a record (lost, or no listener): their tail is lost
         self.primed = True
-        return rd, wr
+        return dict(zip(KEYS, out))
 
     def job_records(self, records: list[ExitRecord], pids: list[int]) -> list[ExitRecord]:
         """The records of the job's threads: read before, or of a job process, or of a process whose parent is
         one (a fixed point over the records, for a chain of processes that came and went between ticks)."""
-        procs = set(pids) | {tgid for tgid, _, _ in self.last.values()}
+        procs = set(pids) | {tgid for tgid, _ in self.last.values()}
         out, rest = [], []
         for r in records:
             (out if r.tid in self.last else rest).append(r)
@@ -239,7 +255,8 @@ class CgroupProbe(Probe):
         self.cg: Path | None = None
         self.prev: dict[str, int] = {}
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
-        self.threadio: ThreadIo | None = None
+        self.threadacct: ThreadAcct | None = None
+        self.from_zero = False
         self.peak = 0
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
 
@@ -248,11 +265,17 @@ class CgroupProbe(Probe):
         self.cg = Path(target.cgroup_path) if target.cgroup_path else None
         if self.cg is not None and read_kv(self.cg / "cpu.stat") is None:
             raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
-        self.prev = {}
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
-        self.threadio = None
+        self.threadacct = None
         self.peak = 0
-        self.prev = self._read()  # baseline: the first sample reports this interval only
+        # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
+        # did before it, up to the processes' and the group's own totals. Else the first frame reports its interval.
+        self.from_zero = bool(getattr(target, "from_start", False))
+        if self.from_zero:
+            self.perpid.primed = True
+            self.prev = dict.fromkeys(KEYS, 0)
+        else:
+            self.prev = self._read()  # baseline
 
     def _read(self) -> dict[str, int]:
         proc, read = self.host.proc, self.files.read
@@ -280,29 +303,30 @@ class CgroupProbe(Probe):
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
-            per = {p: c for p in pids + self.target.ended_pids()
-                   if (c := proc_counters(proc, p, io=False, read=read)) is not None}
-            d = self.perpid.update(per, ("user", "system"))
-            if "rd" not in cur:
-                d["rd"], d["wr"] = self.io_of_threads().update(proc, pids + self.target.ended_pids(), read)
+            members = pids + self.target.ended_pids()
+            per = {p: c for p in members if (c := proc_counters(proc, p, io=False, read=read)) is not None}
+            acct = self.thread_acct()
+            d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None)
+            if "user" not in cur and acct.listener is None:   # no exit records: per process, cutime for the reaped
+                d.update(self.perpid.update(per, ("user", "system")))
             if "mem" not in cur:
                 cur["mem"] = sum(c["rss"] for c in per.values())
                 cur["file"] = sum(c["rss_file"] for c in per.values())
                 cur["anon"] = cur["mem"] - cur["file"]
-            for k in ("user", "system", "rd", "wr"):
+            for k in KEYS:
                 if k not in cur:
                     cur[f"d_{k}"] = d[k]  # already a delta
         return cur
 
-    def io_of_threads(self) -> ThreadIo:
-        """Made at the first read that needs it: the exit-record listener only where I/O comes from /proc."""
-        if self.threadio is None:
+    def thread_acct(self) -> ThreadAcct:
+        """Made at the first read that needs it: the exit-record listener only where counts come from /proc."""
+        if self.threadacct is None:
             try:
                 listener = ExitFeed.subscribe() if self.host.is_root else None
             except ProbeUnavailable:
-                listener = None   # I/O of a thread since the last tick is lost at its exit (the docstring says so)
-            self.threadio = ThreadIo(listener)
-        return self.threadio
+                listener = None   # a thread's counts since the last tick are lost at its exit (see ThreadAcct)
+            self.threadacct = ThreadAcct(listener, from_zero=self.from_zero)
+        return self.threadacct
 
     def sample(self) -> dict:
         cur = self._read()
@@ -323,6 +347,6 @@ class CgroupProbe(Probe):
     def stop(self) -> None:
         self.target = None
         self.files.close()
-        if self.threadio is not None:
-            self.threadio.close()
-            self.threadio = None
+        if self.threadacct is not None:
+            self.threadacct.close()
+            self.threadacct = None

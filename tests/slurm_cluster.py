@@ -48,7 +48,7 @@ def free_port(prefer: int) -> int:
 
 
 class SlurmCluster:
-    def __init__(self, base: str | Path | None = None, node: str | None = None):
+    def __init__(self, base: str | Path | None = None, node: str | None = None, extra_conf: str = ""):
         tmp = tempfile.gettempdir()
         if len(tmp) > 40:  # munged's and slurmstepd's UNIX socket paths must fit in 108 bytes
             tmp = "/tmp"
@@ -58,6 +58,7 @@ class SlurmCluster:
         self.munge_socket = self.base / "munge.sock"
         self.procs: dict[str, subprocess.Popen] = {}
         self._lock_fd: int | None = None
+        self.extra_conf = extra_conf     # more slurm.conf lines (Prolog=, Epilog=, PrologFlags=)
 
     # ---- paths and environment ---------------------------------------------------------------------------
     @property
@@ -200,7 +201,7 @@ SlurmdTimeout=300
 NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
-        self.conf.write_text(conf)
+        self.conf.write_text(conf + self.extra_conf)
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         argv = [self._sbin(argv[0]) if not os.path.isabs(argv[0]) else argv[0], *argv[1:]]

@@ -3,6 +3,7 @@ kernel's own cpu.stat read by the test."""
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from conftest import workload
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel.taskstats import ExitRecord
-from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadIo, io_stat_bytes, proc_counters, read_kv
+from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadAcct, io_stat_bytes, proc_counters, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,13 +29,15 @@ def write_proc(root: Path, pid: int, utime: int, stime: int, rss_pages: int, rd=
     (d / "stat").write_text(f"{pid} (a (weird) name) " + " ".join(map(str, rest)) + "\n")
     (d / "statm").write_text(f"1000 {rss_pages} {file_pages} 0 0 0 0\n")
     (d / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {rd}\nwrite_bytes: {wr}\n")
-    write_thread_io(root, pid, pid, rd, wr)
+    write_thread_io(root, pid, pid, rd, wr, utime, stime)
 
 
-def write_thread_io(root: Path, pid: int, tid: int, rd: int, wr: int = 0):
+def write_thread_io(root: Path, pid: int, tid: int, rd: int, wr: int = 0, utime: int = 0, stime: int = 0):
     t = root / str(pid) / "task" / str(tid)
     t.mkdir(parents=True, exist_ok=True)
     (t / "io").write_text(f"rchar: 1\nwchar: 2\nread_bytes: {rd}\nwrite_bytes: {wr}\n")
+    rest = ["S", 1] + [0] * 9 + [utime, stime, 0, 0] + [0] * 30
+    (t / "stat").write_text(f"{tid} (thread) " + " ".join(map(str, rest)) + "\n")
 
 
 def test_readers_on_fixture_files(tmp_path):
@@ -104,37 +107,66 @@ class FakeListener:
         pass
 
 
-def rec(tid, tgid, ppid, rd, wr=0) -> ExitRecord:
-    return ExitRecord(tid, tgid, ppid, rd, wr, 0, 0, 0)
+def rec(tid, tgid, ppid, rd, wr=0, utime_us=0, stime_us=0) -> ExitRecord:
+    return ExitRecord(tid, tgid, ppid, rd, wr, utime_us, stime_us, 0)
 
 
-def test_thread_io_adds_what_threads_did_up_to_their_exit(tmp_path):
+def io(d: dict) -> tuple[int, int]:
+    return d["rd"], d["wr"]
+
+
+def test_thread_acct_adds_what_threads_did_up_to_their_exit(tmp_path):
     proc = tmp_path / "proc"
     write_thread_io(proc, 10, 10, 100)
     write_thread_io(proc, 10, 11, 50)
     fake = FakeListener()
-    tio = ThreadIo(fake)
-    assert tio.update(str(proc), [10]) == (0, 0)                                  # baseline
+    tio = ThreadAcct(fake)
+    assert io(tio.update(str(proc), [10])) == (0, 0)                                  # baseline
     # thread 11 read 30 more and exited (its record: 80); thread 10 read 50
     (proc / "10" / "task" / "11" / "io").unlink()
-    (proc / "10" / "task" / "11").rmdir()
+    shutil.rmtree(proc / "10" / "task" / "11")
     write_thread_io(proc, 10, 10, 150)
     fake.queue = [rec(11, 10, 1, 80)]
-    assert tio.update(str(proc), [10]) == (80, 0)
+    assert io(tio.update(str(proc), [10])) == (80, 0)
     # a child (20) and its child (21) came and went between two ticks; a stranger's exit counts for nothing
     fake.queue = [rec(21, 21, 20, 7, 3), rec(20, 20, 10, 1000), rec(99, 99, 1, 5555)]
-    assert tio.update(str(proc), [10]) == (1007, 3)
+    assert io(tio.update(str(proc), [10])) == (1007, 3)
     # the process exits: a zombie still lists its leader with its final counters; counted once, from the record
     write_thread_io(proc, 10, 10, 170)
     fake.queue = [rec(10, 10, 1, 170)]
-    assert tio.update(str(proc), [10]) == (20, 0)
-    assert tio.update(str(proc), [10]) == (0, 0)
+    assert io(tio.update(str(proc), [10])) == (20, 0)
+    assert io(tio.update(str(proc), [10])) == (0, 0)
     # without a listener, a thread that exits takes its tail with it (the probe's docstring says so)
-    plain = ThreadIo(None)
+    plain = ThreadAcct(None)
     write_thread_io(proc, 30, 30, 10)
-    assert plain.update(str(proc), [30]) == (0, 0)
+    assert io(plain.update(str(proc), [30])) == (0, 0)
     write_thread_io(proc, 30, 30, 15)
-    assert plain.update(str(proc), [30]) == (5, 0)
+    assert io(plain.update(str(proc), [30])) == (5, 0)
+
+
+def test_thread_acct_cpu_to_the_exit_and_from_zero(tmp_path):
+    """CPU per thread from /proc/PID/task/TID/stat (clock ticks), the tail from the exit record (µs): a PID tree's
+    root reaped outside the job loses nothing. from_zero: what the job did before the first read counts."""
+    tick = 10**9 // CLK_TCK
+    proc = tmp_path / "proc"
+    write_thread_io(proc, 10, 10, 0, utime=100, stime=20)
+    write_thread_io(proc, 10, 11, 0, utime=50, stime=0)
+    fake = FakeListener()
+    acct = ThreadAcct(fake, from_zero=True)
+    d = acct.update(str(proc), [10])
+    assert (d["user"], d["system"]) == (150 * tick, 20 * tick)                        # everything since birth
+    d = ThreadAcct(fake, from_zero=True).update(str(proc), [10], cpu=False)
+    assert (d["user"], d["system"]) == (0, 0)                                         # CPU not asked for
+    write_thread_io(proc, 10, 10, 0, utime=160, stime=30)
+    d = acct.update(str(proc), [10])
+    assert (d["user"], d["system"]) == (60 * tick, 10 * tick)
+    # the whole process exits (reaped by a stranger): its threads' records hold their final times
+    shutil.rmtree(proc / "10")
+    fake.queue = [rec(11, 10, 1, 0, 0, utime_us=(60 * tick) // 1000), rec(10, 10, 1, 0, 0,
+                  utime_us=(161 * tick) // 1000, stime_us=(30 * tick) // 1000)]
+    d = acct.update(str(proc), [])
+    assert (d["user"], d["system"]) == (11 * tick, 0)                                 # 10 ticks of 11, 1 of 10
+    assert acct.update(str(proc), []) == dict.fromkeys(("rd", "wr", "user", "system"), 0)
 
 
 def run_probe_until_exit(probe, proc, period=0.2):
@@ -282,7 +314,7 @@ def test_pid_tree_io_bytes_include_what_processes_did_up_to_their_exit(tmp_path)
     probe = CgroupProbe()
     target = PidTreeTarget([root.pid])
     probe.start(target)
-    assert probe.threadio is not None and probe.threadio.listener is not None   # root: exit records on
+    assert probe.threadacct is not None and probe.threadacct.listener is not None   # root: exit records on
     root.stdin.write("go\n")
     root.stdin.flush()
     reads = []

@@ -60,7 +60,7 @@ def test_slurm_target_takes_the_job_cgroup(tmp_path):
     mount = cgroup_tree(tmp_path / "cg", "system.slice/slurmstepd.scope/job_42/step_0")
     mountinfo = tmp_path / "mountinfo"
     mountinfo.write_text(f"30 23 0:27 / {mount} rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n")
-    t = slurm_target("42", mountinfo=str(mountinfo), scontrol="/nonexistent/scontrol")  # never asked
+    t = slurm_target("42", mountinfo=str(mountinfo), scontrol="/nonexistent/scontrol")  # no listpids; no labels
     assert isinstance(t, CgroupTarget)
     assert t.describe() == {"kind": "cgroup", "job": "42", "cgroup": str(mount / "system.slice/slurmstepd.scope/job_42")}
     with pytest.raises(BadInput, match="must be a number"):

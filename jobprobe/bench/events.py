@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from jobprobe.bench.overhead import _rmdir, _wait_for_hello

@@ -1,0 +1,179 @@
+"""Kubernetes: the agent's `--k8s URL` mode. A thread asks the kubelet of this node for its pods (GET URL/pods, the
+kubelet's own list: only this node's pods, no API server load) every few seconds, attaches every pod annotated
+`jobprobe.io/probe: "true"` (probes from `jobprobe.io/probes`, else the agent's default) and detaches it when it
+leaves the list, ends, or loses the annotation. Frames carry the pod's namespace, name, UID and containers as labels.
+
+The kubelet is a peer that may be slow, down or confused: a failed or garbled answer is logged (once per kind of
+failure, and again when it recovers), tried again with a backoff up to a minute, and changes nothing — attached pods
+keep being probed, and a pod is detached only on an answer that parses and no longer lists it. A probe name in the
+annotation that no probe has is refused; the pod is attached with the others, and `jobprobe status` says which was
+refused.
+
+Sits above the agent (it drives it, as the SLURM prolog does); imports nothing below jobprobe.agent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jobprobe.agent import Agent, JobSpec
+from jobprobe.errors import BadInput
+
+log = logging.getLogger("jobprobe.k8s")
+
+ANNOTATION = "jobprobe.io/probe"
+PROBES_ANNOTATION = "jobprobe.io/probes"
+TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+CA = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+MAX_BACKOFF_S = 60.0
+FRESH_S = 30.0       # a pod that started less than this ago is attached from its start
+
+
+@dataclass
+class Pod:
+    uid: str
+    namespace: str
+    name: str
+    containers: list[str]
+    probes: str | None          # the annotation's spec, as given
+    started: float | None = None   # status.startTime, UNIX s
+
+    @property
+    def job(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    def labels(self) -> dict[str, str]:
+        return {"namespace": self.namespace, "pod": self.name, "pod_uid": self.uid,
+                "containers": ",".join(self.containers)}
+
+
+def wanted_pods(doc: Any) -> dict[str, Pod]:
+    """The pods of a kubelet /pods answer (a v1 PodList) that ask to be probed and have not ended, by UID.
+    ValueError when the document is not a pod list."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+        raise ValueError("not a pod list (no items)")
+    out = {}
+    for item in doc["items"]:
+        meta = item.get("metadata") if isinstance(item, dict) else None
+        if not isinstance(meta, dict) or not meta.get("uid") or not meta.get("name"):
+            raise ValueError("a pod without metadata.uid or metadata.name")
+        ann = meta.get("annotations") or {}
+        if str(ann.get(ANNOTATION, "")).strip().lower() not in ("true", "yes", "1"):
+            continue
+        if (item.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        containers = [c.get("name", "?") for c in (item.get("spec") or {}).get("containers") or []]
+        out[meta["uid"]] = Pod(meta["uid"], meta.get("namespace", "default"), meta["name"], containers,
+                               ann.get(PROBES_ANNOTATION), start_time((item.get("status") or {}).get("startTime")))
+    return out
+
+
+def start_time(text: Any) -> float | None:
+    """RFC 3339 (`2026-12-01T10:00:00Z`) → UNIX s; None if absent or unreadable."""
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp() if text else None
+    except ValueError:
+        return None
+
+
+def split_probes(spec: str | None, known: set[str]) -> tuple[str | None, list[str]]:
+    """(the spec with only probes that exist, the names refused). `+x,-y` edits and plain names alike."""
+    if spec is None or not spec.strip():
+        return None, []
+    keep, refused = [], []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        name = item.lstrip("+-")
+        (keep if name in known or name in ("all", "std", "standard") else refused).append(item)
+    return (",".join(keep) if keep else None), refused
+
+
+class PodWatcher:
+    def __init__(self, agent: Agent, url: str, every: float = 5.0, token_file: str | None = None,
+                 ca_file: str | None = None, insecure: bool = False, timeout: float = 5.0):
+        self.agent, self.url, self.every, self.timeout = agent, url.rstrip("/"), every, timeout
+        self.token_file = token_file
+        self.context = None
+        if self.url.startswith("https:"):
+            self.context = ssl.create_default_context(cafile=ca_file) if not insecure else \
+                ssl._create_unverified_context()
+        self.attached: dict[str, str] = {}      # pod UID → the job's name in the agent
+        self.failing: str | None = None         # the kind of failure logged last (logged again when it changes)
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    # ---- one look at the kubelet -------------------------------------------------------------------------
+    def fetch(self) -> dict[str, Pod]:
+        req = urllib.request.Request(self.url + "/pods", headers={"Accept": "application/json"})
+        if self.token_file:
+            with open(self.token_file) as f:
+                req.add_header("Authorization", f"Bearer {f.read().strip()}")
+        with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
+            return wanted_pods(json.loads(resp.read(64 << 20)))
+
+    def poll(self) -> None:
+        """Attach the pods that ask for it, detach those that no longer do. Raises what fetch() raises."""
+        pods = self.fetch()
+        known = set(self.agent.registry)
+        for uid, pod in pods.items():
+            if uid in self.attached:
+                continue
+            probes, refused = split_probes(pod.probes, known)
+            note = f"refused probes {', '.join(refused)}: no such probe" if refused else None
+            if refused:
+                log.warning("pod %s asks for %s: no such probe; attached with the others", pod.job,
+                            ", ".join(refused))
+            # A pod seen as it starts counts from its start (as a SLURM job from its prolog); one found long
+            # running (the agent came up after it) counts from now.
+            fresh = pod.started is not None and time.time() - pod.started < max(FRESH_S, 3 * self.every)
+            spec = JobSpec(k8s_pod=uid, job=pod.job, probes=probes, labels=pod.labels(), note=note,
+                           from_start=fresh)
+            try:
+                r = self.agent.attach(spec, defer=True)
+            except BadInput as err:
+                log.warning("pod %s not attached: %s", pod.job, err)
+                continue
+            self.attached[uid] = r["job"]
+            log.info("pod %s: %s", pod.job, r["state"])
+        for uid in [u for u in self.attached if u not in pods]:
+            name = self.attached.pop(uid)
+            try:
+                self.agent.detach(name, why="the pod left the kubelet's list (ended, deleted, or no annotation)")
+            except BadInput:
+                pass                            # it had already ended by itself
+
+    # ---- the thread --------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="k8s", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        wait = self.every
+        while not self.stop_event.is_set():
+            try:
+                self.poll()
+                if self.failing:
+                    log.warning("kubelet at %s answers again", self.url)
+                self.failing, wait = None, self.every
+            except (OSError, ValueError, urllib.error.URLError) as err:   # down, refused, garbage: try again later
+                kind = type(err).__name__
+                if kind != self.failing:
+                    log.warning("kubelet at %s: %s: %s; attached pods go on; trying again with backoff", self.url,
+                                kind, err)
+                self.failing, wait = kind, min(MAX_BACKOFF_S, max(self.every, wait * 2))
+            except Exception:   # a bug must not stop the watching
+                log.exception("k8s watcher")
+                wait = min(MAX_BACKOFF_S, max(self.every, wait * 2))
+            self.stop_event.wait(wait)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=self.timeout + 1)

@@ -1,0 +1,200 @@
+"""`jobprobe agent --k8s URL`: pods attached by annotation and detached when they go, against a kubelet `/pods`
+endpoint served by the test (the real PodList JSON shape; no kubelet runs here) and real cgroup2 groups laid out as
+the kubelet lays them: the systemd driver with containerd's and CRI-O's scope names, and the cgroupfs driver. The
+kubelet then answers garbage, fails, and goes away: attached pods keep being probed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import workload
+from jobprobe.frame import StreamReader
+from jobprobe.k8s import split_probes, wanted_pods
+
+REPO = Path(__file__).resolve().parents[1]
+UIDS = {"a": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4a1", "b": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4b2",
+        "c": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4c3", "d": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4d4"}
+
+
+def pod(name: str, annotations: dict | None = None, phase: str = "Running", containers=("main",),
+        started: str | None = None) -> dict:
+    return {"metadata": {"name": name, "namespace": "train", "uid": UIDS[name], "annotations": annotations or {}},
+            "spec": {"nodeName": "node-1", "containers": [{"name": c, "image": "x"} for c in containers]},
+            "status": {"phase": phase, "startTime": started or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+
+
+def pod_list(*pods: dict) -> dict:
+    return {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": list(pods)}
+
+
+def test_wanted_pods_reads_the_annotation_and_skips_ended_pods():
+    doc = pod_list(pod("a", {"jobprobe.io/probe": "true", "jobprobe.io/probes": "cgroup,sched"}), pod("b"),
+                   pod("c", {"jobprobe.io/probe": "true"}, phase="Succeeded"),
+                   pod("d", {"jobprobe.io/probe": "false"}))
+    got = wanted_pods(doc)
+    assert list(got) == [UIDS["a"]] and got[UIDS["a"]].probes == "cgroup,sched"
+    assert got[UIDS["a"]].job == "train/a"
+    assert got[UIDS["a"]].labels() == {"namespace": "train", "pod": "a", "pod_uid": UIDS["a"], "containers": "main"}
+    for bad in ([], {"kind": "Status"}, {"items": [{"spec": {}}]}):
+        with pytest.raises(ValueError):
+            wanted_pods(bad)
+    assert abs(got[UIDS["a"]].started - time.time()) < 5
+    old = wanted_pods(pod_list(pod("a", {"jobprobe.io/probe": "true"}, started="2026-01-02T03:04:05Z")))
+    assert old[UIDS["a"]].started == 1767323045.0
+    assert split_probes("cgroup,bogus,-sched", {"cgroup", "sched"}) == ("cgroup,-sched", ["bogus"])
+    assert split_probes(None, {"cgroup"}) == (None, [])
+
+
+class Kubelet:
+    """GET /pods → whatever `answer` says: a dict (JSON), bytes (sent as they are), or an int (that HTTP status)."""
+
+    def __init__(self):
+        self.answer: object = pod_list()
+        self.port = 0
+        self.start()
+
+    def start(self):
+        kubelet = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                a = kubelet.answer
+                if isinstance(a, int):
+                    self.send_error(a)
+                    return
+                body = a if isinstance(a, bytes) else json.dumps(a).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)   # the same port when it comes back
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def wait_for(cond, timeout, what):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.mark.kernel
+@pytest.mark.integration
+def test_pods_are_attached_by_annotation_and_let_go_when_they_leave(make_cgroup, tmp_path):
+    root = make_cgroup().path
+    uscore = {k: v.replace("-", "_") for k, v in UIDS.items()}
+    groups = {   # each pod's group and one container group in it, named as each kubelet layout names them
+        "a": root / "kubepods.slice/kubepods-burstable.slice" / f"kubepods-burstable-pod{uscore['a']}.slice"
+             / "cri-containerd-aaaa.scope",
+        "b": root / "kubepods.slice/kubepods-besteffort.slice" / f"kubepods-besteffort-pod{uscore['b']}.slice"
+             / "cri-containerd-bbbb.scope",
+        "c": root / "kubepods.slice" / f"kubepods-pod{uscore['c']}.slice" / "crio-cccc.scope",
+        "d": root / "kubepods/burstable" / f"pod{UIDS['d']}" / "dddd",
+    }
+    for g in groups.values():
+        g.mkdir(parents=True)
+    sleepers = [subprocess.Popen(["sleep", "600"], preexec_fn=lambda g=g: (g / "cgroup.procs").write_text(
+        str(os.getpid()))) for g in groups.values()]
+    kubelet = Kubelet()
+    on = {"jobprobe.io/probe": "true"}
+    kubelet.answer = pod_list(pod("a", on), pod("b"))
+    out, sock, log = tmp_path / "out", tmp_path / "agent.sock", tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(sock), "--state",
+                              str(tmp_path / "jobs.json"), "--out", str(out), "--interval", "0.5", "--probes",
+                              "cgroup", "--k8s", kubelet.url, "--k8s-every", "0.5"], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    from jobprobe.control import call
+
+    def status():
+        try:
+            return call(str(sock), {"cmd": "status"})
+        except Exception:
+            return None
+
+    def jobs():
+        s = status()
+        return {j["job"]: j for j in s["jobs"]} if s else {}
+
+    def frames(job):
+        with open(out / f"{job.replace('/', '_')}.mpk", "rb") as f:
+            return list(StreamReader(f))
+
+    burner = None
+    try:
+        wait_for(lambda: "train/a" in jobs(), 60, "pod a to be attached")
+        burner = subprocess.Popen(workload("burn", 1.0), stderr=subprocess.PIPE, text=True,
+                                  preexec_fn=lambda: (groups["a"] / "cgroup.procs").write_text(str(os.getpid())))
+        assert burner.wait(timeout=60) == 0
+        # the other pods, as they come: c asks for a probe that does not exist, d for the default set
+        kubelet.answer = pod_list(pod("a", on), pod("b"),
+                                  pod("c", {**on, "jobprobe.io/probes": "cgroup,bogus"}, containers=("x", "y")),
+                                  pod("d", on))
+        wait_for(lambda: {"train/c", "train/d"} <= set(jobs()), 30, "pods c and d to be attached")
+        js = jobs()
+        assert "train/b" not in js                                      # no annotation: not probed
+        assert js["train/c"]["probes"] == {"cgroup": "ok"} and "bogus" in js["train/c"]["note"], js["train/c"]
+        hello_c = frames("train/c")[0]
+        assert hello_c["labels"] == {"namespace": "train", "pod": "c", "pod_uid": UIDS["c"], "containers": "x,y"}
+        assert hello_c["target"]["cgroup"] == str(groups["c"].parent)
+        assert frames("train/d")[0]["target"]["cgroup"] == str(groups["d"].parent)
+
+        # the kubelet answers garbage, then an error, then nothing at all: the pods stay attached and probed
+        for answer in (b"<html>not json</html>", 500, None):
+            if answer is None:
+                kubelet.stop()
+            else:
+                kubelet.answer = answer
+            n = len(frames("train/a"))
+            wait_for(lambda: len(frames("train/a")) >= n + 4, 30, f"frames to go on ({answer!r})")
+            assert {"train/a", "train/c", "train/d"} <= set(jobs())
+        text = log.read_text()
+        assert "kubelet at" in text and "attached pods go on" in text, text
+
+        # back, without pod a: a is let go (a last frame); the others stay
+        kubelet.answer = pod_list(pod("b"), pod("c", {**on, "jobprobe.io/probes": "cgroup,bogus"}), pod("d", on))
+        kubelet.start()
+        wait_for(lambda: "train/a" not in jobs(), 90, "pod a to be let go once the kubelet answers again")
+        assert {"train/c", "train/d"} <= set(jobs())
+        ended = next(r for r in status()["recent"] if r["job"] == "train/a")
+        assert "left the kubelet's list" in ended["why"], ended
+        assert "answers again" in log.read_text()
+        # pod a's frames, from its start (from_start) to the detach, against the pod group's own cpu.stat
+        pod_a = groups["a"].parent
+        usage_ns = int(dict(ln.split() for ln in (pod_a / "cpu.stat").read_text().splitlines())["usage_usec"]) * 1000
+        fa = frames("train/a")
+        assert fa[0]["from_start"] is True
+        cpu = sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"]
+                  for f in fa if f["kind"] == "sample")
+        assert usage_ns > 0.2e9 and abs(cpu - usage_ns) <= 0.02 * usage_ns + 1e6, (cpu, usage_ns)
+    finally:
+        kubelet.stop()
+        if burner is not None and burner.poll() is None:
+            burner.kill()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        for p in sleepers:
+            p.kill()
+            p.wait()

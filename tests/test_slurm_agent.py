@@ -1,0 +1,270 @@
+"""Jobs attached by the scheduler: scripts/slurm/prolog and epilog on a real SLURM 22.05 (tests/slurm_cluster.py, with
+Prolog=, Epilog= and PrologFlags=Alloc) driving a real `jobprobe agent`. Nobody types `attach`: each job submitted
+with sbatch is probed from its first process, its frames carry its SLURM names, its CPU time agrees with the job's
+own getrusage, and it is let go when it ends — a job of an unprivileged user, an array job, a job that fails, a job
+cancelled mid-run, and a job that starts while the agent is down (attached when the agent comes back, from squeue).
+
+The independent source for CPU time is the job's own account (the burner's getrusage at its exit, in its output
+file): this cluster runs without slurmdbd, so sacct has nothing to say.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import IS_ROOT
+from jobprobe.frame import StreamReader
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+PYTHON = "/usr/bin/python3"         # the job's interpreter: the system one, usable by any user
+
+pytestmark = [pytest.mark.integration, pytest.mark.kernel]
+
+
+def wait_for(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Agent:
+    """A real `jobprobe agent` for the cluster's node, on a socket the prolog and epilog wrappers name."""
+
+    def __init__(self, base: Path, env: dict[str, str], node: str):
+        self.base, self.env, self.node = base, env, node
+        self.sock, self.out = base / "agent.sock", base / "out"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(self.sock), "--state",
+             str(self.base / "jobs.json"), "--out", str(self.out), "--interval", "0.5", "--probes", "cgroup,perf",
+             "--slurm", "--slurm-node", self.node], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=open(self.base / "agent.log", "ab"))
+        wait_for(lambda: self.ready(), 60, "the agent to answer on its socket")
+
+    def ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"the agent exited: {(self.base / 'agent.log').read_text()[-2000:]}")
+        try:
+            return bool(self.status())
+        except Exception:
+            return False
+
+    def status(self) -> dict:
+        from jobprobe.control import call
+        return call(str(self.sock), {"cmd": "status"})
+
+    def attached(self, job: str) -> bool:
+        return any(j["job"] == job for j in self.status()["jobs"])
+
+    def ended(self, job: str) -> dict | None:
+        return next((r for r in self.status()["recent"] if r["job"] == job), None)
+
+    def frames(self, job: str) -> list[dict]:
+        with open(self.out / f"{job}.mpk", "rb") as f:
+            return list(StreamReader(f))
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def site():
+    """The cluster with the prolog and epilog in its slurm.conf, and the agent; the job's files in a directory any
+    user can read (workloads.py) and write (its output)."""
+    if not IS_ROOT:
+        pytest.skip("needs root to start slurmctld, slurmd and munged")
+    from slurm_cluster import SlurmCluster
+    cluster = SlurmCluster()
+    base = cluster.base
+    base.mkdir(parents=True, exist_ok=True)
+    os.chmod(base, 0o755)
+    jobs = base / "jobs"
+    shutil.rmtree(jobs, ignore_errors=True)
+    jobs.mkdir()
+    os.chmod(jobs, 0o1777)
+    shutil.copy(TESTS / "workloads.py", jobs / "workloads.py")
+    os.chmod(jobs / "workloads.py", 0o644)
+    for name in ("prolog", "epilog"):
+        # slurmd gives a prolog only the job's SLURM_* variables: the wrapper names the socket, and times the run
+        wrapper = base / f"{name}.sh"
+        wrapper.write_text(f"""#!/bin/sh
+t0=$(date +%s%N)
+JOBPROBE_SOCKET={base}/agent.sock {PYTHON} {REPO}/scripts/slurm/{name} 2>>{base}/{name}.err
+rc=$?
+echo "$SLURM_JOB_ID $rc $(( $(date +%s%N) - t0 ))" >> {base}/{name}.log
+exit $rc
+""")
+        wrapper.chmod(0o755)
+        (base / f"{name}.log").unlink(missing_ok=True)
+        (base / f"{name}.err").unlink(missing_ok=True)
+    cluster.extra_conf = f"Prolog={base}/prolog.sh\nEpilog={base}/epilog.sh\nPrologFlags=Alloc\n"
+    shutil.rmtree(base / "out", ignore_errors=True)
+    (base / "jobs.json").unlink(missing_ok=True)
+    cluster.start()
+    agent = Agent(base, cluster.env, cluster.node)
+    try:
+        agent.start()
+        yield cluster, agent, jobs
+    finally:
+        agent.stop()
+        cluster.stop()
+
+
+def runs(base: Path, name: str, job: str) -> list[tuple[int, float]]:
+    """(exit code, seconds) of each run of the prolog or epilog wrapper for `job`."""
+    try:
+        lines = (base / f"{name}.log").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [(int(rc), int(ns) / 1e9) for j, rc, ns in (ln.split() for ln in lines) if j == job]
+
+
+def burn_script(jobs: Path, seconds: float, after: str = "") -> str:
+    return f"exec {PYTHON} {jobs}/workloads.py burn {seconds}" if not after else \
+        f"{PYTHON} {jobs}/workloads.py burn {seconds}; {after}"
+
+
+def cpu(frames: list[dict]) -> int:
+    return sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"]
+               for f in frames if f["kind"] == "sample")
+
+
+def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_last(site):
+    cluster, agent, jobs = site
+    out = jobs / "nobody.out"
+    res = subprocess.run(["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--chdir", str(jobs), "-o", str(out),
+                          "-J", "mine", "--wrap", burn_script(jobs, 2)], capture_output=True, text=True,
+                         env=cluster.env, timeout=30)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    wait_for(lambda: cluster.job_state(job) == "COMPLETED", 60, f"job {job} to complete")
+    ended = wait_for(lambda: agent.ended(job), 20, f"the agent to let job {job} go")
+    # let go by whichever came first: the agent seeing the last process exit, or the epilog's detach
+    assert "exited" in ended["why"] or ended["why"] == "detached", ended
+    assert not agent.attached(job)
+
+    frames = agent.frames(job)
+    hello = frames[0]
+    assert hello["kind"] == "hello" and hello["job"] == job and hello["from_start"] is True
+    labels = hello["labels"]
+    assert (labels["slurm_job_id"], labels["user"], labels["partition"]) == (job, "nobody", "debug"), labels
+    assert labels["uid"] == str(int(subprocess.run(["id", "-u", "nobody"], capture_output=True,
+                                                   text=True).stdout))
+    assert all(f["labels"]["slurm_job_id"] == job for f in frames)
+    assert any(f.get("labels", {}).get("slurm_steps") == "batch" for f in frames if f["kind"] == "sample"), \
+        [f["labels"] for f in frames]
+    assert [f["seq"] for f in frames] == list(range(len(frames)))
+    # The job's own account (getrusage at its exit) against the sum of its frames, the part before the attach
+    # included (from_start): per-thread clock ticks at each read (10 ms each, a few reads) and the interpreter's
+    # teardown after it printed are the difference: 40 ms + 2%.
+    own = int(out.read_text().split("cpu_ns=")[1].split()[0])
+    seen = cpu(frames)
+    assert own > 1.5e9, own
+    assert abs(seen - own) <= 40e6 + 0.02 * own, dict(own=own, seen=seen)
+    # the prolog and epilog each ran once, exited 0, and did not hold the job up (a generous guard against a hang:
+    # their real duration is measured by scripts/prolog_time.py)
+    for name in ("prolog", "epilog"):
+        assert [rc for rc, _ in runs(cluster.base, name, job)] == [0], (name, runs(cluster.base, name, job))
+        assert all(s < 5 for _, s in runs(cluster.base, name, job))
+
+
+def test_an_array_job_each_task_its_own_job(site):
+    cluster, agent, jobs = site
+    array = cluster.sbatch("--array=1-3", "--chdir", str(jobs), "-o", str(jobs / "array-%a.out"), "-J", "arr",
+                           "--wrap", burn_script(jobs, 1))
+
+    def tasks() -> dict[str, dict]:
+        found = {}
+        for path in agent.out.glob("*.mpk"):
+            with open(path, "rb") as f:
+                hello = next(iter(StreamReader(f)), None)
+            if hello and hello.get("labels", {}).get("array_job_id") == array:
+                found[hello["labels"]["array_task_id"]] = hello
+        return found if len(found) == 3 else {}
+
+    found = wait_for(tasks, 90, f"three tasks of array job {array} to be attached")
+    assert sorted(found) == ["1", "2", "3"]
+    for task, hello in found.items():
+        job = hello["job"]
+        wait_for(lambda: agent.ended(job), 60, f"task {task} (job {job}) to end and be let go")
+        own = int((jobs / f"array-{task}.out").read_text().split("cpu_ns=")[1].split()[0])
+        seen = cpu(agent.frames(job))
+        assert abs(seen - own) <= 40e6 + 0.02 * own, dict(task=task, own=own, seen=seen)
+        assert hello["labels"]["slurm_job_id"] == job
+
+
+def test_a_job_that_fails_is_probed_and_let_go(site):
+    cluster, agent, jobs = site
+    job = cluster.sbatch("--chdir", str(jobs), "-o", str(jobs / "fails.out"), "-J", "fails", "--wrap",
+                         burn_script(jobs, 1, after="exit 3"))
+    wait_for(lambda: cluster.job_state(job) == "FAILED", 60, f"job {job} to fail")
+    wait_for(lambda: agent.ended(job), 20, f"the agent to let job {job} go")
+    own = int((jobs / "fails.out").read_text().split("cpu_ns=")[1].split()[0])
+    assert abs(cpu(agent.frames(job)) - own) <= 40e6 + 0.02 * own
+    assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
+
+
+def test_a_job_cancelled_mid_run_is_let_go(site):
+    cluster, agent, jobs = site
+    job = cluster.sbatch("--chdir", str(jobs), "-o", "/dev/null", "-J", "long", "--wrap", burn_script(jobs, 120))
+    wait_for(lambda: agent.attached(job), 30, f"job {job} to be attached")
+    wait_for(lambda: cpu(agent.frames(job)) > 0.5e9, 30, f"job {job} to show CPU time")
+    cluster.run("scancel", job)
+    wait_for(lambda: cluster.job_state(job) == "CANCELLED", 30, f"job {job} to be cancelled")
+    wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")
+    assert agent.ended(job) is not None
+    assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
+
+
+def test_a_job_that_starts_while_the_agent_is_down_is_attached_when_it_comes_back(site):
+    cluster, agent, jobs = site
+    agent.stop()
+    try:
+        job = cluster.sbatch("--chdir", str(jobs), "-o", "/dev/null", "-J", "while-down", "--wrap",
+                             burn_script(jobs, 120))
+        wait_for(lambda: cluster.job_state(job) == "RUNNING", 30, f"job {job} to run")
+        wait_for(lambda: runs(cluster.base, "prolog", job), 10, "the prolog to have run")
+        assert [rc for rc, _ in runs(cluster.base, "prolog", job)] == [0]   # no agent: said, and the job runs
+        assert "jobprobe prolog:" in (cluster.base / "prolog.err").read_text()
+        assert cluster.node_state() in ("allocated", "mixed"), cluster.node_state()   # not drained
+    finally:
+        agent.start()
+    try:
+        wait_for(lambda: agent.attached(job), 30, f"job {job} to be attached by the agent that came back")
+        hello = agent.frames(job)[0]
+        assert hello["from_start"] is False                # its start was missed: it counts from the attach
+        assert (hello["labels"]["slurm_job_id"], hello["labels"]["partition"]) == (job, "debug"), hello["labels"]
+        assert hello["labels"]["user"] == "root"
+    finally:
+        cluster.run("scancel", job, check=False)
+    wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")
+
+
+def test_the_prolog_without_a_job_or_an_agent_says_so_and_exits_0(tmp_path):
+    script = REPO / "scripts/slurm/prolog"
+    for env, says in (({}, "not a job id"), ({"SLURM_JOB_ID": "7", "JOBPROBE_SOCKET": str(tmp_path / "none")},
+                                                "FileNotFoundError")):
+        res = subprocess.run([PYTHON, str(script)], capture_output=True, text=True, timeout=30,
+                             env={"PATH": os.environ.get("PATH", ""), **env})
+        assert res.returncode == 0 and res.stdout == ""
+        assert len(res.stderr.splitlines()) == 1 and says in res.stderr, res.stderr
