@@ -202,4 +202,4 @@ class QueuedSink:
 
 def sink_stats(sinks) -> dict[str, dict]:
     """{name: stats()} of every QueuedSink in `sinks`: what the self probe is given (SelfProbe(sinks=...))."""
-    return {s.name: s.stats() for s in sinks if isinstance(s, QueuedSink)}
+    return {s.name: s.stats() for s in sinks if isinstance(s, QueuedSink) or hasattr(s, "stats")}

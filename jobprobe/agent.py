@@ -12,6 +12,7 @@ loaders pin maps only inside a mount namespace that dies with them), so SIGKILL 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
@@ -108,6 +109,12 @@ class Config:
     k8s_token_file: str | None = None   # a bearer token for the kubelet (the service account's)
     k8s_ca: str | None = None           # the CA that signed the kubelet's certificate
     k8s_insecure: bool = False          # do not check the kubelet's certificate (kubelets are often self-signed)
+    nats: str | None = None             # nats://HOST:PORT[,…]: every job's frames to the controller's JetStream
+    spool: str = "/var/lib/jobprobe/spool"   # frames waiting for the NATS server's ack, on disk
+    spool_max_mb: float = 256.0         # past this the oldest unacked frames go (counted, logged)
+    nats_creds: str | None = None       # a NATS credentials file (nkey + JWT) for this node
+    nats_ca: str | None = None          # TLS: the CA of the NATS servers' certificates
+    node: str | None = None             # this node's name in frames (default: the short host name)
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:
@@ -166,6 +173,13 @@ class Agent:
                  sinks_for: Callable[[str], list] | None = None, clock: Callable[[], float] = time.monotonic):
         self.cfg = config or Config()
         self.host = host or Host()
+        if self.cfg.node:
+            self.host = dataclasses.replace(self.host, node=self.cfg.node)
+        self.nats = None
+        if self.cfg.nats:
+            from jobprobe.exporters.nats import NatsSink
+            self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
+                                 creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca)
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
@@ -195,6 +209,8 @@ class Agent:
                 raise BadInput(f"cannot write {path}: {err.strerror}") from err
         if self.cfg.stdout:
             out.append(QueuedSink(StdoutExporter(self.cfg.stdout), "stdout", self.cfg.queue))
+        if self.nats is not None:
+            out.append(self.nats.for_job(job))   # appends to the node's spool: no queue of its own needed
         return out
 
     # ---- the job table ------------------------------------------------------------------------------------
@@ -427,6 +443,8 @@ class Agent:
             except BadInput:
                 pass
         self.node.close()
+        if self.nats is not None:
+            self.nats.close()
         self.persist = persist
 
     # ---- state across restarts ----------------------------------------------------------------------------

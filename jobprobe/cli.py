@@ -83,6 +83,37 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--k8s-ca", metavar="FILE", help="CA of the kubelet's certificate")
     ag.add_argument("--k8s-insecure", action="store_true", default=None,
                     help="do not check the kubelet's certificate (kubelets often serve self-signed ones)")
+    ag.add_argument("--send", metavar="nats://HOST:PORT", help="every job's frames to the controller's NATS "
+                    "JetStream (comma-separate several servers)")
+    ag.add_argument("--spool", metavar="DIR", help="frames waiting for the NATS server (default /var/lib/jobprobe/spool)")
+    ag.add_argument("--spool-max-mb", type=float, metavar="MB", help="the spool's bound (default 256)")
+    ag.add_argument("--nats-creds", metavar="FILE", help="this node's NATS credentials (nkey + JWT)")
+    ag.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
+    ag.add_argument("--node", metavar="NAME", help="this node's name in frames (default: the short host name)")
+
+    co = sub.add_parser("controller", help="frames of every node from NATS JetStream into the store; `stats`: "
+                        "freshness and delivery per node")
+    co.add_argument("action", nargs="?", choices=["run", "stats"], default="run")
+    co.add_argument("--nats", metavar="URL", help="the JetStream servers (default: start a nats-server here)")
+    co.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:4222",
+                    help="where the nats-server it starts listens (without --nats; default 127.0.0.1:4222)")
+    co.add_argument("--data", metavar="DIR", default="/var/lib/jobprobe/controller",
+                    help="its nats-server's data and the default store (default /var/lib/jobprobe/controller)")
+    co.add_argument("--store", metavar="PATH", help="the store (default DATA/store.db)")
+    co.add_argument("--retention-days", type=float, default=7.0, metavar="D", help="frames older go (default 7)")
+    co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials")
+    co.add_argument("--json", action="store_true", help="stats: as JSON")
+
+    qu = sub.add_parser("query", help="read the controller's store: SQL, or one field of a job over time",
+                        usage="jobprobe query --store PATH (--sql QUERY | --job ID --field PROBE.FIELD [--node N]) "
+                              "[--format table|jsonl|csv]")
+    qu.add_argument("--store", metavar="PATH", default="/var/lib/jobprobe/controller/store.db")
+    qg = qu.add_mutually_exclusive_group(required=True)
+    qg.add_argument("--sql", metavar="QUERY")
+    qg.add_argument("--job", metavar="ID")
+    qu.add_argument("--field", metavar="PROBE.FIELD")
+    qu.add_argument("--node", metavar="N")
+    qu.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
 
     at = sub.add_parser("attach", help="ask the agent to attach a job",
                         usage="jobprobe attach (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID) "
@@ -350,7 +381,9 @@ def cmd_agent(args, host: Host) -> int:
                        "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue,
                        "slurm": args.slurm, "slurm_node": args.slurm_node, "k8s": args.k8s,
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
-                       "k8s_insecure": args.k8s_insecure})
+                       "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
+                       "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
+                       "node": args.node})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     agent = Agent(cfg, host)
@@ -386,6 +419,84 @@ def cmd_agent(args, host: Host) -> int:
             watcher.stop()
         server.close()
         agent.close()
+    return 0
+
+
+def cmd_controller(args) -> int:
+    import asyncio
+    import json
+    from jobprobe.controller import Controller, LocalNats, stats
+    from jobprobe.store import Store
+    path = args.store or os.path.join(args.data, "store.db")
+    if args.action == "stats":
+        try:
+            st = stats(Store(path, readonly=True))
+        except FileNotFoundError as err:
+            raise BadInput(str(err)) from None
+        if args.json:
+            print(json.dumps(st, indent=1))
+            return 0
+        print(f"{'node':<20} {'frames':>8} {'dup':>5} {'rej':>5} {'newest age s':>13} {'delay p50/p99 s':>16} "
+              f"{'longest gap s':>14} {'dropped':>8}")
+        for node, n in sorted(st["nodes"].items()):
+            d = n.get("arrival_delay_s") or {}
+            print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
+                  f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
+                  f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8}")
+        return 0
+    local = None
+    url = args.nats
+    if url is None:
+        local = LocalNats(args.data, args.listen)
+        local.wait()
+        url = local.url
+    store = Store(path)
+    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, ctl.stop_event.set)
+        await ctl.run()
+    try:
+        asyncio.run(main())
+    finally:
+        store.close()
+        if local is not None:
+            local.stop()
+    return 0
+
+
+def cmd_query(args) -> int:
+    import csv
+    import json
+    import sqlite3
+    from jobprobe.store import Store
+    try:
+        store = Store(args.store, readonly=True)
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from None
+    try:
+        if args.sql:
+            cols, rows = store.sql(args.sql)
+        else:
+            if not args.field:
+                raise BadInput("--job needs --field PROBE.FIELD (e.g. cgroup.cpu_user_ns)")
+            cols, rows = store.field(args.job, args.field, args.node)
+    except (sqlite3.Error, ValueError) as err:
+        raise BadInput(f"query: {err}") from None
+    if args.format == "jsonl":
+        for r in rows:
+            print(json.dumps(dict(zip(cols, r))))
+    elif args.format == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        widths = [max([len(c)] + [len(str(r[i])) for r in rows]) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for r in rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
     return 0
 
 
@@ -523,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_detach(args)
         if args.cmd == "status":
             return cmd_status(args)
+        if args.cmd == "controller":
+            return cmd_controller(args)
+        if args.cmd == "query":
+            return cmd_query(args)
         if args.cmd == "read":
             return cmd_read(args)
         if args.cmd == "bench":

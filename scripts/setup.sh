@@ -20,7 +20,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 # ---- Debian packages -------------------------------------------------------------------------
 need=()
 for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 slurm-wlm slurm-client munge \
-         prometheus-node-exporter fio stress-ng iperf3; do
+         prometheus-node-exporter fio stress-ng iperf3 nats-server; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done
 if [ ${#need[@]} -gt 0 ]; then

@@ -54,20 +54,25 @@ class Cgroup:
         return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
 
     def remove(self) -> None:
-        root = self.path.parent
-        for pid in self.pids() if self.path.exists() else []:
+        """The group and every group a test made inside it (deepest first), their processes killed."""
+        if not self.path.exists():
+            return
+        dirs = sorted((Path(r) for r, _, _ in os.walk(self.path)), key=lambda p: len(p.parts), reverse=True)
+        for d in dirs:
             try:
-                os.kill(pid, 9)
-            except ProcessLookupError:
+                for pid in (d / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), 9)
+            except (OSError, ValueError):
                 pass
-        for _ in range(100):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.02)
+        for d in dirs:
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.02)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,8 +22,7 @@ from jobprobe.frame import StreamReader
 from jobprobe.k8s import split_probes, wanted_pods
 
 REPO = Path(__file__).resolve().parents[1]
-UIDS = {"a": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4a1", "b": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4b2",
-        "c": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4c3", "d": "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4d4"}
+UIDS = {name: str(uuid.uuid4()) for name in "abcd"}   # fresh each run: no other group on the node has them
 
 
 def pod(name: str, annotations: dict | None = None, phase: str = "Running", containers=("main",),

@@ -666,8 +666,10 @@ def test_perf_users_still_see_sched_events_while_attached(by_source):
     # the workload alone sleeps and wakes 200 times, each sleep a clock_nanosleep call
     if by_source.raw:
         assert counts.get("sched:sched_switch", 0) >= 200 and counts.get("sched:sched_wakeup", 0) >= 200, res.stderr
-    else:     # what the raw programs fixed, shown: the classic ones hide every event they are attached to
-        assert counts.get("sched:sched_switch") == 0 and counts.get("sched:sched_wakeup") == 0, res.stderr
+    else:     # what the raw programs fixed, shown: the classic ones hide every event they are attached to — all
+        # but the few the kernel let through without running the program (another BPF program was running on
+        # that CPU: bpf_missed), against >= 200 of each with raw programs
+        assert counts.get("sched:sched_switch", 0) <= 4 and counts.get("sched:sched_wakeup", 0) <= 4, res.stderr
     if by_source.syscall_reasons:     # a raw syscall hook, or none: `perf trace` and friends keep seeing syscalls
         assert counts.get("raw_syscalls:sys_enter", 0) >= 200, res.stderr
 

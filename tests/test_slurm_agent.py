@@ -260,6 +260,49 @@ def test_a_job_that_starts_while_the_agent_is_down_is_attached_when_it_comes_bac
     wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")
 
 
+def test_an_array_of_many_short_jobs_each_attached_and_nothing_left_behind(site):
+    """Every task of an array of short jobs is attached (its frames, its labels), let go, and the agent ends where
+    it began: its fds, the programs it holds, no job attached or pending. JOBPROBE_ARRAY_TASKS=1000 makes this the
+    thousand-job soak (docs/DEPLOY.md has its figures); CI runs 24."""
+    from jobprobe.bench.agent import held_programs
+    cluster, agent, jobs = site
+    n = int(os.environ.get("JOBPROBE_ARRAY_TASKS", "24"))
+    pid = agent.proc.pid
+    fds0, progs0 = len(os.listdir(f"/proc/{pid}/fd")), held_programs(pid)
+    array = cluster.sbatch(f"--array=1-{n}", "--chdir", str(jobs), "-o", "/dev/null", "-J", "many", "--wrap",
+                           "sleep 1.5")
+
+    def done() -> bool:
+        res = cluster.run("squeue", "-h", "-j", array, check=False)
+        return res.returncode == 0 and not res.stdout.strip()
+
+    wait_for(done, 60 + 3 * n, f"the {n} tasks of array job {array} to finish")
+    found = {}
+    for path in agent.out.glob("*.mpk"):
+        with open(path, "rb") as f:
+            hello = next(iter(StreamReader(f)), None)
+        if hello and hello.get("labels", {}).get("array_job_id") == array:
+            found[hello["labels"]["array_task_id"]] = hello["job"]
+    assert sorted(found, key=int) == [str(i) for i in range(1, n + 1)], sorted(found, key=int)
+    wait_for(lambda: not any(j["job"] in found.values() for j in agent.status()["jobs"]), 30, "every task let go")
+    st = agent.status()
+    assert not st["pending"], st["pending"]
+    assert len(os.listdir(f"/proc/{pid}/fd")) <= fds0 + 2 and held_programs(pid) == progs0
+    for name in ("prolog", "epilog"):
+        rcs = [rc for j in found.values() for rc, _ in runs(cluster.base, name, j)]
+        assert rcs == [0] * n, (name, rcs)
+
+
+def test_the_epilog_of_a_job_never_attached_says_so_and_exits_0(site):
+    cluster, agent, _ = site
+    res = subprocess.run([PYTHON, str(REPO / "scripts/slurm/epilog")], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ.get("PATH", ""), "SLURM_JOB_ID": "999999",
+                              "JOBPROBE_SOCKET": str(agent.sock)})
+    assert res.returncode == 0 and res.stdout == ""
+    assert res.stderr.strip() == "jobprobe epilog: job 999999: no job '999999' is attached " \
+        f"(attached: {', '.join(j['job'] for j in agent.status()['jobs']) or 'none'})", res.stderr
+
+
 def test_the_prolog_without_a_job_or_an_agent_says_so_and_exits_0(tmp_path):
     script = REPO / "scripts/slurm/prolog"
     for env, says in (({}, "not a job id"), ({"SLURM_JOB_ID": "7", "JOBPROBE_SOCKET": str(tmp_path / "none")},

@@ -1,0 +1,318 @@
+"""nats://HOST:PORT — frames to a NATS JetStream stream, through a bounded on-disk spool.
+
+One NatsSink per agent, shared by its jobs (each job writes through its own `for_job()` handle, which keeps that
+job's counters). A frame goes to subject `jobprobe.frames.<node>` with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
+its unique key: the server drops a resend inside its duplicate window, so publishing again after a lost ack stores
+nothing twice.
+
+write() never touches the network: it appends the frame to the spool (segment files under `spool_dir`, a few MiB
+each, appended with one write(2)) and returns. A publisher thread sends what the spool holds, in order, a window of
+frames in flight at a time, and moves the spool's cursor past each frame only once the server has acked it (its
+PubAck: the frame is in the stream). While the server cannot be reached, frames wait in the spool and go out in
+order when it is back — also after the agent restarts (the spool and its cursor are on disk). When the spool passes
+`max_bytes` its oldest segment goes: the frames in it that were never acked are lost, counted per job (`dropped`
+in the self probe's sinks, and `jobprobe status`) and logged — never silent.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+log = logging.getLogger("jobprobe.nats")
+
+SUBJECT = "jobprobe.frames"          # .<node>
+SEGMENT_BYTES = 4 << 20
+WINDOW = 64                          # frames published before their acks are awaited
+
+
+def subject_for(node: str) -> str:
+    return f"{SUBJECT}.{safe_token(node)}"
+
+
+def safe_token(s: str) -> str:
+    """A NATS subject token: no dots, spaces or wildcards."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s) or "_"
+
+
+def msg_id(frame: dict) -> str:
+    return f"{frame['node']}/{frame['job']}/{frame.get('run', '')}/{frame['seq']}"
+
+
+class Spool:
+    """Records (msg id, subject, job, data) appended to segment files seg-<n>; `cursor` holds the first record not
+    yet acked (segment, offset). Thread-safe."""
+
+    def __init__(self, path: str | Path, max_bytes: int = 256 << 20, segment_bytes: int = SEGMENT_BYTES):
+        self.dir = Path(path)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.max_bytes, self.segment_bytes = max_bytes, min(segment_bytes, max(4096, max_bytes // 4))
+        self.lock = threading.Lock()
+        self.pending: deque[tuple] = deque()   # (seg, start, end, msg id, subject, job, data), in order
+        self.lost: dict[str, int] = {}
+        self.inflight = 0         # the first `inflight` pending records were handed to the server, not yet acked
+        self.segments: list[int] = sorted(int(p.name[4:]) for p in self.dir.glob("seg-*") if p.name[4:].isdigit())
+        self._load()
+        self.seg = self.segments[-1] if self.segments else 0
+        if not self.segments:
+            self.segments = [0]
+        self.fd = os.open(self.dir / f"seg-{self.seg}", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.size = os.fstat(self.fd).st_size
+
+    def _load(self) -> None:
+        """What a previous agent left unacked: every record from the cursor on (a record cut short by a crash, at
+        a segment's end, is skipped)."""
+        try:
+            seg0, off0 = (int(x) for x in (self.dir / "cursor").read_text().split())
+        except (OSError, ValueError):
+            seg0, off0 = (self.segments[0] if self.segments else 0), 0
+        for seg in [s for s in self.segments if s >= seg0]:
+            data = (self.dir / f"seg-{seg}").read_bytes()
+            unpacker = msgpack.Unpacker(raw=False)
+            unpacker.feed(data)
+            pos = 0
+            try:
+                for rec in unpacker:
+                    end = unpacker.tell()
+                    if (seg, pos) >= (seg0, off0) and isinstance(rec, list) and len(rec) == 4:
+                        self.pending.append((seg, pos, end, *rec))
+                    pos = end
+            except (ValueError, msgpack.UnpackException):
+                log.warning("spool %s: segment %d damaged after byte %d; the rest of it is skipped", self.dir, seg,
+                            pos)
+        for seg in [s for s in self.segments if s < seg0]:
+            (self.dir / f"seg-{seg}").unlink(missing_ok=True)
+        self.segments = [s for s in self.segments if s >= seg0]
+
+    def append(self, mid: str, subject: str, job: str, data: bytes) -> None:
+        rec = msgpack.packb([mid, subject, job, data], use_bin_type=True)
+        with self.lock:
+            if self.size and self.size + len(rec) > self.segment_bytes:
+                os.close(self.fd)
+                self.seg += 1
+                self.segments.append(self.seg)
+                self.fd = os.open(self.dir / f"seg-{self.seg}", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                  0o600)
+                self.size = 0
+            os.write(self.fd, rec)
+            self.pending.append((self.seg, self.size, self.size + len(rec), mid, subject, job, data))
+            self.size += len(rec)
+            while len(self.segments) > 1 and self._bytes() > self.max_bytes and self._drop_oldest():
+                pass
+
+    def _bytes(self) -> int:
+        return (len(self.segments) - 1) * self.segment_bytes + self.size
+
+    def _drop_oldest(self) -> bool:
+        """Make room: the oldest segment that holds no frame already handed to the server goes (a frame in flight
+        may be in the stream already: dropping it could count as lost a frame that arrives). Its frames are
+        counted lost, per job. False if there is none to drop (the bound is then passed by what is in flight)."""
+        busy = {rec[0] for rec in itertools.islice(self.pending, self.inflight)}
+        seg = next((s for s in self.segments if s not in busy and s != self.seg), None)
+        if seg is None:
+            return False
+        self.segments.remove(seg)
+        keep, n = deque(), 0
+        for rec in self.pending:
+            if rec[0] == seg:
+                self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
+                n += 1
+            else:
+                keep.append(rec)
+        self.pending = keep
+        (self.dir / f"seg-{seg}").unlink(missing_ok=True)
+        if n:
+            log.warning("spool %s is full (%d KiB): %d frames never sent were dropped, the oldest (counted in the "
+                        "jobs' self.sink_dropped)", self.dir, self.max_bytes >> 10, n)
+        return True
+
+    def take(self, n: int) -> list[tuple]:
+        """The first n records, to send: now marked in flight (until acked; after a failure they stay so, since
+        the server may hold them)."""
+        with self.lock:
+            out = list(itertools.islice(self.pending, n))
+            self.inflight = max(self.inflight, len(out))
+            return out
+
+    def peek(self, n: int) -> list[tuple]:
+        with self.lock:
+            return list(itertools.islice(self.pending, n))
+
+    def acked(self, recs: list[tuple]) -> None:
+        """These records (the first ones pending, in order) are in the stream: move the cursor past them."""
+        with self.lock:
+            for rec in recs:
+                if self.pending and self.pending[0] is rec:
+                    self.pending.popleft()
+                    self.inflight = max(0, self.inflight - 1)
+            seg, off = self.pending[0][:2] if self.pending else (self.seg, self.size)
+            tmp = self.dir / "cursor.tmp"
+            tmp.write_text(f"{seg} {off}\n")
+            os.replace(tmp, self.dir / "cursor")
+            while len(self.segments) > 1 and self.segments[0] < seg:
+                (self.dir / f"seg-{self.segments.pop(0)}").unlink(missing_ok=True)
+
+    def depth(self) -> int:
+        return len(self.pending)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+
+class NatsSink:
+    def __init__(self, url: str, spool_dir: str | Path, max_bytes: int = 256 << 20, creds: str | None = None,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 name: str | None = None):
+        self.url, self.name = url, name or f"nats:{url}"
+        self.spool = Spool(spool_dir, max_bytes)
+        self.creds, self.tls = creds, (tls_ca, tls_cert, tls_key)
+        self.counts: dict[str, dict[str, int]] = {}      # job → queued, written (acked), errors
+        self.state = "connecting"
+        self.closing = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.wake: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._thread, name="nats", daemon=True)
+        self.thread.start()
+
+    # ---- the agent's side --------------------------------------------------------------------------------
+    def for_job(self, job: str) -> "JobHandle":
+        return JobHandle(self, job)
+
+    def write(self, frame: dict, data: bytes) -> None:
+        job = frame["job"]
+        c = self.counts.setdefault(job, {"queued": 0, "written": 0, "errors": 0})
+        c["queued"] += 1
+        self.spool.append(msg_id(frame), subject_for(frame["node"]), job, data)
+        if self.wake is not None:
+            self.loop.call_soon_threadsafe(self.wake.set)
+
+    def job_stats(self, job: str) -> dict:
+        c = self.counts.get(job, {"queued": 0, "written": 0, "errors": 0})
+        with self.spool.lock:
+            depth = sum(1 for r in self.spool.pending if r[5] == job)
+            lost = self.spool.lost.get(job, 0)
+        return {**c, "dropped": lost, "depth": depth, "in_flight": 0, "state": self.state}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Publish what the spool holds for up to `timeout` s, then stop; what is left stays in the spool for the
+        next agent."""
+        end = time.monotonic() + timeout
+        while self.spool.depth() and time.monotonic() < end and self.state == "ok":
+            time.sleep(0.05)
+        self.closing.set()
+        if self.wake is not None:
+            self.loop.call_soon_threadsafe(self.wake.set)
+        self.thread.join(timeout=max(1.0, end - time.monotonic()))
+        self.spool.close()
+
+    # ---- the publisher -----------------------------------------------------------------------------------
+    def _thread(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except Exception:
+            log.exception("nats publisher")
+        finally:
+            self.loop.close()
+
+    async def _connect(self):
+        import nats
+        # No reconnecting inside the client: it would buffer publishes made while the server is away and send them
+        # later, behind the spool's back. The loop below connects again itself, and sends from the spool.
+        opts: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")], "connect_timeout": 2,
+                                "allow_reconnect": False, "name": f"jobprobe-agent {os.uname().nodename}"}
+        if self.creds:
+            opts["user_credentials"] = self.creds
+        ca, cert, key = self.tls
+        if ca or cert:
+            import ssl
+            ctx = ssl.create_default_context(cafile=ca)
+            if cert:
+                ctx.load_cert_chain(cert, key)
+            opts["tls"] = ctx
+
+        async def quiet(err):   # the client's own callback: said once per state change below, not per retry
+            pass
+        return await nats.connect(error_cb=quiet, **opts)
+
+    async def _main(self) -> None:
+        self.wake = asyncio.Event()
+        nc, backoff, said = None, 0.5, None
+        while not self.closing.is_set():
+            try:
+                if nc is None:
+                    nc = await self._connect()
+                    js = nc.jetstream()
+                batch = self.spool.take(WINDOW)
+                if not batch:
+                    self.state = "ok"
+                    self.wake.clear()
+                    try:
+                        await asyncio.wait_for(self.wake.wait(), timeout=1.0)
+                    except asyncio.TimeoutError:
+                        pass
+                    continue
+                acks = await asyncio.gather(*(js.publish(subj, data, timeout=5, headers={"Nats-Msg-Id": mid})
+                                              for _, _, _, mid, subj, _, data in batch), return_exceptions=True)
+                done = []
+                for rec, ack in zip(batch, acks):
+                    if isinstance(ack, BaseException):
+                        raise ack
+                    done.append(rec)
+                    c = self.counts.get(rec[5])
+                    if c is not None:
+                        c["written"] += 1
+                self.spool.acked(done)
+                if said:
+                    log.warning("nats %s: publishing again (%d frames waiting)", self.url, self.spool.depth())
+                self.state, said, backoff = "ok", None, 0.5
+            except Exception as err:   # unreachable, no stream yet, a timeout: the frames wait in the spool
+                kind = f"{type(err).__name__}: {err}"[:200]
+                if kind != said:
+                    log.warning("nats %s: %s; frames wait in the spool (%d now)", self.url, kind, self.spool.depth())
+                said, self.state = kind, f"waiting: {type(err).__name__}"
+                if nc is not None:
+                    try:
+                        await nc.close()
+                    except Exception:
+                        pass
+                    nc = None
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+        if nc is not None:
+            try:
+                await nc.drain()
+            except Exception:
+                pass
+
+
+class JobHandle:
+    """One job's view of the shared NatsSink: write() through it, its own counters for the self probe; close() is
+    a no-op (the agent closes the sink when it stops)."""
+
+    def __init__(self, sink: NatsSink, job: str):
+        self.sink, self.job = sink, job
+        self.name = f"{sink.name}"
+
+    def write(self, frame: dict, data: bytes) -> None:
+        self.sink.write(frame, data)
+
+    def stats(self) -> dict:
+        return self.sink.job_stats(self.job)
+
+    def close(self) -> None:
+        self.sink.counts.pop(self.job, None)   # the job is gone; the spool still holds its frames until acked
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.sink.name}, {self.job})"

@@ -1,0 +1,243 @@
+"""`jobprobe controller`: the frames of every node, from NATS JetStream into the store, none lost, none twice.
+
+Agents publish each frame to `jobprobe.frames.<node>` (exporters/nats.py). The controller keeps a stream on those
+subjects (JOBPROBE: file storage, a 2-minute duplicate window, frames kept until acked by the controller or a week
+old) and reads it through a durable pull consumer, in batches: each frame is decoded and validated (the schema, and
+its `node` against the subject it came on), the batch is committed to the store, and only then acked. A controller
+killed at any moment loses nothing (what was not acked is delivered again) and stores nothing twice (the store's
+key is (node, job, run, seq)). A frame that is not valid is refused, counted and logged (`rejects`), and acked:
+it will never become valid.
+
+Freshness: per node, the newest sample and when it arrived. A node silent for 3 of its intervals gets a `node_lost`
+event for each of its jobs; its next frame a `node_back`.
+
+With no --nats the controller starts a `nats-server` with JetStream in its data directory, listening on --listen:
+one command for a small cluster.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jobprobe.errors import BadInput
+from jobprobe.frame import MalformedFrame, decode
+from jobprobe.store import Store
+
+log = logging.getLogger("jobprobe.controller")
+
+STREAM = "JOBPROBE"
+SUBJECTS = "jobprobe.frames.>"
+DURABLE = "controller"
+BATCH = 512
+LOST_AFTER = 3          # intervals of silence before a node is lost
+MAX_FRAME = 1 << 20     # bytes; the server's max_payload too
+
+
+@dataclass
+class NodeState:
+    interval: float = 1.0
+    last: float = 0.0                     # when its last frame arrived (controller clock, UNIX s)
+    lost: bool = False
+    jobs: dict[str, float] = field(default_factory=dict)   # job → when last seen
+
+
+def safe_token(s: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s) or "_"
+
+
+class Controller:
+    def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None):
+        self.store, self.url, self.retention_s, self.creds = store, nats_url, retention_s, creds
+        self.nodes: dict[str, NodeState] = {}
+        self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
+        self.stop_event = asyncio.Event()
+
+    # ---- one message -------------------------------------------------------------------------------------
+    def check(self, subject: str, data: bytes) -> dict:
+        """The frame in a message, or MalformedFrame saying why it is refused."""
+        if len(data) > MAX_FRAME:
+            raise MalformedFrame(f"{len(data)} bytes: larger than {MAX_FRAME}")
+        frame = decode(data)
+        if not subject.startswith("jobprobe.frames.") or safe_token(frame["node"]) != subject.rsplit(".", 1)[1]:
+            raise MalformedFrame(f"node {frame['node']!r} on subject {subject!r}: a node publishes its own frames")
+        return frame
+
+    def take(self, msgs: list[Any]) -> list[dict]:
+        """Validate a batch; refuse what is not a frame. Returns the frames to store."""
+        good = []
+        for m in msgs:
+            try:
+                good.append(self.check(m.subject, m.data))
+            except MalformedFrame as err:
+                node = m.subject.rsplit(".", 1)[-1] if m.subject.startswith("jobprobe.frames.") else None
+                self.store.reject(m.subject, node, str(err), len(m.data))
+                self.counts["rejected"] += 1
+                log.warning("refused a frame on %s: %s", m.subject, err)
+        return good
+
+    def seen(self, frames: list[dict], now: float) -> list[dict]:
+        """Freshness upkeep; returns the node_back events the frames call for."""
+        out = []
+        for f in frames:
+            st = self.nodes.setdefault(f["node"], NodeState())
+            if f["kind"] == "hello" and isinstance(f.get("interval"), (int, float)) and f["interval"] > 0:
+                st.interval = float(f["interval"])
+            if st.lost:
+                st.lost = False
+                out += [self.node_event(f["node"], job, "node_back", now, silent_s=round(now - st.last, 3))
+                        for job in st.jobs]
+                log.warning("node %s is back", f["node"])
+            st.last = now
+            st.jobs[f["job"]] = now
+        return out
+
+    def lost_nodes(self, now: float) -> list[dict]:
+        out = []
+        for node, st in self.nodes.items():
+            if not st.lost and st.last and now - st.last > LOST_AFTER * st.interval:
+                st.lost = True
+                # its jobs of the last hour
+                st.jobs = {j: t for j, t in st.jobs.items() if now - t < 3600}
+                out += [self.node_event(node, job, "node_lost", now, silent_s=round(now - st.last, 3))
+                        for job in st.jobs]
+                log.warning("node %s lost: silent for %.1f s", node, now - st.last)
+        return out
+
+    def node_event(self, node: str, job: str, name: str, now: float, **body: Any) -> dict:
+        return {"v": 1, "kind": "event", "node": node, "job": job, "run": "controller",
+                "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name, **body}
+
+    # ---- the loop ----------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        import nats
+        from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+        from nats.js.errors import NotFoundError
+        async def said(err: Exception) -> None:   # the client's own reports: one line, not a traceback
+            log.warning("nats: %s: %s", type(err).__name__, err)
+        opts: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")], "connect_timeout": 2,
+                                "reconnect_time_wait": 0.5, "max_reconnect_attempts": -1, "name": "jobprobe-controller",
+                                "error_cb": said}
+        if self.creds:
+            opts["user_credentials"] = self.creds
+        nc = await nats.connect(**opts)
+        js = nc.jetstream()
+        config = StreamConfig(name=STREAM, subjects=[SUBJECTS], duplicate_window=120.0, max_age=7 * 86400.0,
+                              max_msg_size=MAX_FRAME)
+        try:
+            await js.stream_info(STREAM)
+            await js.update_stream(config)
+        except NotFoundError:
+            await js.add_stream(config)
+        sub = await js.pull_subscribe(SUBJECTS, durable=DURABLE, stream=STREAM,
+                                      config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                                                            max_ack_pending=20 * BATCH))
+        log.warning("controller: consuming %s from %s into %s", SUBJECTS, self.url, self.store.path)
+        next_sweep = time.time() + 60
+        while not self.stop_event.is_set():
+            try:
+                msgs = await sub.fetch(BATCH, timeout=0.5)
+            except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                msgs = []
+            except Exception as err:       # the server restarting: the client reconnects
+                log.warning("fetch: %s: %s", type(err).__name__, err)
+                await asyncio.sleep(0.5)
+                msgs = []
+            now = time.time()
+            frames = self.take(msgs) if msgs else []
+            extra = self.seen(frames, now) + self.lost_nodes(now)
+            if frames or extra:
+                stored, dup = self.store.add(frames + extra, received=now)
+                self.counts["stored"] += stored
+                self.counts["duplicates"] += dup
+            for m in msgs:                 # only now: what is acked is in the store
+                await m.ack()
+            if now > next_sweep:
+                self.store.forget_before(now - self.retention_s)
+                next_sweep = now + 60
+        await nc.close()          # everything taken was acked; what was not is delivered again next time
+
+
+class LocalNats:
+    """A nats-server with JetStream, our child, its data under `data_dir` (the controller's one-command mode)."""
+
+    def __init__(self, data_dir: str | Path, listen: str = "127.0.0.1:4222"):
+        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        if not os.path.exists(exe):
+            raise BadInput("nats-server is not installed (Debian package nats-server; scripts/setup.sh installs it)")
+        host, _, port = listen.rpartition(":")
+        if not port.isdigit():
+            raise BadInput(f"--listen {listen!r}: give HOST:PORT")
+        self.url = f"nats://{host or '127.0.0.1'}:{port}"
+        d = Path(data_dir, "nats")
+        d.mkdir(parents=True, exist_ok=True)
+        conf = Path(data_dir, "nats-server.conf")
+        conf.write_text(f'listen: "{host or "127.0.0.1"}:{port}"\nmax_payload: {MAX_FRAME}\n'
+                        f'jetstream {{\n  store_dir: "{d}"\n}}\n')
+        self.log = open(Path(data_dir, "nats-server.log"), "ab")
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 10.0) -> None:
+        import socket
+        host, port = self.url[len("nats://"):].rsplit(":", 1)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise BadInput(f"nats-server exited with code {self.proc.returncode} (see its log)")
+            try:
+                socket.create_connection((host, int(port)), timeout=0.5).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise BadInput(f"nats-server did not listen on {self.url} within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def stats(store: Store, now: float | None = None) -> dict[str, Any]:
+    """Freshness and delivery, per node, from the store: the newest sample's age now, how late samples arrived
+    (received − t: median and p99 over the last 10 minutes), the longest gap between two samples of one job's run
+    (from their own times), frames stored / duplicates / rejected, and frames dropped at the source (the agents'
+    self.sink_dropped)."""
+    now = time.time() if now is None else now
+    nodes: dict[str, dict[str, Any]] = {}
+    _, rows = store.sql("SELECT node, frames, duplicates, rejected, newest_t, last_received FROM delivery")
+    for node, frames, dups, rejected, newest, last in rows:
+        nodes[node] = {"frames": frames, "duplicates": dups, "rejected": rejected,
+                       "newest_sample_age_s": round(now - newest, 3) if newest else None,
+                       "last_received_age_s": round(now - last, 3) if last else None}
+    _, rows = store.sql("SELECT node, received - t FROM samples WHERE received > ? ORDER BY node", (now - 600,))
+    lat: dict[str, list[float]] = {}
+    for node, d in rows:
+        lat.setdefault(node, []).append(d)
+    for node, xs in lat.items():
+        xs.sort()
+        nodes.setdefault(node, {})["arrival_delay_s"] = {"median": round(xs[len(xs) // 2], 3),
+                                                         "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
+                                                         "n": len(xs)}
+    _, rows = store.sql("SELECT node, MAX(gap) FROM (SELECT node, t - LAG(t) OVER (PARTITION BY node, job, run "
+                        "ORDER BY seq) AS gap FROM samples) GROUP BY node")
+    for node, gap in rows:
+        nodes.setdefault(node, {})["longest_gap_s"] = round(gap, 3) if gap is not None else None
+    _, rows = store.sql("SELECT node, SUM(COALESCE(json_extract(body, '$.probes.self.sink_dropped'), 0)) FROM samples "
+                        "GROUP BY node")
+    for node, dropped in rows:
+        nodes.setdefault(node, {})["dropped_at_source"] = int(dropped or 0)
+    _, rows = store.sql("SELECT COUNT(*) FROM rejects")
+    return {"t": now, "nodes": nodes, "rejected_total": rows[0][0]}

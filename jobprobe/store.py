@@ -1,0 +1,126 @@
+"""The controller's store: every frame of every node, in SQLite.
+
+Why SQLite: it is in Python's standard library (nothing to install or run), one file, and in WAL mode readers
+(`jobprobe query`, `jobprobe controller stats`) read a consistent snapshot while the controller writes — the one
+concurrency this store needs (a single writer). Its JSON functions query frame fields without a schema per probe:
+`json_extract(body, '$.probes.cgroup.cpu_user_ns')`. At the controller's rate (docs/PERFORMANCE.md) one file holds
+days of a large cluster; retention by age keeps it bounded.
+
+Tables and views:
+- `frames(node, job, run, seq, kind, t, dt, received, body)` — every stored frame, keyed by (node, job, run, seq):
+  storing a frame twice is impossible, so a resend or a redelivery after a controller crash is a no-op. `t`: the
+  frame's own time (end of its interval, UNIX s); `received`: when the controller stored it; `body`: the whole frame
+  as JSON.
+- `samples`, `events` (views of frames; `events.event` is the event's name): what queries mostly want.
+- `rejects(received, subject, node, reason, size)` — frames refused (malformed, wrong node for the subject).
+- `delivery(node, …)` — per node: frames stored, duplicates, rejected, newest frame time, last received, lost.
+Controller-made events (`node_lost`, `node_back`) are frames of run `controller` in `frames`.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS frames(
+    node TEXT NOT NULL, job TEXT NOT NULL, run TEXT NOT NULL, seq INTEGER NOT NULL,
+    kind TEXT NOT NULL, t REAL NOT NULL, dt REAL NOT NULL, received REAL NOT NULL, body TEXT NOT NULL,
+    PRIMARY KEY (node, job, run, seq)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS frames_t ON frames(t);
+CREATE INDEX IF NOT EXISTS frames_job ON frames(job, t);
+CREATE VIEW IF NOT EXISTS samples AS
+    SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
+CREATE VIEW IF NOT EXISTS events AS
+    SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
+    WHERE kind = 'event';
+CREATE TABLE IF NOT EXISTS rejects(received REAL NOT NULL, subject TEXT, node TEXT, reason TEXT NOT NULL,
+    size INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NULL DEFAULT 0,
+    duplicates INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0, newest_t REAL, last_received REAL,
+    lost INTEGER NOT NULL DEFAULT 0);
+"""
+
+
+class Store:
+    def __init__(self, path: str | Path, readonly: bool = False):
+        self.path = str(path)
+        if readonly:
+            if not Path(self.path).exists():
+                raise FileNotFoundError(f"no store at {self.path}")
+            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
+        else:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(self.path, timeout=30)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
+            self.db.executescript(SCHEMA)
+            self.db.commit()
+
+    # ---- writing (the controller) --------------------------------------------------------------------------
+    def add(self, frames: Iterable[dict], received: float | None = None) -> tuple[int, int]:
+        """Store frames in one transaction: (stored, duplicates). The caller acks them after this returns."""
+        now = time.time() if received is None else received
+        stored = dup = 0
+        per_node: dict[str, list[float]] = {}
+        with self.db:
+            for f in frames:
+                cur = self.db.execute(
+                    "INSERT OR IGNORE INTO frames VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (f["node"], f["job"], f.get("run", ""), f["seq"], f["kind"], float(f["t"]), float(f["dt"]), now,
+                     json.dumps(f, separators=(",", ":"), default=str)))
+                n = per_node.setdefault(f["node"], [0, 0, 0.0])
+                if cur.rowcount:
+                    stored += 1
+                    n[0] += 1
+                    if f["kind"] == "sample":
+                        n[2] = max(n[2], float(f["t"]))
+                else:
+                    dup += 1
+                    n[1] += 1
+            for node, (ok, dups, newest) in per_node.items():
+                self.db.execute(
+                    "INSERT INTO delivery(node, frames, duplicates, newest_t, last_received) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT(node) DO UPDATE SET frames = frames + excluded.frames, "
+                    "duplicates = duplicates + excluded.duplicates, "
+                    "newest_t = MAX(COALESCE(newest_t, 0), COALESCE(excluded.newest_t, 0)), "
+                    "last_received = excluded.last_received",
+                    (node, ok, dups, newest or None, now))
+        return stored, dup
+
+    def reject(self, subject: str, node: str | None, reason: str, size: int) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO rejects VALUES (?, ?, ?, ?, ?)", (time.time(), subject, node, reason[:500],
+                                                                            size))
+            if node:
+                self.db.execute("INSERT INTO delivery(node, rejected) VALUES (?, 1) ON CONFLICT(node) DO UPDATE "
+                                "SET rejected = rejected + 1", (node,))
+
+    def next_controller_seq(self, node: str, job: str) -> int:
+        row = self.db.execute("SELECT MAX(seq) FROM frames WHERE node = ? AND job = ? AND run = 'controller'",
+                              (node, job)).fetchone()
+        return 0 if row[0] is None else row[0] + 1
+
+    def forget_before(self, t: float) -> int:
+        """Retention: frames older than t (their own time) go. How many."""
+        with self.db:
+            return self.db.execute("DELETE FROM frames WHERE t < ?", (t,)).rowcount
+
+    # ---- reading ---------------------------------------------------------------------------------------
+    def sql(self, query: str, params: Iterable[Any] = ()) -> tuple[list[str], list[tuple]]:
+        cur = self.db.execute(query, tuple(params))
+        cols = [d[0] for d in cur.description or ()]
+        return cols, cur.fetchall()
+
+    def field(self, job: str, field: str, node: str | None = None) -> tuple[list[str], list[tuple]]:
+        """One probe field of a job's samples over time: `cgroup.cpu_user_ns` is probes.cgroup.cpu_user_ns."""
+        if not all(part.replace("_", "").replace("-", "").isalnum() for part in field.split(".")):
+            raise ValueError(f"not a field name: {field!r} (probe.field, e.g. cgroup.cpu_user_ns)")
+        q = ("SELECT node, run, seq, t, dt, json_extract(body, ?) AS value FROM samples WHERE job = ?"
+             + (" AND node = ?" if node else "") + " ORDER BY t, node")
+        return self.sql(q, [f"$.probes.{field}", job] + ([node] if node else []))
+
+    def close(self) -> None:
+        self.db.close()

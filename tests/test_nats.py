@@ -1,0 +1,331 @@
+"""Frames leave the node: agents publish to a real nats-server (JetStream) started here on loopback, a real
+`jobprobe controller` stores them. Each agent also writes its frames to a file (--out): the independent record of
+what was produced, against which the store is checked frame by frame — every (node, job, run, seq), none twice.
+Faults: the controller SIGKILLed mid-run, the NATS server down for 20 s, the spool's bound reached."""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+
+from conftest import IS_ROOT
+from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, encode
+
+REPO = Path(__file__).resolve().parents[1]
+JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
+NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
+need_nats = pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(cond, timeout: float, what: str):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+class NatsServer:
+    def __init__(self, base: Path):
+        self.base, self.port = base, free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        conf = self.base / "nats.conf"
+        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n')
+        self.proc = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(self.listening, 10, "nats-server to listen")
+
+    def listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+class Site:
+    """A NATS server, a controller, agents (each its own node name, spool and control socket), all real."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.nats = NatsServer(tmp)
+        self.store = tmp / "store.db"
+        self.controller: subprocess.Popen | None = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.sleepers: list[subprocess.Popen] = []
+
+    def start_controller(self) -> None:
+        self.controller = subprocess.Popen([*JOBPROBE, "controller", "--nats", self.nats.url, "--store",
+                                            str(self.store)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                           stderr=open(self.tmp / "controller.log", "ab"))
+        wait_for(lambda: "consuming" in (self.tmp / "controller.log").read_text(), 30, "the controller to consume")
+
+    def start_agent(self, node: str, spool_mb: float = 64) -> None:
+        d = self.tmp / node
+        d.mkdir(exist_ok=True)
+        self.agents[node] = subprocess.Popen(
+            [*JOBPROBE, "agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
+             "--spool-max-mb", str(spool_mb), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
+             "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"], cwd=REPO,
+            stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
+        from jobprobe.control import call
+
+        def up():
+            try:
+                return call(str(d / "agent.sock"), {"cmd": "status"})
+            except Exception:
+                return None
+        wait_for(up, 60, f"agent {node}")
+        sleeper = subprocess.Popen(["sleep", "600"])
+        self.sleepers.append(sleeper)
+        r = call(str(d / "agent.sock"), {"cmd": "attach", "pid": sleeper.pid, "job": f"job-{node}"})
+        assert r["ok"], r
+
+    def status(self, node: str) -> dict:
+        from jobprobe.control import call
+        return call(str(self.tmp / node / "agent.sock"), {"cmd": "status"})
+
+    def stop_agents(self) -> None:
+        for p in self.agents.values():
+            p.send_signal(signal.SIGTERM)
+        for p in self.agents.values():
+            p.wait(timeout=60)
+
+    def produced(self) -> set[tuple]:
+        """(node, job, run, seq) of every frame the agents wrote to their files."""
+        out = set()
+        for node in self.agents:
+            for path in (self.tmp / node / "out").glob("*.mpk"):
+                with open(path, "rb") as f:
+                    out |= {(fr["node"], fr["job"], fr["run"], fr["seq"]) for fr in StreamReader(f)}
+        return out
+
+    def stored(self) -> list[tuple]:
+        if not self.store.exists():
+            return []
+        db = sqlite3.connect(f"file:{self.store}?mode=ro", uri=True)
+        try:
+            return db.execute("SELECT node, job, run, seq FROM frames WHERE run != 'controller'").fetchall()
+        except sqlite3.OperationalError:
+            return []
+        finally:
+            db.close()
+
+    def close(self) -> None:
+        for p in self.agents.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if self.controller is not None and self.controller.poll() is None:
+            self.controller.terminate()
+            self.controller.wait(timeout=30)
+        for s in self.sleepers:
+            s.kill()
+            s.wait()
+        self.nats.stop()
+
+
+@pytest.fixture
+def site(tmp_path):
+    s = Site(tmp_path)
+    s.nats.start()
+    yield s
+    s.close()
+
+
+def complete(site: Site, timeout: float = 30) -> set[tuple]:
+    """Wait until the store holds every frame the agents wrote; then no frame twice and no gap."""
+    want = site.produced()
+    assert want
+    wait_for(lambda: set(site.stored()) >= want, timeout, f"the store to hold all {len(want)} frames")
+    rows = site.stored()
+    assert len(rows) == len(set(rows)) and set(rows) == want
+    runs: dict[tuple, list[int]] = {}
+    for node, job, run, seq in rows:
+        runs.setdefault((node, job, run), []).append(seq)
+    assert all(sorted(s) == list(range(len(s))) for s in runs.values())
+    return want
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_three_nodes_every_frame_arrives_across_a_controller_killed_mid_run(site):
+    site.start_controller()
+    for node in ("n1", "n2", "n3"):
+        site.start_agent(node)
+    time.sleep(2)
+    site.controller.send_signal(signal.SIGKILL)   # mid-run, mid-batch perhaps: nothing acked that is not stored
+    site.controller.wait()
+    time.sleep(2)
+    site.start_controller()
+    time.sleep(2)
+    site.stop_agents()                           # each job's last frame, then the spool is flushed
+    got = complete(site)
+    assert {n for n, *_ in got} == {"n1", "n2", "n3"} and len(got) > 3 * 20
+    res = subprocess.run([*JOBPROBE, "controller", "stats", "--store", str(site.store), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    import json
+    st = json.loads(res.stdout)
+    for node in ("n1", "n2", "n3"):
+        n = st["nodes"][node]
+        assert n["dropped_at_source"] == 0 and n["rejected"] == 0
+        # the longest gap between two samples of one job, from the frames' own times
+        assert 0.2 < n["longest_gap_s"] < 1.0, n
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_the_nats_server_down_for_20_s_the_spool_holds_then_every_frame_arrives(site):
+    site.start_controller()
+    site.start_agent("n1")
+    time.sleep(1.5)
+    site.nats.stop()
+    time.sleep(20)
+    st = site.status("n1")
+    (job,) = st["jobs"]
+    nats_sink = next(v for k, v in job["sinks"].items() if k.startswith("nats:"))
+    assert nats_sink["depth"] >= 60 and nats_sink["dropped"] == 0, nats_sink   # 20 s at 4 frames/s, waiting
+    site.nats.start()
+    time.sleep(2)
+    site.stop_agents()
+    complete(site, timeout=60)
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
+    site.start_controller()
+    site.start_agent("n1", spool_mb=0.02)       # 20 KiB: a few dozen frames
+    time.sleep(1)
+    site.nats.stop()
+    time.sleep(12)
+    dropped = next(v for k, v in site.status("n1")["jobs"][0]["sinks"].items() if k.startswith("nats:"))["dropped"]
+    assert dropped > 0
+    site.nats.start()
+    time.sleep(2)
+    st = site.status("n1")
+    dropped = next(v for k, v in st["jobs"][0]["sinks"].items() if k.startswith("nats:"))["dropped"]
+    site.stop_agents()
+    want = site.produced()
+    wait_for(lambda: len(site.stored()) >= len(want) - dropped, 30, "what was not dropped to arrive")
+    time.sleep(1)
+    missing = want - set(site.stored())
+    assert len(missing) == dropped, (len(missing), dropped)
+    log = (site.tmp / "n1" / "agent.log").read_text()
+    assert "spool" in log and "dropped" in log
+
+
+# ---- unit: the controller's checks, the spool ---------------------------------------------------------------
+def frame(node="n1", job="j", seq=0, **extra) -> dict:
+    b = FrameBuilder(node, job, run="r1")
+    return {**b.sample(time.time(), 1.0, {"cgroup": {"cpu_user_ns": 1}}, {"cgroup": "ok"}), "seq": seq, **extra}
+
+
+def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_stored(tmp_path):
+    from jobprobe.controller import Controller
+    from jobprobe.store import Store
+    store = Store(tmp_path / "s.db")
+    ctl = Controller(store, "nats://unused")
+    rng = random.Random(7)
+    good = encode(frame())
+    huge = msgpack.packb({str(k): k for k in range(200_000)})
+    assert len(huge) > 1 << 20
+    msgs, n_good = [], 0
+    for i in range(1000):
+        kind = i % 8
+        if kind == 0:
+            data = good[:rng.randrange(1, len(good))]                      # truncated
+        elif kind == 1:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))   # noise
+        elif kind == 2:
+            data = encode(frame(seq="x"))                                   # wrong type
+        elif kind == 3:
+            data = encode(frame(kind="bogus"))                              # unknown kind
+        elif kind == 4:
+            data = huge                                                     # a map past the size bound
+        elif kind == 5:
+            data = encode(frame(node="n2"))                                 # another node's frame on n1's subject
+        elif kind == 6:
+            data = encode([1, 2, 3])                                        # not a map
+        else:
+            data = encode(frame(seq=i))                                     # a good one
+            n_good += 1
+        msgs.append(SimpleNamespace(subject="jobprobe.frames.n1", data=data))
+    frames = ctl.take(msgs)
+    store.add(frames)
+    assert len(frames) == n_good and ctl.counts["rejected"] == 1000 - n_good
+    db = sqlite3.connect(tmp_path / "s.db")
+    assert db.execute("SELECT COUNT(*) FROM rejects").fetchone()[0] == 1000 - n_good
+    assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == n_good
+    assert db.execute("SELECT rejected FROM delivery WHERE node = 'n1'").fetchone()[0] == 1000 - n_good
+    with pytest.raises(MalformedFrame, match="a node publishes its own frames"):
+        ctl.check("jobprobe.frames.n1", encode(frame(node="n2")))
+    # stored twice: once
+    assert store.add([frame(seq=7)]) == (0, 1)
+
+
+def test_node_lost_after_three_silent_intervals_and_back(tmp_path):
+    from jobprobe.controller import Controller
+    from jobprobe.store import Store
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+    hello = {**frame(), "kind": "hello", "interval": 2.0}
+    assert ctl.seen([hello, frame(seq=1)], now=100.0) == []
+    assert ctl.lost_nodes(now=105.9) == []                              # 2.95 intervals
+    (lost,) = ctl.lost_nodes(now=106.1)
+    assert (lost["event"], lost["node"], lost["job"], lost["silent_s"]) == ("node_lost", "n1", "j", 6.1)
+    assert ctl.lost_nodes(now=200.0) == []                              # once
+    (back,) = ctl.seen([frame(seq=2)], now=210.0)
+    assert back["event"] == "node_back" and back["silent_s"] == 110.0
+
+
+def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bound(tmp_path):
+    from jobprobe.exporters.nats import Spool
+    sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)
+    for i in range(10):
+        sp.append(f"id{i}", "s", "j", b"x" * 100)
+    sp.acked(sp.take(4))
+    sp.close()
+    sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)   # a new agent
+    assert [r[3] for r in sp.peek(100)] == [f"id{i}" for i in range(4, 10)]
+    for i in range(10, 2000):
+        sp.append(f"id{i}", "s", "j", b"x" * 100)
+    left = [r[3] for r in sp.peek(10_000)]
+    assert len(left) + sp.lost["j"] == 2000 - 4                         # every frame: waiting, or counted lost
+    assert left == [f"id{i}" for i in range(2000 - len(left), 2000)]     # the newest kept, in order
+    assert sum(p.stat().st_size for p in (tmp_path / "sp").glob("seg-*")) <= (64 << 10) + (16 << 10)
+    # frames handed to the server and not yet acked are never the ones dropped: they may be in the stream already
+    sent = sp.take(3)
+    for i in range(2000, 4000):
+        sp.append(f"id{i}", "s", "j", b"x" * 100)
+    assert sp.peek(3) == sent and sp.inflight == 3
+    sp.acked(sent)
+    assert sp.inflight == 0 and sent[0] not in sp.peek(10)
