@@ -43,6 +43,32 @@ def safe_token(s: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in s) or "_"
 
 
+def auth_options(creds: str | None = None, ca: str | None = None, cert: str | None = None,
+                 key: str | None = None) -> dict[str, Any]:
+    """nats-py connect options for a credentials file and TLS. The file, by its name: `*.creds` a JWT and nkey
+    (decentralized auth), `*.nk` an nkey seed, else one line `user:password` (a per-node user whose permissions, on
+    the server, allow publishing on its own subject only — docs/DEPLOY.md). Its contents never appear on a command
+    line (ps)."""
+    opts: dict[str, Any] = {}
+    if creds:
+        if creds.endswith(".creds"):
+            opts["user_credentials"] = creds
+        elif creds.endswith(".nk"):
+            opts["nkeys_seed"] = creds
+        else:
+            user, sep, password = Path(creds).read_text().strip().partition(":")
+            if not sep or not user:
+                raise ValueError(f"{creds}: expected one line user:password")
+            opts["user"], opts["password"] = user, password
+    if ca or cert:
+        import ssl
+        ctx = ssl.create_default_context(cafile=ca)
+        if cert:
+            ctx.load_cert_chain(cert, key)
+        opts["tls"] = ctx
+    return opts
+
+
 def msg_id(frame: dict) -> str:
     return f"{frame['node']}/{frame['job']}/{frame.get('run', '')}/{frame['seq']}"
 
@@ -179,6 +205,7 @@ class NatsSink:
         self.creds, self.tls = creds, (tls_ca, tls_cert, tls_key)
         self.counts: dict[str, dict[str, int]] = {}      # job → queued, written (acked), errors
         self.state = "connecting"
+        self.server_said: str | None = None
         self.closing = threading.Event()
         self.loop = asyncio.new_event_loop()
         self.wake: asyncio.Event | None = None
@@ -232,19 +259,11 @@ class NatsSink:
         # later, behind the spool's back. The loop below connects again itself, and sends from the spool.
         opts: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")], "connect_timeout": 2,
                                 "allow_reconnect": False, "name": f"jobprobe-agent {os.uname().nodename}"}
-        if self.creds:
-            opts["user_credentials"] = self.creds
-        ca, cert, key = self.tls
-        if ca or cert:
-            import ssl
-            ctx = ssl.create_default_context(cafile=ca)
-            if cert:
-                ctx.load_cert_chain(cert, key)
-            opts["tls"] = ctx
+        opts.update(auth_options(self.creds, *self.tls))
 
-        async def quiet(err):   # the client's own callback: said once per state change below, not per retry
-            pass
-        return await nats.connect(error_cb=quiet, **opts)
+        async def noted(err):   # the server's own complaints (a permission refused): said with the next failure
+            self.server_said = f"{type(err).__name__}: {err}"[:200]
+        return await nats.connect(error_cb=noted, **opts)
 
     async def _main(self) -> None:
         self.wake = asyncio.Event()
@@ -279,6 +298,8 @@ class NatsSink:
                 self.state, said, backoff = "ok", None, 0.5
             except Exception as err:   # unreachable, no stream yet, a timeout: the frames wait in the spool
                 kind = f"{type(err).__name__}: {err}"[:200]
+                if self.server_said:
+                    kind, self.server_said = f"{kind} (the server said {self.server_said})", None
                 if kind != said:
                     log.warning("nats %s: %s; frames wait in the spool (%d now)", self.url, kind, self.spool.depth())
                 said, self.state = kind, f"waiting: {type(err).__name__}"

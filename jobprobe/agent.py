@@ -112,7 +112,7 @@ class Config:
     nats: str | None = None             # nats://HOST:PORT[,…]: every job's frames to the controller's JetStream
     spool: str = "/var/lib/jobprobe/spool"   # frames waiting for the NATS server's ack, on disk
     spool_max_mb: float = 256.0         # past this the oldest unacked frames go (counted, logged)
-    nats_creds: str | None = None       # a NATS credentials file (nkey + JWT) for this node
+    nats_creds: str | None = None       # this node's NATS credentials: .creds (JWT + nkey), .nk seed, or user:password
     nats_ca: str | None = None          # TLS: the CA of the NATS servers' certificates
     node: str | None = None             # this node's name in frames (default: the short host name)
 

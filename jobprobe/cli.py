@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "JetStream (comma-separate several servers)")
     ag.add_argument("--spool", metavar="DIR", help="frames waiting for the NATS server (default /var/lib/jobprobe/spool)")
     ag.add_argument("--spool-max-mb", type=float, metavar="MB", help="the spool's bound (default 256)")
-    ag.add_argument("--nats-creds", metavar="FILE", help="this node's NATS credentials (nkey + JWT)")
+    ag.add_argument("--nats-creds", metavar="FILE", help="this node's NATS credentials: a .creds (JWT + nkey), a .nk "
+                    "seed, or a file holding user:password")
     ag.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
     ag.add_argument("--node", metavar="NAME", help="this node's name in frames (default: the short host name)")
 
@@ -101,7 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="its nats-server's data and the default store (default /var/lib/jobprobe/controller)")
     co.add_argument("--store", metavar="PATH", help="the store (default DATA/store.db)")
     co.add_argument("--retention-days", type=float, default=7.0, metavar="D", help="frames older go (default 7)")
-    co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials")
+    co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials (as the agent's --nats-creds)")
+    co.add_argument("--ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
+    co.add_argument("--replicas", type=int, default=1, metavar="N",
+                    help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
 
     qu = sub.add_parser("query", help="read the controller's store: SQL, or one field of a job over time",
@@ -178,7 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     ba.add_argument("--cycles", type=int, default=1000)
     ba.add_argument("--probes", default="std", help="the agent's --probes (default: standard collection)")
     ba.add_argument("--no-peer", action="store_true", help="without bcc's runqlat beside it")
+    ba.add_argument("--nats", action="store_true", help="the agent also sends its frames to a local nats-server and "
+                    "controller (the NATS sink's cost included)")
     ba.add_argument("--json", metavar="FILE")
+
+    bc = bsub.add_parser("controller", help="one controller against simulated nodes: keeps up at N nodes, its "
+                         "ceiling in frames/s per core, a node's bytes on the wire")
+    bc.add_argument("--nodes", type=int, default=2000)
+    bc.add_argument("--seconds", type=float, default=30.0)
+    bc.add_argument("--burst-frames", type=int, default=60_000)
+    bc.add_argument("--json", metavar="FILE")
 
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
@@ -451,7 +464,8 @@ def cmd_controller(args) -> int:
         local.wait()
         url = local.url
     store = Store(path)
-    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds)
+    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds, ca=args.ca,
+                     replicas=args.replicas)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -572,10 +586,18 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
         if not counts or min(counts) < 1 or max(counts) > 64:
             raise BadInput("--jobs: each between 1 and 64 (the node's job slots)")
         res = agent_bench.bench_agent(counts, args.n, args.idle_seconds, args.cycles, args.probes, not args.no_peer,
-                                      progress=sys.stderr)
+                                      progress=sys.stderr, nats=args.nats)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(agent_bench.markdown(res))
+        return 0
+    if args.bench == "controller":
+        from pathlib import Path
+        from jobprobe.bench import controller as ctl_bench
+        res = ctl_bench.bench_controller(args.nodes, args.seconds, args.burst_frames, progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(ctl_bench.markdown(res))
         return 0
     if not command:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")

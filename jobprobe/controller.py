@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.errors import BadInput
+from jobprobe.exporters.nats import auth_options, safe_token
 from jobprobe.frame import MalformedFrame, decode
 from jobprobe.store import Store
 
@@ -49,13 +50,11 @@ class NodeState:
     jobs: dict[str, float] = field(default_factory=dict)   # job → when last seen
 
 
-def safe_token(s: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s) or "_"
-
-
 class Controller:
-    def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None):
-        self.store, self.url, self.retention_s, self.creds = store, nats_url, retention_s, creds
+    def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
+                 ca: str | None = None, replicas: int = 1):
+        self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
+        self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
         self.stop_event = asyncio.Event()
@@ -118,28 +117,45 @@ class Controller:
     # ---- the loop ----------------------------------------------------------------------------------------
     async def run(self) -> None:
         import nats
-        from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
-        from nats.js.errors import NotFoundError
+
         async def said(err: Exception) -> None:   # the client's own reports: one line, not a traceback
             log.warning("nats: %s: %s", type(err).__name__, err)
         opts: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")], "connect_timeout": 2,
                                 "reconnect_time_wait": 0.5, "max_reconnect_attempts": -1, "name": "jobprobe-controller",
                                 "error_cb": said}
-        if self.creds:
-            opts["user_credentials"] = self.creds
-        nc = await nats.connect(**opts)
+        opts.update(auth_options(self.creds, self.ca))
+        nc, sub = None, None
+        while sub is None:   # a server still starting, a JetStream cluster still electing its leader: wait
+            try:
+                if nc is None:
+                    nc = await nats.connect(**opts)
+                sub = await self._subscribe(nc)
+            except Exception as err:
+                if self.stop_event.is_set():
+                    return
+                log.warning("controller: %s: %s; trying again", type(err).__name__, err)
+                await asyncio.sleep(1.0)
+        log.warning("controller: consuming %s from %s into %s", SUBJECTS, self.url, self.store.path)
+        await self._consume(nc, sub)
+
+    async def _subscribe(self, nc: Any) -> Any:
+        """The stream (made, or brought to this config) and the durable consumer on it."""
+        from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+        from nats.js.errors import NotFoundError
         js = nc.jetstream()
         config = StreamConfig(name=STREAM, subjects=[SUBJECTS], duplicate_window=120.0, max_age=7 * 86400.0,
-                              max_msg_size=MAX_FRAME)
+                              max_msg_size=MAX_FRAME, num_replicas=self.replicas)
         try:
             await js.stream_info(STREAM)
             await js.update_stream(config)
         except NotFoundError:
             await js.add_stream(config)
-        sub = await js.pull_subscribe(SUBJECTS, durable=DURABLE, stream=STREAM,
-                                      config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-                                                            max_ack_pending=20 * BATCH))
-        log.warning("controller: consuming %s from %s into %s", SUBJECTS, self.url, self.store.path)
+        return await js.pull_subscribe(SUBJECTS, durable=DURABLE, stream=STREAM,
+                                       config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                                                             max_ack_pending=20 * BATCH))
+
+    async def _consume(self, nc: Any, sub: Any) -> None:
+        import nats
         next_sweep = time.time() + 60
         while not self.stop_event.is_set():
             try:

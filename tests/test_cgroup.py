@@ -178,6 +178,7 @@ def run_probe_until_exit(probe, proc, period=0.2):
             total[k] += s[k]
     time.sleep(0.05)
     s = probe.sample()
+    probe.stop()       # (its exit-record subscription too: an undrained one would fill the shared socket)
     for k in total:
         total[k] += s[k]
     return total["cpu_user_ns"] + total["cpu_system_ns"]
@@ -241,6 +242,7 @@ def test_anon_and_file_memory_of_a_job_that_maps_both(make_cgroup, tmp_path, kin
         assert job.stdout.readline().strip() == "ready"
         s = probe.sample()
     finally:
+        probe.stop()
         job.communicate("done\n", timeout=60)
     anon, file = s["mem_anon_bytes"] / 2**20, s["mem_file_bytes"] / 2**20
     print(f"{kind}: mem {s['mem_bytes'] / 2**20:.1f} MiB = anon {anon:.1f} + file {file:.1f} MiB")

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from conftest import IS_ROOT
 from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,9 +49,9 @@ class NatsServer:
         self.url = f"nats://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, auth: str = "") -> None:
         conf = self.base / "nats.conf"
-        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n')
+        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n{auth}')
         self.proc = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self.listening, 10, "nats-server to listen")
 
@@ -80,19 +79,20 @@ class Site:
         self.agents: dict[str, subprocess.Popen] = {}
         self.sleepers: list[subprocess.Popen] = []
 
-    def start_controller(self) -> None:
+    def start_controller(self, creds: Path | None = None) -> None:
         self.controller = subprocess.Popen([*JOBPROBE, "controller", "--nats", self.nats.url, "--store",
-                                            str(self.store)], cwd=REPO, stdout=subprocess.DEVNULL,
-                                           stderr=open(self.tmp / "controller.log", "ab"))
+                                            str(self.store)] + (["--creds", str(creds)] if creds else []), cwd=REPO,
+                                           stdout=subprocess.DEVNULL, stderr=open(self.tmp / "controller.log", "ab"))
         wait_for(lambda: "consuming" in (self.tmp / "controller.log").read_text(), 30, "the controller to consume")
 
-    def start_agent(self, node: str, spool_mb: float = 64) -> None:
+    def start_agent(self, node: str, spool_mb: float = 64, creds: Path | None = None) -> None:
         d = self.tmp / node
         d.mkdir(exist_ok=True)
         self.agents[node] = subprocess.Popen(
             [*JOBPROBE, "agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
              "--spool-max-mb", str(spool_mb), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
-             "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"], cwd=REPO,
+             "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"]
+            + (["--nats-creds", str(creds)] if creds else []), cwd=REPO,
             stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
         from jobprobe.control import call
 
@@ -242,6 +242,91 @@ def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
     assert len(missing) == dropped, (len(missing), dropped)
     log = (site.tmp / "n1" / "agent.log").read_text()
     assert "spool" in log and "dropped" in log
+
+
+AUTH = """authorization {
+  users = [
+    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.n1"], subscribe: ["_INBOX.>"]}}
+    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.n2"], subscribe: ["_INBOX.>"]}}
+    {user: controller, password: s3cret-ctl}
+  ]
+}
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_a_node_publishes_only_its_own_frames_and_a_stranger_is_refused(tmp_path):
+    """Per-node users whose server permissions allow their own subject only: n1 flows; n2's credentials used on
+    another node's subject are refused by the server, and wrong credentials are refused at connect — both logged,
+    nothing of theirs stored — while n1 keeps flowing. (A frame whose `node` is not its subject's node, sent with
+    the right credentials, is the controller's to refuse: test_a_thousand_mutated_frames….)"""
+    site = Site(tmp_path)
+    try:
+        site.nats.start(AUTH)
+        creds = {}
+        for user, pw in (("n1", "s3cret-n1"), ("n2", "s3cret-n2"), ("controller", "s3cret-ctl"), ("bad", "guess")):
+            creds[user] = tmp_path / f"{user}.pass"
+            creds[user].write_text(f"{user if user != 'bad' else 'n1'}:{pw}\n")
+            creds[user].chmod(0o600)
+        site.start_controller(creds["controller"])
+        site.start_agent("n1", creds=creds["n1"])
+        site.start_agent("n1-forged", creds=creds["n2"])    # node name n1-forged: its subject is not n2's
+        site.start_agent("n3", creds=creds["bad"])          # user n1 with a wrong password
+        time.sleep(3)
+        site.stop_agents()
+        n1 = {k for k in site.produced() if k[0] == "n1"}
+        wait_for(lambda: n1 <= set(site.stored()), 30, "n1's frames")
+        assert {r[0] for r in site.stored()} == {"n1"}                # nothing of the others
+        forged = (tmp_path / "n1-forged" / "agent.log").read_text()
+        bad = (tmp_path / "n3" / "agent.log").read_text()
+        assert "frames wait in the spool" in forged and "ermission" in forged, forged
+        assert "frames wait in the spool" in bad and "uthorization" in bad, bad
+    finally:
+        site.close()
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_a_three_server_jetstream_cluster_loses_nothing_when_a_server_dies(tmp_path):
+    """Three nats-servers clustered, the stream replicated on all three (--replicas 3); two nodes publish to the
+    cluster's URLs; the server the controller is not told about first is killed mid-run: every frame arrives."""
+    ports = [(free_port(), free_port()) for _ in range(3)]
+    routes = ", ".join(f"nats://127.0.0.1:{c}" for _, c in ports)
+    servers = []
+    for i, (p, c) in enumerate(ports):
+        d = tmp_path / f"s{i}"
+        d.mkdir()
+        (d / "nats.conf").write_text(f'server_name: s{i}\nlisten: "127.0.0.1:{p}"\njetstream {{ store_dir: "{d}/js" }}\n'
+                                     f'cluster {{ name: jp, listen: "127.0.0.1:{c}", routes: [{routes}] }}\n')
+        servers.append(subprocess.Popen([NATS, "-c", str(d / "nats.conf")], stdout=subprocess.DEVNULL,
+                                        stderr=open(d / "log", "wb")))
+    site = Site(tmp_path)
+    site.nats.url = ",".join(f"nats://127.0.0.1:{p}" for p, _ in ports)
+    try:
+        site.controller = subprocess.Popen([*JOBPROBE, "controller", "--nats", site.nats.url, "--store",
+                                            str(site.store), "--replicas", "3"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                           stderr=open(tmp_path / "controller.log", "ab"))
+        wait_for(lambda: "consuming" in (tmp_path / "controller.log").read_text() or site.controller.poll() is not None,
+                 60, "the controller to make its replicated stream")
+        assert site.controller.poll() is None, (tmp_path / "controller.log").read_text()
+        site.start_agent("n1")
+        site.start_agent("n2")
+        time.sleep(2)
+        servers[2].kill()
+        servers[2].wait()
+        time.sleep(3)
+        site.stop_agents()
+        got = complete(site, timeout=60)
+        assert {n for n, *_ in got} == {"n1", "n2"}
+    finally:
+        site.close()
+        for s in servers:
+            if s.poll() is None:
+                s.terminate()
+                s.wait(timeout=10)
 
 
 # ---- unit: the controller's checks, the spool ---------------------------------------------------------------

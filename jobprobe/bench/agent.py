@@ -56,12 +56,13 @@ def rss(pid: int) -> int:
 
 
 class AgentUnderTest:
-    def __init__(self, work: Path, probes: str, interval: float):
+    def __init__(self, work: Path, probes: str, interval: float, extra: list[str] | None = None):
         self.work, self.sock = work, str(work / "agent.sock")
         self.out = work / "out"
         self.proc = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "agent", "--socket", self.sock,
                                       "--state", str(work / "jobs.json"), "--out", str(self.out), "--interval",
-                                      str(interval), "--probes", probes], stdin=subprocess.DEVNULL,
+                                      str(interval), "--probes", probes] + list(extra or []),
+                                     stdin=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         end = time.monotonic() + 60
         while time.monotonic() < end:
@@ -103,7 +104,9 @@ def per_program(pids: list[int], group: Path, n: int) -> dict[str, dict]:
 
 
 def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: float = 30.0, cycles: int = 1000,
-                probes: str = "std", peer: bool = True, progress=None) -> dict:
+                probes: str = "std", peer: bool = True, progress=None, nats: bool = False) -> dict:
+    """`nats`: the agent also sends every frame to a local nats-server, consumed by a real controller (its CPU and
+    RSS then include the NATS sink and its spool)."""
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted")
@@ -124,7 +127,19 @@ def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: 
         return g
 
     result: dict = {"probes": probes, "n": n, "per_event": {}, "cycles": cycles}
-    agent = AgentUnderTest(work, probes, 1.0)
+    extra: list[str] = []
+    local = controller = None
+    if nats:
+        from jobprobe.bench.controller import free_port
+        from jobprobe.controller import LocalNats
+        local = LocalNats(work / "nats", f"127.0.0.1:{free_port()}")
+        local.wait()
+        controller = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", local.url,
+                                       "--store", str(work / "store.db")], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        extra = ["--send", local.url, "--spool", str(work / "spool")]
+        result["nats"] = True
+    agent = AgentUnderTest(work, probes, 1.0, extra)
     peer_proc = None
     try:
         if peer and shutil.which("runqlat-bpfcc"):
@@ -188,6 +203,11 @@ def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: 
         say(f"{cycles} cycles: fds {fds0} -> {fds1}, programs {progs0} -> {progs1}")
     finally:
         agent.close()
+        if controller is not None:
+            controller.send_signal(signal.SIGTERM)
+            controller.wait(timeout=30)
+        if local is not None:
+            local.stop()
         if peer_proc is not None:
             peer_proc.send_signal(signal.SIGTERM)
             peer_proc.wait(timeout=30)
