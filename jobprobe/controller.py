@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,14 @@ class Controller:
         """The frame in a message, or MalformedFrame saying why it is refused."""
         if len(data) > MAX_FRAME:
             raise MalformedFrame(f"{len(data)} bytes: larger than {MAX_FRAME}")
+        if data[:1] == b"\x78":          # zlib (the agents' default); a msgpack map never starts with 0x78
+            z = zlib.decompressobj()
+            try:
+                data = z.decompress(data, MAX_FRAME + 1)
+            except zlib.error as err:
+                raise MalformedFrame(f"not a zlib stream: {err}") from err
+            if len(data) > MAX_FRAME or z.unconsumed_tail:
+                raise MalformedFrame(f"inflates past {MAX_FRAME} bytes")
         frame = decode(data)
         if not subject.startswith("jobprobe.frames.") or safe_token(frame["node"]) != subject.rsplit(".", 1)[1]:
             raise MalformedFrame(f"node {frame['node']!r} on subject {subject!r}: a node publishes its own frames")

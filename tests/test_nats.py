@@ -13,6 +13,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -324,7 +325,9 @@ def test_a_three_server_jetstream_cluster_loses_nothing_when_a_server_dies(tmp_p
         time.sleep(2)
         servers[2].kill()
         servers[2].wait()
-        time.sleep(3)
+        killed_at = len(site.stored())
+        # the two left elect the stream's new leader (a few seconds); meanwhile frames wait in the spools
+        wait_for(lambda: len(site.stored()) > killed_at + 8, 60, "frames to flow again through the two servers left")
         site.stop_agents()
         got = complete(site, timeout=60)
         assert {n for n, *_ in got} == {"n1", "n2"}
@@ -367,9 +370,12 @@ def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_sto
         elif kind == 5:
             data = encode(frame(node="n2"))                                 # another node's frame on n1's subject
         elif kind == 6:
-            data = encode([1, 2, 3])                                        # not a map
+            data = [encode([1, 2, 3]),                                      # not a map
+                    zlib.compress(b"\0" * (4 << 20)),                      # a zlib bomb: inflates past the bound
+                    b"\x78garbage"][i % 3]                                  # says zlib, is not
         else:
-            data = encode(frame(seq=i))                                     # a good one
+            data = encode(frame(seq=i))                                     # a good one, as agents send it or plain
+            data = zlib.compress(data) if i % 16 == 7 else data
             n_good += 1
         msgs.append(SimpleNamespace(subject="jobprobe.frames.n1", data=data))
     frames = ctl.take(msgs)
