@@ -437,7 +437,6 @@ def cmd_agent(args, host: Host) -> int:
 
 def cmd_controller(args) -> int:
     import asyncio
-    import json
     from jobprobe.controller import Controller, LocalNats, stats
     from jobprobe.store import Store
     path = args.store or os.path.join(args.data, "store.db")
@@ -483,7 +482,6 @@ def cmd_controller(args) -> int:
 
 def cmd_query(args) -> int:
     import csv
-    import json
     import sqlite3
     from jobprobe.store import Store
     try:

@@ -41,6 +41,7 @@ DURABLE = "controller"
 BATCH = 512
 LOST_AFTER = 3          # intervals of silence before a node is lost
 MAX_FRAME = 1 << 20     # bytes; the server's max_payload too
+REJECT_LOG_PER_MIN = 10
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Controller:
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
+        self._reject_window = [0.0, 0]          # (start, refused in it): what was logged this minute
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
         self.stop_event = asyncio.Event()
 
@@ -88,7 +90,15 @@ class Controller:
                 node = m.subject.rsplit(".", 1)[-1] if m.subject.startswith("jobprobe.frames.") else None
                 self.store.reject(m.subject, node, str(err), len(m.data))
                 self.counts["rejected"] += 1
-                log.warning("refused a frame on %s: %s", m.subject, err)
+                now = time.monotonic()
+                if now - self._reject_window[0] > 60:
+                    if self._reject_window[1] > REJECT_LOG_PER_MIN:
+                        log.warning("… and %d more refused frames in that minute (all in rejects)",
+                                    self._reject_window[1] - REJECT_LOG_PER_MIN)
+                    self._reject_window = [now, 0]
+                self._reject_window[1] += 1
+                if self._reject_window[1] <= REJECT_LOG_PER_MIN:   # a flood of bad frames must not flood the log
+                    log.warning("refused a frame on %s: %s", m.subject, err)
         return good
 
     def seen(self, frames: list[dict], now: float) -> list[dict]:

@@ -18,6 +18,16 @@ $jp bench events --json out/bench/events.json | tee out/bench/events.md
 echo "== the node agent with 1, 16, 64 jobs: ns per event beside runqlat, idle cost, attach latency, leaks"
 $jp bench agent --json out/bench/agent.json | tee out/bench/agent.md
 
+echo "== the agent sending to NATS (a local nats-server and controller): idle cost with the sink"
+$jp bench agent --jobs 64 --idle-seconds 30 --cycles 20 --no-peer --nats --json out/bench/agent-nats.json \
+    | tee out/bench/agent-nats.md
+
+echo "== one controller: 2000 simulated nodes, its ceiling, a node's bytes on the wire"
+$jp bench controller --nodes 2000 --json out/bench/controller.json | tee out/bench/controller.md
+
+echo "== the SLURM prolog and epilog: how long they hold a job up"
+.venv/bin/python scripts/prolog_time.py 30 | tee out/bench/prolog.md
+
 echo "== job slowdown per config: paired runs, up to $minutes minutes"
 $jp bench overhead --config std --config std-perf --config std-sched --config cgroup,self \
     --max-minutes "$minutes" --max-runs 400 --json out/bench/overhead.json --markdown out/bench/overhead.md \

@@ -15,13 +15,18 @@ echo
 echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/jobprobe read out/demo.mpk"
 
 echo
-echo "== the node agent: two jobs attached at run time, one set of kernel programs for both"
+echo "== the node agent: two jobs attached at run time, one set of kernel programs for both;"
+echo "   frames also sent over NATS JetStream to a controller (it starts its own nats-server) and its store"
 cg2=$(.venv/bin/python -c 'from jobprobe.host import find_cgroup2_mount; print(find_cgroup2_mount())')
 sock=out/agent.sock
-rm -rf out/agent out/jobs.json
-$sudo_ .venv/bin/jobprobe agent --socket "$sock" --state out/jobs.json --out out/agent --interval 1 &
+nats=nats://127.0.0.1:${DEMO_NATS_PORT:-14222}
+rm -rf out/agent out/jobs.json out/controller out/spool
+.venv/bin/jobprobe controller --data out/controller --listen "${nats#nats://}" 2> out/controller.log &
+controller=$!
+$sudo_ .venv/bin/jobprobe agent --socket "$sock" --state out/jobs.json --out out/agent --interval 1 \
+    --send "$nats" --spool out/spool &
 agent=$!
-trap '$sudo_ kill $agent 2>/dev/null || true' EXIT
+trap '$sudo_ kill $agent 2>/dev/null || true; kill $controller 2>/dev/null || true' EXIT
 for _ in $(seq 100); do .venv/bin/jobprobe status --socket "$sock" >/dev/null 2>&1 && break; sleep 0.1; done
 pids=()
 for j in demo-a demo-b; do
@@ -37,6 +42,13 @@ wait "${pids[@]}"
 sleep 2                                   # each job is detached by itself after its last frame
 $sudo_ .venv/bin/jobprobe status --socket "$sock"
 $sudo_ kill -TERM $agent; wait $agent || true
+sleep 1
+echo "== jobprobe controller stats: every node's freshness at the controller"
+.venv/bin/jobprobe controller stats --data out/controller
+echo "== jobprobe query: what the controller stored"
+.venv/bin/jobprobe query --store out/controller/store.db \
+    --sql "SELECT job, kind, COUNT(*) AS frames, MIN(seq) AS first, MAX(seq) AS last FROM frames GROUP BY 1, 2"
+kill -TERM $controller; wait $controller || true
 trap - EXIT
 for j in demo-a demo-b; do $sudo_ rmdir "$cg2/jobprobe-demo/$j" 2>/dev/null || true; done
 $sudo_ rmdir "$cg2/jobprobe-demo" 2>/dev/null || true

@@ -98,6 +98,17 @@ def make_cgroup(cgroup2_mount, request):
         cg.remove()
 
 
+def until(cond, timeout: float, what: str, every: float = 0.05):
+    """cond()'s first truthy value within `timeout` s; else AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def wait_for(what, timeout: float = 10.0):
     """what() until it is truthy, or its last value after `timeout` s."""
     deadline = time.monotonic() + timeout

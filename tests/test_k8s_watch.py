@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import workload
+from conftest import workload, until as wait_for
 from jobprobe.frame import StreamReader
 from jobprobe.k8s import split_probes, wanted_pods
 
@@ -91,14 +91,6 @@ class Kubelet:
         self.server.server_close()
 
 
-def wait_for(cond, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.mark.kernel

@@ -4,6 +4,7 @@ what was produced, against which the store is checked frame by frame — every (
 Faults: the controller SIGKILLed mid-run, the NATS server down for 20 s, the spool's bound reached."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -20,6 +21,8 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
+from conftest import until as wait_for
+
 from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,14 +37,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class NatsServer:
@@ -192,7 +187,6 @@ def test_three_nodes_every_frame_arrives_across_a_controller_killed_mid_run(site
     assert {n for n, *_ in got} == {"n1", "n2", "n3"} and len(got) > 3 * 20
     res = subprocess.run([*JOBPROBE, "controller", "stats", "--store", str(site.store), "--json"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
-    import json
     st = json.loads(res.stdout)
     # freshness, against the frames' own times in the agents' files (an independent record of what was sent)
     gaps: dict[str, float] = {}
@@ -427,3 +421,37 @@ def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bo
     assert sp.peek(3) == sent and sp.inflight == 3
     sp.acked(sent)
     assert sp.inflight == 0 and sent[0] not in sp.peek(10)
+
+
+def test_query_reads_the_store_as_sql_as_a_field_over_time_and_in_three_formats(tmp_path):
+    from jobprobe.store import Store
+    store = Store(tmp_path / "s.db")
+    frames = [frame(node=n, seq=i, t=1000.0 + i) for n in ("n1", "n2") for i in range(3)]
+    for i, f in enumerate(frames):
+        f["probes"] = {"cgroup": {"cpu_user_ns": 100 * i}}
+    assert store.add(frames) == (6, 0)
+    store.close()
+
+    def query(*args):
+        return subprocess.run([*JOBPROBE, "query", "--store", str(tmp_path / "s.db"), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+    res = query("--job", "j", "--field", "cgroup.cpu_user_ns", "--node", "n2", "--format", "csv")
+    assert res.returncode == 0, res.stderr
+    rows = [ln.split(",") for ln in res.stdout.splitlines()]
+    assert rows[0] == ["node", "run", "seq", "t", "dt", "value"]
+    assert [(r[0], r[2], r[5]) for r in rows[1:]] == [("n2", "0", "300"), ("n2", "1", "400"), ("n2", "2", "500")]
+    res = query("--sql", "SELECT node, COUNT(*) AS n FROM frames GROUP BY node ORDER BY node", "--format", "jsonl")
+    assert [json.loads(x) for x in res.stdout.splitlines()] == [{"node": "n1", "n": 3}, {"node": "n2", "n": 3}]
+    res = query("--sql", "SELECT COUNT(*) AS frames FROM samples")
+    assert res.stdout.split() == ["frames", "6"]
+    for bad, says in ((["--sql", "SELEC nonsense"], "query:"), (["--job", "j", "--field", "x;drop"], "not a field"),
+                      (["--job", "j"], "needs --field")):
+        res = query(*bad)
+        assert res.returncode == 2 and says in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    res = subprocess.run([*JOBPROBE, "query", "--store", str(tmp_path / "none.db"), "--sql", "SELECT 1"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "no store" in res.stderr
+    # retention: frames older than the bound go, by their own time
+    store = Store(tmp_path / "s.db")
+    assert store.forget_before(1001.5) == 4
+    assert store.sql("SELECT COUNT(*) FROM frames")[1] == [(2,)]

@@ -1,6 +1,5 @@
 """Unit tier: the tick loop, with named fake probes and a fake target (no kernel needed for what is tested here:
 failure isolation, status reporting, scheduling without drift, the last partial interval)."""
-import itertools
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host

@@ -14,12 +14,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, workload
+from conftest import IS_ROOT, workload, until as wait_for
 from jobprobe.errors import BadInput
 from jobprobe.target import CgroupTarget, PidTreeTarget, slurm_job_cgroup, slurm_target
 
@@ -126,14 +125,6 @@ def slurm():
     cluster.stop()
 
 
-def wait_for(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def cmdline(pid: int) -> str:

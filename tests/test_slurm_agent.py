@@ -14,12 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT
+from conftest import IS_ROOT, until as wait_for
 from jobprobe.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +28,6 @@ PYTHON = "/usr/bin/python3"         # the job's interpreter: the system one, usa
 pytestmark = [pytest.mark.integration, pytest.mark.kernel]
 
 
-def wait_for(cond, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Agent:
