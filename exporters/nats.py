@@ -311,8 +311,9 @@ class NatsSink:
                 self.state, said, backoff = "ok", None, 0.5
             except Exception as err:   # unreachable, no stream yet, a timeout: the frames wait in the spool
                 kind = f"{type(err).__name__}: {err}"[:200]
-                if self.server_said:
-                    kind, self.server_said = f"{kind} (the server said {self.server_said})", None
+                if self.server_said and self.server_said.split(": ", 1)[-1] not in kind:
+                    kind = f"{kind} (the server said {self.server_said})"
+                self.server_said = None
                 if kind != said:
                     log.warning("nats %s: %s; frames wait in the spool (%d now)", self.url, kind, self.spool.depth())
                 said, self.state = kind, f"waiting: {type(err).__name__}"

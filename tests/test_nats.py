@@ -81,14 +81,14 @@ class Site:
                                            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "controller.log", "ab"))
         wait_for(lambda: "consuming" in (self.tmp / "controller.log").read_text(), 30, "the controller to consume")
 
-    def start_agent(self, node: str, spool_mb: float = 64, creds: Path | None = None) -> None:
+    def start_agent(self, node: str, spool_mb: float = 64, creds: Path | None = None, ca: Path | None = None) -> None:
         d = self.tmp / node
         d.mkdir(exist_ok=True)
         self.agents[node] = subprocess.Popen(
             [*JOBPROBE, "agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
              "--spool-max-mb", str(spool_mb), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
              "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"]
-            + (["--nats-creds", str(creds)] if creds else []), cwd=REPO,
+            + (["--nats-creds", str(creds)] if creds else []) + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,
             stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
         from jobprobe.control import call
 
@@ -331,6 +331,47 @@ def test_a_three_server_jetstream_cluster_loses_nothing_when_a_server_dies(tmp_p
             if s.poll() is None:
                 s.terminate()
                 s.wait(timeout=10)
+
+
+def make_certs(d: Path) -> Path:
+    """A CA and a server certificate for 127.0.0.1 signed by it (openssl); the CA's path."""
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=jobprobe-test-ca")
+    ssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    return d / "ca.pem"
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make test certificates")
+def test_tls_with_the_servers_ca_flows_and_without_it_frames_wait(tmp_path):
+    """The server requires TLS: an agent given its CA (--nats-ca) and the controller (--ca) connect and every frame
+    arrives; an agent without it fails the certificate check, says so, and its frames wait in its spool."""
+    ca = make_certs(tmp_path)
+    site = Site(tmp_path)
+    try:
+        site.nats.start(f'tls {{ cert_file: "{tmp_path}/server.pem", key_file: "{tmp_path}/server.key" }}\n')
+        site.controller = subprocess.Popen([*JOBPROBE, "controller", "--nats", site.nats.url, "--store",
+                                            str(site.store), "--ca", str(ca)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                           stderr=open(tmp_path / "controller.log", "ab"))
+        wait_for(lambda: "consuming" in (tmp_path / "controller.log").read_text(), 30, "the controller over TLS")
+        site.start_agent("n1", ca=ca)
+        site.start_agent("n2")                              # the system's CAs only: this server is not among them
+        time.sleep(2)
+        depth = next(v for k, v in site.status("n2")["jobs"][0]["sinks"].items() if k.startswith("nats:"))["depth"]
+        site.stop_agents()
+        n1 = {k for k in site.produced() if k[0] == "n1"}
+        wait_for(lambda: n1 <= set(site.stored()), 30, "n1's frames over TLS")
+        assert {r[0] for r in site.stored()} == {"n1"} and depth > 0
+        assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "n2" / "agent.log").read_text()
+    finally:
+        site.close()
 
 
 # ---- unit: the controller's checks, the spool ---------------------------------------------------------------

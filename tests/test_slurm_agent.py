@@ -254,7 +254,7 @@ def test_a_job_that_starts_while_the_agent_is_down_is_attached_when_it_comes_bac
 def test_an_array_of_many_short_jobs_each_attached_and_nothing_left_behind(site):
     """Every task of an array of short jobs is attached (its frames, its labels), let go, and the agent ends where
     it began: its fds, the programs it holds, no job attached or pending. JOBPROBE_ARRAY_TASKS=1000 makes this the
-    thousand-job soak (docs/DEPLOY.md has its figures); CI runs 24."""
+    thousand-job soak (docs/PERFORMANCE.md has its figures); CI runs 24."""
     from jobprobe.bench.agent import held_programs
     cluster, agent, jobs = site
     n = int(os.environ.get("JOBPROBE_ARRAY_TASKS", "24"))
