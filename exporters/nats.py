@@ -18,7 +18,6 @@ in the self probe's sinks, and `jobprobe status`) and logged — never silent.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+
+from jobprobe.exporters.natswire import Credentials, Wire
 
 log = logging.getLogger("jobprobe.nats")
 
@@ -50,21 +51,20 @@ def safe_token(s: str) -> str:
 
 def auth_options(creds: str | None = None, ca: str | None = None, cert: str | None = None,
                  key: str | None = None) -> dict[str, Any]:
-    """nats-py connect options for a credentials file and TLS. The file, by its name: `*.creds` a JWT and nkey
-    (decentralized auth), `*.nk` an nkey seed, else one line `user:password` (a per-node user whose permissions, on
-    the server, allow publishing on its own subject only — docs/DEPLOY.md). Its contents never appear on a command
-    line (ps)."""
+    """nats-py connect options (the controller's client) for a credentials file and TLS; the file as the agent's
+    (natswire.Credentials: `*.creds`, `*.nk`, else one line `user:password`). Its contents never appear on a
+    command line (ps). nats-py signs nkey nonces with the `nkeys` package: asked for by name when missing."""
     opts: dict[str, Any] = {}
     if creds:
-        if creds.endswith(".creds"):
-            opts["user_credentials"] = creds
-        elif creds.endswith(".nk"):
-            opts["nkeys_seed"] = creds
+        c = Credentials(creds)
+        if c.seed:
+            import importlib.util
+            if importlib.util.find_spec("nkeys") is None:
+                raise ValueError(f"{creds}: the controller's nkey authentication needs the nkeys package "
+                                 "(pip install nkeys); or give it a user:password file")
+            opts["user_credentials" if c.jwt else "nkeys_seed"] = creds
         else:
-            user, sep, password = Path(creds).read_text().strip().partition(":")
-            if not sep or not user:
-                raise ValueError(f"{creds}: expected one line user:password")
-            opts["user"], opts["password"] = user, password
+            opts["user"], opts["password"] = c.user, c.password
     if ca or cert:
         import ssl
         ctx = ssl.create_default_context(cafile=ca)
@@ -206,16 +206,17 @@ class NatsSink:
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  name: str | None = None, compress: bool = True):
         self.url, self.name, self.compress = url, name or f"nats:{url}", compress
+        # the credentials read (and refused, when malformed) now, on the agent's command line, not in the thread
+        self.wire = Wire(url, creds, tls_ca, tls_cert, tls_key, name=f"jobprobe-agent {os.uname().nodename}")
         self.spool = Spool(spool_dir, max_bytes)
-        self.creds, self.tls = creds, (tls_ca, tls_cert, tls_key)
         self.counts: dict[str, dict[str, int]] = {}      # job → queued, written (acked), errors
         self.state = "connecting"
-        self.server_said: str | None = None
         self.woken = False
         self.closing = threading.Event()
-        self.loop = asyncio.new_event_loop()
-        self.wake: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self._thread, name="nats", daemon=True)
+        self.wake = threading.Event()
+        self.hurry = threading.Event()   # closing: the publisher tries now rather than after its backoff
+        self.last_try_failed = False
+        self.thread = threading.Thread(target=self._run, name="nats", daemon=True)
         self.thread.start()
 
     # ---- the agent's side --------------------------------------------------------------------------------
@@ -229,9 +230,9 @@ class NatsSink:
         if self.compress:    # ~2.1 KB of msgpack → ~1.1 KB: under 2 KiB/s per node at 1 s (docs/PERFORMANCE.md)
             data = zlib.compress(data, 6)
         self.spool.append(msg_id(frame), subject_for(frame["node"]), job, data)
-        if self.wake is not None and not self.woken:   # once per burst: the publisher takes what came meanwhile
+        if not self.woken:   # once per burst: the publisher takes what came meanwhile
             self.woken = True
-            self.loop.call_soon_threadsafe(self.wake.set)
+            self.wake.set()
 
     def job_stats(self, job: str) -> dict:
         c = self.counts.get(job, {"queued": 0, "written": 0, "errors": 0})
@@ -244,92 +245,65 @@ class NatsSink:
         """Publish what the spool holds for up to `timeout` s, then stop; what is left stays in the spool for the
         next agent."""
         end = time.monotonic() + timeout
+        if self.spool.depth() and self.state != "ok":
+            self.last_try_failed = False
+            self.hurry.set()             # one more try now (the server may be back), not after the backoff
+            while not self.last_try_failed and self.state != "ok" and time.monotonic() < end:
+                time.sleep(0.05)
         while self.spool.depth() and time.monotonic() < end and self.state == "ok":
             time.sleep(0.05)
         self.closing.set()
-        if self.wake is not None:
-            self.loop.call_soon_threadsafe(self.wake.set)
+        self.wake.set()
+        self.hurry.set()
         self.thread.join(timeout=max(1.0, end - time.monotonic()))
         self.spool.close()
 
     # ---- the publisher -----------------------------------------------------------------------------------
-    def _thread(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._main())
-        except Exception:
-            log.exception("nats publisher")
-        finally:
-            self.loop.close()
-
-    async def _connect(self):
-        import nats
-        # No reconnecting inside the client: it would buffer publishes made while the server is away and send them
-        # later, behind the spool's back. The loop below connects again itself, and sends from the spool.
-        opts: dict[str, Any] = {"servers": [u.strip() for u in self.url.split(",")], "connect_timeout": 2,
-                                "allow_reconnect": False, "name": f"jobprobe-agent {os.uname().nodename}"}
-        opts.update(auth_options(self.creds, *self.tls))
-
-        async def noted(err):   # the server's own complaints (a permission refused): said with the next failure
-            self.server_said = f"{type(err).__name__}: {err}"[:200]
-        return await nats.connect(error_cb=noted, **opts)
-
-    async def _main(self) -> None:
-        self.wake = asyncio.Event()
-        nc, backoff, said = None, 0.5, None
+    def _run(self) -> None:
+        """Connect (no reconnecting buffer of a client's own: the spool is the only buffer), send what the spool
+        holds a window at a time, move its cursor past what the server acked; on any failure close, wait, connect
+        again, and send from the spool's cursor."""
+        wire, connected, backoff, said = self.wire, False, 0.5, None
         while not self.closing.is_set():
             try:
-                if nc is None:
-                    nc = await self._connect()
-                    js = nc.jetstream()
+                if not connected:
+                    wire.connect()
+                    connected = True
                 self.wake.clear()
                 self.woken = False       # before the take: a frame written after it wakes the wait below
                 batch = self.spool.take(WINDOW)
                 if not batch:
                     self.state = "ok"
-                    try:
-                        await asyncio.wait_for(self.wake.wait(), timeout=1.0)
+                    if self.wake.wait(1.0):
                         # a tick writes one frame per job in a burst: gather it into one batch (one ack round,
                         # one cursor write) rather than waking per frame
-                        await asyncio.sleep(COALESCE_S)
-                    except asyncio.TimeoutError:
-                        pass
+                        time.sleep(COALESCE_S)
+                    else:
+                        wire.service()   # idle: the server's PINGs answered, a closed connection noticed
                     continue
-                acks = await asyncio.gather(*(js.publish(subj, data, timeout=5, headers={"Nats-Msg-Id": mid})
-                                              for _, _, _, mid, subj, _, data in batch), return_exceptions=True)
-                done = []
-                for rec, ack in zip(batch, acks):
-                    if isinstance(ack, BaseException):
-                        raise ack
-                    done.append(rec)
+                wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data in batch], timeout=5)
+                for rec in batch:
                     c = self.counts.get(rec[5])
                     if c is not None:
                         c["written"] += 1
-                self.spool.acked(done)
+                self.spool.acked(batch)
                 if said:
                     log.warning("nats %s: publishing again (%d frames waiting)", self.url, self.spool.depth())
                 self.state, said, backoff = "ok", None, 0.5
             except Exception as err:   # unreachable, no stream yet, a timeout: the frames wait in the spool
-                kind = f"{type(err).__name__}: {err}"[:200]
-                if self.server_said and self.server_said.split(": ", 1)[-1] not in kind:
-                    kind = f"{kind} (the server said {self.server_said})"
-                self.server_said = None
+                kind = f"{type(err).__name__}: {err}"[:300]
+                if wire.server_said and wire.server_said not in kind:
+                    kind = f"{kind} (the server said {wire.server_said})"
+                wire.server_said = None
                 if kind != said:
                     log.warning("nats %s: %s; frames wait in the spool (%d now)", self.url, kind, self.spool.depth())
                 said, self.state = kind, f"waiting: {type(err).__name__}"
-                if nc is not None:
-                    try:
-                        await nc.close()
-                    except Exception:
-                        pass
-                    nc = None
-                await asyncio.sleep(backoff)
+                wire.close()
+                connected = False
+                self.last_try_failed = True
+                self.hurry.wait(backoff)
                 backoff = min(5.0, backoff * 2)
-        if nc is not None:
-            try:
-                await nc.drain()
-            except Exception:
-                pass
+        wire.close()
 
 
 class JobHandle:

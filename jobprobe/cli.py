@@ -399,7 +399,10 @@ def cmd_agent(args, host: Host) -> int:
                        "node": args.node})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
-    agent = Agent(cfg, host)
+    try:
+        agent = Agent(cfg, host)
+    except (ValueError, OSError) as err:         # a credentials file unreadable or malformed, a spool not makeable
+        raise BadInput(f"agent: {err}") from None
     server = ControlServer(agent, cfg.socket)
     agent.ready.clear()           # requests wait until the programs are loaded and the jobs restored
     server.start()

@@ -1,0 +1,284 @@
+"""A small synchronous NATS client: connect, publish to JetStream, read the acks — what the agent's sink needs.
+
+The agent publishes from one thread, a window of frames at a time, and waits for their acks; an event loop and a
+general client cost it ~11 MiB and a loop wake-up per tick for that. This speaks the protocol itself
+(https://docs.nats.io/reference/reference-protocols/nats-protocol) over one socket:
+
+    server: INFO {json}                       client: CONNECT {json} / PING, expects PONG (or -ERR '…')
+    client: SUB _INBOX.<id>.> 1               the replies (JetStream's PubAcks) come back on it
+    client: HPUB <subject> <reply> <hdr> <total>\\r\\nNATS/1.0\\r\\nNats-Msg-Id: <key>\\r\\n\\r\\n<payload>\\r\\n
+    server: MSG <reply> 1 <n>\\r\\n{"stream":…,"seq":…}   — the frame is in the stream (or {"error":…})
+            HMSG … NATS/1.0 503                          — no stream listens on the subject (no responders)
+            PING → PONG; -ERR '…' (a permission refused) noted and said with the failure it causes
+
+Authentication: user and password, a token, or an nkey (a `.nk` seed, or a `.creds` file's JWT and seed) — the
+server's nonce signed with Ed25519 (exporters/ed25519.py). TLS: upgraded after INFO, as the server expects, when
+the URL says tls:// or a CA/certificate is given or the server requires it.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+MAX_LINE = 64 << 10
+
+
+class NatsError(Exception):
+    """The server refused something (its -ERR), or replied with an error."""
+
+
+class NoResponders(NatsError):
+    pass
+
+
+class Credentials:
+    """What a file says: `*.creds` a JWT and an nkey seed, `*.nk` an nkey seed, else one line `user:password`."""
+
+    def __init__(self, path: str | None = None):
+        self.user = self.password = self.token = self.jwt = self.seed = None
+        if not path:
+            return
+        text = Path(path).read_text()
+        if path.endswith(".creds"):
+            self.jwt = _armored(text, "JWT")
+            self.seed = _armored(text, "SEED")
+            if not self.jwt or not self.seed:
+                raise ValueError(f"{path}: expected a NATS user JWT and an nkey seed")
+        elif path.endswith(".nk"):
+            self.seed = text.strip()
+        else:
+            user, sep, password = text.strip().partition(":")
+            if not sep or not user:
+                raise ValueError(f"{path}: expected one line user:password")
+            self.user, self.password = user, password
+        if self.seed and not self.seed.startswith("SU"):
+            raise ValueError(f"{path}: not a user nkey seed (SU…)")
+
+    def connect_fields(self, nonce: str | None) -> dict:
+        if self.seed:
+            from jobprobe.exporters import ed25519
+            seed, public = ed25519.nkey_from_seed(self.seed)
+            if nonce is None:
+                raise NatsError("the server sent no nonce to sign (is nkey authentication configured?)")
+            sig = base64.urlsafe_b64encode(ed25519.sign(seed, nonce.encode())).rstrip(b"=").decode()
+            fields = {"sig": sig}
+            if self.jwt:
+                fields["jwt"] = self.jwt
+            else:
+                fields["nkey"] = public
+            return fields
+        if self.user is not None:
+            return {"user": self.user, "pass": self.password}
+        return {}
+
+
+def _armored(text: str, what: str) -> str | None:
+    """The first line after a `-----BEGIN … <what> …-----` line (the format nsc writes)."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    for i, ln in enumerate(lines):
+        if ln.startswith("-----BEGIN") and what in ln:
+            for nxt in lines[i + 1:]:
+                if nxt:
+                    return None if nxt.startswith("---") else nxt
+    return None
+
+
+class Wire:
+    """One connection to one of `servers` (tried in turn, from the one after the last that failed)."""
+
+    def __init__(self, url: str, creds: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, name: str = "jobprobe", timeout: float = 2.0):
+        self.servers = [u.strip() for u in url.split(",") if u.strip()]
+        self.creds = Credentials(creds)
+        self.tls_files = (tls_ca, tls_cert, tls_key)
+        self.name, self.timeout = name, timeout
+        self.sock: socket.socket | None = None
+        self.buf = bytearray()
+        self.inbox = f"_INBOX.{os.urandom(8).hex()}"
+        self.batch_no = 0
+        self.server_said: str | None = None      # the last -ERR: said with the failure it explains
+        self._next = 0
+
+    # ---- connecting ---------------------------------------------------------------------------------------
+    def connect(self) -> None:
+        errors = []
+        for i in range(len(self.servers)):
+            url = self.servers[(self._next + i) % len(self.servers)]
+            try:
+                self._connect(url)
+                self._next = (self._next + i) % len(self.servers)
+                return
+            except (OSError, NatsError, ValueError) as err:
+                self.close()
+                errors.append(err)
+        self._next = (self._next + 1) % len(self.servers)
+        raise errors[-1] if len(errors) == 1 else ConnectionError("; ".join(f"{type(e).__name__}: {e}" for e in errors))
+
+    def _connect(self, url: str) -> None:
+        u = urlsplit(url if "://" in url else f"nats://{url}")
+        host, port = u.hostname or "127.0.0.1", u.port or 4222
+        self.sock = socket.create_connection((host, port), timeout=self.timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf.clear()
+        deadline = time.monotonic() + self.timeout
+        op, rest = self._line(deadline).partition(b" ")[::2]
+        if op != b"INFO":
+            raise NatsError(f"{host}:{port} is not a NATS server (it said {op[:40]!r})")
+        info = json.loads(rest)
+        tls = u.scheme == "tls" or any(self.tls_files) or info.get("tls_required", False)
+        if tls:
+            import ssl
+            ca, cert, key = self.tls_files
+            ctx = ssl.create_default_context(cafile=ca)
+            if cert:
+                ctx.load_cert_chain(cert, key)
+            self.sock = ctx.wrap_socket(self.sock, server_hostname=host)
+        fields = {"verbose": False, "pedantic": False, "tls_required": bool(tls), "name": self.name,
+                  "lang": "python-jobprobe", "version": "1", "protocol": 1, "headers": True, "no_responders": True,
+                  "echo": False}
+        if u.username:                          # nats://user:pass@host or nats://token@host
+            fields.update({"user": u.username, "pass": u.password} if u.password is not None
+                          else {"auth_token": u.username})
+        fields.update(self.creds.connect_fields(info.get("nonce")))
+        self._send(b"CONNECT " + json.dumps(fields, separators=(",", ":")).encode() + b"\r\nPING\r\n")
+        while True:
+            line = self._line(deadline)
+            if line == b"PONG":
+                break
+            if line.startswith(b"-ERR"):
+                raise NatsError(_err_text(line))
+            if line == b"PING":
+                self._send(b"PONG\r\n")
+        self._send(f"SUB {self.inbox}.> 1\r\n".encode())
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.close()
+            except OSError:
+                pass
+        self.sock = None
+
+    # ---- publishing ---------------------------------------------------------------------------------------
+    def publish(self, msgs: list[tuple[str, str, bytes]], timeout: float = 5.0) -> list[dict]:
+        """Publish (subject, msg id, payload)s to JetStream and wait for every ack; returns the PubAcks in order.
+        Raises on the first refusal, or when an ack is not back within `timeout`."""
+        self.batch_no += 1
+        prefix = f"{self.inbox}.{self.batch_no}."
+        out = bytearray()
+        for i, (subject, mid, data) in enumerate(msgs):
+            hdr = f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n\r\n".encode()
+            out += f"HPUB {subject} {prefix}{i} {len(hdr)} {len(hdr) + len(data)}\r\n".encode()
+            out += hdr
+            out += data
+            out += b"\r\n"
+        self._send(bytes(out))
+        acks: list[dict | None] = [None] * len(msgs)
+        left = len(msgs)
+        deadline = time.monotonic() + timeout
+        while left:
+            got = self._message(deadline)
+            if got is None:
+                continue
+            reply, status, payload = got
+            if not reply.startswith(prefix):
+                continue                          # a late ack of an earlier batch that timed out
+            i = int(reply[len(prefix):])
+            if status == "503":
+                raise NoResponders(f"no stream takes {msgs[i][0]} (no responders)")
+            ack = json.loads(payload) if payload else {}
+            if "error" in ack:
+                e = ack["error"]
+                raise NatsError(f"JetStream: {e.get('description', e)} (code {e.get('err_code', e.get('code'))})")
+            if acks[i] is None:
+                acks[i] = ack
+                left -= 1
+        return acks  # type: ignore[return-value]
+
+    def service(self) -> None:
+        """While idle: answer the server's PINGs and notice a closed connection (raises), without blocking."""
+        self.sock.settimeout(0.0)
+        try:
+            chunk = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            if type(err).__name__ in ("SSLWantReadError", "SSLWantWriteError"):
+                return
+            raise
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buf += chunk
+        while b"\r\n" in self.buf:
+            self._message(time.monotonic() + self.timeout)
+
+    # ---- the wire -----------------------------------------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self.sock.settimeout(self.timeout)
+        self.sock.sendall(data)
+
+    def _fill(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no reply from the server in time"
+                               + (f" (the server said {self.server_said})" if self.server_said else ""))
+        self.sock.settimeout(left)
+        try:
+            chunk = self.sock.recv(1 << 16)
+        except socket.timeout:
+            raise TimeoutError("no reply from the server in time"
+                               + (f" (the server said {self.server_said})" if self.server_said else "")) from None
+        if not chunk:
+            raise ConnectionError("the server closed the connection"
+                                  + (f" (it said {self.server_said})" if self.server_said else ""))
+        self.buf += chunk
+
+    def _line(self, deadline: float) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n")
+            if i >= 0:
+                line = bytes(self.buf[:i])
+                del self.buf[:i + 2]
+                return line
+            if len(self.buf) > MAX_LINE:
+                raise NatsError("a protocol line too long")
+            self._fill(deadline)
+
+    def _exact(self, n: int, deadline: float) -> bytes:
+        while len(self.buf) < n + 2:
+            self._fill(deadline)
+        data = bytes(self.buf[:n])
+        del self.buf[:n + 2]
+        return data
+
+    def _message(self, deadline: float) -> tuple[str, str | None, bytes] | None:
+        """One protocol message: a delivered message as (reply subject it was sent to, header status, payload);
+        None for anything else (PING answered, +OK, INFO, -ERR noted)."""
+        line = self._line(deadline)
+        op, _, rest = line.partition(b" ")
+        if op == b"MSG":
+            parts = rest.split()
+            return parts[0].decode(), None, self._exact(int(parts[-1]), deadline)
+        if op == b"HMSG":
+            parts = rest.split()
+            hlen, total = int(parts[-2]), int(parts[-1])
+            data = self._exact(total, deadline)
+            head = data[:hlen].split(b"\r\n", 1)[0].split()      # NATS/1.0 [status [description]]
+            status = head[1].decode() if len(head) > 1 else None
+            return parts[0].decode(), status, data[hlen:]
+        if op == b"PING":
+            self._send(b"PONG\r\n")
+        elif op == b"-ERR":
+            self.server_said = _err_text(line)
+            if "ermission" not in self.server_said:      # anything but a refused publish ends the connection
+                raise NatsError(self.server_said)
+        return None
+
+
+def _err_text(line: bytes) -> str:
+    return line[4:].decode(errors="replace").strip().strip("'")
