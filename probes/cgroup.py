@@ -14,11 +14,15 @@ I/O since the last tick is lost at its exit, and CPU time is read per process: a
 in the parent's cutime/cstime, the root's last interval is lost.
 A job attached as it starts (`from_start`: the SLURM prolog) counts from zero, so its first frame holds what it did
 before it was attached.
+CPU limits: how often and how long the job's group was stopped by its CPU limit (cgroup2 cpu.stat nr_throttled /
+throttled_usec and cpu.max; on a hybrid host the v1 cpu group of its processes: cpu.stat, cpu.cfs_quota_us) — a
+throttled rank is the classic straggler of a data-parallel job.
 """
 from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -228,6 +232,79 @@ class ThreadAcct:
             self.listener = None
 
 
+class Throttle:
+    """CPU bandwidth throttling of the job's group(s): what a CPU limit (cpu.max; v1 cpu.cfs_quota_us) did to it.
+
+    cgroup2's cpu.stat carries nr_periods / nr_throttled / throttled_usec when the cpu controller is on for the
+    group; else (a hybrid host keeps cpu on v1, or a PID tree) the v1 cpu groups of the job's processes are found
+    from /proc/PID/cgroup (again every OPTIONAL_RECHECK_S) and their cpu.stat read (throttled_time in ns). Deltas
+    are kept per group, so a group joining or leaving adds no jump; a root group (no limit possible) counts 0."""
+
+    KEYS = ("cpu_periods", "cpu_throttled_periods", "cpu_throttled_ns")
+
+    def __init__(self, files: procfs.OpenFiles, host=None, from_zero: bool = False):
+        self.files, self.host, self.from_zero = files, host, from_zero
+        self.is_v2 = False
+        self.prev: dict[str, tuple[int, int, int]] = {}
+        self.acc = [0, 0, 0]
+        self.limit: float | None = None
+        self.seen = False                     # some cpu.stat read: the fields are real (else absent)
+        self.groups: list[str] = []
+        self.found_at = -1e9
+        self.mount: tuple[str, str] | None | bool = False     # v1 cpu mount (point, root), looked up once
+
+    def _add(self, key: str, now: tuple[int, int, int], limit: float | None) -> None:
+        before = self.prev.get(key)
+        if before is None and not self.from_zero:
+            before = now                      # a group seen for the first time: its past is not this interval's
+        self.prev[key] = now
+        for i in range(3):
+            self.acc[i] += delta(now[i], before[i]) if before is not None else now[i]
+        if limit is not None:
+            self.limit = (self.limit or 0.0) + limit
+        self.seen = True
+
+    def v2(self, cg: Path, cpu: dict[str, int]) -> None:
+        self.is_v2 = True
+        self.limit = None
+        quota, _, period = (self.files.read(str(cg / "cpu.max")) or "max").partition(" ")
+        limit = int(quota) / int(period) if quota.isdigit() and period.strip().isdigit() else None
+        self._add("v2", (cpu["nr_periods"], cpu["nr_throttled"], cpu.get("throttled_usec", 0) * 1000), limit)
+
+    def v1(self, pids: list[int]) -> None:
+        self.limit = None
+        if self.mount is False:
+            from jobprobe.host import find_cgroup_v1_mount
+            self.mount = find_cgroup_v1_mount(self.host.mountinfo, "cpu") if self.host else None
+        if not self.mount:
+            return
+        now = time.monotonic()
+        if now - self.found_at > OPTIONAL_RECHECK_S or not self.groups:
+            self.found_at = now
+            found = {procfs.cgroup_v1_path(self.host.proc, p, "cpu") for p in pids[:64]}
+            self.groups = sorted(g for g in found if g)
+        point, root = self.mount
+        for g in self.groups:
+            rel = g[len(root):] if root != "/" and g.startswith(root) else g
+            d = Path(point) / rel.lstrip("/")
+            st = read_kv(d / "cpu.stat", self.files.read)
+            if st is None or "nr_periods" not in st:
+                continue
+            quota = read_int(d / "cpu.cfs_quota_us", self.files.read)
+            period = read_int(d / "cpu.cfs_period_us", self.files.read)
+            limit = quota / period if quota and quota > 0 and period else None
+            self._add(g, (st["nr_periods"], st["nr_throttled"], st.get("throttled_time", 0)), limit)
+
+    def take(self) -> dict:
+        if not self.seen:
+            return {}
+        out = dict(zip(self.KEYS, self.acc))
+        if self.limit is not None:
+            out["cpu_limit_cores"] = round(self.limit, 4)
+        self.acc = [0, 0, 0]
+        return out
+
+
 class CgroupProbe(Probe):
     name = "cgroup"
     default = True
@@ -247,6 +324,14 @@ class CgroupProbe(Probe):
         "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else the "
                                 "job's threads' /proc/PID/task/TID/io and, as root, their exit records)"),
         "nprocs": Field("int", "count", "processes in the job now"),
+        "cpu_periods": Field("int", "count", "CFS bandwidth periods in which the job's group ran with a CPU limit "
+                             "this interval (cpu.stat nr_periods; 0 without a limit)"),
+        "cpu_throttled_periods": Field("int", "count", "of those, periods in which the group used up its limit and "
+                                       "was stopped (nr_throttled)"),
+        "cpu_throttled_ns": Field("int", "ns", "time the group spent stopped by its CPU limit this interval "
+                                  "(throttled_usec; v1: throttled_time)"),
+        "cpu_limit_cores": Field("float", "cores", "the group's CPU limit now (cpu.max, v1 cpu.cfs_quota_us / "
+                                 "cfs_period_us); absent without a limit"),
     }
 
     def __init__(self, host=None):
@@ -259,6 +344,7 @@ class CgroupProbe(Probe):
         self.from_zero = False
         self.peak = 0
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
+        self.throttle = Throttle(self.files)
 
     def start(self, target: Target) -> None:
         self.target = target
@@ -268,6 +354,7 @@ class CgroupProbe(Probe):
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.threadacct = None
         self.peak = 0
+        self.throttle = Throttle(self.files, self.host, from_zero=bool(getattr(target, "from_start", False)))
         # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
         # did before it, up to the processes' and the group's own totals. Else the first frame reports its interval.
         self.from_zero = bool(getattr(target, "from_start", False))
@@ -288,6 +375,8 @@ class CgroupProbe(Probe):
                 raise TargetGone(f"cgroup {self.cg} was removed")
             cur["user"] = cpu.get("user_usec", 0) * 1000
             cur["system"] = cpu.get("system_usec", 0) * 1000
+            if "nr_periods" in cpu:      # the cpu controller is on cgroup2 for this group
+                self.throttle.v2(self.cg, cpu)
             mem = read_int(self.cg / "memory.current", optional)
             if mem is not None:  # the memory controller is on cgroup2 here
                 cur["mem"] = mem
@@ -302,6 +391,8 @@ class CgroupProbe(Probe):
             need_proc = mem is None or io is None
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
+        if not self.throttle.is_v2:      # a hybrid host's v1 cpu controller, or a PID tree's groups
+            self.throttle.v1(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
             members = pids + self.target.ended_pids()
             per = {p: c for p in members if (c := proc_counters(proc, p, io=False, read=read)) is not None}
@@ -342,7 +433,7 @@ class CgroupProbe(Probe):
         return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
                 "mem_peak_bytes": self.peak, "mem_anon_bytes": cur["anon"], "mem_file_bytes": cur["file"],
                 "io_read_bytes": d("rd"), "io_write_bytes": d("wr"),
-                "nprocs": cur["nprocs"]}
+                "nprocs": cur["nprocs"], **self.throttle.take()}
 
     def stop(self) -> None:
         self.target = None

@@ -357,3 +357,94 @@ def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
     print(f"fio read {fio_bytes} B; cgroup probe {got} B; per 0.5 s frame (MB) "
           f"{[round(f['probes']['cgroup']['io_read_bytes'] / 1e6, 1) for f in samples]}")
     assert abs(got - fio_bytes) <= 0.01 * fio_bytes, (got, fio_bytes)
+
+
+def test_throttling_from_a_cgroup2_cpu_stat_fixture(tmp_path):
+    """cgroup2 with the cpu controller: nr_periods / nr_throttled / throttled_usec as deltas, cpu.max as cores."""
+    mount = tmp_path / "cg"
+    grp = mount / "job1"
+    grp.mkdir(parents=True)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"41 31 0:38 / {mount} rw,relatime - cgroup2 cgroup2 rw\n")
+    (grp / "cgroup.procs").write_text("")
+    for f, v in (("memory.current", "0"), ("memory.stat", "anon 0\nfile 0\n"), ("io.stat", ""),
+                 ("cpu.max", "max 100000")):
+        (grp / f).write_text(v + "\n")
+
+    def stat(user, periods, throttled, usec):
+        (grp / "cpu.stat").write_text(f"usage_usec {user}\nuser_usec {user}\nsystem_usec 0\nnr_periods {periods}\n"
+                                      f"nr_throttled {throttled}\nthrottled_usec {usec}\n")
+    stat(0, 7, 2, 900)
+    probe = CgroupProbe(Host(proc=str(tmp_path / "proc"), mountinfo=str(mountinfo), is_root=False))
+    probe.start(CgroupTarget(str(grp), mountinfo=str(mountinfo)))
+    stat(100, 17, 10, 800_900)
+    (grp / "cpu.max").write_text("50000 100000\n")
+    s = probe.sample()
+    assert (s["cpu_periods"], s["cpu_throttled_periods"], s["cpu_throttled_ns"]) == (10, 8, 800_000_000)
+    assert s["cpu_limit_cores"] == 0.5
+    (grp / "cpu.max").write_text("max 100000\n")
+    s = probe.sample()
+    assert (s["cpu_periods"], s["cpu_throttled_ns"]) == (0, 0) and "cpu_limit_cores" not in s
+
+
+def v1_cpu_group(name: str) -> Path | None:
+    from jobprobe.host import find_cgroup_v1_mount
+    m = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
+    if m is None:
+        return None
+    d = Path(m[0], "jobprobe-test", f"{name}-{os.getpid()}")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@pytest.mark.kernel
+def test_a_cpu_limit_throttles_a_burner_and_the_probe_says_how_much(make_cgroup):
+    """A burner limited to 0.2 cores (cpu.max where cgroup2 has the cpu controller, else the v1 cpu group's
+    cfs_quota_us) for ~2 s: the probe's throttled periods and time equal the kernel's own cpu.stat deltas, and
+    the burner was stopped for most of the time (it wants 1 core and gets 0.2)."""
+    cg = make_cgroup()
+    v2 = "cpu" in (cg.path.parent.parent / "cgroup.subtree_control").read_text().split() \
+        if (cg.path.parent.parent / "cgroup.subtree_control").exists() else False
+    v1 = None if v2 else v1_cpu_group("throttle")
+    if not v2 and v1 is None:
+        pytest.fail("no cpu controller on cgroup2 or v1: every Linux host with CFS has one")
+    limit_dir = cg.path if v2 else v1
+    try:
+        if v2:
+            (cg.path / "cpu.max").write_text("20000 100000\n")
+        else:
+            (v1 / "cpu.cfs_period_us").write_text("100000\n")
+            (v1 / "cpu.cfs_quota_us").write_text("20000\n")
+
+        def kernel():
+            kv = {k: int(v) for k, v in (ln.split() for ln in (limit_dir / "cpu.stat").read_text().splitlines())}
+            return kv["nr_periods"], kv["nr_throttled"], kv.get("throttled_usec", 0) * 1000 + kv.get("throttled_time", 0)
+        probe = CgroupProbe()
+        job = subprocess.Popen(workload("burn", 2.5), preexec_fn=lambda: (
+            (cg.path / "cgroup.procs").write_text(str(os.getpid())),
+            v1 is not None and (v1 / "cgroup.procs").write_text(str(os.getpid()))))
+        time.sleep(0.2)
+        probe.start(CgroupTarget(str(cg.path)))
+        before = kernel()
+        got = [0, 0, 0]
+        for _ in range(4):
+            time.sleep(0.5)
+            s = probe.sample()
+            assert s["cpu_limit_cores"] == 0.2
+            for i, k in enumerate(("cpu_periods", "cpu_throttled_periods", "cpu_throttled_ns")):
+                got[i] += s[k]
+        after = kernel()
+        job.kill()
+        job.wait()
+        probe.stop()
+        want = [a - b for a, b in zip(after, before)]
+        # the probe's reads bracket the test's within a few ms: a period or two apart at most
+        assert abs(got[0] - want[0]) <= 2 and abs(got[1] - want[1]) <= 2, (got, want)
+        assert abs(got[2] - want[2]) <= 0.1e9, (got, want)
+        assert got[1] >= 0.8 * got[0] > 10 and 1.0e9 < got[2] < 2.0e9, got     # ~2 s, stopped ~80% of it
+    finally:
+        if v1 is not None:
+            for pid in (v1 / "cgroup.procs").read_text().split():
+                os.kill(int(pid), 9)
+            time.sleep(0.1)
+            v1.rmdir()

@@ -1,0 +1,69 @@
+"""A data-parallel training job across processes: PyTorch DDP, gloo backend, CPU — the shape of a multi-node job,
+small enough for a laptop. Every rank computes the same work per step and waits for the others at each step's
+gradient all-reduce, so the slowest rank sets the pace.
+
+    python scripts/ddp_job.py --rank R --world N --master ADDR:PORT [--seconds S] [--width W] [--threads T]
+
+Each rank prints one line per 20 steps (`rank R step K: X steps/s`) and a last line with its totals. tests/
+test_stragglers.py runs three ranks in three network namespaces, each probed as its own node.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, help="ADDR:PORT of rank 0's rendezvous")
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--width", type=int, default=256, help="hidden width: the compute and the gradient size")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ifname", default=None, help="GLOO_SOCKET_IFNAME: the interface gloo talks over")
+    a = ap.parse_args()
+
+    if a.ifname:
+        os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.rank)
+    addr, port = a.master.rsplit(":", 1)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=a.rank, world_size=a.world)
+    model = DDP(nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(),
+                              nn.Linear(a.width, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(a.batch, a.width)
+    y = torch.randint(0, 10, (a.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+    t0 = last = time.monotonic()
+    steps = done = 0
+    stop = torch.zeros(1)
+    while True:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+        steps += 1
+        if steps % 20 == 0:
+            now = time.monotonic()
+            print(f"rank {a.rank} step {steps}: {20 / (now - last):.1f} steps/s", flush=True)
+            last = now
+            # every rank stops at the same step: rank 0 decides, the others follow its word
+            stop[0] = 1.0 if now - t0 >= a.seconds else 0.0
+            dist.broadcast(stop, 0)
+            if stop[0] > 0:
+                done = steps
+                break
+    print(f"rank {a.rank} done: {done} steps in {time.monotonic() - t0:.1f} s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
