@@ -63,6 +63,8 @@ struct net_stats {
     u64 tcp_active_opens;
     u64 tcp_passive_opens;
     u64 tcp_closes;
+    u64 tcp_srtt_sum_us;    /* egress: the sending socket's smoothed RTT, summed per skb sent ... */
+    u64 tcp_srtt_skbs;      /* ... and the skbs it was summed over */
 };
 
 /* A peer of a job: its address and the "service" port, the lower of the two ports of the flow (the server's in
@@ -219,6 +221,20 @@ static inline int count_skb(struct __sk_buff *skb, int tx)
     if (!s)
         return 1;
     if (proto == NET_IPPROTO_TCP) {
+        if (tx) {
+            /* The sender's view of the path: its socket's smoothed RTT (bpf_tcp_sock, Linux 5.1+). A queue on a
+             * slow or shaped link shows here long before anything is lost. */
+            struct bpf_sock *sk = skb->sk;
+            if (sk)
+                sk = bpf_sk_fullsock(sk);
+            if (sk) {
+                struct bpf_tcp_sock *tp = bpf_tcp_sock(sk);
+                if (tp && tp->srtt_us) {
+                    s->tcp_srtt_sum_us += tp->srtt_us >> 3;      /* kept << 3 by the kernel */
+                    s->tcp_srtt_skbs += 1;
+                }
+            }
+        }
         if (tx) { s->tcp_tx_bytes += payload; s->tcp_tx_packets += segs; }
         else    { s->tcp_rx_bytes += payload; s->tcp_rx_packets += segs; }
     } else {

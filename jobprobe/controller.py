@@ -32,6 +32,7 @@ from jobprobe.errors import BadInput
 from jobprobe.exporters.nats import auth_options, safe_token
 from jobprobe.frame import MalformedFrame, decode
 from jobprobe.store import Store
+from jobprobe.stragglers import StragglerWatch
 
 log = logging.getLogger("jobprobe.controller")
 
@@ -61,6 +62,7 @@ class Controller:
         self._reject_window = [0.0, 0]          # (start, refused in it): what was logged this minute
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
         self.stop_event = asyncio.Event()
+        self.stragglers = StragglerWatch()
 
     # ---- one message -------------------------------------------------------------------------------------
     def check(self, subject: str, data: bytes) -> dict:
@@ -129,6 +131,13 @@ class Controller:
                 log.warning("node %s lost: silent for %.1f s", node, now - st.last)
         return out
 
+    def straggler_events(self, frames: list[dict], now: float) -> list[dict]:
+        out = []
+        for node, job, name, body in self.stragglers.feed(frames):
+            log.warning("job %s: %s %s", job, name, body.get("reason", node))
+            out.append(self.node_event(node, job, name, now, **body))
+        return out
+
     def node_event(self, node: str, job: str, name: str, now: float, **body: Any) -> dict:
         return {"v": 1, "kind": "event", "node": node, "job": job, "run": "controller",
                 "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name, **body}
@@ -187,7 +196,7 @@ class Controller:
                 msgs = []
             now = time.time()
             frames = self.take(msgs) if msgs else []
-            extra = self.seen(frames, now) + self.lost_nodes(now)
+            extra = self.seen(frames, now) + self.lost_nodes(now) + self.straggler_events(frames, now)
             if frames or extra:
                 stored, dup = self.store.add(frames + extra, received=now)
                 self.counts["stored"] += stored

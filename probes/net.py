@@ -37,6 +37,7 @@ from jobprobe import tickmemo
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",
             "tcp_retransmits", "tcp_active_opens", "tcp_passive_opens", "tcp_closes")
+RTT = ("tcp_srtt_sum_us", "tcp_srtt_skbs")      # summed in the kernel; tcp_srtt_us is their ratio per interval
 PACKET_FIELDS = ("tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets")
 TOP_PEERS = 5
 AF_INET, AF_INET6 = 2, 10
@@ -52,7 +53,7 @@ SKB = (("net_ingress", "cgroup_skb/ingress"), ("net_egress", "cgroup_skb/egress"
 
 class NetStats(ct.Structure):
     """bpf/net.c struct net_stats, one per job slot and CPU."""
-    _fields_ = [(name, ct.c_uint64) for name in COUNTERS]
+    _fields_ = [(name, ct.c_uint64) for name in COUNTERS + RTT]
 
 
 class PeerKey(ct.Structure):
@@ -100,12 +101,17 @@ def interval(now: dict[str, Any], before: dict[str, Any], emit: tuple[str, ...])
     """This interval's fields from two cumulative readings {"counters": {...}, "peers": {...}}; only `emit`'s
     counters (what this source can see)."""
     out: dict[str, Any] = {k: delta(now["counters"][k], before["counters"][k]) for k in emit}
+    if "tcp_tx_packets" in emit and all(k in now["counters"] for k in RTT):
+        n = delta(now["counters"]["tcp_srtt_skbs"], before["counters"].get("tcp_srtt_skbs", 0))
+        if n:
+            out["tcp_srtt_us"] = round(delta(now["counters"]["tcp_srtt_sum_us"],
+                                             before["counters"].get("tcp_srtt_sum_us", 0)) / n, 1)
     out["top_peers"] = top_peers(now["peers"], before["peers"])
     return out
 
 
 def zero_reading() -> dict[str, Any]:
-    return {"counters": {k: 0 for k in COUNTERS}, "peers": {}}
+    return {"counters": {k: 0 for k in COUNTERS + RTT}, "peers": {}}
 
 
 def _by_slot(items: list[tuple[Any, Any]]) -> dict[int, list[tuple[Any, Any]]]:
@@ -140,6 +146,10 @@ class NetProbe(BpfProbe):
         "tcp_passive_opens": Field("int", "count", "TCP connections the job accepted, counted when it first used "
                                    "or closed them"),
         "tcp_closes": Field("int", "count", "TCP connections of the job that reached CLOSE"),
+        "tcp_srtt_us": Field("float", "µs", "the smoothed round-trip time of the job's TCP connections, as their "
+                             "sockets saw it when sending (the kernel's srtt, averaged over the skbs sent this "
+                             "interval; packets source only; absent when nothing was sent): a queue on a slow or "
+                             "shaped link shows here before anything is lost", kind="gauge"),
         "top_peers": Field("list[map]", "—", f"up to {TOP_PEERS} peers by payload bytes moved in the interval, "
                            "most first (fields top_peers[].*); syscalls source: TCP peers only"),
         "top_peers[].addr": Field("str", "—", "peer IPv4 or IPv6 address (IPv4-mapped IPv6 shown as IPv4)"),
@@ -264,7 +274,7 @@ class NetProbe(BpfProbe):
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot summed over CPUs, and our slot's peers {(addr, port): (tx, rx)}."""
         per_cpu = self.loaded.maps["stats"].lookup(self.slot)
-        counters = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS}
+        counters = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS + RTT}
         peers: dict[tuple[str, int], tuple[int, int]] = {}
         table = self.loaded.maps["peers"]
         by_slot = tickmemo.get(("peers", id(table)), lambda: _by_slot(table.items()))   # once a tick, every job

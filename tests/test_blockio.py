@@ -250,8 +250,9 @@ def test_direct_io_counts_are_exact(probe, make_cgroup, loop, kind):
           f"{disk_w['write_bytes']} B; p50 {s1['write_lat_p50_us']} µs")
     assert within(s1["write_requests"], n) and within(s1["write_bytes"], n * bs)
     assert within(s1["write_bytes"], wr["proc_write_bytes"]) and within(s1["write_requests"], disk_w["writes"])
-    # no reads, but those the job's own interpreter made the storage layer fetch (a page of a library paged in)
-    assert s1["read_bytes"] == 0 or s1["read_bytes"] <= wr["proc_read_bytes"], (s1["read_bytes"], wr)
+    # no reads, but those the job's own interpreter made the storage layer fetch (pages of a library paged in —
+    # also while it exits, after it read its /proc io: a few pages more than it reported; a CI run saw 16 vs 12 KiB)
+    assert s1["read_bytes"] <= wr["proc_read_bytes"] + 64 * KiB, (s1["read_bytes"], wr)
     assert s1["write_errors"] == 0
     assert sum(s1["write_lat_us_log2"]) == s1["write_requests"] and s1["write_lat_ns"] > 0
     # Device latency issue → complete is inside the kernel's own request time (allocation → done), summed in ms.

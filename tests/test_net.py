@@ -26,7 +26,7 @@ from jobprobe.probe import EVENTS_KEY
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.bpfprobe import MEMBERSHIP, MISSED
-from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
+from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
 from tests.conftest import bpf_fds, prog_exists
 from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, near, result
@@ -79,6 +79,9 @@ def test_interval_emits_only_what_the_source_sees():
 def test_every_emitted_field_is_declared():
     now = {**zero_reading(), "peers": {("10.0.0.1", 80): (1, 2)}}
     out = {**interval(now, zero_reading(), COUNTERS), "source": "packets"}
+    now["counters"].update(tcp_srtt_sum_us=500, tcp_srtt_skbs=4)
+    out = {**interval(now, zero_reading(), COUNTERS), "source": "packets"}
+    assert out["tcp_srtt_us"] == 125.0
     emitted = set(out) | {f"top_peers[].{k}" for k in out["top_peers"][0]}
     assert emitted | {MISSED} == set(NetProbe.fields)   # bpf_missed: added by sample()
     assert all(f.type and f.unit and f.meaning for f in NetProbe.fields.values())
@@ -97,7 +100,7 @@ def test_python_and_c_agree_on_layout():
                       ("sock_info", SockInfo)):
         members = c_struct(src, cname)
         assert [(n, size[t] * int(d or 1)) for t, n, d in members] == [(n, ct.sizeof(t)) for n, t in py._fields_]
-    assert [n for _, n, _ in c_struct(src, "net_stats")] == list(COUNTERS)
+    assert [n for _, n, _ in c_struct(src, "net_stats")] == list(COUNTERS + RTT)
     for fn in ("on_state", "on_retransmit", "on_destroy", "on_send", "on_recv", "net_ingress", "net_egress",
                "on_state_raw", "on_retransmit_raw", "on_destroy_raw"):
         assert re.search(rf"^int {fn}\(struct ", src, re.M), fn
@@ -485,3 +488,40 @@ def test_cost_per_packet_and_per_event(probe, make_cgroup, net):
     pkts = s["tcp_tx_packets"] + s["udp_tx_packets"]
     assert stats["net_egress"].run_cnt > 0 and stats["net_ingress"].run_cnt > 0 and pkts > 0
     assert stats["on_send"].run_cnt >= 2000               # every send call of the node, the job's included
+
+
+@pytest.mark.kernel
+def test_tcp_rtt_of_a_job_on_a_shaped_link_matches_the_sockets_own(probe, make_cgroup, net):
+    """A slow link queues: A's egress shaped to 40 Mbit/s (tc tbf, up to 20 ms of queue), the job sends 4 MiB.
+    The probe's tcp_srtt_us (the sending socket's srtt per skb sent) against the socket's own TCP_INFO tcpi_rtt
+    read after every send: the same order (medians of different samplings: within 0.4-2.5x), and far above what
+    the unshaped link shows."""
+    got = {}
+    for shaped in (False, True):
+        if shaped:
+            net.run(net.a, "tc", "qdisc", "replace", "dev", net.va, "root", "tbf", "rate", "40mbit", "burst", "16kb",
+                    "latency", "20ms")
+        cg = make_cgroup()
+        port = 5101 + shaped
+        sink = net.start(net.b, "tcp_sink", port, 0, ready=True)
+        probe.start(CgroupTarget(str(cg.path)))
+        sender = net.start(net.a, "tcp_send", ADDR_B, port, 4 << 20, spawn=cg.spawn)
+        weighted = segs = 0.0            # the probe's per-interval means, weighted by the segments sent
+        while True:
+            done = sender.poll() is not None
+            time.sleep(0.1)
+            smp = probe.sample()
+            if "tcp_srtt_us" in smp:
+                weighted += smp["tcp_srtt_us"] * smp["tcp_tx_packets"]
+                segs += smp["tcp_tx_packets"]
+            if done:
+                break
+        job = result(sender)
+        result(sink)
+        rtts = round(weighted / segs, 1) if segs else None
+        probe.stop()
+        got[shaped] = (rtts, job["rtt_us"])
+        print(f"net rtt ({'shaped' if shaped else 'free'}): probe {rtts} µs, TCP_INFO median {job['rtt_us']} µs")
+    (free, free_own), (slow, slow_own) = got[False], got[True]
+    assert slow is not None and slow_own > 2000 and 0.4 * slow_own <= slow <= 2.5 * slow_own, got
+    assert free is None or free < slow / 4, got

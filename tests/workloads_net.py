@@ -80,17 +80,22 @@ def tcp_sink(port: int, reply: int, addr: str = "0.0.0.0") -> None:
     say(received=got, sent=sent, peer=peer[0], **info)
 
 
+TCPI_RTT = 68              # tcpi_rtt (u32, µs): the socket's smoothed RTT
+
+
 def tcp_send(host: str, port: int, nbytes: int) -> None:
     s = socket.create_connection((host, port))
     buf = b"x" * CHUNK
     sent = 0
+    rtts = []            # the socket's own smoothed RTT, read after every send (the probe reads it per skb sent)
     while sent < nbytes:
         sent += s.send(buf[:min(CHUNK, nbytes - sent)])
+        rtts.append(struct.unpack_from("I", s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), TCPI_RTT)[0])
     s.shutdown(socket.SHUT_WR)
     got = drain(s)
     info = retransmitted(s)
     s.close()
-    say(sent=sent, received=got, **info)
+    say(sent=sent, received=got, rtt_us=sorted(rtts)[len(rtts) // 2], **info)
 
 
 def udp_echo(port: int, reply: int) -> None:

@@ -1,0 +1,212 @@
+"""A real distributed training job for the cluster tests: PyTorch DDP (gloo, CPU), one rank per network namespace,
+the namespaces joined by veth pairs on a bridge (as nodes on a switch), each rank in its own cgroup (and, on a
+hybrid host, its own v1 cpu group, where CPU limits live). Faults a cluster sees: a CPU limit on one rank
+(`throttle`), a slow link on one rank (`shape`: tc tbf on its interface)."""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from jobprobe.host import find_cgroup_v1_mount
+
+REPO = Path(__file__).resolve().parents[1]
+_tags = itertools.count()
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+class DdpJob:
+    def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0"):
+        tag = f"{os.getpid() % 10000}x{next(_tags)}"
+        self.world, self.seconds, self.width, self.subnet = world, seconds, width, subnet
+        self.bridge = f"jpbr{tag}"
+        self.ns = [f"jpd{tag}n{i}" for i in range(world)]
+        self.veth = [f"jvd{tag}n{i}" for i in range(world)]          # host side, on the bridge
+        self.addr = [f"{subnet}.{i + 1}" for i in range(world)]
+        self.cg = [Path(cgroup2, "jobprobe-test", f"ddp-{tag}-rank{i}") for i in range(world)]
+        v1 = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
+        self.v1 = [Path(v1[0], "jobprobe-test", f"ddp-{tag}-rank{i}") for i in range(world)] if v1 else None
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[Path] = []
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.ns):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", self.veth[i], "type", "veth", "peer", "name", "eth0", "netns", ns)
+            sh("ip", "link", "set", self.veth[i], "master", self.bridge)
+            sh("ip", "link", "set", self.veth[i], "up")
+            sh("ip", "-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", "eth0")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            self.cg[i].mkdir(parents=True)
+            if self.v1:
+                self.v1[i].mkdir(parents=True)
+
+    def start(self, out_dir: Path, port: int = 29511) -> None:
+        for i, ns in enumerate(self.ns):
+            log = out_dir / f"rank{i}.log"
+            self.logs.append(log)
+            procs = [self.cg[i] / "cgroup.procs"] + ([self.v1[i] / "cgroup.procs"] if self.v1 else [])
+
+            def enter(procs=procs):
+                for p in procs:
+                    p.write_text(str(os.getpid()))
+            self.procs.append(subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, str(REPO / "scripts" / "ddp_job.py"), "--rank", str(i),
+                 "--world", str(self.world), "--master", f"{self.addr[0]}:{port}", "--seconds", str(self.seconds),
+                 "--width", str(self.width), "--ifname", "eth0"],
+                preexec_fn=enter, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO))
+
+    def limit_dir(self, rank: int) -> Path:
+        """Where rank's CPU limit is set: its cgroup2 group when the cpu controller is on there, else v1."""
+        ctl = self.cg[rank].parent / "cgroup.subtree_control"
+        if ctl.exists() and "cpu" in ctl.read_text().split():
+            return self.cg[rank]
+        assert self.v1, "no cpu controller on cgroup2 or v1"
+        return self.v1[rank]
+
+    def throttle(self, rank: int, cores: float | None) -> None:
+        """Limit rank's CPU to `cores` (None: no limit)."""
+        d = self.limit_dir(rank)
+        if d == self.cg[rank]:
+            (d / "cpu.max").write_text(f"{int(cores * 100000)} 100000\n" if cores else "max 100000\n")
+        else:
+            (d / "cpu.cfs_period_us").write_text("100000\n")
+            (d / "cpu.cfs_quota_us").write_text(f"{int(cores * 100000)}\n" if cores else "-1\n")
+
+    def shape(self, rank: int, rate: str | None) -> None:
+        """Shape what rank sends (tc tbf on its eth0) to `rate` (e.g. "20mbit"); None removes it."""
+        if rate:
+            sh("ip", "netns", "exec", self.ns[rank], "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+               "rate", rate, "burst", "16kb", "latency", "20ms")
+        else:
+            subprocess.run(["ip", "netns", "exec", self.ns[rank], "tc", "qdisc", "del", "dev", "eth0", "root"],
+                           capture_output=True)
+
+    def tc_drops(self, rank: int) -> int:
+        out = sh("ip", "netns", "exec", self.ns[rank], "tc", "-s", "qdisc", "show", "dev", "eth0")
+        for line in out.splitlines():
+            if "dropped" in line:
+                return int(line.split("dropped")[1].split(",")[0])
+        return 0
+
+    def rates(self, rank: int) -> list[float]:
+        """rank's steps/s as it printed them, in order."""
+        out = []
+        for line in self.logs[rank].read_text().splitlines():
+            if "steps/s" in line:
+                out.append(float(line.rsplit(":", 1)[1].split()[0]))
+        return out
+
+    def wait(self, timeout: float) -> list[int]:
+        return [p.wait(timeout=timeout) for p in self.procs]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for d in self.cg + (self.v1 or []):
+            for _ in range(50):
+                try:
+                    for pid in (d / "cgroup.procs").read_text().split():
+                        os.kill(int(pid), 9)
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    import time
+                    time.sleep(0.1)
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+class Cluster:
+    """One NATS server, one `jobprobe controller`, one agent per rank (each its own node name), attached to the
+    ranks' cgroups as job `job` — what a real cluster runs, on one machine."""
+
+    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,self",
+                 controller_args: tuple[str, ...] = ()):
+        from test_nats import NatsServer
+        self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
+        self.nats = NatsServer(tmp)
+        self.nats.start()
+        self.store = tmp / "store.db"
+        self.controller = subprocess.Popen(
+            [sys.executable, "-m", "jobprobe.cli", "controller", "--nats", self.nats.url, "--store", str(self.store),
+             *controller_args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "controller.log", "ab"))
+        self.agents: list[subprocess.Popen] = []
+        self.nodes = [f"node-{chr(ord('a') + i)}" for i in range(ddp.world)]
+
+    def start_agents(self) -> None:
+        for node in self.nodes:
+            d = self.tmp / node
+            d.mkdir(exist_ok=True)
+            self.agents.append(subprocess.Popen(
+                [sys.executable, "-m", "jobprobe.cli", "agent", "--node", node, "--send", self.nats.url,
+                 "--spool", str(d / "spool"), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
+                 "--out", str(d / "out"), "--probes", self.probes, "--interval", "1"],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab")))
+
+    def attach(self) -> None:
+        from conftest import until
+        from jobprobe.control import call
+
+        for i, node in enumerate(self.nodes):
+            sock = str(self.tmp / node / "agent.sock")
+
+            def up():
+                try:
+                    return call(sock, {"cmd": "status"})
+                except Exception:
+                    return None
+            until(up, 120, f"agent {node}")
+            r = call(sock, {"cmd": "attach", "cgroup": str(self.ddp.cg[i]), "job": self.job})
+            assert r["ok"], r
+
+    def events(self, name: str | None = None) -> list[dict]:
+        import json
+        import sqlite3
+        if not self.store.exists():
+            return []
+        db = sqlite3.connect(f"file:{self.store}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT body FROM events WHERE job = ? ORDER BY t", (self.job,)).fetchall()
+        except sqlite3.OperationalError:
+            return []
+        finally:
+            db.close()
+        out = [json.loads(b) for (b,) in rows]
+        return [e for e in out if name is None or e["event"] == name]
+
+    def samples(self) -> list[tuple[str, float, float, dict]]:
+        import json
+        import sqlite3
+        db = sqlite3.connect(f"file:{self.store}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT node, t, dt, body FROM samples WHERE job = ? ORDER BY t", (self.job,)).fetchall()
+        finally:
+            db.close()
+        return [(n, t, dt, json.loads(b)["probes"]) for n, t, dt, b in rows]
+
+    def close(self) -> None:
+        for p in self.agents:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.agents:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.controller.poll() is None:
+            self.controller.terminate()
+            self.controller.wait(timeout=30)
+        self.nats.stop()

@@ -1,0 +1,77 @@
+"""The straggler comparison on frames made here (the DDP tests in test_stragglers.py run it on a real job): a
+balanced job names nobody, one node's cause opens an event only after it holds twice and closes after it is gone
+twice; noise in one window names nobody; a node whose probes lack a figure is not compared on it."""
+from __future__ import annotations
+
+import random
+
+from jobprobe.stragglers import StragglerWatch, causes, figures, Window
+
+
+def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None):
+    cg = {"cpu_user_ns": int(cpu), "cpu_system_ns": 0, "cpu_throttled_ns": int(throttled)}
+    if limit:
+        cg["cpu_limit_cores"] = limit
+    probes = {"cgroup": cg, "sched": {"runq_lat_ns": int(runq), "offcpu_lock_ns": int(wait), "offcpu_wait_ns": 0},
+              "net": {"tcp_tx_bytes": 10 << 20, "tcp_rx_bytes": 10 << 20, "tcp_retransmits": retrans}}
+    if gpu:
+        probes["gpu"] = {"gpus": [gpu]}
+    return {"v": 1, "kind": "sample", "node": node, "job": "j", "run": "r", "seq": int(t), "t": t, "dt": 1.0,
+            "probes": probes}
+
+
+def run(watch: StragglerWatch, seconds: int, special=lambda node, t: {}, nodes=("a", "b", "c"), t0=1000.0):
+    events = []
+    rng = random.Random(1)
+    for s in range(seconds):
+        t = t0 + s
+        batch = []
+        for n in nodes:
+            kw = {"cpu": 0.9e9 * rng.uniform(0.9, 1.1), "wait": 0.3e9 * rng.uniform(0.8, 1.2)}
+            kw.update(special(n, t))
+            batch.append(frame(n, t, **kw))
+        rng.shuffle(batch)
+        events += [(t, *e) for e in watch.feed(batch)]
+    return events
+
+
+def test_a_balanced_job_names_nobody():
+    w = StragglerWatch()
+    assert run(w, 300) == [] and w.evaluations >= 55
+
+
+def test_a_throttled_node_is_named_after_two_comparisons_and_cleared_after_it_recovers():
+    w = StragglerWatch()
+    throttled = lambda n, t: {"throttled": 0.6e9, "limit": 0.25, "wait": 0.05e9} if n == "b" and 1060 <= t < 1120 \
+        else ({"wait": 0.7e9} if 1060 <= t < 1120 else {})
+    ev = run(w, 200, throttled)
+    assert [(e[1], e[3]) for e in ev] == [("b", "straggler"), ("b", "straggler_end")], ev
+    t_open, _, _, _, body = ev[0]
+    assert 1060 < t_open <= 1060 + 25                   # three comparisons, 5 s apart, of 10 s windows
+    assert body["causes"] == ["cpu_throttled"] and "CPU throttled 60%" in body["reason"]
+    assert "limit 0.25 cores" in body["reason"] and "waited 0.65 s/s more" in body["reason"]
+    assert body["evidence"]["cpu_throttled"] == {"value": 0.6, "peers": 0.0}
+    t_end = ev[1][0]
+    assert 1120 < t_end <= 1120 + 25 and ev[1][4]["duration_s"] >= 55
+
+
+def test_one_noisy_window_names_nobody():
+    w = StragglerWatch()
+    assert run(w, 120, lambda n, t: {"retrans": 200} if n == "c" and 1050 <= t < 1053 else {}) == []
+
+
+def test_a_lossy_link_and_a_slow_gpu_are_named_with_their_evidence():
+    w = StragglerWatch()
+    ev = run(w, 60, lambda n, t: {"retrans": 40} if n == "c" and t >= 1020 else {})
+    assert [(e[1], e[3]) for e in ev] == [("c", "straggler")] and ev[0][4]["causes"] == ["net_retransmits"]
+    w = StragglerWatch()
+    gpu = lambda n, t: {"gpu": {"util_gpu_pct": 95 if n != "a" or t < 1020 else 40, "sm_clock_mhz": 1980,
+                                "clock_event_reasons": 0}}
+    ev = run(w, 60, gpu)
+    assert [(e[1], e[3]) for e in ev] == [("a", "straggler")] and ev[0][4]["causes"] == ["gpu_util"]
+
+
+def test_figures_absent_are_not_compared():
+    me, peer = Window(10.0, figures({"cgroup": {"cpu_user_ns": 9, "cpu_system_ns": 0}})), Window(10.0, {})
+    assert causes(me, [peer, peer]) == []
+    assert "throttled_ns" not in figures({"cgroup": {"cpu_user_ns": 1, "cpu_system_ns": 1}})
