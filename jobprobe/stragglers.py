@@ -5,8 +5,11 @@ connected node sets the pace of all. The controller sees every node's frames of 
 per job, every `every` seconds, it compares the nodes over the last `window` seconds:
 
 - **causes** — a figure in which one node is far from all its peers: CPU throttled by its group's limit, threads
-  waiting for a CPU (run-queue time), TCP round-trip time (a queue on a slow link) or retransmits, GPU
-  utilization, SM clock or throttle reasons — over the window and over its newest slice;
+  waiting for a CPU (run-queue time), the queue in front of its network interface holding or dropping packets (a
+  link slower than what it sends: the `nic` probe), TCP round-trip time or retransmits, GPU utilization, SM clock
+  or throttle reasons — over the window and over its newest slice. (TCP round-trip time is a property of a path
+  both ways: in a ring, the nodes on both sides of a slow link see it alike, so it names a node only when one
+  node alone has it);
 - **the signature of being waited for** — the others' threads spend more time asleep waiting (futex and socket
   waits: `sched.offcpu_lock_ns + offcpu_wait_ns`) than the node does. It is reported as evidence ("the others
   waited 0.41 s/s more"), not required: a rank that is slow for a reason we can name is named.
@@ -32,7 +35,7 @@ KEEP_S = 60.0             # frames kept per node (a little more than a window, f
 
 # figures summed over a window (per-interval deltas in the frames)
 ADDITIVE = ("cpu_ns", "throttled_ns", "runq_ns", "wait_ns", "tx_bytes", "rx_bytes", "retrans", "rtt_w", "rtt_n",
-            "gpu_dt", "gpu_util", "gpu_clock", "gpu_throttled")
+            "nic_held", "nic_drops", "gpu_dt", "gpu_util", "gpu_clock", "gpu_throttled")
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
 
@@ -60,6 +63,10 @@ def figures(probes: dict) -> dict[str, float]:
         if net.get("tcp_srtt_us") is not None and net.get("tcp_tx_packets"):
             out["rtt_w"] = net["tcp_srtt_us"] * net["tcp_tx_packets"]    # averaged over the window by segments
             out["rtt_n"] = net["tcp_tx_packets"]
+    nics = [n for n in (probes.get("nic") or {}).get("nics") or () if isinstance(n, dict)]
+    if nics:
+        out["nic_held"] = sum(n.get("qdisc_overlimits", 0) + n.get("qdisc_drops", 0) for n in nics)
+        out["nic_drops"] = sum(n.get("qdisc_drops", 0) + n.get("tx_dropped", 0) for n in nics)
     gpus = [g for g in (probes.get("gpu") or {}).get("gpus") or () if isinstance(g, dict) and "util_gpu_pct" in g]
     if gpus:
         out["gpu_dt"] = 1.0
@@ -133,6 +140,16 @@ def causes(me: Window, peers: list[Window], clearing: bool = False) -> list[Caus
         if rt >= 5 * f and rt >= 5 * m + 5 * f:
             out.append(Cause("net_retransmits", round(rt, 1), round(m, 1),
                              f"network: {rt:.0f} TCP retransmits/s (a slow or lossy link); peers {m:.0f}/s"))
+    held = me.rate("nic_held")
+    if held is not None:
+        others = pv(lambda w: w.rate("nic_held"))
+        m = _median(others)
+        if others and held >= 50 * f and held >= 10 * m + 50 * f:
+            drops = me.rate("nic_drops") or 0
+            out.append(Cause("nic_queue", round(held, 1), round(m, 1),
+                             f"network: the queue in front of its interface held packets back or dropped them "
+                             f"{held:.0f} times/s ({drops:.0f} drops/s) — a link slower than what it sends; peers "
+                             f"{m:.0f}/s"))
     rtt = me.rtt()
     if rtt is not None:
         others = pv(lambda w: w.rtt())
@@ -287,7 +304,8 @@ def _evidence(w: Window, peers: list[Window]) -> dict[str, float]:
     for k, scale, name in (("cpu_ns", 1e9, "cpu_cores"), ("throttled_ns", 1e9, "throttled_share"),
                            ("runq_ns", 1e9, "runq_s_per_s"), ("wait_ns", 1e9, "wait_s_per_s"),
                            ("tx_bytes", 1, "tx_bytes_per_s"), ("rx_bytes", 1, "rx_bytes_per_s"),
-                           ("retrans", 1, "retransmits_per_s")):
+                           ("retrans", 1, "retransmits_per_s"), ("nic_held", 1, "nic_queue_held_per_s"),
+                           ("nic_drops", 1, "nic_drops_per_s")):
         v = w.rate(k)
         if v is None:
             continue

@@ -132,7 +132,7 @@ class Cluster:
     """One NATS server, one `jobprobe controller`, one agent per rank (each its own node name), attached to the
     ranks' cgroups as job `job` — what a real cluster runs, on one machine."""
 
-    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,self",
+    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,nic,self",
                  controller_args: tuple[str, ...] = ()):
         from test_nats import NatsServer
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes

@@ -1,0 +1,218 @@
+"""nic — the network interfaces the job uses: traffic, errors, drops and the queue in front of each, per interval.
+
+Which interfaces: those of the job's network namespace (its first process's /proc/PID/ns/net: the host's, or a
+container's or a test's own), up and not loopback — or, when the job's environment names them
+(`NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`: prefixes, `^` to exclude, `=` for an exact name), those. In the host's
+namespace the interfaces are shared by every job on the node: `shared` says so, and the figures are the
+interface's, not the job's (the `net` probe counts the job's own bytes).
+
+Hooks: rtnetlink in the job's namespace — RTM_GETLINK (the counters of `ip -s link` and /proc/net/dev) and
+RTM_GETQDISC (the root queueing discipline's statistics, as `tc -s qdisc`: a queue that drops or holds packets
+back is a link slower than what is sent to it). A socket per namespace, made by a thread that joins it (setns)
+and shared by every job in it; one reading per namespace per tick. Link speed from /sys/class/net/<if>/speed in
+the agent's own namespace (absent for another namespace's interfaces). Kernel: any. Root: for another namespace
+(setns) and to read another user's environment.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from jobprobe import tickmemo
+from jobprobe.errors import ProbeUnavailable, TargetGone
+from jobprobe.host import Host
+from jobprobe.kernel import procfs, rtnl
+from jobprobe.probe import Field, Probe, delta
+from jobprobe.target import Target
+
+RECHECK_S = 10.0           # the job's namespace and environment looked at again
+ENV_KEYS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+LINK_COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors", "tx_errors", "rx_dropped",
+                 "tx_dropped")
+QDISC_COUNTERS = ("drops", "overlimits", "requeues")
+
+_sockets: dict[int, Any] = {}      # netns inode → its rtnetlink socket (shared by the jobs in it)
+
+
+def fields() -> dict[str, Field]:
+    out = {
+        "nics": Field("list[map]", "—", "the job's interfaces (fields nics[].*)"),
+        "netns": Field("str", "—", "'host' (the agent's own namespace) or 'netns:<inode>' (the job's own)"),
+        "shared": Field("bool", "—", "the interfaces are the host's, shared by every job on the node: figures are "
+                        "the interface's, not the job's"),
+        "selected_by": Field("str", "—", "how the interfaces were chosen: 'all' (up, not loopback) or the job's "
+                             "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"),
+        "nics[].name": Field("str", "—", "interface name"),
+        "nics[].up": Field("bool", "—", "operationally up"),
+        "nics[].speed_mbps": Field("int", "Mbit/s", "link speed (agent's namespace only; absent when unknown)",
+                                   kind="gauge"),
+        "nics[].tx_util_pct": Field("float", "%", "transmit rate over link speed this interval", kind="gauge"),
+        "nics[].rx_util_pct": Field("float", "%", "receive rate over link speed this interval", kind="gauge"),
+        "nics[].qdisc": Field("str", "—", "the root queueing discipline (fq_codel, mq, tbf, noqueue, …)"),
+        "nics[].qdisc_backlog_bytes": Field("int", "bytes", "bytes waiting in the queue now", kind="gauge"),
+        "nics[].qdisc_qlen": Field("int", "count", "packets waiting in the queue now", kind="gauge"),
+    }
+    for k in LINK_COUNTERS:
+        what = k.replace("_", " ").replace("rx", "received").replace("tx", "sent")
+        out[f"nics[].{k}"] = Field("int", "bytes" if k.endswith("bytes") else "count",
+                                   f"{what} by the interface this interval (rtnl_link_stats64)")
+    out["nics[].qdisc_drops"] = Field("int", "count", "packets the queue dropped this interval")
+    out["nics[].qdisc_overlimits"] = Field("int", "count", "times the queue held packets back, over its rate or "
+                                           "limit, this interval (a shaper's or a slow link's signature)")
+    out["nics[].qdisc_requeues"] = Field("int", "count", "packets the driver handed back (device busy)")
+    return out
+
+
+def wanted(names: list[str], spec: str | None) -> list[str]:
+    """NCCL's interface selection: comma-separated prefixes; `^` excludes them; `=` makes them exact names."""
+    if not spec:
+        return names
+    exclude = spec.startswith("^")
+    spec = spec.lstrip("^")
+    exact = spec.startswith("=")
+    items = [s for s in spec.lstrip("=").split(",") if s]
+
+    def match(n: str) -> bool:
+        return any(n == s if exact else n.startswith(s) for s in items)
+    return [n for n in names if match(n) != exclude]
+
+
+def job_env(proc: str, pid: int) -> dict[str, str]:
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep and k.decode(errors="replace") in ENV_KEYS:
+            out[k.decode()] = v.decode(errors="replace")
+    return out
+
+
+def netns_inode(proc: str, pid: int | str) -> int | None:
+    try:
+        return os.stat(f"{proc}/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
+def reading(proc: str, pid: int, ino: int, own: int | None) -> dict[str, tuple]:
+    """{name: (link, qdisc or None)} of the namespace `ino` — once per tick per namespace, whatever the jobs."""
+    def read() -> dict[str, tuple]:
+        sock = _sockets.get(ino)
+        if sock is None:
+            sock = rtnl.socket_in(None if ino == own else f"{proc}/{pid}/ns/net")
+            _sockets[ino] = sock
+        try:
+            links, qd = rtnl.links(sock), rtnl.root_qdiscs(sock)
+        except OSError:
+            _sockets.pop(ino, None)
+            sock.close()
+            raise
+        return {ln.name: (ln, qd.get(i)) for i, ln in links.items()}
+    return tickmemo.get(("nic", ino), read)
+
+
+class NicProbe(Probe):
+    name = "nic"
+    default = True
+    summary = "the job's network interfaces: traffic, errors, drops, link use and the queue in front (rtnetlink)"
+    fields = fields()
+
+    def __init__(self, host: Host | None = None):
+        super().__init__(host)
+        self.target: Target | None = None
+        self.pid: int | None = None
+        self.ino: int | None = None
+        self.own = netns_inode(self.host.proc, "self")
+        self.spec: str | None = None
+        self.by = "all"
+        self.prev: dict[str, dict[str, int]] = {}
+        self.checked = -1e9
+        self.files = procfs.OpenFiles()
+        self.t_prev = 0.0
+
+    def start(self, target: Target) -> None:
+        self.target = target
+        self.checked = -1e9
+        self._recheck()
+        if self.ino is None:
+            raise ProbeUnavailable("the job's network namespace cannot be read (no process yet?)")
+        try:
+            self.prev = self._counters(reading(self.host.proc, self.pid, self.ino, self.own))
+        except OSError as err:
+            raise ProbeUnavailable(f"rtnetlink in the job's network namespace: {err}") from err
+        self.t_prev = time.monotonic()
+
+    def _recheck(self) -> None:
+        now = time.monotonic()
+        if now - self.checked < RECHECK_S and self.ino is not None:
+            return
+        self.checked = now
+        pids = self.target.pids()
+        if not pids:
+            if self.ino is None:
+                return
+            raise TargetGone("the job has no processes")
+        self.pid = pids[0]
+        ino = netns_inode(self.host.proc, self.pid)
+        if ino is not None:
+            self.ino = ino
+        env = job_env(self.host.proc, self.pid)
+        key = next((k for k in ENV_KEYS if env.get(k)), None)
+        self.spec = env[key] if key else None
+        self.by = f"{key}={self.spec}" if key else "all"
+
+    def _chosen(self, seen: dict[str, tuple]) -> list[str]:
+        if self.spec:
+            return wanted(sorted(seen), self.spec)
+        return sorted(n for n, (ln, _) in seen.items() if ln.up and n != "lo")
+
+    def _counters(self, seen: dict[str, tuple]) -> dict[str, dict[str, int]]:
+        out = {}
+        for n in self._chosen(seen):
+            ln, qd = seen[n]
+            c = {k: ln.stats.get(k, 0) for k in LINK_COUNTERS}
+            if qd is not None:
+                c.update({f"qdisc_{k}": getattr(qd, k) for k in QDISC_COUNTERS})
+            out[n] = c
+        return out
+
+    def sample(self) -> dict:
+        if self.target is None:
+            return {}
+        self._recheck()
+        seen = reading(self.host.proc, self.pid, self.ino, self.own)
+        now_t = time.monotonic()
+        dt, self.t_prev = max(now_t - self.t_prev, 1e-6), now_t
+        cur = self._counters(seen)
+        nics = []
+        for n, c in cur.items():
+            ln, qd = seen[n]
+            before = self.prev.get(n)
+            item: dict[str, Any] = {"name": n, "up": ln.up}
+            item.update({k: delta(v, before[k]) if before and k in before else 0 for k, v in c.items()})
+            if qd is not None:
+                item.update(qdisc=qd.kind, qdisc_backlog_bytes=qd.backlog, qdisc_qlen=qd.qlen)
+            if self.ino == self.own:
+                speed = self.files.read(f"{self.host.sys}/class/net/{n}/speed")
+                try:
+                    mbps = int((speed or "").split()[0])
+                except (ValueError, IndexError):
+                    mbps = -1
+                if mbps > 0:
+                    item["speed_mbps"] = mbps
+                    item["tx_util_pct"] = round(item["tx_bytes"] * 8 / dt / (mbps * 1e6) * 100, 2)
+                    item["rx_util_pct"] = round(item["rx_bytes"] * 8 / dt / (mbps * 1e6) * 100, 2)
+            nics.append(item)
+        self.files.sweep()
+        self.prev = cur
+        return {"nics": nics, "netns": "host" if self.ino == self.own else f"netns:{self.ino}",
+                "shared": self.ino == self.own, "selected_by": self.by}
+
+    def stop(self) -> None:
+        self.target = None
+        self.files.close()
