@@ -10,7 +10,8 @@ demo:
 	bash scripts/setup.sh --torch
 	bash scripts/demo.sh
 
-test: setup
+test:
+	bash scripts/setup.sh --torch
 	bash scripts/test.sh
 
 bench:

@@ -252,7 +252,7 @@ class StragglerWatch:
                 found = [c for c in causes(w, peers) if c.name in fresh]
                 nt.streak = nt.streak + 1 if found else 0
                 if found and nt.first_seen is None:
-                    nt.first_seen = horizon - self.window
+                    nt.first_seen = horizon - self.every      # the first slice in which it held
                 if not found:
                     nt.first_seen = None
                 if found and nt.streak >= self.open_after:

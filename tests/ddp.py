@@ -88,12 +88,12 @@ class DdpJob:
             subprocess.run(["ip", "netns", "exec", self.ns[rank], "tc", "qdisc", "del", "dev", "eth0", "root"],
                            capture_output=True)
 
-    def tc_drops(self, rank: int) -> int:
+    def tc_stats(self, rank: int) -> dict[str, int]:
+        """rank's eth0 root qdisc, as `tc -s qdisc` prints it."""
+        import re
         out = sh("ip", "netns", "exec", self.ns[rank], "tc", "-s", "qdisc", "show", "dev", "eth0")
-        for line in out.splitlines():
-            if "dropped" in line:
-                return int(line.split("dropped")[1].split(",")[0])
-        return 0
+        m = re.search(r"dropped (\d+), overlimits (\d+) requeues (\d+)", out)
+        return {"drops": int(m[1]), "overlimits": int(m[2]), "requeues": int(m[3])} if m else {}
 
     def rates(self, rank: int) -> list[float]:
         """rank's steps/s as it printed them, in order."""

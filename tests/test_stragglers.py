@@ -1,0 +1,85 @@
+"""Stragglers named on a real distributed job: PyTorch DDP (gloo, CPU), three ranks in three network namespaces on
+a bridge, each rank its own node (three agents) reporting over NATS to one controller — all real (tests/ddp.py).
+
+One run, in phases: balanced (no event), one rank's CPU limited (that node named, "CPU throttled", within 30 s;
+cleared when the limit goes), one rank's link shaped with tc tbf (that node named with network evidence; cleared
+when the shaping goes). Independent checks: the ranks' own step rates show the job really slowed, the kernel's
+cpu.stat and tc's qdisc counters show the cause really was there."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import until
+from ddp import Cluster, DdpJob
+from test_nats import need_nats
+
+
+
+def rate(ddp: DdpJob, since: int) -> float:
+    """The job's step rate (rank 0's prints) after its `since`-th print."""
+    r = ddp.rates(0)[since:]
+    return sum(r) / len(r) if r else 0.0
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(cgroup2_mount, tmp_path):
+    import importlib.util
+    assert importlib.util.find_spec("torch"), "PyTorch is not installed: `make test` installs it (scripts/setup.sh)"
+    ddp = DdpJob(cgroup2_mount, seconds=400)
+    cluster = Cluster(tmp_path, ddp)
+    try:
+        cluster.start_agents()
+        ddp.start(tmp_path)
+        cluster.attach()
+        until(lambda: len(ddp.rates(0)) >= 3, 60, "the job to train")
+        until(lambda: len({n for n, *_ in cluster.samples()}) == 3, 30, "frames of the three nodes")
+
+        # (c) balanced: 30 s, nobody named
+        time.sleep(30)
+        assert cluster.events("straggler") == [], cluster.events()
+        n0 = len(ddp.rates(0))
+        balanced = rate(ddp, n0 - 3)
+
+        # (a) rank 1's CPU limited to 0.25 cores
+        t0 = time.time()
+        ddp.throttle(1, 0.25)
+        ev = until(lambda: cluster.events("straggler"), 30, "a straggler named within 30 s of the CPU limit")
+        named_after = time.time() - t0
+        (e,) = ev
+        print(f"stragglers: named {e['straggler']} {named_after:.1f} s after the limit: {e['reason']}")
+        assert e["straggler"] == "node-b" and "cpu_throttled" in e["causes"] and "CPU throttled" in e["reason"]
+        assert e["evidence"]["cpu_limit_cores"] == 0.25 and e["evidence"]["throttled_share"] > 0.2
+        n1 = len(ddp.rates(0))
+        time.sleep(3)
+        slowed = rate(ddp, n1 - 1)
+        assert slowed < 0.75 * balanced, (slowed, balanced)          # the whole job paced by the throttled rank
+        ddp.throttle(1, None)
+        until(lambda: cluster.events("straggler_end"), 40, "the straggler cleared after the limit went")
+
+        # (b) rank 2's link shaped: 200 Mbit/s out of its namespace
+        t0 = time.time()
+        ddp.shape(2, "200mbit")
+        ev = until(lambda: cluster.events("straggler")[1:], 30, "a straggler named within 30 s of the shaping")
+        e = ev[0]
+        print(f"stragglers: named {e['straggler']} {time.time() - t0:.1f} s after the shaping: {e['reason']}")
+        assert e["straggler"] == "node-c" and "nic_queue" in e["causes"] and "network" in e["reason"]
+        assert e["evidence"]["nic_queue_held_per_s"] > 50 and e["evidence"]["peers_nic_queue_held_per_s"] < 10
+        assert ddp.tc_stats(2)["overlimits"] > 0                      # tc saw the queue hold packets back
+        ddp.shape(2, None)
+        until(lambda: len(cluster.events("straggler_end")) >= 2, 40, "the straggler cleared after the shaping went")
+        assert [(x["event"], x["straggler"]) for x in cluster.events() if x["event"].startswith("straggler")] == [
+            ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-c"), ("straggler_end", "node-c")]
+    finally:
+        cluster.close()
+        ddp.close()
+        for i in range(3):
+            log = tmp_path / f"rank{i}.log"
+            if log.exists():
+                print(f"rank {i}: {log.read_text()[-300:]}")
+        if os.environ.get("JOBPROBE_KEEP"):
+            print(f"kept {tmp_path}")
