@@ -22,6 +22,7 @@ compared.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -107,76 +108,101 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def causes(me: Window, peers: list[Window], clearing: bool = False) -> list[Cause]:
-    """The figures in which `me` is far from all its peers. `clearing`: the lower bounds an open straggler must
-    fall under to be cleared (hysteresis)."""
+# each compared figure, from a window (None: the node does not report it)
+GET = {
+    "throttled": lambda w: (w.rate("throttled_ns") or 0) / 1e9 if "throttled_ns" in w.sums else None,
+    "runq": lambda w: (w.rate("runq_ns") or 0) / 1e9 if "runq_ns" in w.sums else None,
+    "retrans": lambda w: w.rate("retrans"),
+    "nic_held": lambda w: w.rate("nic_held"),
+    "rtt": lambda w: w.rtt(),
+    "gpu_util": lambda w: w.gpu("gpu_util"),
+    "gpu_clock": lambda w: w.gpu("gpu_clock"),
+    "gpu_throttled": lambda w: w.gpu("gpu_throttled"),
+}
+
+
+class Others:
+    """Every node's value of every figure, sorted once per comparison: a node's peers' median and maximum (all
+    but itself) in O(log n), so a comparison of an n-node job costs O(n log n), not O(n²)."""
+
+    def __init__(self, wins: list[Window]):
+        self.sorted = {k: sorted(v for w in wins if (v := g(w)) is not None) for k, g in GET.items()}
+
+    def stats(self, k: str, mine: float | None) -> tuple[float, float, int]:
+        """(median, max, count) of figure k over the other nodes: `mine` taken out once."""
+        s = self.sorted[k]
+        i = bisect.bisect_left(s, mine) if mine is not None else len(s)
+        skip = i < len(s) and s[i] == mine
+        n = len(s) - skip
+
+        def at(j: int) -> float:
+            return s[j + 1] if skip and j >= i else s[j]
+        if n == 0:
+            return 0.0, 0.0, 0
+        med = at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+        return med, at(n - 1), n
+
+
+def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False) -> list[Cause]:
+    """The figures in which `me` is far from all its peers (a list of their windows, or an Others made from
+    every node's, `me` included). `clearing`: the lower bounds an open straggler must fall under to be cleared
+    (hysteresis)."""
+    others = peers if isinstance(peers, Others) else Others([me, *peers])
     f = 0.5 if clearing else 1.0
     out: list[Cause] = []
+    v = {k: g(me) for k, g in GET.items()}
 
-    def pv(get) -> list[float]:
-        return [v for p in peers if (v := get(p)) is not None]
-
-    thr = me.rate("throttled_ns")
+    thr = v["throttled"]
     if thr is not None:
-        thr /= 1e9
-        others = pv(lambda w: (w.rate("throttled_ns") or 0) / 1e9)
-        if thr >= 0.10 * f and thr >= max(others, default=0) + 0.10 * f:
+        m, top, _ = others.stats("throttled", thr)
+        if thr >= 0.10 * f and thr >= top + 0.10 * f:
             lim = f" (limit {me.limit:g} cores)" if me.limit else ""
-            out.append(Cause("cpu_throttled", round(thr, 3), round(_median(others), 3),
-                             f"CPU throttled {thr:.0%} of the time by its cgroup's CPU limit{lim}; "
-                             f"peers {_median(others):.0%}"))
-    rq = me.rate("runq_ns")
+            out.append(Cause("cpu_throttled", round(thr, 3), round(m, 3),
+                             f"CPU throttled {thr:.0%} of the time by its cgroup's CPU limit{lim}; peers {m:.0%}"))
+    rq = v["runq"]
     if rq is not None:
-        rq /= 1e9
-        others = pv(lambda w: (w.rate("runq_ns") or 0) / 1e9)
-        m = _median(others)
+        m, _, _ = others.stats("runq", rq)
         if rq >= 0.25 * f and rq >= 3 * m + 0.15 * f:
             out.append(Cause("runq", round(rq, 3), round(m, 3),
                              f"threads waited {rq:.2f} s per s for a CPU (run queue); peers {m:.2f}"))
-    rt = me.rate("retrans")
+    rt = v["retrans"]
     if rt is not None:
-        others = pv(lambda w: w.rate("retrans"))
-        m = _median(others)
+        m, _, _ = others.stats("retrans", rt)
         if rt >= 5 * f and rt >= 5 * m + 5 * f:
             out.append(Cause("net_retransmits", round(rt, 1), round(m, 1),
                              f"network: {rt:.0f} TCP retransmits/s (a slow or lossy link); peers {m:.0f}/s"))
-    held = me.rate("nic_held")
+    held = v["nic_held"]
     if held is not None:
-        others = pv(lambda w: w.rate("nic_held"))
-        m = _median(others)
-        if others and held >= 50 * f and held >= 10 * m + 50 * f:
+        m, _, n = others.stats("nic_held", held)
+        if n and held >= 50 * f and held >= 10 * m + 50 * f:
             drops = me.rate("nic_drops") or 0
             out.append(Cause("nic_queue", round(held, 1), round(m, 1),
                              f"network: the queue in front of its interface held packets back or dropped them "
                              f"{held:.0f} times/s ({drops:.0f} drops/s) — a link slower than what it sends; peers "
                              f"{m:.0f}/s"))
-    rtt = me.rtt()
+    rtt = v["rtt"]
     if rtt is not None:
-        others = pv(lambda w: w.rtt())
-        m = _median(others)
-        if others and rtt >= 1000 * f and rtt >= 4 * m + 500 * f:
+        m, _, n = others.stats("rtt", rtt)
+        if n and rtt >= 1000 * f and rtt >= 4 * m + 500 * f:
             out.append(Cause("net_rtt", round(rtt), round(m),
                              f"network: its TCP round trips take {rtt / 1000:.1f} ms (a queue on a slow link); "
                              f"peers {m / 1000:.2f} ms"))
-    gu = me.gpu("gpu_util")
+    gu = v["gpu_util"]
     if gu is not None:
-        others = pv(lambda w: w.gpu("gpu_util"))
-        m = _median(others)
+        m, _, _ = others.stats("gpu_util", gu)
         if m >= 30 and gu <= m * (0.6 + 0.2 * (f < 1)):
             out.append(Cause("gpu_util", round(gu, 1), round(m, 1), f"GPU utilization {gu:.0f}%; peers {m:.0f}%"))
-    gc = me.gpu("gpu_clock")
+    gc = v["gpu_clock"]
     if gc is not None:
-        others = pv(lambda w: w.gpu("gpu_clock"))
-        m = _median(others)
+        m, _, _ = others.stats("gpu_clock", gc)
         if m > 0 and gc <= m * (0.85 + 0.1 * (f < 1)):
             out.append(Cause("gpu_clock", round(gc), round(m), f"SM clock {gc:.0f} MHz; peers {m:.0f} MHz"))
-    gt = me.gpu("gpu_throttled")
+    gt = v["gpu_throttled"]
     if gt is not None:
-        others = pv(lambda w: w.gpu("gpu_throttled"))
-        if gt >= 0.5 * f and gt >= max(others, default=0) + 0.5 * f:
-            out.append(Cause("gpu_throttled", round(gt, 2), round(_median(others), 2),
-                             f"GPU clocks held down (power/thermal) {gt:.0%} of the time; peers "
-                             f"{_median(others):.0%}"))
+        m, top, _ = others.stats("gpu_throttled", gt)
+        if gt >= 0.5 * f and gt >= top + 0.5 * f:
+            out.append(Cause("gpu_throttled", round(gt, 2), round(m, 2),
+                             f"GPU clocks held down (power/thermal) {gt:.0%} of the time; peers {m:.0%}"))
     return out
 
 
@@ -241,15 +267,15 @@ class StragglerWatch:
             return []
         self.evaluations += 1
         events = []
+        everyone, everyone_recent = Others(list(wins.values())), Others(list(recent.values()))
         for n, w in wins.items():
-            peers = [p for m, p in wins.items() if m != n]
             nt = live[n]
             if nt.open_since is None:
                 # a cause must hold over the window and over its newest slice: three comparisons in a row then
                 # mean three disjoint slices, so a burst shorter than a slice names nobody
-                fresh = {c.name for c in causes(recent[n], [p for m, p in recent.items() if m != n])} \
+                fresh = {c.name for c in causes(recent[n], everyone_recent)} \
                     if n in recent and len(recent) >= 2 else set()
-                found = [c for c in causes(w, peers) if c.name in fresh]
+                found = [c for c in causes(w, everyone) if c.name in fresh] if fresh else []
                 nt.streak = nt.streak + 1 if found else 0
                 if found and nt.first_seen is None:
                     nt.first_seen = horizon - self.every      # the first slice in which it held
@@ -257,15 +283,15 @@ class StragglerWatch:
                     nt.first_seen = None
                 if found and nt.streak >= self.open_after:
                     nt.open_since, nt.quiet = horizon, 0
-                    events.append((n, name, "straggler", self._body(n, w, peers, wins, found, nt)))
+                    events.append((n, name, "straggler", self._body(n, w, wins, found, nt)))
             else:
-                still = causes(w, peers, clearing=True)
+                still = causes(w, everyone, clearing=True)
                 nt.quiet = 0 if still else nt.quiet + 1
                 if nt.quiet >= self.close_after:
                     events.append((n, name, "straggler_end", {
                         "straggler": n, "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is back in step with its peers",
-                        "evidence": _evidence(w, peers)}))
+                        "evidence": _evidence(w, wins, n)}))
                     nt.open_since, nt.streak, nt.first_seen = None, 0, None
         return events
 
@@ -286,9 +312,9 @@ class StragglerWatch:
                 out[n] = w
         return out
 
-    def _body(self, n: str, w: Window, peers: list[Window], wins: dict[str, Window], found: list[Cause],
+    def _body(self, n: str, w: Window, wins: dict[str, Window], found: list[Cause],
               nt: NodeTrack) -> dict[str, Any]:
-        ev = _evidence(w, peers)
+        ev = _evidence(w, wins, n)
         text = "; ".join(c.text for c in found)
         waited = ev.get("peers_wait_s_per_s", 0) - ev.get("wait_s_per_s", 0)
         if waited > 0.05:
@@ -298,8 +324,9 @@ class StragglerWatch:
                 "evidence": {**ev, **{c.name: {"value": c.value, "peers": c.peers} for c in found}}}
 
 
-def _evidence(w: Window, peers: list[Window]) -> dict[str, float]:
-    """The node's rates beside its peers' medians, for every figure it has."""
+def _evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
+    """The node's rates beside its peers' medians, for every figure it has (only for the node named: O(n))."""
+    peers = [p for m, p in wins.items() if m != me]
     out: dict[str, float] = {}
     for k, scale, name in (("cpu_ns", 1e9, "cpu_cores"), ("throttled_ns", 1e9, "throttled_share"),
                            ("runq_ns", 1e9, "runq_s_per_s"), ("wait_ns", 1e9, "wait_s_per_s"),

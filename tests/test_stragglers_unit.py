@@ -75,3 +75,17 @@ def test_figures_absent_are_not_compared():
     me, peer = Window(10.0, figures({"cgroup": {"cpu_user_ns": 9, "cpu_system_ns": 0}})), Window(10.0, {})
     assert causes(me, [peer, peer]) == []
     assert "throttled_ns" not in figures({"cgroup": {"cpu_user_ns": 1, "cpu_system_ns": 1}})
+
+
+def test_peers_median_and_max_leave_the_node_itself_out_exactly():
+    import statistics
+
+    from jobprobe.stragglers import Others
+    rng = random.Random(7)
+    for n in (2, 3, 4, 9, 50):
+        wins = [Window(10.0, {"retrans": float(rng.choice([0, 1, 5, 5, 20, 300]))}) for _ in range(n)]
+        everyone = Others(wins)
+        for i, w in enumerate(wins):
+            rest = [x.rate("retrans") for j, x in enumerate(wins) if j != i]
+            med, top, cnt = everyone.stats("retrans", w.rate("retrans"))
+            assert (med, top, cnt) == (statistics.median(rest), max(rest), n - 1)
