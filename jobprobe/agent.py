@@ -115,6 +115,8 @@ class Config:
     nats_creds: str | None = None       # this node's NATS credentials: .creds (JWT + nkey), .nk seed, or user:password
     nats_ca: str | None = None          # TLS: the CA of the NATS servers' certificates
     node: str | None = None             # this node's name in frames (default: the short host name)
+    prometheus: str | None = None       # HOST:PORT: serve every job's metrics at /metrics
+    prometheus_max_jobs: int = 256      # jobs exposed at most (the rest counted: bounded cardinality)
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:
@@ -180,6 +182,10 @@ class Agent:
             from jobprobe.exporters.nats import NatsSink
             self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
                                  creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca)
+        self.prom = None
+        if self.cfg.prometheus:
+            from jobprobe.exporters.prometheus import PromSink
+            self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs)
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
@@ -211,6 +217,8 @@ class Agent:
             out.append(QueuedSink(StdoutExporter(self.cfg.stdout), "stdout", self.cfg.queue))
         if self.nats is not None:
             out.append(self.nats.for_job(job))   # appends to the node's spool: no queue of its own needed
+        if self.prom is not None:
+            out.append(self.prom.for_job(job))   # updates a few totals under a lock: no queue needed
         return out
 
     # ---- the job table ------------------------------------------------------------------------------------
@@ -445,6 +453,8 @@ class Agent:
         self.node.close()
         if self.nats is not None:
             self.nats.close()
+        if self.prom is not None:
+            self.prom.close()
         self.persist = persist
 
     # ---- state across restarts ----------------------------------------------------------------------------

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "seed, or a file holding user:password")
     ag.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
     ag.add_argument("--node", metavar="NAME", help="this node's name in frames (default: the short host name)")
+    ag.add_argument("--prometheus", metavar="HOST:PORT", help="serve every job's metrics for Prometheus at "
+                    "http://HOST:PORT/metrics (scrape with honor_labels: true)")
 
     co = sub.add_parser("controller", help="frames of every node from NATS JetStream into the store; `stats`: "
                         "freshness and delivery per node")
@@ -396,12 +398,12 @@ def cmd_agent(args, host: Host) -> int:
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
                        "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
-                       "node": args.node})
+                       "node": args.node, "prometheus": args.prometheus})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     try:
         agent = Agent(cfg, host)
-    except (ValueError, OSError) as err:         # a credentials file unreadable or malformed, a spool not makeable
+    except (ValueError, OSError) as err:  # a credentials file unreadable or malformed, a spool or port not usable
         raise BadInput(f"agent: {err}") from None
     server = ControlServer(agent, cfg.socket)
     agent.ready.clear()           # requests wait until the programs are loaded and the jobs restored

@@ -1,0 +1,201 @@
+"""--prometheus HOST:PORT — the agent's /metrics: every attached job's frames as Prometheus metrics.
+
+One PromSink per agent, shared by its jobs (each writes through its own `for_job()` handle, like the NATS sink);
+a prometheus-client collector turns the newest state into metric families at each scrape. The metrics are built
+from the fields the probes declare (the hello frame's schema: type, unit, kind), not from a list of our own:
+
+- `counter` fields (per-interval deltas in frames) are summed since the job was attached and exposed as
+  `jobprobe_<probe>_<field>_total`; `gauge` fields as their newest value; `histogram` fields (log2 bucket lists)
+  as Prometheus histograms with cumulative `le` buckets (no `_sum`: the buckets do not give it exactly).
+- Units become Prometheus base units: `_ns`/`_us` fields are exposed in seconds (`…_seconds[_total]`), `_mj` in
+  joules, `_mw` in watts.
+- Labels: `node`, `job`, and per device where the field is one: `gpu` (its index) for `gpu.gpus[].*`, `nic`
+  for `nic.nics[].*`. Strings, top-N lists (`net.top_peers`, `syscalls.top`) and other maps are never labels:
+  cardinality stays bounded by jobs × devices. At most `max_jobs` jobs are exposed; the others are counted in
+  `jobprobe_exporter_jobs_over_cap`. A detached job's series stay 60 s (its last frame is scraped), then go.
+
+Scrape with `honor_labels: true` (docs/DEPLOY.md): the `job` label is the training job's, not the scrape job's.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+KEEP_ENDED_S = 60.0      # a detached job's series stay this long, so that scrapes see its last frame
+
+SCALE = (("_ns", "_seconds", 1e-9), ("_us", "_seconds", 1e-6), ("_mj", "_joules", 1e-3), ("_mw", "_watts", 1e-3))
+DEVICE_LISTS = {("gpu", "gpus"): ("gpu", "index"), ("nic", "nics"): ("nic", "name")}
+
+
+def metric_name(probe: str, field: str, kind: str) -> tuple[str, float]:
+    """(Prometheus name, factor to its unit) of a declared field."""
+    name, factor = field.split("[].")[-1], 1.0       # gpus[].util_gpu_pct → util_gpu_pct (its device a label)
+    if kind == "histogram" and name.endswith("_log2"):
+        name = name[:-5]
+    for suffix, unit, f in SCALE:
+        if name.endswith(suffix):
+            name, factor = name[: -len(suffix)] + unit, f
+            break
+    name = f"jobprobe_{probe}_{name}"
+    if kind == "counter":
+        name += "_total"
+    return name, factor
+
+
+class JobState:
+    def __init__(self) -> None:
+        self.schema: dict[str, dict[str, dict[str, str]]] = {}
+        self.values: dict[tuple[str, tuple], float] = {}      # (metric, extra labels) → value
+        self.hist: dict[tuple[str, tuple], tuple[list[int], float]] = {}   # → (bucket counts, bucket factor)
+        self.node = ""
+        self.ended: float | None = None
+
+
+class PromSink:
+    def __init__(self, listen: str, max_jobs: int = 256):
+        from prometheus_client import start_http_server
+        from prometheus_client.registry import CollectorRegistry
+        host, _, port = listen.rpartition(":")
+        if not port.isdigit():
+            raise ValueError(f"--prometheus {listen!r}: expected HOST:PORT")
+        self.name, self.max_jobs = f"prometheus:{listen}", max_jobs
+        self.jobs: dict[str, JobState] = {}
+        self.over_cap: set[str] = set()
+        self.lock = threading.Lock()
+        self.help: dict[str, tuple[str, str]] = {}          # metric → (kind, help)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.server, self.thread = start_http_server(int(port), host or "0.0.0.0", registry=self.registry)
+
+    # ---- the agent's side --------------------------------------------------------------------------------
+    def for_job(self, job: str) -> "PromHandle":
+        return PromHandle(self, job)
+
+    def write(self, frame: dict, data: bytes) -> None:
+        job = frame["job"]
+        with self.lock:
+            st = self.jobs.get(job)
+            if st is not None and st.ended is not None:     # attached again: a new run, counted from zero
+                st = self.jobs[job] = JobState()
+            if st is None:
+                if len(self.jobs) >= self.max_jobs:
+                    self.over_cap.add(job)
+                    return
+                st = self.jobs[job] = JobState()
+            st.node = frame["node"]
+            if frame["kind"] == "hello" and isinstance(frame.get("schema"), dict):
+                st.schema = frame["schema"]
+            elif frame["kind"] == "sample" and isinstance(frame.get("probes"), dict):
+                self._take(st, frame["probes"])
+
+    def forget(self, job: str) -> None:
+        """The job was detached: its series stay KEEP_ENDED_S more (its last frame scraped), then go."""
+        with self.lock:
+            if job in self.jobs:
+                self.jobs[job].ended = time.monotonic()
+            self.over_cap.discard(job)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _take(self, st: JobState, probes: dict[str, Any]) -> None:
+        for p, fields in probes.items():
+            decl = st.schema.get(p)
+            if not isinstance(fields, dict) or not decl:
+                continue
+            for k, v in fields.items():
+                d = decl.get(k)
+                if d is None:
+                    continue
+                dev = DEVICE_LISTS.get((p, k))
+                if dev is not None and isinstance(v, list):
+                    label, key = dev
+                    for item in v:
+                        if isinstance(item, dict) and key in item:
+                            for ik, iv in item.items():
+                                idecl = decl.get(f"{k}[].{ik}")
+                                if idecl is not None:
+                                    self._one(st, p, f"{k}[].{ik}", idecl, iv, ((label, str(item[key])),))
+                    continue
+                self._one(st, p, k, d, v, ())
+
+    def _one(self, st: JobState, p: str, k: str, d: dict[str, str], v: Any, labels: tuple) -> None:
+        kind = d.get("kind")
+        if kind not in ("counter", "gauge", "histogram") or isinstance(v, bool) or v is None:
+            return
+        name, factor = metric_name(p, k, kind)
+        if name not in self.help:
+            self.help[name] = (kind, f"{p}.{k} ({d.get('unit', '')}); docs/FRAMES.md")
+        key = (name, labels)
+        if kind == "histogram":
+            if isinstance(v, list) and all(isinstance(x, int) for x in v):
+                counts, _ = st.hist.get(key, ([], factor))
+                if len(counts) < len(v):
+                    counts = counts + [0] * (len(v) - len(counts))
+                st.hist[key] = ([c + (v[i] if i < len(v) else 0) for i, c in enumerate(counts)], factor)
+            return
+        if not isinstance(v, (int, float)):
+            return
+        if kind == "counter":
+            st.values[key] = st.values.get(key, 0.0) + v * factor
+        else:
+            st.values[key] = v * factor
+
+    # ---- the collector (prometheus-client calls this at each scrape) --------------------------------------
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        fams: dict[str, Any] = {}
+
+        def fam(name: str, extra: tuple):
+            kind, doc = self.help[name]
+            labels = ["node", "job", *[lk for lk, _ in extra]]
+            if name not in fams:
+                if kind == "counter":
+                    fams[name] = CounterMetricFamily(name[: -len("_total")], doc, labels=labels)
+                elif kind == "gauge":
+                    fams[name] = GaugeMetricFamily(name, doc, labels=labels)
+                else:
+                    fams[name] = HistogramMetricFamily(name, doc, labels=labels)
+            return fams[name]
+        with self.lock:
+            now = time.monotonic()
+            for job in [j for j, st in self.jobs.items() if st.ended and now - st.ended > KEEP_ENDED_S]:
+                del self.jobs[job]
+            for job, st in self.jobs.items():
+                for (name, extra), value in st.values.items():
+                    fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], value)
+                for (name, extra), (counts, factor) in st.hist.items():
+                    buckets, total = [], 0
+                    for i, c in enumerate(counts):          # bucket i: [2^i, 2^(i+1)) of the field's unit
+                        total += c
+                        buckets.append((repr(float(2 ** (i + 1)) * factor), total))
+                    buckets.append(("+Inf", total))
+                    fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], buckets, None)
+            over = len(self.over_cap)
+        yield from fams.values()
+        g = GaugeMetricFamily("jobprobe_exporter_jobs_over_cap", "jobs attached but not exposed (over max_jobs)")
+        g.add_metric([], over)
+        yield g
+
+
+class PromHandle:
+    """One job's view of the shared PromSink; close() drops the job's series (the job was detached)."""
+
+    def __init__(self, sink: PromSink, job: str):
+        self.sink, self.job = sink, job
+        self.name = sink.name
+
+    def write(self, frame: dict, data: bytes) -> None:
+        self.sink.write(frame, data)
+
+    def stats(self) -> dict:
+        return {"queued": 0, "written": 0, "errors": 0, "dropped": 0, "depth": 0, "in_flight": 0,
+                "state": "over cap" if self.job in self.sink.over_cap else "ok"}
+
+    def close(self) -> None:
+        self.sink.forget(self.job)
+
+    def __repr__(self) -> str:
+        return f"PromHandle({self.sink.name}, {self.job})"
