@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
+    co.add_argument("--metrics", metavar="HOST:PORT", help="serve cluster-wide metrics for Prometheus (freshness "
+                    "per node, nodes lost, frames stored and refused, stragglers named)")
 
     qu = sub.add_parser("query", help="read the controller's store: SQL, or one field of a job over time",
                         usage="jobprobe query --store PATH (--sql QUERY | --job ID --field PROBE.FIELD [--node N]) "
@@ -470,6 +472,13 @@ def cmd_controller(args) -> int:
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds, ca=args.ca,
                      replicas=args.replicas)
+    server = None
+    if args.metrics:
+        from jobprobe.controller import serve_metrics
+        try:
+            server = serve_metrics(ctl, args.metrics)
+        except (ValueError, OSError) as err:
+            raise BadInput(f"--metrics {args.metrics}: {err}") from None
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -479,6 +488,8 @@ def cmd_controller(args) -> int:
     try:
         asyncio.run(main())
     finally:
+        if server is not None:
+            server.shutdown()
         store.close()
         if local is not None:
             local.stop()

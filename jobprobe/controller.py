@@ -209,6 +209,53 @@ class Controller:
         await nc.close()          # everything taken was acked; what was not is delivered again next time
 
 
+class MetricsCollector:
+    """The controller's view for Prometheus (--metrics): read at each scrape from the controller's own state."""
+
+    def __init__(self, ctl: Controller):
+        self.ctl = ctl
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        ctl, now = self.ctl, time.time()
+        nodes = list(ctl.nodes.items())
+        for key, doc in (("stored", "frames committed to the store"), ("duplicates", "frames received twice"),
+                         ("rejected", "frames refused (malformed, or a node publishing for another)")):
+            c = CounterMetricFamily(f"jobprobe_controller_frames_{key}", doc)
+            c.add_metric([], ctl.counts[key])
+            yield c
+        g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
+        g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost))
+        g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))
+        yield g
+        age = GaugeMetricFamily("jobprobe_node_last_frame_age_seconds", "seconds since the node's newest frame "
+                                "arrived", labels=["node"])
+        for node, st in nodes:
+            age.add_metric([node], round(now - st.last, 3))
+        yield age
+        s = GaugeMetricFamily("jobprobe_straggler", "1 while the node is named the straggler of the job",
+                              labels=["job", "node"])
+        for job, node in ctl.stragglers.open():
+            s.add_metric([job, node], 1)
+        yield s
+        n = CounterMetricFamily("jobprobe_stragglers_named", "straggler events since the controller started")
+        n.add_metric([], ctl.stragglers.named)
+        yield n
+
+
+def serve_metrics(ctl: Controller, listen: str):
+    """An HTTP /metrics for the controller in a thread of its own; returns the server (shutdown() to stop)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise ValueError("expected HOST:PORT")
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(MetricsCollector(ctl))
+    server, _ = start_http_server(int(port), host or "0.0.0.0", registry=reg)
+    return server
+
+
 class LocalNats:
     """A nats-server with JetStream, our child, its data under `data_dir` (the controller's one-command mode)."""
 

@@ -228,6 +228,7 @@ class StragglerWatch:
         self.window, self.every, self.open_after, self.close_after = window, every, open_after, close_after
         self.jobs: dict[str, JobTrack] = {}
         self.evaluations = 0
+        self.named = 0
 
     def feed(self, frames: list[dict]) -> list[tuple[str, str, str, dict[str, Any]]]:
         """Take sample frames; returns events to emit: (node, job, event name, body)."""
@@ -283,6 +284,7 @@ class StragglerWatch:
                     nt.first_seen = None
                 if found and nt.streak >= self.open_after:
                     nt.open_since, nt.quiet = horizon, 0
+                    self.named += 1
                     events.append((n, name, "straggler", self._body(n, w, wins, found, nt)))
             else:
                 still = causes(w, everyone, clearing=True)

@@ -18,6 +18,15 @@ from test_nats import need_nats
 
 
 
+def scrape(port: int) -> dict[tuple, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -30,8 +39,10 @@ def rate(ddp: DdpJob, since: int) -> float:
 def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(cgroup2_mount, tmp_path):
     import importlib.util
     assert importlib.util.find_spec("torch"), "PyTorch is not installed: `make test` installs it (scripts/setup.sh)"
+    from test_prometheus import free_port
     ddp = DdpJob(cgroup2_mount, seconds=400)
-    cluster = Cluster(tmp_path, ddp)
+    metrics = free_port()
+    cluster = Cluster(tmp_path, ddp, controller_args=("--metrics", f"127.0.0.1:{metrics}"))
     try:
         cluster.start_agents()
         ddp.start(tmp_path)
@@ -54,6 +65,11 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         print(f"stragglers: named {e['straggler']} {named_after:.1f} s after the limit: {e['reason']}")
         assert e["straggler"] == "node-b" and "cpu_throttled" in e["causes"] and "CPU throttled" in e["reason"]
         assert e["evidence"]["cpu_limit_cores"] == 0.25 and e["evidence"]["throttled_share"] > 0.2
+        # the controller's /metrics says so too, and how fresh each node is
+        m = scrape(metrics)
+        assert m[("jobprobe_straggler", (("job", "ddp"), ("node", "node-b")))] == 1
+        assert all(m[("jobprobe_node_last_frame_age_seconds", (("node", n),))] < 5 for n in cluster.nodes), m
+        assert m[("jobprobe_stragglers_named_total", ())] == 1
         n1 = len(ddp.rates(0))
         time.sleep(3)
         slowed = rate(ddp, n1 - 1)
