@@ -43,6 +43,54 @@ def metric_name(probe: str, field: str, kind: str) -> tuple[str, float]:
     return name, factor
 
 
+def flatten(schema: dict[str, dict[str, dict[str, str]]], probes: dict[str, Any]):
+    """A sample frame's numbers as metrics, by the declared fields: yields (name, kind, device labels, value —
+    a bucket list for a histogram —, factor to base units, help). Per-device lists (GPUs, NICs) become labels;
+    everything else that is not a number of a counter, gauge or histogram field is left out."""
+    for p, fields in probes.items():
+        decl = schema.get(p)
+        if not isinstance(fields, dict) or not decl:
+            continue
+        for k, v in fields.items():
+            d = decl.get(k)
+            if d is None:
+                continue
+            dev = DEVICE_LISTS.get((p, k))
+            if dev is not None and isinstance(v, list):
+                label, key = dev
+                for item in v:
+                    if isinstance(item, dict) and key in item:
+                        for ik, iv in item.items():
+                            idecl = decl.get(f"{k}[].{ik}")
+                            if idecl is not None:
+                                yield from _one(p, f"{k}[].{ik}", idecl, iv, ((label, str(item[key])),))
+                continue
+            yield from _one(p, k, d, v, ())
+
+
+def _one(p: str, k: str, d: dict[str, str], v: Any, labels: tuple):
+    kind = d.get("kind")
+    if kind not in ("counter", "gauge", "histogram") or isinstance(v, bool) or v is None:
+        return
+    name, factor = metric_name(p, k, kind)
+    doc = f"{p}.{k} ({d.get('unit', '')}); docs/FRAMES.md"
+    if kind == "histogram":
+        if isinstance(v, list) and all(isinstance(x, int) for x in v):
+            yield name, kind, labels, v, factor, doc
+    elif isinstance(v, (int, float)):
+        yield name, kind, labels, v, factor, doc
+
+
+def cumulative_buckets(counts: list[int], factor: float) -> list[tuple[str, int]]:
+    """log2 bucket counts (bucket i: [2^i, 2^(i+1)) of the field's unit) → Prometheus (le, cumulative) pairs."""
+    out, total = [], 0
+    for i, c in enumerate(counts):
+        total += c
+        out.append((repr(float(2 ** (i + 1)) * factor), total))
+    out.append(("+Inf", total))
+    return out
+
+
 class JobState:
     def __init__(self) -> None:
         self.schema: dict[str, dict[str, dict[str, str]]] = {}
@@ -101,47 +149,19 @@ class PromSink:
         self.server.server_close()
 
     def _take(self, st: JobState, probes: dict[str, Any]) -> None:
-        for p, fields in probes.items():
-            decl = st.schema.get(p)
-            if not isinstance(fields, dict) or not decl:
-                continue
-            for k, v in fields.items():
-                d = decl.get(k)
-                if d is None:
-                    continue
-                dev = DEVICE_LISTS.get((p, k))
-                if dev is not None and isinstance(v, list):
-                    label, key = dev
-                    for item in v:
-                        if isinstance(item, dict) and key in item:
-                            for ik, iv in item.items():
-                                idecl = decl.get(f"{k}[].{ik}")
-                                if idecl is not None:
-                                    self._one(st, p, f"{k}[].{ik}", idecl, iv, ((label, str(item[key])),))
-                    continue
-                self._one(st, p, k, d, v, ())
-
-    def _one(self, st: JobState, p: str, k: str, d: dict[str, str], v: Any, labels: tuple) -> None:
-        kind = d.get("kind")
-        if kind not in ("counter", "gauge", "histogram") or isinstance(v, bool) or v is None:
-            return
-        name, factor = metric_name(p, k, kind)
-        if name not in self.help:
-            self.help[name] = (kind, f"{p}.{k} ({d.get('unit', '')}); docs/FRAMES.md")
-        key = (name, labels)
-        if kind == "histogram":
-            if isinstance(v, list) and all(isinstance(x, int) for x in v):
+        for name, kind, labels, v, factor, doc in flatten(st.schema, probes):
+            if name not in self.help:
+                self.help[name] = (kind, doc)
+            key = (name, labels)
+            if kind == "histogram":
                 counts, _ = st.hist.get(key, ([], factor))
                 if len(counts) < len(v):
                     counts = counts + [0] * (len(v) - len(counts))
                 st.hist[key] = ([c + (v[i] if i < len(v) else 0) for i, c in enumerate(counts)], factor)
-            return
-        if not isinstance(v, (int, float)):
-            return
-        if kind == "counter":
-            st.values[key] = st.values.get(key, 0.0) + v * factor
-        else:
-            st.values[key] = v * factor
+            elif kind == "counter":
+                st.values[key] = st.values.get(key, 0.0) + v * factor
+            else:
+                st.values[key] = v * factor
 
     # ---- the collector (prometheus-client calls this at each scrape) --------------------------------------
     def collect(self):
@@ -167,11 +187,7 @@ class PromSink:
                 for (name, extra), value in st.values.items():
                     fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], value)
                 for (name, extra), (counts, factor) in st.hist.items():
-                    buckets, total = [], 0
-                    for i, c in enumerate(counts):          # bucket i: [2^i, 2^(i+1)) of the field's unit
-                        total += c
-                        buckets.append((repr(float(2 ** (i + 1)) * factor), total))
-                    buckets.append(("+Inf", total))
+                    buckets = cumulative_buckets(counts, factor)
                     fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], buckets, None)
             over = len(self.over_cap)
         yield from fams.values()

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
+    co.add_argument("--tsdb", metavar="URL", help="also write every sample to VictoriaMetrics: "
+                    "victoriametrics://HOST:8428 (a single node) or …://VMINSERT:8480/insert/0/prometheus")
     co.add_argument("--metrics", metavar="HOST:PORT", help="serve cluster-wide metrics for Prometheus (freshness "
                     "per node, nodes lost, frames stored and refused, stragglers named)")
 
@@ -471,7 +473,7 @@ def cmd_controller(args) -> int:
         url = local.url
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds, ca=args.ca,
-                     replicas=args.replicas)
+                     replicas=args.replicas, tsdb=args.tsdb)
     server = None
     if args.metrics:
         from jobprobe.controller import serve_metrics

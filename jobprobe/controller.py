@@ -55,7 +55,7 @@ class NodeState:
 
 class Controller:
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
-                 ca: str | None = None, replicas: int = 1):
+                 ca: str | None = None, replicas: int = 1, tsdb: str | None = None):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
@@ -63,6 +63,12 @@ class Controller:
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
         self.stop_event = asyncio.Event()
         self.stragglers = StragglerWatch()
+        self.tsdb = None
+        if tsdb:
+            from jobprobe.tsdb import VictoriaMetrics, schema_from_store
+            if not tsdb.startswith("victoriametrics://"):
+                raise BadInput(f"--tsdb {tsdb}: expected victoriametrics://HOST:PORT[/insert/TENANT/prometheus]")
+            self.tsdb = VictoriaMetrics(tsdb, schema_from_store(store))
 
     # ---- one message -------------------------------------------------------------------------------------
     def check(self, subject: str, data: bytes) -> dict:
@@ -201,12 +207,16 @@ class Controller:
                 stored, dup = self.store.add(frames + extra, received=now)
                 self.counts["stored"] += stored
                 self.counts["duplicates"] += dup
+                if self.tsdb is not None and frames:
+                    self.tsdb.add(frames)      # a copy for dashboards: queued, never holds up the store
             for m in msgs:                 # only now: what is acked is in the store
                 await m.ack()
             if now > next_sweep:
                 self.store.forget_before(now - self.retention_s)
                 next_sweep = now + 60
         await nc.close()          # everything taken was acked; what was not is delivered again next time
+        if self.tsdb is not None:
+            self.tsdb.close()
 
 
 class MetricsCollector:
