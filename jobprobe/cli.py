@@ -203,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
                     help="jsonl: a frame per line; table: a row per sample; summary: per field n/mean/p50/max/sum")
+    rp = sub.add_parser("report", help="one self-contained HTML page of a job: a verdict, per-node timelines, "
+                        "stragglers and events", usage="jobprobe report (FILE… | --store PATH --job ID) -o OUT.html")
+    rp.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
+    rp.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
+    rp.add_argument("--job", metavar="ID", help="the job, in the store")
+    rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
     return p
 
 
@@ -498,6 +504,29 @@ def cmd_controller(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    import importlib.util
+    from jobprobe import report
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
+    if bool(args.files) == bool(args.store):
+        raise BadInput("report: give frame files, or --store PATH --job ID")
+    if args.store:
+        if not args.job:
+            raise BadInput("report: --store needs --job ID")
+        if not os.path.exists(args.store):
+            raise BadInput(f"report: no store at {args.store}")
+        job = report.from_store(args.store, args.job)
+    else:
+        for f in args.files:
+            if not os.path.isfile(f):
+                raise BadInput(f"report: no frame file {f}")
+        job = report.from_files(args.files)
+    size = report.write(job, args.out)
+    print(f"{args.out}: {job.name}, {len(job.nodes)} node(s), {size / 1024:.0f} KiB")
+    return 0
+
+
 def cmd_query(args) -> int:
     import csv
     import sqlite3
@@ -678,6 +707,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_query(args)
         if args.cmd == "read":
             return cmd_read(args)
+        if args.cmd == "report":
+            return cmd_report(args)
         if args.cmd == "bench":
             return cmd_bench(args, command, host)
         return cmd_run(args, command, host)

@@ -56,3 +56,6 @@ for j in demo-a demo-b; do
   echo "== out/agent/$j.mpk: sched and perf over the run"
   .venv/bin/jobprobe read "out/agent/$j.mpk" --format summary | grep -E "^field|perf.task_clock_ns|sched.offcpu_ns|sched.runq_lat_ns" || true
 done
+echo "== jobprobe report: one page per job, to open in a browser"
+.venv/bin/jobprobe report --store out/controller/store.db --job demo-a -o out/demo-a-report.html
+echo "   open out/demo-a-report.html"

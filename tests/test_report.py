@@ -1,0 +1,85 @@
+"""`jobprobe report`: a page a person opens. Checked in a real browser (headless Chromium, Debian `chromium`): it
+loads with no console error, the verdict is in the DOM, and a screenshot shows the plots (its pixels are not
+blank: the plot lines' colours are there). The screenshot is kept under out/ as an artifact. The verdict is
+checked against the events and frames it was made from."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or "/usr/bin/chromium"
+need_chromium = pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                                   reason="chromium is not installed (scripts/setup.sh installs it)")
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def jobprobe(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobprobe.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, **kw)
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                           "--enable-logging=stderr", "--v=0", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_a_big_jobs_report_names_its_straggler_and_stays_small(tmp_path):
+    """8 nodes for an hour (frames made by the real frame builder, scripts/report_cost.py): the page is at most
+    5 MB, its verdict names the straggler of the events with the share of the run the events say."""
+    import report_cost
+    paths = report_cost.make(tmp_path, nodes=8, seconds=3600)
+    r = jobprobe("report", *paths, "-o", str(tmp_path / "r.html"))
+    assert r.returncode == 0, r.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert len(page.encode()) <= 5 << 20
+    verdict = re.search(r'id="verdict">(.*?)</p>', page, re.S)[1]
+    # the straggler: since t0+1200 until its end event at t0+1815 → 615 s of a 3599 s run
+    assert "<b>node-02</b> was the straggler for 615 s (17% of the run), throttled by its CPU limit" in verdict
+    assert "0.80 s per second more" in verdict and "8 node(s)" in verdict and "GPUs" in verdict
+    assert page.count("<svg") >= 8
+    assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)     # self-contained: nothing to fetch
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    for args in (["report"], ["report", str(tmp_path / "none.mpk")], ["report", "--store", str(tmp_path / "x.db")],
+                 ["report", "--store", str(tmp_path / "x.db"), "--job", "j"]):
+        r = jobprobe(*args, "-o", str(tmp_path / "r.html"))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+
+
+@pytest.mark.kernel
+@need_chromium
+def test_the_report_of_a_real_job_opens_in_a_browser_with_its_plots(tmp_path):
+    out = REPO / "out"
+    out.mkdir(exist_ok=True)
+    frames = tmp_path / "job.mpk"
+    r = jobprobe("run", "--out", str(frames), "--probes", "cgroup,sched,net,nic,self", "--interval", "0.5", "--",
+                 sys.executable, "scripts/train_cpu.py", "--steps", "6")
+    assert r.returncode == 0, r.stderr
+    page = tmp_path / "report.html"
+    r = jobprobe("report", str(frames), "-o", str(page))
+    assert r.returncode == 0, r.stderr
+    dom = chromium("--dump-dom", f"file://{page}")
+    assert dom.returncode == 0, dom.stderr
+    assert 'id="verdict"' in dom.stdout and "ran" in dom.stdout and "<svg" in dom.stdout
+    errors = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert not errors, errors
+    shot = out / "report-screenshot.png"
+    shot.unlink(missing_ok=True)
+    s = chromium("--window-size=1280,1800", f"--screenshot={shot}", f"file://{page}")
+    assert s.returncode == 0 and shot.exists(), s.stderr
+    import matplotlib.image
+    import numpy as np
+    img = (matplotlib.image.imread(str(shot))[:, :, :3] * 255).round().astype(int)
+    not_white = (img.sum(axis=2) < 3 * 245).mean()
+    colours = {tuple(c) for c in img.reshape(-1, 3)[::7]}
+    blue = np.all(np.abs(img - np.array([31, 119, 180])) <= 12, axis=2).sum()     # matplotlib's first line colour
+    print(f"report: screenshot {shot}: {not_white:.1%} not white, {len(colours)} colours, {blue} plot-blue pixels")
+    assert not_white > 0.03 and len(colours) > 50 and blue > 300
