@@ -98,6 +98,17 @@ def make_cgroup(cgroup2_mount, request):
         cg.remove()
 
 
+@pytest.fixture
+def net():
+    """Network namespaces A and B joined by a veth pair (tests/workloads_net.py), removed after the test."""
+    from workloads_net import NetPair
+    pair = NetPair()
+    try:
+        yield pair
+    finally:
+        pair.close()
+
+
 def until(cond, timeout: float, what: str, every: float = 0.05):
     """cond()'s first truthy value within `timeout` s; else AssertionError naming `what`."""
     deadline = time.monotonic() + timeout

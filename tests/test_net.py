@@ -29,7 +29,7 @@ from jobprobe.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
 from tests.conftest import bpf_fds, prog_exists
-from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, NetPair, near, result
+from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, near, result
 
 # ---------------------------------------------------------------- unit
 
@@ -179,15 +179,6 @@ def test_link_create_attr_matches_the_uapi_header(tmp_path):
 
 
 # ---------------------------------------------------------------- kernel tier: two namespaces and a veth
-
-@pytest.fixture
-def net():
-    pair = NetPair()
-    try:
-        yield pair
-    finally:
-        pair.close()
-
 
 @pytest.fixture
 def probe():
@@ -522,6 +513,6 @@ def test_tcp_rtt_of_a_job_on_a_shaped_link_matches_the_sockets_own(probe, make_c
         probe.stop()
         got[shaped] = (rtts, job["rtt_us"])
         print(f"net rtt ({'shaped' if shaped else 'free'}): probe {rtts} µs, TCP_INFO median {job['rtt_us']} µs")
-    (free, free_own), (slow, slow_own) = got[False], got[True]
+    (free, _), (slow, slow_own) = got[False], got[True]
     assert slow is not None and slow_own > 2000 and 0.4 * slow_own <= slow <= 2.5 * slow_own, got
     assert free is None or free < slow / 4, got

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from workloads_net import ADDR_B, NetPair, result
+from workloads_net import ADDR_B, result
 
 from jobprobe.probes.nic import NicProbe, wanted
 from jobprobe.target import CgroupTarget, PidTreeTarget
@@ -23,15 +23,6 @@ def test_interface_selection_follows_nccl_rules():
     assert wanted(names, "^docker,lo") == ["eth0", "eth1", "ib0"]
     assert wanted(names, "=eth1,ib0") == ["eth1", "ib0"]
     assert wanted(names, "=eth") == []
-
-
-@pytest.fixture
-def net():
-    pair = NetPair()
-    try:
-        yield pair
-    finally:
-        pair.close()
 
 
 def sysfs(net, dev: str) -> dict[str, int]:

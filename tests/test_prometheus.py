@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import until
+from test_nats import free_port
 
 from jobprobe.frame import StreamReader
 
@@ -40,12 +40,6 @@ while time.time() < end:
     cli.sendall(b"x" * 65536)
     time.sleep(0.02)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
