@@ -323,7 +323,10 @@ def test_merged_bios_count_as_one_request(probe, make_cgroup, loop, order):
           f"{disk['writes']} req {disk['write_bytes']} B; /proc io {wr['proc_write_bytes']} B")
     assert disk["writes"] < n // 4                        # the merges did happen
     assert within(s["write_requests"], disk["writes"]) and within(s["write_bytes"], n * bs)
-    assert within(s["write_bytes"], wr["proc_write_bytes"]) and s["read_requests"] == 0
+    # no reads but the job's own interpreter's page-ins from the system disk (a cold cache: a CI run saw 54 requests),
+    # which its /proc io counts too (+ the pages it faulted in while exiting, after reading that)
+    assert within(s["write_bytes"], wr["proc_write_bytes"])
+    assert s["read_requests"] == 0 or s["read_bytes"] <= wr["proc_read_bytes"] + 256 * KiB, (s, wr)
     assert ours_inflight(probe) == []                     # no entry of a merged bio or moved request left over
 
 
