@@ -116,6 +116,7 @@ class Config:
     nats_ca: str | None = None          # TLS: the CA of the NATS servers' certificates
     node: str | None = None             # this node's name in frames (default: the short host name)
     prometheus: str | None = None       # HOST:PORT: serve every job's metrics at /metrics
+    rules: str | None = None            # a rules file, or "default": `rule` events over each job's frames
     prometheus_max_jobs: int = 256      # jobs exposed at most (the rest counted: bounded cardinality)
 
     @classmethod
@@ -186,6 +187,10 @@ class Agent:
         if self.cfg.prometheus:
             from jobprobe.exporters.prometheus import PromSink
             self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs)
+        self.rules = None
+        if self.cfg.rules:
+            from jobprobe.rules import load as load_rules
+            self.rules = load_rules(self.cfg.rules)    # an error in the file: BadInput now, with its line
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
@@ -258,6 +263,7 @@ class Agent:
             sinks = self.sinks_for(target.job) if sinks is None else sinks
             probes = [make_probe(self.registry[n], self.host, self.node, lambda: sink_stats(sinks)) for n in names]
             sampler = Sampler(target, probes, sinks, self.cfg.interval, self.host, clock=self.clock,
+                              rules=self.rules,
                               run=self.run_id)
             job = Job(target.job, spec, target, sampler, sinks)
             try:

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--probes", metavar="SPEC",
                    help="'sched,perf' exactly these; '+pystacks,-sched' standard set plus/minus; 'all'")
     r.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds per tick (default 1.0)")
+    r.add_argument("--rules", metavar="FILE|default", help="evaluate rules over the job's frames: `rule` events "
+                   "with their evidence (docs/RULES.md)")
     r.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     r.add_argument("--out", metavar="FILE", help="append msgpack frames to FILE")
     r.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate FILE when it passes MB (FILE.1, FILE.2 …)")
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--config", metavar="FILE", default=None,
                     help="TOML settings (default /etc/jobprobe/agent.toml if it exists); flags win")
     ag.add_argument("--interval", type=float, metavar="S", help="seconds per tick (default 1.0)")
+    ag.add_argument("--rules", metavar="FILE|default", help="rules evaluated over every job's frames (docs/RULES.md)")
     ag.add_argument("--probes", metavar="SPEC", help="default probes of attached jobs (as run's --probes)")
     ag.add_argument("--out", metavar="DIR", help="each job's frames to DIR/<job>.mpk")
     ag.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate each job's file when it passes MB")
@@ -354,7 +357,7 @@ def cmd_run(args, command: list[str], host: Host) -> int:
                 raise BadInput(f"cannot write {args.out}: {err.strerror}") from err
         if args.stdout or not args.out:
             sinks.append(QueuedSink(StdoutExporter(args.stdout or "human"), "stdout"))
-        agent = Agent(Config(interval=args.interval), host)
+        agent = Agent(Config(interval=args.interval, rules=args.rules), host)
 
         def on_signal(signum, _frame):
             agent.stop_event.set()
@@ -408,7 +411,7 @@ def cmd_agent(args, host: Host) -> int:
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
                        "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
-                       "node": args.node, "prometheus": args.prometheus})
+                       "node": args.node, "prometheus": args.prometheus, "rules": args.rules})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     try:

@@ -25,7 +25,8 @@ def _reason(err: BaseException) -> str:
 
 class Sampler:
     def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
-                 host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None):
+                 host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None,
+                 rules: list | None = None):
         self.target = target
         self.probes = {p.name: p for p in probes}
         self.exporters = list(exporters)
@@ -38,6 +39,10 @@ class Sampler:
         self.stop_event = threading.Event()
         self.end_reason: str | None = None
         self._last = 0.0
+        self.ruleset = None
+        if rules:
+            from jobprobe.rules import RuleSet
+            self.ruleset = RuleSet(rules, schema_of(self.probes.values()), target.job)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def _start_one(self, name: str, probe: Probe) -> str | None:
@@ -150,6 +155,11 @@ class Sampler:
                 self._stop_probe(name)
         frame = self.builder.sample(t, dt, values, dict(self.status))
         self._emit(frame)
+        if self.ruleset is not None:           # rules over the job's recent frames: fired and ended as events
+            for ev in self.ruleset.feed(frame):
+                log.warning("job %s: rule %s %s %s", self.target.job, ev["rule"],
+                            "fired:" if ev["event"] == "rule" else "ended", ev.get("evidence"))
+                events.append(ev)
         for ev in events:
             self._emit(self.builder.event(ev.pop("t", t), ev.pop("event"), **ev))
         return frame
