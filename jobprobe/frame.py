@@ -54,6 +54,9 @@ class FrameBuilder:
     def sample(self, t: float, dt: float, probes: dict, status: dict) -> dict:
         return self._frame("sample", t, dt, probes=probes, status=status)
 
+    def stacks(self, t: float, dt: float, **body: Any) -> dict:
+        return self._frame("stacks", t, dt, **body)
+
     def event(self, t: float, name: str, **body: Any) -> dict:
         return self._frame("event", t, 0.0, event=name, **body)
 

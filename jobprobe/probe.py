@@ -11,6 +11,7 @@ from jobprobe.target import Target
 # sample() may return, under this key, a list of one-off events: {"event": name, "t": UNIX time (optional), ...}.
 # The sampler sends each as an `event` frame right after the tick's sample frame (docs/FRAMES.md).
 EVENTS_KEY = "_events"
+STACKS_KEY = "_stacks"     # folded stacks a probe hands over: sent as `stacks` frames (pystacks)
 
 
 # What a field's value is, for a reader that aggregates frames (docs/FRAMES.md, "Kinds of field"):

@@ -12,7 +12,7 @@ from jobprobe import __version__
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.frame import FrameBuilder, encode
 from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, Probe, schema_of
+from jobprobe.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
 from jobprobe.target import Target
 
 log = logging.getLogger("jobprobe.sampler")
@@ -140,6 +140,7 @@ class Sampler:
         t = time.time()
         values = {}
         events: list[dict] = []
+        stacks: list[dict] = []
         for name, probe in list(self.running.items()):
             try:
                 values[name] = probe.sample()
@@ -147,6 +148,9 @@ class Sampler:
                 # Things that happened once (an OOM kill, a GPU XID error) travel as event frames of their own.
                 for ev in values[name].pop(EVENTS_KEY, None) or ():
                     events.append({"probe": name, **ev})
+                # Folded stacks (pystacks) travel as `stacks` frames, one per process, beside the sample.
+                for st in values[name].pop(STACKS_KEY, None) or ():
+                    stacks.append({"probe": name, **st})
             except TargetGone as err:  # the job vanished under this probe: nothing more to read, not a failure
                 self.end_reason = self.end_reason or str(err)
             except Exception as err:
@@ -162,6 +166,8 @@ class Sampler:
                 events.append(ev)
         for ev in events:
             self._emit(self.builder.event(ev.pop("t", t), ev.pop("event"), **ev))
+        for st in stacks:
+            self._emit(self.builder.stacks(t, dt, **st))
         return frame
 
     def _emit(self, frame: dict) -> None:
