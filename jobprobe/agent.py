@@ -117,6 +117,7 @@ class Config:
     node: str | None = None             # this node's name in frames (default: the short host name)
     prometheus: str | None = None       # HOST:PORT: serve every job's metrics at /metrics
     rules: str | None = None            # a rules file, or "default": `rule` events over each job's frames
+    trace_dir: str = "/var/lib/jobprobe/traces"   # deep-trace windows' files (rules' `trace` action, `trace`)
     prometheus_max_jobs: int = 256      # jobs exposed at most (the rest counted: bounded cardinality)
 
     @classmethod
@@ -263,8 +264,7 @@ class Agent:
             sinks = self.sinks_for(target.job) if sinks is None else sinks
             probes = [make_probe(self.registry[n], self.host, self.node, lambda: sink_stats(sinks)) for n in names]
             sampler = Sampler(target, probes, sinks, self.cfg.interval, self.host, clock=self.clock,
-                              rules=self.rules,
-                              run=self.run_id)
+                              rules=self.rules, trace_dir=self.cfg.trace_dir, run=self.run_id)
             job = Job(target.job, spec, target, sampler, sinks)
             try:
                 hello = sampler.start()      # outside the lock: the other jobs' ticks go on meanwhile
@@ -303,6 +303,17 @@ class Agent:
         self._release(job)
         log.info("detached %s: %s", name, why)
         return {"job": name, "state": "detached", "why": why}
+
+    def trace(self, name: str, duration: float = 25.0) -> dict[str, Any]:
+        """A deep-trace window for one job, on request (a person's: the rules' duty cap does not apply; one window
+        at a time still does)."""
+        if not isinstance(duration, (int, float)) or not 1 <= duration <= 600:
+            raise BadInput(f"duration must be 1 to 600 s, got {duration!r}")
+        with self.lock:
+            job = self.jobs.get(name)
+        if job is None:
+            raise BadInput(f"no job {name!r} is attached")
+        return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
 
     def set_probes(self, name: str, spec: str) -> dict[str, Any]:
         """'+x,-y' for one job: start x, stop y, for that job only."""

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds per tick (default 1.0)")
     r.add_argument("--rules", metavar="FILE|default", help="evaluate rules over the job's frames: `rule` events "
                    "with their evidence (docs/RULES.md)")
+    r.add_argument("--trace-dir", metavar="DIR", default="jobprobe-traces",
+                   help="where rules' deep-trace windows write their files (default ./jobprobe-traces)")
     r.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     r.add_argument("--out", metavar="FILE", help="append msgpack frames to FILE")
     r.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate FILE when it passes MB (FILE.1, FILE.2 …)")
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TOML settings (default /etc/jobprobe/agent.toml if it exists); flags win")
     ag.add_argument("--interval", type=float, metavar="S", help="seconds per tick (default 1.0)")
     ag.add_argument("--rules", metavar="FILE|default", help="rules evaluated over every job's frames (docs/RULES.md)")
+    ag.add_argument("--trace-dir", metavar="DIR", help="deep-trace windows' files (default /var/lib/jobprobe/traces)")
     ag.add_argument("--probes", metavar="SPEC", help="default probes of attached jobs (as run's --probes)")
     ag.add_argument("--out", metavar="DIR", help="each job's frames to DIR/<job>.mpk")
     ag.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate each job's file when it passes MB")
@@ -147,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     dt = sub.add_parser("detach", help="ask the agent to detach a job (after a last frame)")
     dt.add_argument("job")
     dt.add_argument("--socket", metavar="PATH", default=None)
+    tr = sub.add_parser("trace", help="open a deep-trace window for a job now: a Perfetto trace file of its Python "
+                        "threads and what the kernel saw (docs/RULES.md)")
+    tr.add_argument("--job", required=True)
+    tr.add_argument("--duration", type=float, default=25.0, metavar="S", help="seconds (default 25)")
+    tr.add_argument("--socket", metavar="PATH", default=None)
     st = sub.add_parser("status", help="the agent's jobs, each probe's status per job, the agent's own cost")
     st.add_argument("--json", action="store_true")
     st.add_argument("--socket", metavar="PATH", default=None)
@@ -357,7 +365,7 @@ def cmd_run(args, command: list[str], host: Host) -> int:
                 raise BadInput(f"cannot write {args.out}: {err.strerror}") from err
         if args.stdout or not args.out:
             sinks.append(QueuedSink(StdoutExporter(args.stdout or "human"), "stdout"))
-        agent = Agent(Config(interval=args.interval, rules=args.rules), host)
+        agent = Agent(Config(interval=args.interval, rules=args.rules, trace_dir=args.trace_dir), host)
 
         def on_signal(signum, _frame):
             agent.stop_event.set()
@@ -411,7 +419,8 @@ def cmd_agent(args, host: Host) -> int:
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
                        "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
-                       "node": args.node, "prometheus": args.prometheus, "rules": args.rules})
+                       "node": args.node, "prometheus": args.prometheus, "rules": args.rules,
+                       "trace_dir": args.trace_dir})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     try:
@@ -587,6 +596,14 @@ def cmd_attach(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    r = client_call(args, {"cmd": "trace", "job": args.job, "duration": args.duration})
+    if not r.get("ok", True) or r.get("state") == "refused":
+        raise BadInput(f"trace {args.job}: refused: {r.get('why')}")
+    print(f"{r['job']}: tracing for {r['duration_s']:g} s → {r['path']}")
+    return 0
+
+
 def cmd_detach(args) -> int:
     r = client_call(args, {"cmd": "detach", "job": args.job})
     print(f"{r['job']}: {r['state']}")
@@ -712,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_read(args)
         if args.cmd == "report":
             return cmd_report(args)
+        if args.cmd == "trace":
+            return cmd_trace(args)
         if args.cmd == "bench":
             return cmd_bench(args, command, host)
         return cmd_run(args, command, host)

@@ -6,6 +6,7 @@ with SO_PEERCRED: only root (or the agent's own user) is served; anyone else is 
   {"cmd": "detach", "job": NAME}
   {"cmd": "status"}
   {"cmd": "probes", "job": NAME, "toggle": "+x,-y"}
+  {"cmd": "trace", "job": NAME, "duration": S?}     a deep-trace window now (jobprobe/tracewin.py)
 Replies: {"ok": true, …} or {"ok": false, "error": "one line"}. A malformed request (not JSON, too long, an unknown
 command, a bad field) is rejected with a reply and a log line; the agent goes on.
 """
@@ -119,9 +120,11 @@ class ControlServer:
                 return {"ok": True, **self.agent.status()}
             if cmd == "probes":
                 return {"ok": True, **self.agent.set_probes(str(need(req, "job")), str(need(req, "toggle")))}
+            if cmd == "trace":
+                return {"ok": True, **self.agent.trace(str(need(req, "job")), req.get("duration", 25.0))}
         except TypeError as err:       # a field of the wrong shape for JobSpec
             raise BadInput(f"bad request: {err}") from err
-        raise BadInput(f"unknown command {cmd!r}; known: attach, detach, status, probes")
+        raise BadInput(f"unknown command {cmd!r}; known: attach, detach, status, probes, trace")
 
     def close(self) -> None:
         sock, self.sock = self.sock, None

@@ -54,6 +54,9 @@ class FrameBuilder:
     def sample(self, t: float, dt: float, probes: dict, status: dict) -> dict:
         return self._frame("sample", t, dt, probes=probes, status=status)
 
+    def trace(self, t: float, **body: Any) -> dict:
+        return self._frame("trace", t, 0.0, **body)
+
     def stacks(self, t: float, dt: float, **body: Any) -> dict:
         return self._frame("stacks", t, dt, **body)
 

@@ -41,7 +41,7 @@ log = logging.getLogger("jobprobe.rules")
 
 DEFAULT = Path(__file__).with_name("default_rules.toml")
 FUNCS = {"share", "rate", "mean", "max", "min", "last", "p50", "p99", "any_bits"}
-KEYS = {"name", "summary", "when", "clear", "window", "hold", "cooldown", "action", "clear_after"}
+KEYS = {"name", "summary", "when", "clear", "window", "hold", "cooldown", "action", "clear_after", "trace_s"}
 ACTIONS = {"event", "trace"}
 
 
@@ -243,6 +243,7 @@ class Rule:
     cooldown: float = 60.0
     clear_after: float = 5.0
     action: str = "event"
+    trace_s: float = 25.0         # a `trace` action's window
     tree: Any = None
     clear_tree: Any = None
 
@@ -286,7 +287,7 @@ def load(spec: str) -> list[Rule]:
             r.clear_tree = compile_expr(r.clear) if r.clear else None
             if r.action not in ACTIONS:
                 raise ValueError(f"action must be one of {', '.join(sorted(ACTIONS))}")
-            for k in ("window", "hold", "cooldown", "clear_after"):
+            for k in ("window", "hold", "cooldown", "clear_after", "trace_s"):
                 if not isinstance(getattr(r, k), (int, float)) or getattr(r, k) < 0:
                     raise ValueError(f"{k} must be a number of seconds ≥ 0")
             if r.window <= 0:
@@ -353,7 +354,7 @@ class RuleSet:
                         st.fired_at, st.quiet_since, st.evidence = t, None, used
                         out.append({"t": t, "event": "rule", "rule": r.name, "summary": r.summary,
                                     "action": r.action, "when": r.when, "evidence": used, "window_s": r.window,
-                                    "since": st.since})
+                                    "since": st.since, **({"trace_s": r.trace_s} if r.action == "trace" else {})})
                 else:
                     st.since = None
             else:

@@ -26,7 +26,7 @@ def _reason(err: BaseException) -> str:
 class Sampler:
     def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
                  host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None,
-                 rules: list | None = None):
+                 rules: list | None = None, trace_dir: str | None = None):
         self.target = target
         self.probes = {p.name: p for p in probes}
         self.exporters = list(exporters)
@@ -39,6 +39,8 @@ class Sampler:
         self.stop_event = threading.Event()
         self.end_reason: str | None = None
         self._last = 0.0
+        self.trace_dir = trace_dir
+        self.tracer = None          # deep-trace windows (jobprobe/tracewin.py): made at the first one
         self.ruleset = None
         if rules:
             from jobprobe.rules import RuleSet
@@ -78,8 +80,26 @@ class Sampler:
         self._emit(hello)
         return hello
 
+    def open_trace(self, reason: str, evidence: dict | None = None, duration: float | None = None,
+                   force_budget: bool = False) -> dict:
+        """A deep-trace window for this job (a rule's action, or a request): its state, or why it was refused."""
+        if not self.trace_dir:
+            return {"ok": False, "state": "refused", "why": "no trace directory (--trace-dir / trace_dir)"}
+        if self.tracer is None:
+            from jobprobe import tracewin
+            from jobprobe.kernel import pyproc
+            proc = self.host.proc
+            self.tracer = tracewin.Tracer(self.target.job, self.trace_dir, self.target.pids,
+                                          lambda p: pyproc.role(proc, p), lambda p: pyproc.is_python(proc, p),
+                                          pyproc.py_spy())
+        return self.tracer.open(reason, evidence, duration or 25.0, force_budget=force_budget)
+
     def stop(self) -> None:
-        # Teardown order: probes first (release kernel objects), then exporters (flush what was built).
+        # Teardown order: a trace window cut short and announced; probes (release kernel objects), then exporters
+        # (flush what was built).
+        if self.tracer is not None:
+            for body in self.tracer.close():
+                self._emit(self.builder.trace(time.time(), **body))
         for name in list(self.running):
             self._stop_probe(name)
         for exp in self.exporters:
@@ -164,10 +184,16 @@ class Sampler:
                 log.warning("job %s: rule %s %s %s", self.target.job, ev["rule"],
                             "fired:" if ev["event"] == "rule" else "ended", ev.get("evidence"))
                 events.append(ev)
+                if ev["event"] == "rule" and ev.get("action") == "trace":
+                    r = self.open_trace(f"rule {ev['rule']}", ev.get("evidence"), ev.get("trace_s"))
+                    ev["trace"] = r.get("path") or r.get("why")
+        traces = self.tracer.feed(frame) if self.tracer is not None else []
         for ev in events:
             self._emit(self.builder.event(ev.pop("t", t), ev.pop("event"), **ev))
         for st in stacks:
             self._emit(self.builder.stacks(t, dt, **st))
+        for body in traces:
+            self._emit(self.builder.trace(t, **body))
         return frame
 
     def _emit(self, frame: dict) -> None:

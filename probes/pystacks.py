@@ -17,52 +17,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import resource
-import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from jobprobe.errors import ProbeUnavailable
 from jobprobe.host import Host
+from jobprobe.kernel.pyproc import is_python, py_spy, role
 from jobprobe.probe import STACKS_KEY, Field, Probe
 from jobprobe.target import Target
 
 TOP = 20
-PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]?$")
 RECHECK_S = 2.0                # the job's Python processes looked for again
-
-
-def py_spy() -> str | None:
-    """The py-spy next to this interpreter (the venv's), else on PATH."""
-    near = Path(sys.executable).with_name("py-spy")
-    return str(near) if near.exists() else shutil.which("py-spy")
-
-
-def is_python(proc: str, pid: int) -> bool:
-    try:
-        if PYTHON_EXE.match(os.path.basename(os.readlink(f"{proc}/{pid}/exe"))):
-            return True
-        with open(f"{proc}/{pid}/maps", "rb") as f:
-            return b"libpython" in f.read()
-    except OSError:
-        return False
-
-
-def role(proc: str, pid: int) -> str:
-    """What the process is, in a few words: its script or module and the first argument or two."""
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return "?"
-    args = argv[1:] if argv and PYTHON_EXE.match(os.path.basename(argv[0])) else argv
-    return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(args[:3]))[:120] or "python"
 
 
 def fold(threads: list[dict]) -> list[str]:

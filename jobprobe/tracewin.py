@@ -1,0 +1,235 @@
+"""Deep-trace windows: for a short while, one job is traced in detail, and the result is one Chrome / Perfetto
+trace file (Trace Event Format JSON, gzipped) a person opens in ui.perfetto.dev.
+
+A window opens when a rule with `action = "trace"` fires (jobprobe/rules.py), or on request (`jobprobe trace --job
+ID [--duration S]`). For its duration, for that job only:
+- every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
+  (a recorder per process): one timeline per process and thread;
+- the job's frames of the window go in as counter tracks (CPU cores; time waiting for a CPU; off-CPU time by
+  reason; network), so the Python timeline sits beside what the kernel saw;
+- the rule's evidence is an instant event at the window's start.
+Then the file is written under the trace directory and announced in a `trace` frame with its path.
+
+Budget: at most one window at a time per job; none within `cooldown` s of the last one's end; and none while the
+time already traced exceeds `duty` (30%) of the job's run so far — a rule that holds all the time traces about 30%
+of the run (at most one window more), not all of it. A refused request says why.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("jobprobe.trace")
+
+DURATION_S = 25.0
+COOLDOWN_S = 60.0
+DUTY = 0.30
+TRACE_HZ = 50
+OFFCPU = ("preempt", "io", "lock", "sleep", "wait")
+
+
+def counters(frame: dict) -> dict[str, dict[str, float]]:
+    """A sample frame's figures as counter tracks: {track: {series: value}}."""
+    p, dt = frame.get("probes") or {}, float(frame.get("dt") or 1.0) or 1.0
+    out: dict[str, dict[str, float]] = {}
+    cg, sc, net = p.get("cgroup") or {}, p.get("sched") or {}, p.get("net") or {}
+    if isinstance(cg, dict) and "cpu_user_ns" in cg:
+        out["CPU cores"] = {"user": cg["cpu_user_ns"] / 1e9 / dt, "system": cg.get("cpu_system_ns", 0) / 1e9 / dt}
+    if isinstance(sc, dict) and "runq_lat_ns" in sc:
+        out["waiting for a CPU (s/s)"] = {"runq": sc["runq_lat_ns"] / 1e9 / dt}
+        out["off-CPU by reason (s/s)"] = {r: sc.get(f"offcpu_{r}_ns", 0) / 1e9 / dt for r in OFFCPU}
+    if isinstance(net, dict) and "tcp_tx_bytes" in net:
+        out["network (MiB/s)"] = {"tx": net["tcp_tx_bytes"] / 2 ** 20 / dt, "rx": net.get("tcp_rx_bytes", 0) / 2 ** 20 / dt}
+    return out
+
+
+class Window:
+    def __init__(self, job: str, reason: str, evidence: dict, duration: float, pids: list[int], out_dir: str,
+                 py_spy: str | None, clock: Callable[[], float] = time.time):
+        self.job, self.reason, self.evidence, self.duration = job, reason, evidence, duration
+        self.clock = clock
+        self.t0 = clock()
+        self.frames: list[dict] = []
+        self.out_dir = Path(out_dir)
+        self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
+        self.path = self.out_dir / f"{_safe(job)}-{stamp}.trace.json.gz"
+        for pid in pids if py_spy else ():
+            tmp = self.out_dir / f".{_safe(job)}-{pid}-{os.getpid()}.pyspy.json"
+            proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--format", "chrometrace", "--rate",
+                                     str(TRACE_HZ), "--duration", str(max(1, int(round(duration)))), "--nonblocking",
+                                     "--output", str(tmp)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            self.recorders.append((pid, proc, tmp))
+
+    @property
+    def done(self) -> bool:
+        return self.clock() >= self.t0 + self.duration
+
+    def finish(self, roles: dict[int, str]) -> dict[str, Any]:
+        """Wait for the recorders, merge, write the file. Returns the `trace` frame's body."""
+        events: list[dict] = []
+        said = []
+        for pid, proc, tmp in self.recorders:
+            try:
+                _, err = proc.communicate(timeout=self.duration + 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            try:
+                raw = json.loads(tmp.read_text())
+            except (OSError, ValueError):
+                said.append(f"pid {pid}: {(err or b'').decode(errors='replace').strip().splitlines()[:1]}")
+                continue
+            finally:
+                tmp.unlink(missing_ok=True)
+            raw = raw.get("traceEvents", []) if isinstance(raw, dict) else raw
+            for e in raw:                  # py-spy's ts are µs since its start: the window's start here
+                if isinstance(e, dict) and isinstance(e.get("ts"), (int, float)):
+                    events.append(e)
+        events = balanced(events, self.duration * 1e6)
+        pids = sorted({e["pid"] for e in events if "pid" in e})
+        meta = [{"ph": "M", "name": "process_name", "pid": p, "tid": 0,
+                 "args": {"name": f"{roles.get(p, 'python')} (pid {p})"}} for p in pids]
+        meta.append({"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": f"job {self.job}"}})
+        marks = [{"ph": "i", "s": "g", "name": f"window opened: {self.reason}", "pid": 0, "tid": 0, "ts": 0,
+                  "args": {"reason": self.reason, "evidence": self.evidence}}]
+        tracks = []
+        for fr in self.frames:
+            ts = max(0.0, (float(fr["t"]) - self.t0) * 1e6)
+            for name, series in counters(fr).items():
+                tracks.append({"ph": "C", "name": name, "pid": 0, "tid": 0, "ts": ts,
+                               "args": {k: round(v, 6) for k, v in series.items()}})
+        doc = {"traceEvents": meta + marks + tracks + events, "displayTimeUnit": "ms",
+               "otherData": {"job": self.job, "reason": self.reason, "start_unix_s": self.t0,
+                             "duration_s": self.duration, "tool": "jobprobe"}}
+        tmp = self.path.with_suffix(".tmp")
+        with gzip.open(tmp, "wt") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.path)
+        body = {"path": str(self.path), "reason": self.reason, "start": self.t0, "duration_s": self.duration,
+                "processes": pids, "events": len(events), "evidence": self.evidence}
+        if said:
+            body["note"] = "; ".join(said)[:300]
+        if not self.recorders:
+            body["note"] = "no Python process to sample: counters and evidence only"
+        return body
+
+
+def balanced(events: list[dict], end_ts: float) -> list[dict]:
+    """py-spy's events in time order, every begin with its end: an end with no open begin is dropped, begins still
+    open at the end are closed at `end_ts` (a window cuts the program mid-call), so every viewer draws them."""
+    events = sorted(events, key=lambda e: e["ts"])      # stable: at a tie py-spy's E stays before its B
+    out, stacks = [], {}
+    for e in events:
+        if e.get("ph") not in ("B", "E"):
+            out.append(e)
+            continue
+        st = stacks.setdefault((e.get("pid"), e.get("tid")), [])
+        if e["ph"] == "B":
+            st.append(e)
+            out.append(e)
+        elif e.get("name") in [b.get("name") for b in st]:
+            while st:
+                b = st.pop()
+                out.append({**b, "ph": "E", "ts": e["ts"]})
+                if b.get("name") == e.get("name"):
+                    break
+    for st in stacks.values():
+        last = max(end_ts, max((b["ts"] for b in st), default=0))
+        out += [{**b, "ph": "E", "ts": last} for b in reversed(st)]
+    return out
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80] or "job"
+
+
+class Tracer:
+    """One job's trace windows: the budget (one at a time, cooldown, duty cap), the open window, its end."""
+
+    def __init__(self, job: str, out_dir: str, pids: Callable[[], list[int]], roles: Callable[[int], str],
+                 is_python: Callable[[int], bool], py_spy: str | None, cooldown: float = COOLDOWN_S,
+                 duty: float = DUTY, clock: Callable[[], float] = time.time):
+        self.job, self.out_dir, self.pids, self.roles, self.is_python = job, out_dir, pids, roles, is_python
+        self.py_spy, self.cooldown, self.duty, self.clock = py_spy, cooldown, duty, clock
+        self.started = clock()
+        self.traced_s = 0.0
+        self.last_end = -1e18
+        self.window: Window | None = None
+        self.finishing: list[threading.Thread] = []
+        self.ready: list[dict] = []           # `trace` frame bodies to send with the next tick
+        self.lock = threading.Lock()
+
+    def may_open(self, duration: float) -> str | None:
+        """Why a window cannot open now, or None."""
+        now = self.clock()
+        if self.window is not None:
+            return "a window is open already"
+        if now - self.last_end < self.cooldown:
+            return f"cooling down ({self.cooldown - (now - self.last_end):.0f} s left)"
+        run = now - self.started
+        if self.traced_s > self.duty * run:     # the share so far: the run's traced share stays ≈ duty (+ a window)
+            return f"the duty cap: {self.traced_s:.0f} s of {run:.0f} s traced already (at most {self.duty:.0%})"
+        return None
+
+    def open(self, reason: str, evidence: dict | None = None, duration: float = DURATION_S,
+             force_budget: bool = False) -> dict[str, Any]:
+        why = None if force_budget and self.window is None else self.may_open(duration)
+        if why is not None:
+            return {"ok": False, "state": "refused", "why": why}
+        pids = [p for p in self.pids() if self.is_python(p)]    # a recorder per process (py-spy's --subprocesses
+        # takes a forked child's thread for its parent's: the same pthread id on both sides of the fork)
+        self.window = Window(self.job, reason, evidence or {}, duration, pids, self.out_dir, self.py_spy,
+                             clock=self.clock)
+        self.traced_s += duration
+        log.warning("job %s: trace window open for %.0f s (%s): %s", self.job, duration, reason, self.window.path)
+        return {"ok": True, "state": "tracing", "path": str(self.window.path), "duration_s": duration}
+
+    def feed(self, frame: dict) -> list[dict]:
+        """Each sample frame: kept for the open window; a window past its end is finished in a thread. Returns
+        the `trace` frame bodies ready to send."""
+        w = self.window
+        if w is not None and frame.get("kind") == "sample":
+            w.frames.append(frame)
+            if w.done:
+                self.window, self.last_end = None, self.clock()
+                roles = {p: self.roles(p) for p in {pid for pid, _, _ in w.recorders}}
+                t = threading.Thread(target=self._finish, args=(w, roles), name=f"trace-{self.job}", daemon=True)
+                t.start()
+                self.finishing.append(t)
+        with self.lock:
+            out, self.ready = self.ready, []
+        return out
+
+    def _finish(self, w: Window, roles: dict[int, str]) -> None:
+        try:
+            body = w.finish(roles)
+        except Exception as err:              # a full disk: said, and the next window may do better
+            log.error("job %s: trace %s not written: %s", self.job, w.path, err)
+            body = {"path": None, "reason": w.reason, "start": w.t0, "duration_s": w.duration, "error": str(err)}
+        with self.lock:
+            self.ready.append(body)
+
+    def close(self, timeout: float = 30.0) -> list[dict]:
+        """At the job's end: an open window is cut short and written; returns what is ready."""
+        w = self.window
+        if w is not None:
+            self.window = None
+            for _, proc, _ in w.recorders:
+                if proc.poll() is None:
+                    proc.send_signal(2)            # py-spy writes what it has on SIGINT
+            self._finish(w, {pid: self.roles(pid) for pid, _, _ in w.recorders})
+        for t in self.finishing:
+            t.join(timeout=timeout)
+        with self.lock:
+            out, self.ready = self.ready, []
+        return out
