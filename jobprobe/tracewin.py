@@ -4,7 +4,8 @@ trace file (Trace Event Format JSON, gzipped) a person opens in ui.perfetto.dev.
 A window opens when a rule with `action = "trace"` fires (jobprobe/rules.py), or on request (`jobprobe trace --job
 ID [--duration S]`). For its duration, for that job only:
 - every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
-  (a recorder per process): one timeline per process and thread;
+  (a recorder per process, idle threads included: where a thread waits is the point): one timeline per process
+  and thread;
 - the job's frames of the window go in as counter tracks (CPU cores; time waiting for a CPU; off-CPU time by
   reason; network), so the Python timeline sits beside what the kernel saw;
 - the rule's evidence is an instant event at the window's start.
@@ -66,7 +67,7 @@ class Window:
             tmp = self.out_dir / f".{_safe(job)}-{pid}-{os.getpid()}.pyspy.json"
             proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--format", "chrometrace", "--rate",
                                      str(TRACE_HZ), "--duration", str(max(1, int(round(duration)))), "--nonblocking",
-                                     "--output", str(tmp)],
+                                     "--idle", "--output", str(tmp)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self.recorders.append((pid, proc, tmp))
 

@@ -1,7 +1,11 @@
 """Reference training job: a small ResNet-style CNN on synthetic images, a fixed number of steps.
 
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
-                                [--device cpu|cuda]
+                                [--device cpu|cuda] [--loader-workers W] [--stall-every N --stall-s S]
+
+With --loader-workers (or --stall-every) the batches come from a DataLoader with W worker processes over a
+synthetic dataset; --stall-every N makes every N-th batch wait S seconds in its worker (`slow_storage_read`: slow
+storage, simulated with a sleep) — an input-bound job, for the `input_bound` rule and its deep-trace window.
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -12,6 +16,26 @@ from __future__ import annotations
 
 import argparse
 import time
+
+
+def slow_storage_read(seconds: float) -> None:
+    """Where an input-bound job waits: a read from slow storage (here a sleep, so it needs no slow disk)."""
+    time.sleep(seconds)
+
+
+def make_loader(a):
+    import torch
+
+    class Synthetic(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return a.steps * a.batch
+
+        def __getitem__(self, i: int):
+            if a.stall_every and i % a.batch == 0 and (i // a.batch) % a.stall_every == a.stall_every - 1:
+                slow_storage_read(a.stall_s)
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(3, a.size, a.size, generator=g), i % 10
+    return torch.utils.data.DataLoader(Synthetic(), batch_size=a.batch, num_workers=a.loader_workers)
 
 
 def torch_job(a) -> None:
@@ -39,9 +63,13 @@ def torch_job(a) -> None:
     model = model.to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
-    y = torch.randint(0, 10, (a.batch,), device=dev)
-    for _ in range(a.steps):
+    if a.loader_workers:
+        batches = ((x.to(dev), y.to(dev)) for x, y in make_loader(a))
+    else:
+        x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
+        y = torch.randint(0, 10, (a.batch,), device=dev)
+        batches = ((x, y) for _ in range(a.steps))
+    for x, y in batches:
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -81,7 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--numpy", action="store_true", help="use the NumPy stand-in even if PyTorch imports")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine (PyTorch only)")
+    ap.add_argument("--loader-workers", type=int, default=0, help="batches from a DataLoader with W workers")
+    ap.add_argument("--stall-every", type=int, default=0, metavar="N", help="every N-th batch waits (input-bound)")
+    ap.add_argument("--stall-s", type=float, default=2.0, metavar="S", help="how long it waits (default 2)")
     a = ap.parse_args(argv)
+    if a.stall_every and not a.loader_workers:
+        a.loader_workers = 2
     t0 = time.monotonic()
     framework = "numpy"
     if not a.numpy:

@@ -94,7 +94,7 @@ def test_prometheus_scrapes_a_real_jobs_values_and_every_dashboard_query_has_dat
                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "wb"))
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
     cg = make_cgroup()
-    job = cg.spawn([sys.executable, "-c", JOB, "25"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    job = cg.spawn([sys.executable, "-c", JOB, "20"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     try:
         from jobprobe.control import call
 
@@ -106,7 +106,7 @@ def test_prometheus_scrapes_a_real_jobs_values_and_every_dashboard_query_has_dat
         until(up, 60, "the agent")
         r = call(str(d / "s.sock"), {"cmd": "attach", "cgroup": str(cg.path), "job": "promjob", "from_start": True})
         assert r["ok"], r
-        time.sleep(15)
+        time.sleep(12)
         mid = time.time() - 2
         dash = json.loads((REPO / "scripts" / "grafana" / "jobprobe-job.json").read_text())
         exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]

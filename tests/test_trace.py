@@ -158,3 +158,36 @@ def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
         loop.join(timeout=10)
         server.close()
         agent.close()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("stall", [True, False], ids=["stalling", "steady"])
+def test_an_input_bound_training_job_fires_input_bound_and_its_trace_shows_where_it_waits(tmp_path, stall):
+    """`jobprobe run --rules default` on the reference PyTorch job fed by a DataLoader with two workers. Stalling
+    (every 4th batch waits 1.5 s in `slow_storage_read`): input_bound fires and its deep-trace window — cut short
+    by the job's end, and written anyway — has the workers waiting in that function. Steady: no rule fires."""
+    pytest.importorskip("torch", reason="PyTorch is installed by make test (scripts/setup.sh --torch)")
+    args = ["--steps", "56" if stall else "1400", "--batch", "16", "--size", "32", "--width", "16", "--blocks", "2",
+            "--threads", "1", "--loader-workers", "2"] + (["--stall-every", "4", "--stall-s", "1.5"] if stall else [])
+    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--rules", "default", "--trace-dir",
+                        str(tmp_path / "traces"), "--probes", "cgroup,sched", "--stdout", "json", "--",
+                        sys.executable, str(REPO / "scripts" / "train_cpu.py"), *args],
+                       capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert r.returncode == 0, r.stderr
+    frames = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]    # (the job prints too)
+    fired = [f for f in frames if f["kind"] == "event" and f["event"] == "rule"]
+    samples = [f for f in frames if f["kind"] == "sample"]
+    print(f"input-bound ({'stalling' if stall else 'steady'}): {len(samples)} s, fired "
+          f"{[(f['rule'], f['evidence']) for f in fired]}")
+    if not stall:
+        assert len(samples) >= 16 and fired == []      # longer than input_bound's window + hold: it could have
+        return
+    (ib,) = [f for f in fired if f["rule"] == "input_bound"]
+    (tr,) = [f for f in frames if f["kind"] == "trace"]
+    assert tr["path"] == ib["trace"]
+    with gzip.open(tr["path"], "rt") as f:
+        doc = json.load(f)
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "B"}
+    assert "slow_storage_read" in names, sorted(names)[:30]
+    workers = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "B" and e["name"] == "slow_storage_read"}
+    assert workers and all(p in tr["processes"] for p in workers)
