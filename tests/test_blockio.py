@@ -364,7 +364,11 @@ def test_busy_process_outside_the_job_is_not_counted(probe, make_cgroup, loop):
     s = probe.sample()
     print(f"blockio[{probe.mode}] with noise: {s['read_requests']} read req, {s['write_requests']} write req; "
           f"job {out['ops']} reads, outside {noisy['ops']} writes")
-    assert within(s["read_requests"], n) and within(s["read_bytes"], n * bs)
+    # the job's own reads, plus its interpreter's page-ins from the system disk when the cache is cold (a CI run
+    # saw 521 requests for 500), which the job's /proc io counts too: at most one request per 4 KiB of them
+    extra = max(0, out["proc_read_bytes"] - n * bs)
+    assert 0.98 * n <= s["read_requests"] <= 1.02 * n + extra // 4096, (s["read_requests"], out)
+    assert within(s["read_bytes"], n * bs) or within(s["read_bytes"], out["proc_read_bytes"]), (s, out)
     assert s["write_requests"] == 0 and s["write_bytes"] == 0
 
 

