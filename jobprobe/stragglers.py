@@ -34,9 +34,6 @@ OPEN_AFTER = 3            # comparisons in a row: 20 s of 10 s windows 5 s apart
 CLOSE_AFTER = 2
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
 
-# figures summed over a window (per-interval deltas in the frames)
-ADDITIVE = ("cpu_ns", "throttled_ns", "runq_ns", "wait_ns", "tx_bytes", "rx_bytes", "retrans", "rtt_w", "rtt_n",
-            "nic_held", "nic_drops", "gpu_dt", "gpu_util", "gpu_clock", "gpu_throttled")
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
 
