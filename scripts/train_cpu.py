@@ -2,10 +2,12 @@
 
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
                                 [--device cpu|cuda] [--loader-workers W] [--stall-every N --stall-s S]
+                                [--seconds S]
 
 With --loader-workers (or --stall-every) the batches come from a DataLoader with W worker processes over a
 synthetic dataset; --stall-every N makes every N-th batch wait S seconds in its worker (`slow_storage_read`: slow
 storage, simulated with a sleep) — an input-bound job, for the `input_bound` rule and its deep-trace window.
+--seconds S stops after S seconds even if steps remain (a job of a known length on any machine's speed).
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -69,7 +71,10 @@ def torch_job(a) -> None:
         x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
         y = torch.randint(0, 10, (a.batch,), device=dev)
         batches = ((x, y) for _ in range(a.steps))
-    for x, y in batches:
+    for step, (x, y) in enumerate(batches):
+        if a.deadline and time.monotonic() >= a.deadline:
+            break
+        a.done = step + 1
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -87,7 +92,10 @@ def numpy_job(a) -> None:
     y = rng.integers(0, 10, a.batch * 4)
     w1 = rng.standard_normal((d, a.width * 16), dtype=np.float32) * 0.01
     w2 = rng.standard_normal((a.width * 16, 10), dtype=np.float32) * 0.01
-    for _ in range(a.steps):
+    for step in range(a.steps):
+        if a.deadline and time.monotonic() >= a.deadline:
+            break
+        a.done = step + 1
         h = np.maximum(x @ w1, 0)
         logits = h @ w2
         p = np.exp(logits - logits.max(1, keepdims=True))
@@ -112,10 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loader-workers", type=int, default=0, help="batches from a DataLoader with W workers")
     ap.add_argument("--stall-every", type=int, default=0, metavar="N", help="every N-th batch waits (input-bound)")
     ap.add_argument("--stall-s", type=float, default=2.0, metavar="S", help="how long it waits (default 2)")
+    ap.add_argument("--seconds", type=float, default=0, metavar="S", help="stop after S seconds if steps remain")
     a = ap.parse_args(argv)
     if a.stall_every and not a.loader_workers:
         a.loader_workers = 2
     t0 = time.monotonic()
+    a.deadline, a.done = (t0 + a.seconds if a.seconds else 0), 0
     framework = "numpy"
     if not a.numpy:
         try:
@@ -126,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     (torch_job if framework == "torch" else numpy_job)(a)
     if framework == "numpy" and a.device != "cpu":
         raise SystemExit(f"--device {a.device} needs PyTorch")
-    print(f"train: {a.steps} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device})", flush=True)
+    print(f"train: {a.done} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device})", flush=True)
 
 
 if __name__ == "__main__":

@@ -167,8 +167,9 @@ def test_an_input_bound_training_job_fires_input_bound_and_its_trace_shows_where
     (every 4th batch waits 1.5 s in `slow_storage_read`): input_bound fires and its deep-trace window — cut short
     by the job's end, and written anyway — has the workers waiting in that function. Steady: no rule fires."""
     pytest.importorskip("torch", reason="PyTorch is installed by make test (scripts/setup.sh --torch)")
-    args = ["--steps", "56" if stall else "1400", "--batch", "16", "--size", "32", "--width", "16", "--blocks", "2",
-            "--threads", "1", "--loader-workers", "2"] + (["--stall-every", "4", "--stall-s", "1.5"] if stall else [])
+    args = ["--steps", "56" if stall else "100000", "--batch", "16", "--size", "32", "--width", "16", "--blocks", "2",
+            "--threads", "1", "--loader-workers", "2"] + (["--stall-every", "4", "--stall-s", "1.5"] if stall else
+                                                             ["--seconds", "19"])
     r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--rules", "default", "--trace-dir",
                         str(tmp_path / "traces"), "--probes", "cgroup,sched", "--stdout", "json", "--",
                         sys.executable, str(REPO / "scripts" / "train_cpu.py"), *args],
