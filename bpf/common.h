@@ -26,6 +26,10 @@
  * Per probe and job: `slots_on` (this module's own array, one bit per slot) says for which jobs the probe counts;
  * job_slot_current() answers -1 for a job whose bit is clear, so a probe switched off for one job does no work for
  * its events (one more array read for members only).
+ * Deep-trace windows (jobprobe/tracewin.py): a module compiled with -DJOB_DEEP_TRACE (user space passes it where the
+ * kernel has BPF ring buffers, 5.8) also gets `slots_traced` ([0]: one bit per slot in a window now; [1]: the
+ * module's threshold in ns, set by user space) and `trace_ring`, a ring buffer where its handlers put one record
+ * per event of a traced job (struct trace_head first: its kind and slot). job_traced() is one array read.
  */
 #define MAX_SLOTS 64
 #define MAX_MEMBER_TASKS 65536
@@ -42,6 +46,35 @@ BPF_HASH(job_of_tgid, u32, u32, MAX_MEMBER_TASKS);
 #endif
 #ifndef JOB_MEMBERSHIP
 BPF_ARRAY(slots_on, u64, 1);   /* bit s: this probe counts for the job in slot s (user space sets it) */
+#endif
+
+#ifdef JOB_DEEP_TRACE
+#ifndef JOB_TRACE_PAGES
+#define JOB_TRACE_PAGES 256    /* 1 MiB with 4 KiB pages: drained every tick */
+#endif
+BPF_ARRAY(slots_traced, u64, 2);
+BPF_RINGBUF_OUTPUT(trace_ring, JOB_TRACE_PAGES);
+
+struct trace_head {
+    u32 kind;                  /* the module's record kind */
+    u32 slot;
+};
+
+/* Is the job in `slot` in a deep-trace window? */
+static inline int job_traced(u32 slot)
+{
+    u32 zero = 0;
+    u64 *bits = slots_traced.lookup(&zero);
+    return bits && slot < MAX_SLOTS && ((*bits >> slot) & 1);
+}
+
+/* The module's threshold (ns): shorter intervals are not recorded one by one. */
+static inline u64 job_trace_min_ns(void)
+{
+    u32 one = 1;
+    u64 *min = slots_traced.lookup(&one);
+    return min ? *min : 0;
+}
 #endif
 
 /* floor(log2(v)), 0 for v <= 1: the bucket of a log2 histogram (callers clamp to their bucket count). Unrolled:

@@ -58,6 +58,9 @@ struct call_rec {
     u16 kind;
     u8 coll;
     u8 known;                  /* a collective's datatype was known (bytes valid) */
+    u16 op;                    /* OP_*: which call, for a deep-trace record */
+    u16 sub;                   /* a copy's direction, a collective's type */
+    u32 traced;                /* the job is in a deep-trace window: record this call at its return */
 };
 
 struct thread_calls {
@@ -87,6 +90,40 @@ static inline void job_exit_hook(u32 tid)
 }
 
 #include "common.h"
+
+/* Deep-trace records: what a call was (OP_*; sub: a copy's direction, a collective's index). */
+#define OP_RT_LAUNCH 1
+#define OP_RT_MEMCPY 2
+#define OP_RT_SYNC 3
+#define OP_DRV_LAUNCH 4
+#define OP_DRV_MEMCPY 5
+#define OP_DRV_SYNC 6
+#define OP_NCCL 7
+
+#ifdef JOB_DEEP_TRACE
+/* Deep-trace windows: each call of a traced job's thread, with its start and end (driver launches and copies,
+ * which have no return probe: start == end). */
+#define TRACE_CUDA 3
+struct cuda_event {
+    struct trace_head h;
+    u32 tid;
+    u32 tgid;
+    u64 start_ns;
+    u64 end_ns;
+    u64 bytes;
+    u16 op;
+    u16 sub;
+    u32 pad;
+};
+
+static inline void trace_call(u32 slot, u64 start, u64 end, u64 bytes, u16 op, u16 sub)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct cuda_event ev = {.h = {.kind = TRACE_CUDA, .slot = slot}, .tid = (u32)id, .tgid = id >> 32,
+                            .start_ns = start, .end_ns = end, .bytes = bytes, .op = op, .sub = sub};
+    trace_ring.ringbuf_output(&ev, sizeof(ev), 0);
+}
+#endif
 
 #if MAX_SLOTS != 64
 #error "stats is sized for MAX_SLOTS == 64"
@@ -143,11 +180,18 @@ static inline struct call_rec *enter(struct pt_regs *ctx, u32 layer)
     r->bytes = 0;
     r->coll = 0;
     r->known = 0;
+    r->op = 0;
+    r->sub = 0;
+#ifdef JOB_DEEP_TRACE
+    r->traced = job_traced(slot);
+#else
+    r->traced = 0;
+#endif
     return r;
 }
 
 /* A driver launch or copy: no return probe; counted unless inside a runtime call. Returns the stats or 0. */
-static inline struct cuda_stats *driver_event(struct pt_regs *ctx)
+static inline struct cuda_stats *driver_event(struct pt_regs *ctx, u16 op, u16 sub, u64 bytes)
 {
     int slot = job_slot_current();
     if (slot < 0)
@@ -155,6 +199,12 @@ static inline struct cuda_stats *driver_event(struct pt_regs *ctx)
     u32 tid = (u32)bpf_get_current_pid_tgid();
     if (inside(calls.lookup(&tid), L_RT, PT_REGS_SP(ctx)))
         return 0;
+#ifdef JOB_DEEP_TRACE
+    if (job_traced(slot)) {
+        u64 now = bpf_ktime_get_ns();
+        trace_call(slot, now, now, bytes, op, sub);
+    }
+#endif
     return stats_of(slot);
 }
 
@@ -174,7 +224,11 @@ static inline void leave(struct pt_regs *ctx, u32 layer)
     /* At a uretprobe the return address has been popped: sp is the entry's + 8. A lower one is a nested call's. */
     if (r->sp == 0 || PT_REGS_SP(ctx) <= r->sp)
         return;
-    u64 dt = bpf_ktime_get_ns() - r->start_ns;
+    u64 end = bpf_ktime_get_ns(), dt = end - r->start_ns;
+#ifdef JOB_DEEP_TRACE
+    if (r->traced)
+        trace_call(r->slot, r->start_ns, end, r->bytes, r->op, r->sub);
+#endif
     struct cuda_stats *s = stats_of(r->slot);
     if (s && r->kind == K_SYNC) {
         __sync_fetch_and_add(&s->sync_calls, 1);
@@ -205,6 +259,8 @@ int rt_launch(struct pt_regs *ctx)
 {
     struct call_rec *r = enter(ctx, L_RT);
     struct cuda_stats *s = r ? stats_of(r->slot) : 0;
+    if (r)
+        r->op = OP_RT_LAUNCH;
     if (s)
         __sync_fetch_and_add(&s->launches, 1);
     return 0;
@@ -217,6 +273,10 @@ int rt_memcpy(struct pt_regs *ctx)
     if (!s)
         return 0;
     u64 bytes = PT_REGS_PARM3(ctx);
+    u32 kind = (u32)PT_REGS_PARM4(ctx);
+    r->op = OP_RT_MEMCPY;
+    r->sub = kind >= 1 && kind <= 3 ? kind - 1 : DIR_OTHER;
+    r->bytes = bytes;           /* (a plain call's bytes: only its trace record reads them) */
     /* cudaMemcpyKind: 1 HtoD, 2 DtoH, 3 DtoD; 0 host to host and 4 default (from the pointers) are "other". A switch
      * with constant directions: a computed index loses its bounds in the verifier's eyes. */
     switch ((u32)PT_REGS_PARM4(ctx)) {
@@ -231,8 +291,10 @@ int rt_memcpy(struct pt_regs *ctx)
 int rt_sync(struct pt_regs *ctx)
 {
     struct call_rec *r = enter(ctx, L_RT);
-    if (r)
+    if (r) {
         r->kind = K_SYNC;
+        r->op = OP_RT_SYNC;
+    }
     return 0;
 }
 
@@ -246,7 +308,7 @@ int rt_ret(struct pt_regs *ctx)
 
 int drv_launch(struct pt_regs *ctx)
 {
-    struct cuda_stats *s = driver_event(ctx);
+    struct cuda_stats *s = driver_event(ctx, OP_DRV_LAUNCH, 0, 0);
     if (s)
         __sync_fetch_and_add(&s->launches, 1);
     return 0;
@@ -255,7 +317,7 @@ int drv_launch(struct pt_regs *ctx)
 #define DRIVER_COPY(fn, dir) \
     int fn(struct pt_regs *ctx) \
     { \
-        struct cuda_stats *s = driver_event(ctx); \
+        struct cuda_stats *s = driver_event(ctx, OP_DRV_MEMCPY, dir, PT_REGS_PARM3(ctx)); \
         if (s) \
             count_copy(s, dir, PT_REGS_PARM3(ctx)); \
         return 0; \
@@ -267,8 +329,10 @@ DRIVER_COPY(drv_dtod, 2)
 int drv_sync(struct pt_regs *ctx)
 {
     struct call_rec *r = enter(ctx, L_DRV);
-    if (r)
+    if (r) {
         r->kind = K_SYNC;
+        r->op = OP_DRV_SYNC;
+    }
     return 0;
 }
 
@@ -287,6 +351,8 @@ static inline void collective(struct pt_regs *ctx, u32 coll, u64 count, u32 dtyp
         return;
     u64 size = nccl_type_size(dtype);
     r->kind = K_NCCL;
+    r->op = OP_NCCL;
+    r->sub = coll;
     r->coll = coll;
     r->known = size != 0;
     r->bytes = count * size;

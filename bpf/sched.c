@@ -70,7 +70,9 @@ struct off_rec {
     u32 slot;
     u32 reason;   /* R_*; 0 for a new task */
     u32 tid;      /* the thread's id (0 until its first switch-out when RAW_SCHED made it at wakeup_new) */
-    u32 pad;
+    u32 tgid;     /* set only for a period of a job in a deep-trace window (JOB_DEEP_TRACE): record it */
+    s32 kstack;   /* its stacks at switch-out (trace_stacks ids; negative: none) */
+    s32 ustack;
 };
 
 /* Which thread a `start` entry is for. Classic tracepoints give thread ids; the raw ones (RAW_SCHED, Linux 5.18+:
@@ -118,6 +120,39 @@ static inline void job_exit_hook(u32 tid)
 }
 
 #include "common.h"
+
+#ifdef JOB_DEEP_TRACE
+/* Deep-trace windows: each off-CPU period of a traced job's thread at least job_trace_min_ns() long, with the
+ * kernel and user stacks it left the CPU with (48 frames each, innermost first). */
+#define TRACE_OFFCPU 1
+struct deep_stack {
+    u64 ip[48];
+};
+BPF_TABLE("stacktrace", int, struct deep_stack, trace_stacks, 4096);
+
+struct offcpu_event {
+    struct trace_head h;
+    u32 tid;
+    u32 tgid;
+    u64 out_ns;                /* left the CPU */
+    u64 enq_ns;                /* runnable again (woken; = out_ns when preempted; 0: not seen woken) */
+    u64 in_ns;                 /* running again */
+    u32 reason;                /* R_* */
+    s32 kstack;
+    s32 ustack;
+    u32 pad;
+};
+
+static inline void trace_offcpu(struct off_rec *rec, u64 now)
+{
+    if (now < rec->out_ns + job_trace_min_ns())
+        return;
+    struct offcpu_event ev = {.h = {.kind = TRACE_OFFCPU, .slot = rec->slot}, .tid = rec->tid, .tgid = rec->tgid,
+                              .out_ns = rec->out_ns, .enq_ns = rec->enq_ns, .in_ns = now, .reason = rec->reason,
+                              .kstack = rec->kstack, .ustack = rec->ustack};
+    trace_ring.ringbuf_output(&ev, sizeof(ev), 0);
+}
+#endif
 
 #if MAX_SLOTS != 64
 #error "stats is sized for MAX_SLOTS == 64"
@@ -223,6 +258,10 @@ static inline void finish(struct off_rec *rec, u64 now)
                 close_time(s, T_WAKEUP, rec->enq_ns, end);
             }
             s->events[rec->reason & (NTIMES - 1)]++;
+#ifdef JOB_DEEP_TRACE
+            if (rec->tgid)
+                trace_offcpu(rec, end > now ? end : now);
+#endif
         }
         if (rec->enq_ns) {
             if (end < rec->enq_ns)
@@ -238,6 +277,7 @@ static inline void finish(struct off_rec *rec, u64 now)
     }
     rec->out_ns = 0;   /* consumed: kept for the next switch-out, deleted when the thread exits */
     rec->enq_ns = 0;
+    rec->tgid = 0;
 }
 
 /* Close what `task`'s entry holds open, then delete it (a thread's end). */
@@ -252,7 +292,7 @@ static inline void forget(task_key task, u64 now)
 
 /* One context switch: prev (current; `prev` its key, `prev_tid` its thread id, 0 for an idle task) leaves the CPU
  * in reported state `state`, next (key `next`, 0 for an idle task) gets it. */
-static inline int switched(task_key prev, u32 prev_tid, long state, task_key next)
+static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, task_key next)
 {
     u64 now = bpf_ktime_get_ns();
 
@@ -271,7 +311,15 @@ static inline int switched(task_key prev, u32 prev_tid, long state, task_key nex
             if (!(state & STATE_EXITING) && s) {
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
-                                      .reason = offcpu_reason(state, prev_tid), .tid = prev_tid};
+                                      .reason = offcpu_reason(state, prev_tid), .tid = prev_tid,
+                                      .kstack = -1, .ustack = -1};
+#ifdef JOB_DEEP_TRACE
+                if (job_traced(slot)) {
+                    rec.tgid = bpf_get_current_pid_tgid() >> 32;
+                    rec.kstack = trace_stacks.get_stackid(ctx, 0);
+                    rec.ustack = trace_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+                }
+#endif
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
                  * lookup instead of a hash insert and delete per switch. */
                 struct off_rec *old = start.lookup(&prev);
@@ -338,7 +386,8 @@ static inline void woken_new(task_key task, u32 tid)
         return;
     u32 key = slot;
     struct slot_stats *s = stats.lookup(&key);
-    struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot, .tid = tid};
+    struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot, .tid = tid, .kstack = -1,
+                          .ustack = -1};
     struct off_rec *old = start.lookup(&task);
     if (old)
         finish(old, rec.enq_ns);   /* a reused key whose owner's end was missed: close what it held open */
@@ -349,7 +398,7 @@ static inline void woken_new(task_key task, u32 tid)
 #ifndef RAW_SCHED
 int on_switch(struct tracepoint__sched__sched_switch *args)
 {
-    return switched(args->prev_pid, args->prev_pid, args->prev_state & 0xff, args->next_pid);
+    return switched(args, args->prev_pid, args->prev_pid, args->prev_state & 0xff, args->next_pid);
 }
 
 int on_wakeup(struct tracepoint__sched__sched_wakeup *args)
@@ -398,7 +447,7 @@ static inline long reported_state(u64 preempt, u32 st)
 int on_switch_raw(struct bpf_raw_tracepoint_args *ctx)
 {
     u32 prev_tid = bpf_get_current_pid_tgid();   /* current is prev; 0 for an idle task */
-    return switched(ctx->args[1], prev_tid, reported_state(ctx->args[0], (u32)ctx->args[3]), ctx->args[2]);
+    return switched(ctx, ctx->args[1], prev_tid, reported_state(ctx->args[0], (u32)ctx->args[3]), ctx->args[2]);
 }
 
 int on_wakeup_raw(struct bpf_raw_tracepoint_args *ctx)

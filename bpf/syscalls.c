@@ -77,6 +77,20 @@ static inline void job_exec_hook(u32 old, u32 now)
 
 #include "common.h"
 
+#ifdef JOB_DEEP_TRACE
+/* Deep-trace windows: each syscall of a traced job's thread that took at least job_trace_min_ns(). */
+#define TRACE_SYSCALL 2
+struct syscall_event {
+    struct trace_head h;
+    u32 tid;
+    u32 tgid;
+    u64 enter_ns;
+    u64 exit_ns;
+    u32 nr;
+    u32 pad;
+};
+#endif
+
 #if MAX_SLOTS != 64
 #error "stats is sized for MAX_SLOTS == 64"
 #endif
@@ -118,6 +132,14 @@ static inline int exited(void)
     u64 now = bpf_ktime_get_ns();
     u64 d = now > rec->ts ? now - rec->ts : 0;
     u32 slot = rec->slot, nr = rec->nr;
+#ifdef JOB_DEEP_TRACE
+    if (d >= job_trace_min_ns() && job_traced(slot)) {
+        u64 id = bpf_get_current_pid_tgid();
+        struct syscall_event ev = {.h = {.kind = TRACE_SYSCALL, .slot = slot}, .tid = (u32)id, .tgid = id >> 32,
+                                   .enter_ns = rec->ts, .exit_ns = now, .nr = nr};
+        trace_ring.ringbuf_output(&ev, sizeof(ev), 0);
+    }
+#endif
     rec->ts = 0;
 
     u32 cls = 0, *c = class_of.lookup(&nr);

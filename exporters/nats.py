@@ -19,6 +19,7 @@ in the self probe's sinks, and `jobprobe status`) and logged — never silent.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import threading
@@ -26,7 +27,7 @@ import time
 import zlib
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -42,6 +43,14 @@ COALESCE_S = 0.05                    # after a wake-up, the rest of the tick's f
 
 def subject_for(node: str) -> str:
     return f"{SUBJECT}.{safe_token(node)}"
+
+
+CLUSTER_TRACE = "jobprobe.ctl.trace"       # a person's request to the controller: trace a job on all its nodes
+
+
+def control_subject(node: str) -> str:
+    """Where the controller asks one node's agent (core NATS request/reply, not the stream)."""
+    return f"jobprobe.ctl.node.{safe_token(node)}"
 
 
 def safe_token(s: str) -> str:
@@ -216,8 +225,15 @@ class NatsSink:
         self.wake = threading.Event()
         self.hurry = threading.Event()   # closing: the publisher tries now rather than after its backoff
         self.last_try_failed = False
+        self.handler: Callable[[bytes], bytes] | None = None
         self.thread = threading.Thread(target=self._run, name="nats", daemon=True)
         self.thread.start()
+
+    def serve(self, subject: str, handler: Callable[[bytes], bytes]) -> None:
+        """Answer requests on `subject` (the controller's, to this node) with handler(payload) → reply, in the
+        publisher's thread: a handler must answer at once (it schedules; it does not wait)."""
+        self.handler = handler
+        self.wire.subscribe(subject)
 
     # ---- the agent's side --------------------------------------------------------------------------------
     def for_job(self, job: str) -> "JobHandle":
@@ -280,6 +296,7 @@ class NatsSink:
                         time.sleep(COALESCE_S)
                     else:
                         wire.service()   # idle: the server's PINGs answered, a closed connection noticed
+                    self._answer()
                     continue
                 wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data in batch], timeout=5)
                 for rec in batch:
@@ -287,6 +304,9 @@ class NatsSink:
                     if c is not None:
                         c["written"] += 1
                 self.spool.acked(batch)
+                if wire.subs:
+                    wire.service()       # a request that came with the acks, read now rather than next tick
+                    self._answer()
                 if said:
                     log.warning("nats %s: publishing again (%d frames waiting)", self.url, self.spool.depth())
                 self.state, said, backoff = "ok", None, 0.5
@@ -304,6 +324,18 @@ class NatsSink:
                 self.hurry.wait(backoff)
                 backoff = min(5.0, backoff * 2)
         wire.close()
+
+
+    def _answer(self) -> None:
+        reqs, self.wire.requests = self.wire.requests, []
+        for subject, reply, data in reqs:
+            try:
+                out = self.handler(data) if self.handler else b'{"ok": false, "error": "no handler"}'
+            except Exception as err:       # a bad request is answered, never fatal to the publisher
+                log.warning("nats request on %s: %s", subject, err)
+                out = json.dumps({"ok": False, "error": str(err)[:300]}).encode()
+            if reply:
+                self.wire.reply(reply, out)
 
 
 class JobHandle:

@@ -103,6 +103,8 @@ class Wire:
         self.batch_no = 0
         self.server_said: str | None = None      # the last -ERR: said with the failure it explains
         self._next = 0
+        self.subs: dict[str, str] = {}           # sid → subject: requests to this node (subscribe())
+        self.requests: list[tuple[str, str | None, bytes]] = []   # (subject, reply to, payload) received
 
     # ---- connecting ---------------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -154,7 +156,31 @@ class Wire:
                 raise NatsError(_err_text(line))
             if line == b"PING":
                 self._send(b"PONG\r\n")
-        self._send(f"SUB {self.inbox}.> 1\r\n".encode())
+        self._send(f"SUB {self.inbox}.> 1\r\n".encode()
+                   + b"".join(f"SUB {subj} {sid}\r\n".encode() for sid, subj in self.subs.items()))
+
+    def subscribe(self, subject: str) -> None:
+        """Messages on `subject` go to `requests` (from every connection from now on); answer with reply()."""
+        sid = str(len(self.subs) + 2)
+        self.subs[sid] = subject
+        if self.sock is not None:
+            self._send(f"SUB {subject} {sid}\r\n".encode())
+
+    def reply(self, subject: str, data: bytes) -> None:
+        self._send(f"PUB {subject} {len(data)}\r\n".encode() + data + b"\r\n")
+
+    def request(self, subject: str, data: bytes, timeout: float = 10.0) -> bytes:
+        """A core NATS request: publish with a reply subject of our inbox, wait for the one answer."""
+        self.batch_no += 1
+        inbox = f"{self.inbox}.req.{self.batch_no}"
+        self._send(f"PUB {subject} {inbox} {len(data)}\r\n".encode() + data + b"\r\n")
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self._message(deadline)
+            if got is not None and got[0] == inbox:
+                if got[1] == "503":
+                    raise NoResponders(f"nobody answers on {subject} (no responders)")
+                return got[2]
 
     def close(self) -> None:
         if self.sock is not None:
@@ -263,7 +289,11 @@ class Wire:
         op, _, rest = line.partition(b" ")
         if op == b"MSG":
             parts = rest.split()
-            return parts[0].decode(), None, self._exact(int(parts[-1]), deadline)
+            data = self._exact(int(parts[-1]), deadline)
+            if len(parts) > 1 and parts[1].decode() in self.subs:      # MSG subject sid [reply-to] size
+                self.requests.append((parts[0].decode(), parts[2].decode() if len(parts) == 4 else None, data))
+                return None
+            return parts[0].decode(), None, data
         if op == b"HMSG":
             parts = rest.split()
             hlen, total = int(parts[-2]), int(parts[-1])

@@ -118,6 +118,7 @@ class Config:
     prometheus: str | None = None       # HOST:PORT: serve every job's metrics at /metrics
     rules: str | None = None            # a rules file, or "default": `rule` events over each job's frames
     trace_dir: str = "/var/lib/jobprobe/traces"   # deep-trace windows' files (rules' `trace` action, `trace`)
+    trace_every: float | None = None    # a deep-trace window every S s of each job's run (as a request)
     prometheus_max_jobs: int = 256      # jobs exposed at most (the rest counted: bounded cardinality)
 
     @classmethod
@@ -182,12 +183,16 @@ class Agent:
         self.nats = None
         if self.cfg.nats:
             from jobprobe.exporters.nats import NatsSink
+            from jobprobe.exporters.nats import control_subject
             self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
                                  creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca)
+            self.nats.serve(control_subject(self.host.node), self.remote)   # the controller's cluster-wide traces
         self.prom = None
         if self.cfg.prometheus:
             from jobprobe.exporters.prometheus import PromSink
             self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs)
+        if self.cfg.trace_every is not None and not self.cfg.trace_every >= 1:
+            raise BadInput(f"trace_every must be 1 s or more, got {self.cfg.trace_every!r}")
         self.rules = None
         if self.cfg.rules:
             from jobprobe.rules import load as load_rules
@@ -263,8 +268,12 @@ class Agent:
         try:
             sinks = self.sinks_for(target.job) if sinks is None else sinks
             probes = [make_probe(self.registry[n], self.host, self.node, lambda: sink_stats(sinks)) for n in names]
+            # Probes with a deep mode the job does not run: deep-trace windows run them for their length only.
+            extra = [make_probe(cls, self.host, self.node, None) for n, cls in self.registry.items()
+                     if n not in names and getattr(cls, "trace_kinds", None)]
             sampler = Sampler(target, probes, sinks, self.cfg.interval, self.host, clock=self.clock,
-                              rules=self.rules, trace_dir=self.cfg.trace_dir, run=self.run_id)
+                              rules=self.rules, trace_dir=self.cfg.trace_dir, run=self.run_id, window_probes=extra,
+                              trace_every=self.cfg.trace_every)
             job = Job(target.job, spec, target, sampler, sinks)
             try:
                 hello = sampler.start()      # outside the lock: the other jobs' ticks go on meanwhile
@@ -304,16 +313,47 @@ class Agent:
         log.info("detached %s: %s", name, why)
         return {"job": name, "state": "detached", "why": why}
 
-    def trace(self, name: str, duration: float = 25.0) -> dict[str, Any]:
+    def trace(self, name: str, duration: float = 25.0, at: float | None = None) -> dict[str, Any]:
         """A deep-trace window for one job, on request (a person's: the rules' duty cap does not apply; one window
-        at a time still does)."""
+        at a time still does); `at` (UNIX s, up to an hour ahead): opened then — the common start of a window on
+        every node of a job (the controller's request)."""
         if not isinstance(duration, (int, float)) or not 1 <= duration <= 600:
             raise BadInput(f"duration must be 1 to 600 s, got {duration!r}")
+        now = time.time()
+        if at is not None and (not isinstance(at, (int, float)) or not now - 60 <= at <= now + 3600):
+            raise BadInput(f"at must be a UNIX time within the next hour, got {at!r} (now {now:.1f})")
         with self.lock:
             job = self.jobs.get(name)
         if job is None:
             raise BadInput(f"no job {name!r} is attached")
+        if at is not None and at - now > 0.01:
+            t = threading.Timer(at - now, self._open_at, (name, float(duration), at))
+            t.daemon = True
+            t.start()
+            return {"job": name, "ok": True, "state": "scheduled", "at": at, "in_s": round(at - now, 3),
+                    "duration_s": float(duration)}
         return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
+
+    def _open_at(self, name: str, duration: float, at: float) -> None:
+        with self.lock:
+            job = self.jobs.get(name)
+        r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True) if job else \
+            {"state": "refused", "why": "the job is gone"}
+        log.warning("job %s: trace window due at %.3f (%+.3f s): %s", name, at, time.time() - at,
+                    r.get("path") or r.get("why"))
+
+    def remote(self, data: bytes) -> bytes:
+        """A request from the controller over NATS (jobprobe.ctl.node.<node>): {"cmd": "trace", "job", "duration",
+        "at"}. Answered with the same JSON as the control socket's; bad input is said, never raised."""
+        try:
+            req = json.loads(data)
+            if not isinstance(req, dict) or req.get("cmd") != "trace":
+                raise BadInput(f"unknown request {str(req)[:80]!r}: only trace")
+            out = {"ok": True, "node": self.host.node,
+                   **self.trace(str(req.get("job")), req.get("duration", 25.0), req.get("at"))}
+        except (BadInput, ValueError) as err:
+            out = {"ok": False, "node": self.host.node, "error": str(err)}
+        return json.dumps(out).encode()
 
     def set_probes(self, name: str, spec: str) -> dict[str, Any]:
         """'+x,-y' for one job: start x, stop y, for that job only."""

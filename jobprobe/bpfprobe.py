@@ -9,6 +9,13 @@ Node and jobs: a probe instance serves one job. Given a `node` (the agent's), it
 the one load of its programs that serves every job of the node — so a probe's sample must read, sweep and drain only
 its own slot's state, and keep per-thread records that carry their slot (release() takes them out with the slot).
 Without a node (a probe used on its own) it makes a private one and closes it at stop.
+
+Deep-trace windows (jobprobe/tracewin.py): a probe that names `trace_kinds` (record kind → ctypes struct, each
+starting with bpf/common.h's struct trace_head) is compiled with -DJOB_DEEP_TRACE where the kernel has BPF ring
+buffers; trace_on() sets its job's bit in the module's `slots_traced`, and from then its handlers put one record per
+event of the job in `trace_ring`. The ring is the load's, shared by every job: trace_poll() (each sample while
+tracing) drains it and hands each record to its slot's list; trace_take() returns the job's records. The probe's
+trace_events() turns them into Trace Event Format events.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.membership import MEMBERSHIP, Node
 
 MISSED = "bpf_missed"
+TRACE_KEEP = 400_000           # records kept per job and window; more are counted, not kept
 MISSED_FIELD = Field("int", "count", "runs of this probe's BPF programs that the kernel skipped in the interval, "
                      "node-wide (recursion_misses: an event that fired while another BPF program was running on its "
                      "CPU); 0: every event was seen. Always 0 before Linux 5.12, which does not count them",
@@ -38,6 +46,8 @@ class BpfProbe(Probe):
     handlers: tuple[tuple[str, str], ...] = ()
     map_types: dict[str, tuple[Any, Any]] = {}
     cflags: tuple[str, ...] = ()
+    trace_kinds: dict[int, Any] = {}    # deep-trace records (kind → ctypes struct); empty: no deep mode
+    trace_min_ns = 0                    # the module's threshold for a record (slots_traced[1])
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Every eBPF probe reports how many of its events the kernel did not run it for (MISSED_FIELD): the
@@ -116,7 +126,77 @@ class BpfProbe(Probe):
         return None
 
     def base_cflags(self) -> list[str]:
-        return ["-w", *self.cflags]
+        deep = ["-DJOB_DEEP_TRACE"] if self.trace_kinds and _bpf.ringbuf_supported() else []
+        return ["-w", *self.cflags, *deep]
+
+    # ---- deep-trace windows ----------------------------------------------------------------------------------
+    @property
+    def deep(self) -> bool:
+        """Can this probe, as loaded, record events one by one for a trace window?"""
+        return self.loaded is not None and "trace_ring" in self.loaded.maps
+
+    def _ring(self) -> dict[str, Any]:
+        """The load's ring reader and per-slot records (made on first use)."""
+        extra = self.shared.extra
+        if "ring" not in extra:
+            m = self.loaded.maps["trace_ring"]
+            ring = _bpf.RingBuffer(m.fd, m.max_entries)
+            self.shared.closers.insert(0, ring.close)
+            extra.update(ring=ring, records={}, dropped={})
+        return extra
+
+    def trace_on(self, on: bool) -> None:
+        """Record this job's events one by one (on), or stop (off: what was recorded stays for trace_take)."""
+        if not self.deep:
+            return
+        with self.shared.lock:
+            ring = self._ring()
+            traced = self.shared.extra.get("traced", 0)
+            traced = traced | (1 << self.slot) if on else traced & ~(1 << self.slot)
+            self.shared.extra["traced"] = traced
+            if on:
+                ring["records"][self.slot], ring["dropped"][self.slot] = [], 0
+            table = self.loaded.maps["slots_traced"]
+            table.update(ct.c_uint32(1), ct.c_uint64(self.trace_min_ns))
+            table.update(ct.c_uint32(0), ct.c_uint64(traced))
+
+    def trace_poll(self) -> None:
+        """Drain the load's ring into each traced slot's list (records of a slot no longer traced are dropped)."""
+        if not self.deep:
+            return
+        with self.shared.lock:
+            ring = self._ring()
+            records, dropped = ring["records"], ring["dropped"]
+            for rec in ring["ring"].drain():
+                slot = int.from_bytes(rec[4:8], "little")
+                mine = records.get(slot)
+                if mine is None:
+                    continue
+                if len(mine) < TRACE_KEEP:
+                    mine.append(rec)
+                else:
+                    dropped[slot] += 1
+
+    def trace_take(self) -> tuple[list[Any], int]:
+        """This job's records since trace_on (decoded by kind), and how many were not kept (over TRACE_KEEP)."""
+        if not self.deep:
+            return [], 0
+        self.trace_poll()
+        with self.shared.lock:
+            ring = self._ring()
+            raw = ring["records"].pop(self.slot, [])
+            dropped = ring["dropped"].pop(self.slot, 0)
+        out = []
+        for rec in raw:
+            t = self.trace_kinds.get(int.from_bytes(rec[:4], "little"))
+            if t is not None and len(rec) >= ct.sizeof(t):
+                out.append(t.from_buffer_copy(rec[:ct.sizeof(t)]))
+        return out, dropped
+
+    def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
+        """Trace Event Format events of this probe's records; clock.us(ktime_ns) places a kernel time in the
+        window's timeline (µs since its start)."""
+        return []
 
     def pinned(self) -> dict[str, int]:
         """The node's membership maps, for the loader (bpf/common.h JOB_PIN_DIR)."""
@@ -186,6 +266,8 @@ class BpfProbe(Probe):
         if self.loaded is None:
             return {}
         self.sync_members()
+        if self.shared is not None and (self.shared.extra.get("traced", 0) >> self.slot) & 1:
+            self.trace_poll()              # a window is open: the ring is drained each tick, never left to fill
         now = self.reading()
         if now == self._last:   # nothing happened (an idle job): the zero interval, worked out once
             if self._still is None:
@@ -229,6 +311,10 @@ class BpfProbe(Probe):
         uses them), the job's membership (when no other probe of the job holds it). Idempotent."""
         node = self.node or self._own_node
         if node is not None and self.shared is not None:
+            if (self.shared.extra.get("traced", 0) >> self.slot) & 1:
+                with contextlib.suppress(OSError):
+                    self.trace_on(False)
+                self.shared.extra["records"].pop(self.slot, None)
             self.shared.set_slot(self.slot, False)
             with contextlib.suppress(OSError):
                 self.release()

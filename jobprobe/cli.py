@@ -6,6 +6,7 @@ Bad input gets one line on stderr and exit code 2; nothing deeper than this modu
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with their evidence (docs/RULES.md)")
     r.add_argument("--trace-dir", metavar="DIR", default="jobprobe-traces",
                    help="where rules' deep-trace windows write their files (default ./jobprobe-traces)")
+    r.add_argument("--trace-every", type=float, metavar="S", help="also a 25 s deep-trace window every S seconds")
     r.add_argument("--duration", type=float, metavar="S", help="stop after S seconds")
     r.add_argument("--out", metavar="FILE", help="append msgpack frames to FILE")
     r.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate FILE when it passes MB (FILE.1, FILE.2 …)")
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--interval", type=float, metavar="S", help="seconds per tick (default 1.0)")
     ag.add_argument("--rules", metavar="FILE|default", help="rules evaluated over every job's frames (docs/RULES.md)")
     ag.add_argument("--trace-dir", metavar="DIR", help="deep-trace windows' files (default /var/lib/jobprobe/traces)")
+    ag.add_argument("--trace-every", type=float, metavar="S", help="a 25 s deep-trace window every S s of each job")
     ag.add_argument("--probes", metavar="SPEC", help="default probes of attached jobs (as run's --probes)")
     ag.add_argument("--out", metavar="DIR", help="each job's frames to DIR/<job>.mpk")
     ag.add_argument("--out-max-mb", type=float, metavar="MB", help="rotate each job's file when it passes MB")
@@ -154,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads and what the kernel saw (docs/RULES.md)")
     tr.add_argument("--job", required=True)
     tr.add_argument("--duration", type=float, default=25.0, metavar="S", help="seconds (default 25)")
+    tr.add_argument("--at", metavar="TIME", help="start then: UNIX seconds, +S (from now) or an ISO 8601 time "
+                    "(default: now; with --nats, 3 s from now on every node)")
+    tr.add_argument("--nats", metavar="URL", help="through the controller: a window on EVERY node of the job, with "
+                    "one common start")
+    tr.add_argument("--nats-creds", metavar="FILE", help="NATS credentials (.creds, .nk, or user:password)")
     tr.add_argument("--socket", metavar="PATH", default=None)
     st = sub.add_parser("status", help="the agent's jobs, each probe's status per job, the agent's own cost")
     st.add_argument("--json", action="store_true")
@@ -365,7 +373,8 @@ def cmd_run(args, command: list[str], host: Host) -> int:
                 raise BadInput(f"cannot write {args.out}: {err.strerror}") from err
         if args.stdout or not args.out:
             sinks.append(QueuedSink(StdoutExporter(args.stdout or "human"), "stdout"))
-        agent = Agent(Config(interval=args.interval, rules=args.rules, trace_dir=args.trace_dir), host)
+        agent = Agent(Config(interval=args.interval, rules=args.rules, trace_dir=args.trace_dir,
+                             trace_every=args.trace_every), host)
 
         def on_signal(signum, _frame):
             agent.stop_event.set()
@@ -420,7 +429,7 @@ def cmd_agent(args, host: Host) -> int:
                        "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
                        "node": args.node, "prometheus": args.prometheus, "rules": args.rules,
-                       "trace_dir": args.trace_dir})
+                       "trace_dir": args.trace_dir, "trace_every": args.trace_every})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     try:
@@ -596,11 +605,57 @@ def cmd_attach(args) -> int:
     return 0
 
 
+def parse_at(text: str | None, now: float) -> float | None:
+    """--at: UNIX seconds, +S from now, or an ISO 8601 time (UTC unless it says its zone)."""
+    if text is None:
+        return None
+    try:
+        return now + float(text[1:]) if text.startswith("+") else float(text)
+    except ValueError:
+        pass
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise BadInput(f"--at {text!r}: give UNIX seconds, +S, or an ISO 8601 time") from None
+    return (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+
+
 def cmd_trace(args) -> int:
-    r = client_call(args, {"cmd": "trace", "job": args.job, "duration": args.duration})
+    at = parse_at(args.at, time.time())
+    if args.nats:
+        return cluster_trace(args, at)
+    r = client_call(args, {"cmd": "trace", "job": args.job, "duration": args.duration, "at": at})
     if not r.get("ok", True) or r.get("state") == "refused":
         raise BadInput(f"trace {args.job}: refused: {r.get('why')}")
-    print(f"{r['job']}: tracing for {r['duration_s']:g} s → {r['path']}")
+    if r["state"] == "scheduled":
+        print(f"{r['job']}: a {r['duration_s']:g} s window opens in {r['in_s']:.1f} s (at {r['at']:.3f})")
+    else:
+        print(f"{r['job']}: tracing for {r['duration_s']:g} s → {r['path']}")
+    return 0
+
+
+def cluster_trace(args, at: float | None) -> int:
+    """Ask the controller for a window on every node of the job; print each node's answer."""
+    from jobprobe.exporters.nats import CLUSTER_TRACE
+    from jobprobe.exporters.natswire import NatsError, Wire
+    wire = Wire(args.nats, args.nats_creds, name="jobprobe-trace")
+    try:
+        wire.connect()
+        data = wire.request(CLUSTER_TRACE, json.dumps({"job": args.job, "duration": args.duration,
+                                                       "at": at}).encode(), timeout=15)
+    except (OSError, NatsError) as err:
+        raise BadInput(f"trace {args.job}: the controller did not answer through {args.nats}: {err}") from err
+    finally:
+        wire.close()
+    r = json.loads(data)
+    if "nodes" not in r:
+        raise BadInput(f"trace {args.job}: {r.get('error')}")
+    print(f"{args.job}: a {r['duration_s']:g} s window on {len(r['nodes'])} node(s) at {r['at']:.3f}")
+    for node, a in r["nodes"].items():
+        print(f"  {node}: {a.get('state') or 'refused'}" + (f" ({a.get('why') or a.get('error')})"
+                                                           if a.get("why") or a.get("error") else ""))
+    if not r["ok"]:
+        raise BadInput(f"trace {args.job}: no node opened a window")
     return 0
 
 

@@ -6,7 +6,8 @@ with SO_PEERCRED: only root (or the agent's own user) is served; anyone else is 
   {"cmd": "detach", "job": NAME}
   {"cmd": "status"}
   {"cmd": "probes", "job": NAME, "toggle": "+x,-y"}
-  {"cmd": "trace", "job": NAME, "duration": S?}     a deep-trace window now (jobprobe/tracewin.py)
+  {"cmd": "trace", "job": NAME, "duration": S?, "at": T?}   a deep-trace window now, or at UNIX time T
+                                                          (jobprobe/tracewin.py)
 Replies: {"ok": true, …} or {"ok": false, "error": "one line"}. A malformed request (not JSON, too long, an unknown
 command, a bad field) is rejected with a reply and a log line; the agent goes on.
 """
@@ -121,7 +122,8 @@ class ControlServer:
             if cmd == "probes":
                 return {"ok": True, **self.agent.set_probes(str(need(req, "job")), str(need(req, "toggle")))}
             if cmd == "trace":
-                return {"ok": True, **self.agent.trace(str(need(req, "job")), req.get("duration", 25.0))}
+                return {"ok": True, **self.agent.trace(str(need(req, "job")), req.get("duration", 25.0),
+                                                       req.get("at"))}
         except TypeError as err:       # a field of the wrong shape for JobSpec
             raise BadInput(f"bad request: {err}") from err
         raise BadInput(f"unknown command {cmd!r}; known: attach, detach, status, probes, trace")

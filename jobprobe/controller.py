@@ -11,12 +11,18 @@ it will never become valid.
 Freshness: per node, the newest sample and when it arrived. A node silent for 3 of its intervals gets a `node_lost`
 event for each of its jobs; its next frame a `node_back`.
 
+Cluster-wide deep traces: `jobprobe trace --job ID --nats URL [--at T]` asks the controller (core NATS request on
+jobprobe.ctl.trace); it asks every node that sent frames of the job in the last 30 s (jobprobe.ctl.node.<node>,
+answered by that node's agent) to open a window at one common time — T, or 3 s from now — and answers with each
+node's reply. Each node writes its own file and announces it in a `trace` frame, which reaches the store.
+
 With no --nats the controller starts a `nats-server` with JetStream in its data directory, listening on --listen:
 one command for a small cluster.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -29,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.errors import BadInput
-from jobprobe.exporters.nats import auth_options, safe_token
+from jobprobe.exporters.nats import CLUSTER_TRACE, auth_options, control_subject, safe_token
 from jobprobe.frame import MalformedFrame, decode
 from jobprobe.store import Store
 from jobprobe.stragglers import StragglerWatch
@@ -43,6 +49,8 @@ BATCH = 512
 LOST_AFTER = 3          # intervals of silence before a node is lost
 MAX_FRAME = 1 << 20     # bytes; the server's max_payload too
 REJECT_LOG_PER_MIN = 10
+TRACE_LEAD_S = 3.0      # a cluster-wide trace starts this far ahead: every node has its request by then
+TRACE_ASK_S = 5.0       # how long a node has to answer
 
 
 @dataclass
@@ -169,8 +177,53 @@ class Controller:
                     return
                 log.warning("controller: %s: %s; trying again", type(err).__name__, err)
                 await asyncio.sleep(1.0)
+        async def on_trace(msg: Any) -> None:
+            await self._on_trace(nc, msg)
+        await nc.subscribe(CLUSTER_TRACE, cb=on_trace)
         log.warning("controller: consuming %s from %s into %s", SUBJECTS, self.url, self.store.path)
         await self._consume(nc, sub)
+
+    # ---- a trace window on every node of a job -------------------------------------------------------------
+    def nodes_of(self, job: str, now: float) -> list[str]:
+        """The nodes that sent frames of `job` lately (within 30 s) and are not lost."""
+        return sorted(n for n, st in self.nodes.items() if not st.lost and now - st.jobs.get(job, -1e18) < 30)
+
+    async def cluster_trace(self, nc: Any, req: dict) -> dict:
+        """Ask every node of the job to open a window at one common time `at` (default now + TRACE_LEAD_S, so
+        that every request is there before it); each node's answer, or why it did not answer."""
+        now = time.time()
+        job, duration = req.get("job"), req.get("duration", 25.0)
+        if not isinstance(job, str) or not job:
+            return {"ok": False, "error": "give the job's name"}
+        nodes = self.nodes_of(job, now)
+        if not nodes:
+            return {"ok": False, "error": f"no node has sent frames of job {job!r} in the last 30 s"}
+        at = req.get("at")
+        at = now + TRACE_LEAD_S if at is None else at
+        if not isinstance(at, (int, float)) or at < now:
+            return {"ok": False, "error": f"at {at!r} is past (now {now:.1f}): give a time ahead, or none"}
+        ask = json.dumps({"cmd": "trace", "job": job, "duration": duration, "at": at}).encode()
+
+        async def one(node: str) -> dict:
+            try:
+                msg = await nc.request(control_subject(node), ask, timeout=TRACE_ASK_S)
+                return json.loads(msg.data)
+            except Exception as err:          # no agent listening, a timeout: said per node
+                return {"ok": False, "error": f"{type(err).__name__}: {err}"[:200]}
+        answers = await asyncio.gather(*(one(n) for n in nodes))
+        log.warning("job %s: trace at %.3f on %d nodes: %s", job, at, len(nodes),
+                    {n: a.get("state") or a.get("error") for n, a in zip(nodes, answers)})
+        return {"ok": any(a.get("ok") and a.get("state") in ("scheduled", "tracing") for a in answers),
+                "job": job, "at": at, "duration_s": duration, "nodes": dict(zip(nodes, answers))}
+
+    async def _on_trace(self, nc: Any, msg: Any) -> None:
+        try:
+            req = json.loads(msg.data)
+            out = await self.cluster_trace(nc, req if isinstance(req, dict) else {})
+        except ValueError as err:
+            out = {"ok": False, "error": f"not JSON: {err}"}
+        if msg.reply:
+            await msg.respond(json.dumps(out).encode())
 
     async def _subscribe(self, nc: Any) -> Any:
         """The stream (made, or brought to this config) and the durable consumer on it."""

@@ -26,7 +26,11 @@ def _reason(err: BaseException) -> str:
 class Sampler:
     def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
                  host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None,
-                 rules: list | None = None, trace_dir: str | None = None):
+                 rules: list | None = None, trace_dir: str | None = None, window_probes: Iterable[Probe] = (),
+                 trace_every: float | None = None):
+        """window_probes: probes (not started) that deep-trace windows run for their length only, where this job
+        does not run them already and they were not switched off for it. trace_every: a window every S seconds
+        of the run, as requested ones are (no duty cap; one at a time)."""
         self.target = target
         self.probes = {p.name: p for p in probes}
         self.exporters = list(exporters)
@@ -41,6 +45,10 @@ class Sampler:
         self._last = 0.0
         self.trace_dir = trace_dir
         self.tracer = None          # deep-trace windows (jobprobe/tracewin.py): made at the first one
+        self.window_probes = list(window_probes)
+        self.trace_every = trace_every
+        self._next_scheduled = clock() + trace_every if trace_every else None
+        self._window_only: list[str] = []
         self.ruleset = None
         if rules:
             from jobprobe.rules import RuleSet
@@ -91,8 +99,40 @@ class Sampler:
             proc = self.host.proc
             self.tracer = tracewin.Tracer(self.target.job, self.trace_dir, self.target.pids,
                                           lambda p: pyproc.role(proc, p), lambda p: pyproc.is_python(proc, p),
-                                          pyproc.py_spy())
+                                          pyproc.py_spy(), deep_begin=self._deep_begin, deep_end=self._deep_end)
         return self.tracer.open(reason, evidence, duration or 25.0, force_budget=force_budget)
+
+    def _deep_begin(self) -> list[Probe]:
+        """A window's first tick: the window-only probes start for this job, then every running probe with a deep
+        mode records event by event. Returns those probes."""
+        for probe in self.window_probes:
+            if probe.name not in self.running and self.status.get(probe.name) != "off":
+                if self.enable(probe).startswith("ok"):
+                    self._window_only.append(probe.name)
+                else:
+                    log.info("job %s: %s not in the trace window: %s", self.target.job, probe.name,
+                             self.status.pop(probe.name, None))
+                    self.probes.pop(probe.name, None)
+        deep = [p for p in self.running.values() if getattr(p, "deep", False)]
+        for p in deep:
+            p.trace_on(True)
+        return deep
+
+    def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int]]:
+        """The window's end: each probe's records, deep mode off, the window-only probes stopped (and out of the
+        frames again)."""
+        out = []
+        for p in probes:
+            try:
+                out.append((p, *p.trace_take()))
+            finally:
+                p.trace_on(False)
+        for name in self._window_only:
+            self._stop_probe(name)
+            self.probes.pop(name, None)
+            self.status.pop(name, None)
+        self._window_only = []
+        return out
 
     def stop(self) -> None:
         # Teardown order: a trace window cut short and announced; probes (release kernel objects), then exporters
@@ -187,6 +227,10 @@ class Sampler:
                 if ev["event"] == "rule" and ev.get("action") == "trace":
                     r = self.open_trace(f"rule {ev['rule']}", ev.get("evidence"), ev.get("trace_s"))
                     ev["trace"] = r.get("path") or r.get("why")
+        if self._next_scheduled is not None and now >= self._next_scheduled:
+            self._next_scheduled = now + self.trace_every
+            r = self.open_trace("schedule", {"every_s": self.trace_every}, None, force_budget=True)
+            log.info("job %s: scheduled trace window: %s", self.target.job, r.get("path") or r.get("why"))
         traces = self.tracer.feed(frame) if self.tracer is not None else []
         for ev in events:
             self._emit(self.builder.event(ev.pop("t", t), ev.pop("event"), **ev))

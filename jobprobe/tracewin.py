@@ -6,9 +6,17 @@ ID [--duration S]`). For its duration, for that job only:
 - every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
   (a recorder per process, idle threads included: where a thread waits is the point): one timeline per process
   and thread;
+- the job's probes that have a deep mode record event by event (jobprobe/bpfprobe.py: trace_on / trace_take), and
+  those given for windows only (`syscalls`, `cuda`: off by default for their cost) run for the window's length:
+  each off-CPU period of 100 µs or more with its reason and its kernel and user stacks (sched), each syscall of
+  100 µs or more (syscalls), each CUDA / NCCL call with its start and end (cuda) — on two tracks per thread beside
+  its Python samples: "kernel" (syscalls, and the off-CPU periods inside them) and "CUDA";
 - the job's frames of the window go in as counter tracks (CPU cores; time waiting for a CPU; off-CPU time by
   reason; network), so the Python timeline sits beside what the kernel saw;
 - the rule's evidence is an instant event at the window's start.
+Tracks: a thread's Python samples are on (pid, its OS thread id) — py-spy names threads by pthread id, mapped here
+with one `py-spy dump` per process at the window's end — its kernel events on (pid, KERNEL_TID + tid), its CUDA
+calls on (pid, CUDA_TID + tid), each track named.
 Then the file is written under the trace directory and announced in a `trace` frame with its path.
 
 Budget: at most one window at a time per job; none within `cooldown` s of the last one's end; and none while the
@@ -34,6 +42,59 @@ COOLDOWN_S = 60.0
 DUTY = 0.30
 TRACE_HZ = 50
 OFFCPU = ("preempt", "io", "lock", "sleep", "wait")
+KERNEL_TID, CUDA_TID = 10_000_000, 20_000_000          # above any pid_max (4 Mi): a thread's other tracks
+
+
+class TraceClock:
+    """Where a kernel time (CLOCK_MONOTONIC ns, bpf_ktime_get_ns) and a thread's tracks go in one window."""
+
+    def __init__(self, mono0_ns: int):
+        self.mono0_ns = mono0_ns
+
+    def us(self, ns: int) -> float:
+        return round((ns - self.mono0_ns) / 1e3, 3)
+
+    def span(self, start_ns: int, end_ns: int) -> dict[str, float]:
+        """ts and dur (µs) of an interval, its part before the window's start cut off."""
+        start_ns = max(start_ns, self.mono0_ns)
+        return {"ts": self.us(start_ns), "dur": round(max(0, end_ns - start_ns) / 1e3, 3)}
+
+    @staticmethod
+    def kernel_tid(tid: int) -> int:
+        return KERNEL_TID + tid
+
+    @staticmethod
+    def cuda_tid(tid: int) -> int:
+        return CUDA_TID + tid
+
+
+def thread_names(events: list[dict]) -> list[dict]:
+    """Names and order for every (pid, tid) track of the events: 'thread N: Python|kernel|CUDA', a thread's
+    tracks side by side."""
+    out = []
+    for pid, tid in sorted({(e["pid"], e["tid"]) for e in events if "pid" in e and "tid" in e and e["pid"]}):
+        if tid >= 1 << 32:                   # a pthread id py-spy gave and no dump could map
+            base, k, name = tid, 0, f"Python thread {tid:#x}"
+        else:
+            k = 2 if tid >= CUDA_TID else 1 if tid >= KERNEL_TID else 0
+            base = tid - (0, KERNEL_TID, CUDA_TID)[k]
+            name = f"thread {base}: " + ("Python", "kernel: syscalls, off-CPU", "CUDA / NCCL calls")[k]
+        order = (base * 3 + k) % (1 << 31)
+        out += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}},
+                {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": order}}]
+    return out
+
+
+def os_thread_ids(py_spy: str, pid: int) -> dict[int, int]:
+    """py-spy's thread ids (pthread_t) → OS thread ids of one Python process, from one `py-spy dump`."""
+    try:
+        r = subprocess.run([py_spy, "dump", "--pid", str(pid), "--nonblocking", "--json"], capture_output=True,
+                           text=True, timeout=20)
+        threads = json.loads(r.stdout) if r.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return {}
+    return {t["thread_id"]: t["os_thread_id"] for t in threads if isinstance(t, dict)
+            and isinstance(t.get("thread_id"), int) and isinstance(t.get("os_thread_id"), int)}
 
 
 def counters(frame: dict) -> dict[str, dict[str, float]]:
@@ -57,6 +118,11 @@ class Window:
         self.job, self.reason, self.evidence, self.duration = job, reason, evidence, duration
         self.clock = clock
         self.t0 = clock()
+        self.kclock = TraceClock(time.monotonic_ns())
+        self.py_spy = py_spy
+        self.deep: list | None = None      # the probes recording event by event (None: not begun yet)
+        self.taken: list[tuple[Any, list, int]] = []    # (probe, its records, records it could not keep)
+        self.deep_span: list[float] = []   # µs on the window's timeline: event-by-event recording on, off
         self.frames: list[dict] = []
         self.out_dir = Path(out_dir)
         self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
@@ -97,6 +163,24 @@ class Window:
                 if isinstance(e, dict) and isinstance(e.get("ts"), (int, float)):
                     events.append(e)
         events = balanced(events, self.duration * 1e6)
+        if events and self.py_spy:                   # py-spy's pthread ids → OS thread ids, while they run
+            for pid in {e["pid"] for e in events if "pid" in e}:
+                ids = os_thread_ids(self.py_spy, pid)
+                for e in events:
+                    if e.get("pid") == pid and e.get("tid") in ids:
+                        e["tid"] = ids[e["tid"]]
+        counts: dict[str, int] = {}
+        for probe, records, dropped in self.taken:
+            try:
+                deep = probe.trace_events(records, self.kclock)
+            except Exception as err:           # one probe's records must not cost the window
+                log.exception("trace events of %s", probe.name)
+                said.append(f"{probe.name}: {err}")
+                continue
+            events += deep
+            counts[probe.name] = len(deep)
+            if dropped:
+                said.append(f"{probe.name}: {dropped} events over the window's limit not kept")
         pids = sorted({e["pid"] for e in events if "pid" in e})
         meta = [{"ph": "M", "name": "process_name", "pid": p, "tid": 0,
                  "args": {"name": f"{roles.get(p, 'python')} (pid {p})"}} for p in pids]
@@ -109,19 +193,21 @@ class Window:
             for name, series in counters(fr).items():
                 tracks.append({"ph": "C", "name": name, "pid": 0, "tid": 0, "ts": ts,
                                "args": {k: round(v, 6) for k, v in series.items()}})
+        meta += thread_names(events)
         doc = {"traceEvents": meta + marks + tracks + events, "displayTimeUnit": "ms",
                "otherData": {"job": self.job, "reason": self.reason, "start_unix_s": self.t0,
-                             "duration_s": self.duration, "tool": "jobprobe"}}
+                             "duration_s": self.duration, "tool": "jobprobe",
+                             "monotonic_ns_at_0": self.kclock.mono0_ns, "kernel_events_us": self.deep_span}}
         tmp = self.path.with_suffix(".tmp")
         with gzip.open(tmp, "wt") as f:
             json.dump(doc, f)
         os.replace(tmp, self.path)
         body = {"path": str(self.path), "reason": self.reason, "start": self.t0, "duration_s": self.duration,
-                "processes": pids, "events": len(events), "evidence": self.evidence}
+                "processes": pids, "events": len(events), "kernel_events": counts, "evidence": self.evidence}
+        if not self.recorders:
+            said.insert(0, "no Python process to sample")
         if said:
             body["note"] = "; ".join(said)[:300]
-        if not self.recorders:
-            body["note"] = "no Python process to sample: counters and evidence only"
         return body
 
 
@@ -159,8 +245,13 @@ class Tracer:
 
     def __init__(self, job: str, out_dir: str, pids: Callable[[], list[int]], roles: Callable[[int], str],
                  is_python: Callable[[int], bool], py_spy: str | None, cooldown: float = COOLDOWN_S,
-                 duty: float = DUTY, clock: Callable[[], float] = time.time):
+                 duty: float = DUTY, clock: Callable[[], float] = time.time,
+                 deep_begin: Callable[[], list] = list, deep_end: Callable[[list], list] = lambda probes: []):
+        """deep_begin: (the sampler's thread, at the first tick of a window) start the window's probes and their
+        deep mode, returning those probes; deep_end(probes): their records [(probe, records, dropped)], the
+        window-only probes stopped."""
         self.job, self.out_dir, self.pids, self.roles, self.is_python = job, out_dir, pids, roles, is_python
+        self.deep_begin, self.deep_end = deep_begin, deep_end
         self.py_spy, self.cooldown, self.duty, self.clock = py_spy, cooldown, duty, clock
         self.started = clock()
         self.traced_s = 0.0
@@ -200,9 +291,14 @@ class Tracer:
         the `trace` frame bodies ready to send."""
         w = self.window
         if w is not None and frame.get("kind") == "sample":
+            if w.deep is None:
+                w.deep = self._begin()
+                w.deep_span = [w.kclock.us(time.monotonic_ns())]
             w.frames.append(frame)
             if w.done:
                 self.window, self.last_end = None, self.clock()
+                w.deep_span.append(w.kclock.us(time.monotonic_ns()))
+                w.taken = self._end(w.deep)
                 roles = {p: self.roles(p) for p in {pid for pid, _, _ in w.recorders}}
                 t = threading.Thread(target=self._finish, args=(w, roles), name=f"trace-{self.job}", daemon=True)
                 t.start()
@@ -210,6 +306,20 @@ class Tracer:
         with self.lock:
             out, self.ready = self.ready, []
         return out
+
+    def _begin(self) -> list:
+        try:
+            return self.deep_begin()
+        except Exception:                     # the Python samples and counters still make a window
+            log.exception("job %s: deep trace not started", self.job)
+            return []
+
+    def _end(self, probes: list | None) -> list:
+        try:
+            return self.deep_end(probes or [])
+        except Exception:
+            log.exception("job %s: deep trace not taken", self.job)
+            return []
 
     def _finish(self, w: Window, roles: dict[int, str]) -> None:
         try:
@@ -225,6 +335,9 @@ class Tracer:
         w = self.window
         if w is not None:
             self.window = None
+            if w.deep is not None:
+                w.deep_span.append(w.kclock.us(time.monotonic_ns()))
+            w.taken = self._end(w.deep)
             for _, proc, _ in w.recorders:
                 if proc.poll() is None:
                     proc.send_signal(2)            # py-spy writes what it has on SIGINT

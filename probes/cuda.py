@@ -46,6 +46,7 @@ from jobprobe.kernel.uprobe import UprobePmu
 NBUCKETS = 27                                   # bpf/cuda.c NBUCKETS
 DIRS = ("htod", "dtoh", "dtod", "other")        # bpf/cuda.c memcpy_* index order
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "send", "recv")
+NCCL_CALLS = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "Send", "Recv")   # COLLECTIVES' order
 LIBRARY_PREFIXES = ("libcuda.so", "libcudart.so", "libnccl.so")
 
 
@@ -64,7 +65,7 @@ SYMBOLS: dict[str, tuple[str, str | None]] = {
     **{n: ("rt_memcpy", "rt_ret") for n in ["cudaMemcpy", "cudaMemcpy_ptds", *_variants("cudaMemcpyAsync", "_ptsz")]},
     **{n: ("rt_sync", "rt_ret") for n in ["cudaDeviceSynchronize", *_variants("cudaStreamSynchronize", "_ptsz")]},
     **{f"nccl{c}": (f"nccl_{c.lower()}", "nccl_ret")
-       for c in ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "Send", "Recv")},
+       for c in NCCL_CALLS},
 }
 PROGRAMS = tuple(sorted({p for pair in SYMBOLS.values() for p in pair if p}))
 SCALARS = ("launches", "sync_calls", "sync_ns", "nccl_unknown_dtype")
@@ -177,6 +178,21 @@ def _fields() -> dict[str, Field]:
     return out
 
 
+class CudaEvent(ct.Structure):
+    """bpf/cuda.c struct cuda_event: one call of a traced job's thread (deep-trace windows)."""
+    _fields_ = [("kind", ct.c_uint32), ("slot", ct.c_uint32), ("tid", ct.c_uint32), ("tgid", ct.c_uint32),
+                ("start_ns", ct.c_uint64), ("end_ns", ct.c_uint64), ("bytes", ct.c_uint64), ("op", ct.c_uint16),
+                ("sub", ct.c_uint16), ("pad", ct.c_uint32)]
+
+
+def call_name(op: int, sub: int) -> str:
+    """A deep-trace record's call, by bpf/cuda.c's OP_* (a runtime call stands for the driver calls beneath it)."""
+    copy = ("HtoD", "DtoH", "DtoD", "other")[sub] if sub < 4 else "?"
+    return {1: "cudaLaunchKernel", 2: f"cudaMemcpy {copy}", 3: "cudaSynchronize", 4: "cuLaunchKernel",
+            5: f"cuMemcpy {copy}", 6: "cuSynchronize",
+            7: "nccl" + (NCCL_CALLS[sub] if sub < len(NCCL_CALLS) else "?")}.get(op, f"op {op}")
+
+
 class Library:
     """One library file with probes on it: where it was found and the perf event fds that hold them."""
 
@@ -214,6 +230,21 @@ class CudaProbe(BpfProbe):
     def refused(self) -> dict[tuple[int, int], str]:
         """Files not to try again, and why (for every job of this load)."""
         return self.shared.extra.setdefault("refused", {})
+
+    # ---- deep-trace windows: each call with its start and end ------------------------------------------------
+    trace_kinds = {3: CudaEvent}
+
+    def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
+        """One complete ("X") event per call on its thread's CUDA track (a launch or a driver copy, which has no
+        return probe, as an instant: dur 0); bytes for copies and collectives."""
+        out = []
+        for r in records:
+            ev = {"ph": "X", "cat": "cuda" if r.op != 7 else "nccl", "name": call_name(r.op, r.sub), "pid": r.tgid,
+                  "tid": clock.cuda_tid(r.tid), **clock.span(r.start_ns, r.end_ns)}
+            if r.op in (2, 5, 7):
+                ev["args"] = {"bytes": r.bytes}
+            out.append(ev)
+        return out
 
     def prepare(self, loaded: Any) -> None:
         self.pmu = UprobePmu(self.host.sys)

@@ -38,6 +38,7 @@ as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps o
 from __future__ import annotations
 
 import ctypes as ct
+import os
 import platform
 import time
 from typing import Any
@@ -46,6 +47,7 @@ from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from jobprobe.bpfprobe import BpfProbe
 from jobprobe.kernel.membership import Node
+from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
 NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (REASONS), T_WAKEUP 6
@@ -86,7 +88,18 @@ SYSCALL_NRS = {
 class OffRec(ct.Structure):
     """bpf/sched.c struct off_rec, the value of `start` (one per job thread off CPU or seen leaving it)."""
     _fields_ = [("out_ns", ct.c_uint64), ("enq_ns", ct.c_uint64), ("slot", ct.c_uint32), ("reason", ct.c_uint32),
-                ("tid", ct.c_uint32), ("pad", ct.c_uint32)]
+                ("tid", ct.c_uint32), ("tgid", ct.c_uint32), ("kstack", ct.c_int32), ("ustack", ct.c_int32)]
+
+
+class OffcpuEvent(ct.Structure):
+    """bpf/sched.c struct offcpu_event: one off-CPU period of a traced job's thread (deep-trace windows)."""
+    _fields_ = [("kind", ct.c_uint32), ("slot", ct.c_uint32), ("tid", ct.c_uint32), ("tgid", ct.c_uint32),
+                ("out_ns", ct.c_uint64), ("enq_ns", ct.c_uint64), ("in_ns", ct.c_uint64), ("reason", ct.c_uint32),
+                ("kstack", ct.c_int32), ("ustack", ct.c_int32), ("pad", ct.c_uint32)]
+
+
+STACK_DEPTH = 48                                # bpf/sched.c struct deep_stack
+TRACE_OFFCPU_MIN_US = int(os.environ.get("JOBPROBE_TRACE_OFFCPU_MIN_US", "100"))
 
 
 def raw_sched(host: Host) -> bool:
@@ -246,6 +259,56 @@ class SchedProbe(BpfProbe):
         if self.raw:   # `start` is keyed by task_struct address instead of thread id
             self.cflags += ("-DRAW_SCHED",)
             self.map_types = {**self.map_types, "start": (ct.c_uint64, OffRec)}
+
+    # ---- deep-trace windows: each off-CPU period, with the stacks it left the CPU with ----------------------
+    trace_kinds = {1: OffcpuEvent}
+    trace_min_ns = TRACE_OFFCPU_MIN_US * 1000
+
+    def trace_take(self) -> tuple[list[Any], int]:
+        """The window's off-CPU periods, their stacks read (and taken out of the shared stack map) and each
+        process's maps read now, while it may still run, to name its user addresses later."""
+        records, dropped = super().trace_take()
+        stacks, maps = {}, {}
+        if records:
+            table = self.loaded.maps["trace_stacks"].typed(ct.c_int32, ct.c_uint64 * STACK_DEPTH)
+            for sid in {i for r in records for i in (r.kstack, r.ustack) if i >= 0}:
+                ips = table.lookup(sid)
+                if ips is not None:
+                    stacks[sid] = [ip for ip in ips if ip]
+                    table.delete(sid)
+            for tgid in {r.tgid for r in records}:
+                try:
+                    with open(f"{self.host.proc}/{tgid}/maps", "rb") as f:
+                        maps[tgid] = f.read()
+                except OSError:
+                    pass
+        self._taken = (stacks, maps)
+        return records, dropped
+
+    def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
+        """One complete ("X") event per off-CPU period on its thread's kernel track: its reason, how long of it
+        was spent waiting for a CPU once runnable, and its kernel and user stacks, innermost first."""
+        stacks, maps = getattr(self, "_taken", ({}, {}))
+        ksyms = KernelSymbols(self.host.proc) if any(r.kstack >= 0 for r in records) else None
+        users: dict[int, UserSymbols] = {}
+        out = []
+        for r in records:
+            reason = REASONS[r.reason - 1] if 1 <= r.reason <= len(REASONS) else "new"
+            args: dict[str, Any] = {"reason": reason}
+            if r.enq_ns and r.reason != 1:
+                args["runq_us"] = round(max(0, r.in_ns - r.enq_ns) / 1e3, 1)
+            if ksyms is not None and r.kstack in stacks:
+                names = [ksyms.name(ip) for ip in stacks[r.kstack]]
+                while names and names[0].startswith("bpf_"):    # this program and the tracepoint's caller
+                    names.pop(0)
+                args["kernel_stack"] = names
+            if r.ustack in stacks:
+                if r.tgid not in users:
+                    users[r.tgid] = UserSymbols(maps.get(r.tgid, b""), f"{self.host.proc}/{r.tgid}/root")
+                args["user_stack"] = [users[r.tgid].name(ip) for ip in stacks[r.ustack]]
+            out.append({"ph": "X", "cat": "off-cpu", "name": f"off-CPU: {reason}", "pid": r.tgid,
+                        "tid": clock.kernel_tid(r.tid), **clock.span(r.out_ns, r.in_ns), "args": args})
+        return out
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs; times up to the instant after the map read."""

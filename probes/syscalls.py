@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import ctypes as ct
+import os
 import platform
 import re
 from pathlib import Path
@@ -216,6 +217,15 @@ def _class_fields() -> dict[str, Field]:
     return out
 
 
+class SyscallEvent(ct.Structure):
+    """bpf/syscalls.c struct syscall_event: one syscall of a traced job's thread (deep-trace windows)."""
+    _fields_ = [("kind", ct.c_uint32), ("slot", ct.c_uint32), ("tid", ct.c_uint32), ("tgid", ct.c_uint32),
+                ("enter_ns", ct.c_uint64), ("exit_ns", ct.c_uint64), ("nr", ct.c_uint32), ("pad", ct.c_uint32)]
+
+
+TRACE_SYSCALL_MIN_US = int(os.environ.get("JOBPROBE_TRACE_SYSCALL_MIN_US", "100"))
+
+
 class SyscallsProbe(BpfProbe):
     name = "syscalls"
     default = False   # every syscall on the node passes two programs (~100-150 ns): opt in with +syscalls
@@ -262,6 +272,17 @@ class SyscallsProbe(BpfProbe):
             cls = class_index(name)
             if cls and 0 <= nr < NR_MAX:
                 classes.update(nr, cls)
+
+    # ---- deep-trace windows: each syscall of the job's threads that took TRACE_SYSCALL_MIN_US or more ----------
+    trace_kinds = {2: SyscallEvent}
+    trace_min_ns = TRACE_SYSCALL_MIN_US * 1000
+
+    def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
+        """One complete ("X") event per syscall, on its thread's kernel track (its off-CPU periods nest inside)."""
+        table = self.table or syscall_table()[0]
+        return [{"ph": "X", "cat": "syscall", "name": table.get(r.nr, f"syscall {r.nr}"), "pid": r.tgid,
+                 "tid": clock.kernel_tid(r.tid), **clock.span(r.enter_ns, r.exit_ns), "args": {"nr": r.nr}}
+                for r in records]
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs; by_nr: nr -> (calls, ns) of our slot."""

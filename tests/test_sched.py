@@ -183,9 +183,9 @@ def test_raw_tracepoints_from_5_18(tmp_path):
                "on_sys_enter", "on_sys_enter_raw"):
         assert re.search(rf"^int {fn}\(struct ", src, re.M), fn
     body = src[src.index("struct off_rec {"):]
-    members = re.findall(r"^\s*(u64|u32) (\w+);", body[:body.index("};")], re.M)
+    members = re.findall(r"^\s*(u64|u32|s32) (\w+);", body[:body.index("};")], re.M)
     assert [n for _, n in members] == [n for n, _ in OffRec._fields_]
-    assert sum({"u64": 8, "u32": 4}[t] for t, _ in members) == ct.sizeof(OffRec)
+    assert sum({"u64": 8, "u32": 4, "s32": 4}[t] for t, _ in members) == ct.sizeof(OffRec)
 
 
 def test_syscall_read_from_registers_where_the_kernel_can(tmp_path):
@@ -407,8 +407,9 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
     assert bpf_fds("link") == links + raw
     # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
-    # slots_on, start, stats, and in_call with the sys_enter hook
-    assert bpf_fds("map") == maps + 3 + 3 + 3 + probe.syscall_hook
+    # slots_on, start, stats, and in_call with the sys_enter hook; with a deep mode (5.8+) slots_traced, trace_ring
+    # and trace_stacks
+    assert bpf_fds("map") == maps + 3 + 3 + 3 + probe.syscall_hook + 3 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()

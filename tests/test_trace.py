@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from bisect import bisect_right
 import os
 import subprocess
 import sys
@@ -96,6 +97,26 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     marks = [e for e in doc["traceEvents"] if e["ph"] == "i"]
     assert marks[0]["args"]["reason"] == "rule busy" and "rate(cgroup.cpu_user_ns)" in marks[0]["args"]["evidence"]
     print(f"trace: {traces[0]['path']}: {traces[0]['events']} events of pids {traces[0]['processes']}")
+    # The kernel's side, event by event (sched's deep mode; syscalls run for the window only): the worker's
+    # time.sleep(0.01) calls are off-CPU "sleep" periods of at least the 10 ms it asked for, left from
+    # do_nanosleep, each inside a clock_nanosleep syscall of the same thread's kernel track; the busy main loop
+    # never sleeps (preempted only).
+    main, worker = sorted(pids)
+    ev = doc["traceEvents"]
+    off = [e for e in ev if e.get("cat") == "off-cpu"]
+    calls = [e for e in ev if e.get("cat") == "syscall"]
+    assert {e["pid"] for e in off + calls} <= pids
+    sleeps = [e for e in off if e["pid"] == worker and e["args"]["reason"] == "sleep"]
+    naps = [e for e in calls if e["pid"] == worker and e["name"] == "clock_nanosleep"]
+    assert len(sleeps) >= 20 and len(naps) >= 20, (len(sleeps), len(naps))
+    assert all(10_000 <= e["dur"] < 200_000 and "do_nanosleep" in " ".join(e["args"]["kernel_stack"])
+               for e in sleeps), sleeps[:3]
+    inside = [s for s in sleeps if any(c["tid"] == s["tid"] and c["ts"] <= s["ts"] and
+                                       s["ts"] + s["dur"] <= c["ts"] + c["dur"] for c in naps)]
+    assert len(inside) >= len(sleeps) - 2, (len(inside), len(sleeps))   # (the window's first and last)
+    assert {e["args"]["reason"] for e in off if e["pid"] == main} <= {"preempt"}
+    names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert f"thread {worker}: kernel: syscalls, off-CPU" in names and f"thread {worker}: Python" in names
 
 
 def test_cooldown_and_the_duty_cap_bound_the_time_traced(tmp_path):
@@ -192,3 +213,245 @@ def test_an_input_bound_training_job_fires_input_bound_and_its_trace_shows_where
     assert "slow_storage_read" in names, sorted(names)[:30]
     workers = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "B" and e["name"] == "slow_storage_read"}
     assert workers and all(p in tr["processes"] for p in workers)
+
+
+GPU_JOB = r'''
+import ctypes, os, sys, time
+sys.path.insert(0, os.environ["FAKE_NVML_DIR"])
+from state import FakeState
+
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+def prepare_batch_on_cpu():          # the host side of each step: all CPU, while the GPU waits
+    x = 0
+    for i in range(150000):
+        x += i * i
+    return x
+
+def main(log, seconds):
+    cudart = ctypes.CDLL("libcudart.so.12")          # the TEST FAKE, first on LD_LIBRARY_PATH
+    st = FakeState.load(os.environ["FAKE_NVML_STATE"])
+    st.gpu(0, procs=f"{os.getpid()}:{1 << 30}").write()   # on GPU 0's process list, as a CUDA process is
+    end = time.monotonic() + seconds
+    with open(log, "w") as out:
+        while time.monotonic() < end:
+            prepare_batch_on_cpu()
+            t0 = time.monotonic_ns()
+            cudart.cudaLaunchKernel(ctypes.c_void_p(1), Dim3(1, 1, 1), Dim3(32, 1, 1), None, ctypes.c_size_t(0),
+                                    None)
+            out.write(f"{t0} {time.monotonic_ns()}\n")
+
+main(sys.argv[1], float(sys.argv[2]))
+'''
+
+
+@pytest.mark.kernel
+def test_gpu_idle_while_the_cpu_is_busy_fires_and_its_trace_has_each_cuda_call(tmp_path):
+    """End to end with TEST FAKES for what this host lacks — a fake libnvidia-ml (tests/fake_nvml: GPU 0 at 3%
+    utilisation) and a fake libcudart/libcuda (tests/fake_cuda) — and everything else real: a Python job that
+    spends each step in `prepare_batch_on_cpu` and then launches one kernel through the runtime. The default rule
+    gpu_idle_cpu_busy (its expression as shipped; window and hold shortened to keep the test short) fires from the
+    gpu and cgroup probes' frames; its window runs the cuda probe (off for this job) for its length, and the
+    trace's CUDA track has one cudaLaunchKernel per launch the job itself logged in that span, each inside the
+    job's own timing of the call."""
+    import tomllib
+    from fake_cuda.build import build as build_cuda
+    from fake_nvml.state import HERE as FAKE_NVML_DIR, FakeState, build as build_nvml
+    nvml_dir, cuda_dir = tmp_path / "nvml", build_cuda(tmp_path / "cuda")
+    nvml_dir.mkdir()
+    build_nvml(nvml_dir)
+    state = FakeState(tmp_path / "state").gpu(0, uuid="GPU-00000000-0000-4000-8000-000000000001",
+                                               name="NVIDIA H100 80GB HBM3", util="3 1",
+                                               mem=f"{80 << 30} {1 << 30}", clocks="1980 2619", power=90000,
+                                               energy=1, temp=40, pcie="0 0", throttle="0x0", ecc="0 0",
+                                               remap="0 0 0 0", gpm=0).write()
+    (rule,) = [r for r in tomllib.loads((REPO / "jobprobe" / "default_rules.toml").read_text())["rule"]
+               if r["name"] == "gpu_idle_cpu_busy"]
+    rules = tmp_path / "rules.toml"
+    rules.write_text(f'[[rule]]\nname = "{rule["name"]}"\nsummary = "{rule["summary"]}"\n'
+                     f'when = "{rule["when"]}"\nclear = "{rule["clear"]}"\nwindow = 3\nhold = 2\n'
+                     f'action = "trace"\ntrace_s = 6\n')
+    (tmp_path / "job.py").write_text(GPU_JOB)
+    env = {**os.environ, "LD_LIBRARY_PATH": f"{nvml_dir}:{cuda_dir}", "FAKE_NVML_STATE": str(state.path),
+           "FAKE_NVML_DIR": str(FAKE_NVML_DIR), "CUDA_VISIBLE_DEVICES": "0"}
+    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--rules", str(rules), "--trace-dir",
+                        str(tmp_path / "traces"), "--probes", "cgroup,sched,gpu", "--stdout", "json", "--",
+                        sys.executable, str(tmp_path / "job.py"), str(tmp_path / "calls"), "12"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    frames = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    fired = [f for f in frames if f["kind"] == "event" and f["event"] == "rule"]
+    assert [f["rule"] for f in fired] == ["gpu_idle_cpu_busy"], fired
+    (tr,) = [f for f in frames if f["kind"] == "trace"]
+    assert tr["path"] == fired[0]["trace"] and tr["kernel_events"].get("cuda", 0) > 0, tr
+    with gzip.open(tr["path"], "rt") as f:
+        doc = json.load(f)
+    ev, other = doc["traceEvents"], doc["otherData"]
+    on, off = other["kernel_events_us"]
+    us = lambda ns: (ns - other["monotonic_ns_at_0"]) / 1e3               # noqa: E731
+    calls = [(us(int(a)), us(int(b))) for a, b in (ln.split() for ln in (tmp_path / "calls").read_text().splitlines())]
+    launches = sorted(e["ts"] for e in ev if e.get("cat") == "cuda" and e["name"] == "cudaLaunchKernel")
+    assert all(e["tid"] >= 20_000_000 for e in ev if e.get("cat") == "cuda")
+    # Inside the span (20 ms in from each edge: the switch on and off), the job's launches and the trace's agree.
+    inner = [c for c in calls if on + 20_000 <= c[0] and c[1] <= off - 20_000]
+    seen = [t for t in launches if on + 20_000 <= t <= off - 20_000]
+    print(f"gpu idle, cpu busy: {len(calls)} launches by the job, {len(inner)} inside the window's kernel span, "
+          f"{len(seen)} in the trace there; evidence {fired[0]['evidence']}")
+    assert len(inner) >= 10 and len(seen) == len(inner), (len(seen), len(inner))
+    assert all(a <= t <= b for (a, b), t in zip(inner, seen)), list(zip(inner, seen))[:5]
+    names = {e["name"] for e in ev if e["ph"] == "B"}
+    assert "prepare_batch_on_cpu" in names, sorted(names)[:20]
+
+
+NAPPER = r'''
+import sys, time
+seconds, log = float(sys.argv[1]), sys.argv[2]
+naps = []
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    t0 = time.monotonic_ns()
+    time.sleep(0.0002)
+    naps.append((t0, time.monotonic_ns()))
+with open(log, "w") as f:
+    f.write("\n".join(f"{a} {b}" for a, b in naps))
+'''
+
+
+def voluntary_switches(pid: int) -> int:
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("voluntary_ctxt_switches"))
+
+
+def stopped(pid: int) -> None:
+    os.kill(pid, 19)                                          # SIGSTOP: a fixed point to count from
+    until(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 5, "the job stopped")
+
+
+@pytest.mark.kernel
+def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
+    """sched's deep mode on its own, with no threshold: a job that naps 200 µs ~3,500 times a second puts ~20k
+    records (~1.2 MiB with their headers) through the 1 MiB ring in 6 s, drained each 0.5 s tick, so the ring wraps. Between two
+    points where the job is stopped (SIGSTOP), its thread's voluntary off-CPU periods in the records equal the
+    kernel's own count of its voluntary switches (/proc/PID/task/PID/status), and each `sleep` lies inside a nap
+    the job timed itself (its start; its end too for 99%)."""
+    from probes.sched import SchedProbe
+    from jobprobe.target import PidTreeTarget
+    (tmp_path / "napper.py").write_text(NAPPER)
+    job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "9", str(tmp_path / "naps")])
+    probe = SchedProbe()
+    try:
+        probe.start(PidTreeTarget([job.pid]))
+        assert probe.deep, "sched has no deep mode here (Linux 5.8+ ring buffers)"
+        probe.trace_min_ns = 0
+        probe.trace_on(True)
+        stopped(job.pid)
+        v1, t1 = voluntary_switches(job.pid), time.monotonic_ns()
+        os.kill(job.pid, 18)                                  # SIGCONT
+        missed = 0
+        for _ in range(13):
+            time.sleep(0.5)
+            missed += probe.sample()["bpf_missed"]
+        stopped(job.pid)
+        v2, t2 = voluntary_switches(job.pid), time.monotonic_ns()
+        os.kill(job.pid, 18)
+        time.sleep(0.2)                                       # its stop's period ends (and is recorded) now
+        records, dropped = probe.trace_take()
+        probe.trace_on(False)
+    finally:
+        probe.stop()
+        job.wait()
+    mine = [r for r in records if r.tid == job.pid and t1 < r.out_ns < t2]
+    voluntary = [r for r in mine if r.reason != 1]
+    print(f"ring: {len(records)} records ({len(records) * 64 / 2**20:.2f} MiB), {dropped} not kept; the job's "
+          f"voluntary switches {v2 - v1} (/proc), its voluntary periods recorded {len(voluntary)}")
+    assert len(records) * 64 > 1 << 20 and dropped == 0     # 56-byte records, each with its 8-byte header
+    assert len(voluntary) == v2 - v1
+    naps = sorted(tuple(map(int, ln.split())) for ln in (tmp_path / "naps").read_text().splitlines())
+    starts = [a for a, _ in naps]
+    late = []
+    for r in mine:
+        if r.reason == 4:
+            a, b = naps[bisect_right(starts, r.out_ns) - 1]
+            assert a <= r.out_ns <= r.in_ns, (a, b, r.out_ns, r.in_ns)
+            late.append(r.in_ns - b)
+    # A period's end is its switch-in, or its wakeup where the waking CPU's clock reads later (bpf/sched.c's
+    # clamp for vCPU clocks that differ by a hair): a few of ~20k end up to microseconds after the job's own stamp.
+    print(f"ring: {sum(x > 0 for x in late)} of {len(late)} sleeps end after the job's own stamp, by at most "
+          f"{max(late) / 1e3:.1f} µs; bpf_missed {missed}")
+    assert len(late) > 0.9 * len(voluntary) and sum(x > 0 for x in late) <= len(late) // 100
+    assert max(late) < 5_000_000
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+def test_a_trace_on_every_node_of_a_job_through_the_controller_with_one_common_start(tmp_path):
+    """A NATS server, a controller and two agents (nodes a and b), each probing its own rank of job `train` (a
+    Python parent and its forked worker): `jobprobe trace --job train --nats URL` asks the controller, which asks
+    both agents for a window at one time 3 s ahead; each node writes its trace, with both of its processes'
+    Python in it, opened within 0.3 s of that time by its own clock; both nodes' `trace` frames reach the store;
+    a job no node runs is refused in one line."""
+    import re
+    import sqlite3
+    from test_nats import NATS, NatsServer
+    from jobprobe.control import call
+    if not os.path.exists(NATS):
+        pytest.skip("nats-server is installed by make test (scripts/setup.sh)")
+    nats = NatsServer(tmp_path)
+    nats.start()
+    store = tmp_path / "store.db"
+    procs: list[subprocess.Popen] = []
+    try:
+        procs.append(subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", nats.url,
+                                       "--store", str(store)], cwd=REPO, stdout=subprocess.DEVNULL,
+                                      stderr=open(tmp_path / "controller.log", "ab")))
+        until(lambda: "consuming" in (tmp_path / "controller.log").read_text(), 30, "the controller")
+        (tmp_path / "job.py").write_text(JOB)
+        ranks = {}
+        for node in ("node-a", "node-b"):
+            d = tmp_path / node
+            d.mkdir()
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jobprobe.cli", "agent", "--node", node, "--send", nats.url, "--spool",
+                 str(d / "spool"), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"), "--out",
+                 str(d / "out"), "--probes", "cgroup,self", "--interval", "0.5", "--trace-dir", str(d / "traces")],
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab")))
+            rank = subprocess.Popen([sys.executable, str(tmp_path / "job.py"), str(d / "pids"), "40"])
+            procs.append(rank)
+            until(lambda: (d / "pids").exists() and len((d / "pids").read_text().split()) == 2, 20, "the rank")
+            ranks[node] = set(map(int, (d / "pids").read_text().split()))
+
+            def up(sock=str(d / "agent.sock")):
+                try:
+                    return call(sock, {"cmd": "status"})
+                except Exception:
+                    return None
+            until(up, 60, f"agent {node}")
+            assert call(str(d / "agent.sock"), {"cmd": "attach", "pid": rank.pid, "job": "train"})["ok"]
+        until(lambda: store.exists() and len(sqlite3.connect(store).execute(
+            "SELECT DISTINCT node FROM frames WHERE job = 'train'").fetchall()) == 2, 30, "both nodes' frames")
+        r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "trace", "--job", "train", "--duration", "3",
+                            "--nats", nats.url], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        at = float(re.search(r" at ([0-9.]+)", r.stdout).group(1))
+        assert "node-a: scheduled" in r.stdout and "node-b: scheduled" in r.stdout, r.stdout
+        for node, pids in ranks.items():
+            tdir = tmp_path / node / "traces"
+            until(lambda: list(tdir.glob("*.trace.json.gz")), 40, f"{node}'s trace")
+            (path,) = tdir.glob("*.trace.json.gz")
+            doc = check_trace(str(path), pids, {"busy_main_loop", "stalling_worker"})
+            start = doc["otherData"]["start_unix_s"]
+            print(f"cluster trace: {node} opened {start - at:+.3f} s from the common start")
+            assert abs(start - at) < 0.3
+        until(lambda: len(sqlite3.connect(store).execute(
+            "SELECT DISTINCT node FROM frames WHERE job = 'train' AND kind = 'trace'").fetchall()) == 2, 30,
+              "both nodes' trace frames in the store")
+        r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "trace", "--job", "nobody", "--nats", nats.url],
+                           capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "nobody" in r.stderr, r.stderr
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+        nats.stop()

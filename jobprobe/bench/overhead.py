@@ -43,6 +43,43 @@ def config_probes(config: str) -> str | None:
     return config
 
 
+# An always-true rule that ends 5 s after it fires and may fire again at once: it asks for a deep-trace window every
+# ~6 s, and the tracer's own budget (60 s cooldown, 30% duty cap) decides which open — "traced when a rule fired".
+FIRE_RULE = """[[rule]]
+name = "bench_fire"
+summary = "fires all the time (the overhead kit's deep-trace config)"
+when = "rate(cgroup.cpu_user_ns) >= 0"
+clear = "rate(cgroup.cpu_user_ns) >= 0"
+window = 1
+hold = 0
+cooldown = 0
+clear_after = 1
+action = "trace"
+"""
+
+
+def config_options(config: str, workdir: Path) -> tuple[str, list[str]]:
+    """A config's probe part and the extra `jobprobe run` flags of its @options: @rules (the default rules, no
+    window opened on a steady job: the agent loaded, not tracing), @fire (a rule asking for a window all the time:
+    traced when a rule fired, within the tracer's budget), @every=S (a window every S s, as requests are)."""
+    base, _, opts = config.partition("@")
+    argv: list[str] = []
+    for opt in filter(None, opts.split("@")):
+        if opt == "rules":
+            argv += ["--rules", "default"]
+        elif opt == "fire":
+            path = workdir / "fire-rule.toml"
+            path.write_text(FIRE_RULE)
+            argv += ["--rules", str(path)]
+        elif opt.startswith("every="):
+            argv += ["--trace-every", opt[len("every="):]]
+        else:
+            raise BadInput(f"config {config!r}: unknown option @{opt} (known: @rules, @fire, @every=S)")
+    if argv:
+        argv += ["--trace-dir", str(workdir / "traces")]
+    return base or "std", argv
+
+
 @dataclass
 class Run:
     seconds: float
@@ -107,8 +144,9 @@ class OverheadBench:
     def run_with(self, config: str) -> Run:
         g = self._group()
         out = self.workdir / f"run-{self.nruns}.mpk"
-        argv = [*self.jobprobe, "run", "--cgroup", str(g), "--interval", str(self.interval), "--out", str(out)]
-        spec = config_probes(config)
+        base, extra = config_options(config, self.workdir)
+        argv = [*self.jobprobe, "run", "--cgroup", str(g), "--interval", str(self.interval), "--out", str(out), *extra]
+        spec = config_probes(base)
         if spec is not None:
             # the kit reads the collector's cost from its `self` probe: keep it on unless the config drops it
             if "self" not in spec.replace("-self", "").split(",") and "-self" not in spec and \
@@ -189,7 +227,9 @@ class OverheadBench:
             est = s.estimate()
             col = [r.collector for r in self.runs[c] if r.collector]
             configs[c] = {
-                "probes": config_probes(c) or "standard",
+                "probes": config_probes(config_options(c, self.workdir)[0]) or "standard",
+                "options": config_options(c, self.workdir)[1],
+                "traced_share": median([x.get("traced_share", 0.0) for x in col]),
                 "pairs": est.n, "slowdown": est.mean, "lo": est.lo, "hi": est.hi,
                 "settled": self._settled(c),
                 "seconds_without": s.without, "seconds_with": s.with_,
@@ -219,12 +259,25 @@ def _wait_for_hello(out: Path, agent: subprocess.Popen, timeout: float = 60.0) -
 
 def collector_stats(path: Path) -> dict:
     with open(path, "rb") as fp:
-        samples = [f for f in StreamReader(fp) if f["kind"] == "sample" and "self" in f.get("probes", {})]
+        frames = list(StreamReader(fp))
+    samples = [f for f in frames if f["kind"] == "sample" and "self" in f.get("probes", {})]
     full = samples[1:-1] or samples   # the first and last intervals are partial
     dt = sum(f["dt"] for f in samples) or 1.0
     return {"cores": median([f["probes"]["self"]["cpu_cores"] for f in full]),
             "peak_bytes": max((f["probes"]["self"]["rss_peak_bytes"] for f in samples), default=0),
-            "written_bps": sum(f["probes"]["self"]["written_bytes"] for f in samples) / dt}
+            "written_bps": sum(f["probes"]["self"]["written_bytes"] for f in samples) / dt,
+            "traced_share": traced_share(frames)}
+
+
+def traced_share(frames: list[dict]) -> float:
+    """The share of the run inside deep-trace windows (a window cut short by the job's end counts to there)."""
+    samples = [f for f in frames if f["kind"] == "sample"]
+    if len(samples) < 2:
+        return 0.0
+    t0, t1 = samples[0]["t"] - samples[0]["dt"], samples[-1]["t"]
+    traced = sum(max(0.0, min(f["start"] + f["duration_s"], t1) - max(f["start"], t0))
+                 for f in frames if f["kind"] == "trace" and isinstance(f.get("start"), (int, float)))
+    return traced / (t1 - t0) if t1 > t0 else 0.0
 
 
 def _rmdir(g: Path) -> None:
@@ -247,10 +300,11 @@ def markdown(res: dict) -> str:
     lines = [f"Job: `{' '.join(res['command'])}`, {res['job_seconds_median']:.1f} s without jobprobe (median); "
              f"{res['runs']} runs in {res['minutes']} min on {res['cpus']} CPUs, kernel {res['kernel']}; "
              f"interval {res['interval']:g} s; stopped by {res['stopped_by']}.", "",
-             "| What was on | Job time | 95% interval | Pairs | Settled |", "| - | - | - | - | - |"]
+             "| What was on | Job time | 95% interval | Pairs | Settled | Run traced |", "| - | - | - | - | - | - |"]
     for c, r in res["configs"].items():
         lo = "n/a" if r["pairs"] < 2 else f"{r['lo'] * 100:+.2f} to {r['hi'] * 100:+.2f}"
-        lines.append(f"| {c} | {r['slowdown'] * 100:+.2f}% | {lo} | {r['pairs']} | {'yes' if r['settled'] else 'no'} |")
+        lines.append(f"| {c} | {r['slowdown'] * 100:+.2f}% | {lo} | {r['pairs']} | {'yes' if r['settled'] else 'no'} | "
+                     f"{r.get('traced_share', 0) * 100:.0f}% |")
     lines += ["", "| What was on | Collector CPU | Collector memory, peak | Memory added to the job | Network sent | "
               "Disk written |", "| - | - | - | - | - | - |"]
     for c, r in res["configs"].items():

@@ -22,9 +22,11 @@ import contextlib
 import ctypes as ct
 import errno
 import json
+import mmap
 import os
 import platform
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -39,7 +41,7 @@ from jobprobe.host import parse_cpu_list
 NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wrapper
 
 # include/uapi/linux/bpf.h: enum bpf_cmd, enum bpf_map_type, update flags
-MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 1, 2, 3, 4
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_GET_NEXT_ID, PROG_GET_FD_BY_ID = 11, 13
 OBJ_PIN = 6
 OBJ_GET_INFO_BY_FD = 15
@@ -217,6 +219,60 @@ def stats_enabled(proc: str = "/proc") -> Iterator[None]:
         yield
     finally:
         knob.write_text(old)
+
+
+MAP_RINGBUF = 27
+RINGBUF_BUSY, RINGBUF_DISCARD, RINGBUF_HDR = 1 << 31, 1 << 30, 8   # include/uapi/linux/bpf.h BPF_RINGBUF_*
+
+
+class MapCreateAttr(ct.Structure):
+    _fields_ = [("map_type", ct.c_uint32), ("key_size", ct.c_uint32), ("value_size", ct.c_uint32),
+                ("max_entries", ct.c_uint32), ("map_flags", ct.c_uint32)]
+
+
+def ringbuf_supported() -> bool:
+    """Can this kernel make a BPF ring buffer (Linux 5.8)? Asked by making one of one page and closing it."""
+    try:
+        fd = sys_bpf(MAP_CREATE, MapCreateAttr(map_type=MAP_RINGBUF, max_entries=mmap.PAGESIZE))
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+class RingBuffer:
+    """The user-space side of a BPF ring buffer map (BPF_MAP_TYPE_RINGBUF), read without libbpf: its consumer page
+    mapped read-write, its producer page and data area read-only (the kernel maps the data twice in a row, so a
+    record that wraps reads as one piece). drain() returns the records committed so far and frees their space.
+    One reader at a time (the caller's lock)."""
+
+    def __init__(self, fd: int, size: int):
+        if size <= 0 or size & (size - 1):
+            raise ValueError(f"ring buffer size {size} is not a power of two")
+        page = mmap.PAGESIZE
+        self.size, self.page = size, page
+        self.cons = mmap.mmap(fd, page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
+        self.prod = mmap.mmap(fd, page + 2 * size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page)
+
+    def drain(self) -> list[bytes]:
+        out = []
+        cons = struct.unpack_from("<Q", self.cons, 0)[0]
+        prod = struct.unpack_from("<Q", self.prod, 0)[0]
+        while cons < prod:
+            at = self.page + (cons & (self.size - 1))
+            head = struct.unpack_from("<I", self.prod, at)[0]
+            if head & RINGBUF_BUSY:
+                break                       # reserved, not yet committed: the rest waits for the next drain
+            length = head & ~(RINGBUF_BUSY | RINGBUF_DISCARD)
+            if not head & RINGBUF_DISCARD:
+                out.append(self.prod[at + RINGBUF_HDR:at + RINGBUF_HDR + length])
+            cons += (length + RINGBUF_HDR + 7) & ~7
+            struct.pack_into("<Q", self.cons, 0, cons)
+        return out
+
+    def close(self) -> None:
+        self.cons.close()
+        self.prod.close()
 
 
 class Map:
