@@ -153,6 +153,15 @@ def build_parser() -> argparse.ArgumentParser:
     dt = sub.add_parser("detach", help="ask the agent to detach a job (after a last frame)")
     dt.add_argument("job")
     dt.add_argument("--socket", metavar="PATH", default=None)
+    dr = sub.add_parser("doctor", help="is this node ready? each check pass / warn / fail / absent, with its fix; "
+                        "exit 0 (pass), 1 (warn), 3 (fail)")
+    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--root", metavar="DIR", help="read DIR/sys, DIR/proc, DIR/lib/modules … instead of / (a fixture "
+                    "tree, a chroot)")
+    dr.add_argument("--controller", metavar="URL", help="also send the result to the controller through NATS "
+                    "(`jobprobe controller stats` lists the nodes that are not ready)")
+    dr.add_argument("--nats-creds", metavar="FILE", help="NATS credentials for --controller")
+    dr.add_argument("--node", metavar="NAME", help="this node's name (default: the short host name)")
     tr = sub.add_parser("trace", help="open a deep-trace window for a job now: a Perfetto trace file of its Python "
                         "threads and what the kernel saw (docs/RULES.md)")
     tr.add_argument("--job", required=True)
@@ -491,6 +500,11 @@ def cmd_controller(args) -> int:
             print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
                   f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
                   f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8}")
+        for node, n in sorted(st["nodes"].items()):
+            doc = n.get("doctor")
+            if doc and doc["worst"] != "pass":
+                print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
+                                                          else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
         return 0
     local = None
     url = args.nats
@@ -603,6 +617,39 @@ def cmd_attach(args) -> int:
         extra = f" (waiting up to {r['waiting_s']:g} s for its processes: {r['why']})"
     print(f"{r['job']}: {r['state']}{extra}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    import dataclasses
+    from jobprobe import doctor
+    host = Host()
+    if args.root:
+        if not os.path.isdir(args.root):
+            raise BadInput(f"--root {args.root}: not a directory")
+        host = dataclasses.replace(host, sys=os.path.join(args.root, "sys"), proc=os.path.join(args.root, "proc"))
+    if args.node:
+        host = dataclasses.replace(host, node=args.node)
+    checks = doctor.run(doctor.Ctx(host, root=args.root or "", nvml=doctor.open_nvml()))
+    print(json.dumps({"node": host.node, **doctor.as_dict(checks)}, indent=1) if args.json else doctor.text(checks))
+    if args.controller:
+        send_doctor(args, host.node, doctor.as_dict(checks))
+    return doctor.exit_code(checks)
+
+
+def send_doctor(args, node: str, result: dict) -> None:
+    """The result as an `event` frame (job `node`, event `doctor`) into the frames' stream, as an agent sends."""
+    from jobprobe.exporters.nats import msg_id, subject_for
+    from jobprobe.exporters.natswire import NatsError, Wire
+    from jobprobe.frame import FrameBuilder, encode
+    fr = FrameBuilder(node, "node", f"doctor-{int(time.time() * 1000)}").event(time.time(), "doctor", **result)
+    wire = Wire(args.controller, args.nats_creds, name="jobprobe-doctor")
+    try:
+        wire.connect()
+        wire.publish([(subject_for(node), msg_id(fr), encode(fr))], timeout=10)
+    except (OSError, NatsError) as err:
+        raise BadInput(f"doctor: the result could not be sent to {args.controller}: {err}") from err
+    finally:
+        wire.close()
 
 
 def parse_at(text: str | None, now: float) -> float | None:
@@ -786,6 +833,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_report(args)
         if args.cmd == "trace":
             return cmd_trace(args)
+        if args.cmd == "doctor":
+            return cmd_doctor(args)
         if args.cmd == "bench":
             return cmd_bench(args, command, host)
         return cmd_run(args, command, host)

@@ -393,5 +393,12 @@ def stats(store: Store, now: float | None = None) -> dict[str, Any]:
                         "GROUP BY node")
     for node, dropped in rows:
         nodes.setdefault(node, {})["dropped_at_source"] = int(dropped or 0)
+    # each node's latest `jobprobe doctor --controller` verdict: a node whose worst check fails is not ready
+    _, rows = store.sql("SELECT node, t, json_extract(body, '$.worst'), json_extract(body, '$.checks') FROM events "
+                        "WHERE event = 'doctor' AND job = 'node' ORDER BY t")
+    for node, t, worst, checks in rows:
+        bad = [c["name"] for c in json.loads(checks or "[]") if c.get("status") in ("fail", "warn")]
+        nodes.setdefault(node, {})["doctor"] = {"worst": worst, "t": t, "not_pass": bad}
     _, rows = store.sql("SELECT COUNT(*) FROM rejects")
-    return {"t": now, "nodes": nodes, "rejected_total": rows[0][0]}
+    unready = sorted(n for n, v in nodes.items() if (v.get("doctor") or {}).get("worst") == "fail")
+    return {"t": now, "nodes": nodes, "rejected_total": rows[0][0], "unready_nodes": unready}

@@ -165,7 +165,8 @@ def verdict(job: Job) -> str:
             what = {"cpu_throttled": "throttled by its CPU limit", "runq": "short of CPU (run queue)",
                     "nic_queue": "held back by a slow link (its interface's queue)", "net_rtt": "on a slow path",
                     "net_retransmits": "losing packets", "gpu_util": "with a less busy GPU",
-                    "gpu_clock": "with slower GPU clocks", "gpu_throttled": "with its GPU throttled"}
+                    "gpu_clock": "with slower GPU clocks", "gpu_throttled": "with its GPU throttled",
+                    "nic_rail": "with a slow network rail", "rdma_port": "with an RDMA port down or failing"}
             said = ", ".join(what.get(c, c) for c in causes)
             waited = [p["evidence"].get("peers_wait_s_per_s", 0) - p["evidence"].get("wait_s_per_s", 0) for p in ps]
             extra = (f"; meanwhile the other nodes' threads waited {max(waited):.2f} s per second more than its own"

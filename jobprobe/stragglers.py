@@ -65,6 +65,14 @@ def figures(probes: dict) -> dict[str, float]:
     if nics:
         out["nic_held"] = sum(n.get("qdisc_overlimits", 0) + n.get("qdisc_drops", 0) for n in nics)
         out["nic_drops"] = sum(n.get("qdisc_drops", 0) + n.get("tx_dropped", 0) for n in nics)
+    nic = probes.get("nic") or {}
+    if "rails_slow" in nic:                   # a frame in which one of its rails carried under half the median
+        out["rail_dt"] = 1.0
+        out["rail_slow"] = float(nic["rails_slow"] > 0)
+    rd = probes.get("rdma") or {}
+    if "ports_fatal" in rd:
+        out["rdma_dt"] = 1.0
+        out["rdma_fatal"] = float(rd["ports_fatal"] > 0)
     gpus = [g for g in (probes.get("gpu") or {}).get("gpus") or () if isinstance(g, dict) and "util_gpu_pct" in g]
     if gpus:
         out["gpu_dt"] = 1.0
@@ -89,7 +97,11 @@ class Window:
         return self.sums["rtt_w"] / n if n else None
 
     def gpu(self, k: str) -> float | None:
-        n = self.sums.get("gpu_dt")
+        return self.share(k, "gpu_dt")
+
+    def share(self, k: str, per: str) -> float | None:
+        """A figure averaged over the frames that carry it (`per` counts them)."""
+        n = self.sums.get(per)
         return self.sums[k] / n if n else None
 
 
@@ -115,6 +127,8 @@ GET = {
     "gpu_util": lambda w: w.gpu("gpu_util"),
     "gpu_clock": lambda w: w.gpu("gpu_clock"),
     "gpu_throttled": lambda w: w.gpu("gpu_throttled"),
+    "rail_slow": lambda w: w.share("rail_slow", "rail_dt"),
+    "rdma_fatal": lambda w: w.share("rdma_fatal", "rdma_dt"),
 }
 
 
@@ -200,6 +214,20 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False) -
         if gt >= 0.5 * f and gt >= top + 0.5 * f:
             out.append(Cause("gpu_throttled", round(gt, 2), round(m, 2),
                              f"GPU clocks held down (power/thermal) {gt:.0%} of the time; peers {m:.0%}"))
+    rs = v["rail_slow"]
+    if rs is not None:
+        m, top, _ = others.stats("rail_slow", rs)
+        if rs >= 0.5 * f and rs >= top + 0.5 * f:
+            out.append(Cause("nic_rail", round(rs, 2), round(m, 2),
+                             f"network: one of its rails carried under half the median of its rails {rs:.0%} of the "
+                             f"time (a slow NIC, cable or port); peers {m:.0%}"))
+    rf = v["rdma_fatal"]
+    if rf is not None:
+        m, top, _ = others.stats("rdma_fatal", rf)
+        if rf >= 0.5 * f and rf >= top + 0.5 * f:
+            out.append(Cause("rdma_port", round(rf, 2), round(m, 2),
+                             f"network: an RDMA port of it was down or past its symbol-error bound {rf:.0%} of the "
+                             f"time; peers {m:.0%}"))
     return out
 
 

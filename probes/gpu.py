@@ -28,13 +28,8 @@ from jobprobe.probe import EVENTS_KEY, Field, Probe
 from jobprobe.target import Target, cgroup2_path_of
 from jobprobe.kernel import procfs
 from jobprobe.kernel.devcg import DeviceRules
-from jobprobe.kernel.nvml import LIBRARY, Gpu, GpuLost, Mig, Nvml
+from jobprobe.kernel.nvml import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig, Nvml  # noqa: F401
 
-NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
-INIT_ERRORS = {12: NO_DRIVER,                                                   # NVML_ERROR_LIBRARY_NOT_FOUND
-               9: f"NVIDIA driver not loaded ({LIBRARY} found, no kernel driver)",   # DRIVER_NOT_LOADED
-               18: "NVIDIA library and kernel driver versions differ (reload the driver)",  # LIB_RM_VERSION_MISMATCH
-               4: "no permission to use NVML"}                                  # NO_PERMISSION
 ENV_KEYS = (b"CUDA_VISIBLE_DEVICES", b"NVIDIA_VISIBLE_DEVICES")
 NVIDIA_MAJOR = "195"
 NOT_GPU_MINORS = 254     # 195:254 is nvidia-modeset, 195:255 nvidiactl; GPUs are 195:0…253

@@ -12,17 +12,23 @@ back is a link slower than what is sent to it). A socket per namespace, made by 
 and shared by every job in it; one reading per namespace per tick. Link speed from /sys/class/net/<if>/speed in
 the agent's own namespace (absent for another namespace's interfaces). Kernel: any. Root: for another namespace
 (setns) and to read another user's environment.
+
+Rails: with two or more interfaces chosen, each interval compares their traffic (bytes sent + received): when the
+median of them carries at least RAIL_BUSY_BPS, a rail under RAIL_SLOW (half) of that median is slow
+(`rails_slow`, `nics[].rail_share`) — one NIC of four at 20% of its peers holds a whole collective back. The
+`rail_imbalance` rule (jobprobe/default_rules.toml) fires when it lasts.
 """
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
 from jobprobe import tickmemo
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
-from jobprobe.kernel import procfs, rtnl
+from jobprobe.kernel import ethtool, procfs, rtnl
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
 
@@ -32,7 +38,11 @@ LINK_COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets", "rx_errors"
                  "tx_dropped")
 QDISC_COUNTERS = ("drops", "overlimits", "requeues")
 
+RAIL_BUSY_BPS = 1 << 20    # the median rail must carry this much (bytes/s, sent + received) to compare them
+RAIL_SLOW = 0.5            # a rail under this share of the median is slow
+
 _sockets: dict[int, Any] = {}      # netns inode → its rtnetlink socket (shared by the jobs in it)
+_pause: dict[int, ethtool.PauseReader] = {}   # netns inode → its ethtool reader (an AF_INET socket made in it)
 
 
 def fields() -> dict[str, Field]:
@@ -43,12 +53,22 @@ def fields() -> dict[str, Field]:
                         "the interface's, not the job's"),
         "selected_by": Field("str", "—", "how the interfaces were chosen: 'all' (up, not loopback) or the job's "
                              "NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME"),
+        "rails": Field("int", "count", "interfaces compared as rails this interval (2 or more chosen and the median "
+                       f"of them busy, ≥ {RAIL_BUSY_BPS >> 20} MiB/s sent + received; else 0)", kind="gauge"),
+        "rails_slow": Field("int", "count", f"rails carrying under {RAIL_SLOW:.0%} of the median rail's bytes this "
+                            "interval (0 when rails is 0)", kind="gauge"),
+        "nics[].rail_share": Field("float", "ratio", "this interface's bytes (sent + received) over the median "
+                                   "rail's, this interval (absent when rails is 0)", kind="gauge"),
         "nics[].name": Field("str", "—", "interface name"),
         "nics[].up": Field("bool", "—", "operationally up"),
         "nics[].speed_mbps": Field("int", "Mbit/s", "link speed (agent's namespace only; absent when unknown)",
                                    kind="gauge"),
         "nics[].tx_util_pct": Field("float", "%", "transmit rate over link speed this interval", kind="gauge"),
         "nics[].rx_util_pct": Field("float", "%", "receive rate over link speed this interval", kind="gauge"),
+        "nics[].pause_rx_frames": Field("int", "count", "pause and PFC frames received this interval: the sum of "
+                                        "the driver's pause / pfc / xon / xoff counters (ethtool -S); absent when "
+                                        "the driver counts none"),
+        "nics[].pause_tx_frames": Field("int", "count", "pause and PFC frames sent this interval (as pause_rx_frames)"),
         "nics[].qdisc": Field("str", "—", "the root queueing discipline (fq_codel, mq, tbf, noqueue, …)"),
         "nics[].qdisc_backlog_bytes": Field("int", "bytes", "bytes waiting in the queue now", kind="gauge"),
         "nics[].qdisc_qlen": Field("int", "count", "packets waiting in the queue now", kind="gauge"),
@@ -78,18 +98,22 @@ def wanted(names: list[str], spec: str | None) -> list[str]:
     return [n for n in names if match(n) != exclude]
 
 
-def job_env(proc: str, pid: int) -> dict[str, str]:
-    try:
-        with open(f"{proc}/{pid}/environ", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        k, sep, v = item.partition(b"=")
-        if sep and k.decode(errors="replace") in ENV_KEYS:
-            out[k.decode()] = v.decode(errors="replace")
-    return out
+def compare_rails(nics: list[dict], dt: float) -> tuple[int, int]:
+    """Each interface's bytes against the median of them (loopback left out): (rails compared, rails slow); sets
+    nics[].rail_share when compared."""
+    rails = [n for n in nics if n["name"] != "lo"]
+    if len(rails) < 2:
+        return 0, 0
+    load = sorted(n["tx_bytes"] + n["rx_bytes"] for n in rails)
+    mid = len(load) // 2
+    median = load[mid] if len(load) % 2 else (load[mid - 1] + load[mid]) / 2
+    if median / dt < RAIL_BUSY_BPS:
+        return 0, 0
+    slow = 0
+    for n in rails:
+        n["rail_share"] = round((n["tx_bytes"] + n["rx_bytes"]) / median, 3)
+        slow += n["rail_share"] < RAIL_SLOW
+    return len(rails), slow
 
 
 def netns_inode(proc: str, pid: int | str) -> int | None:
@@ -111,8 +135,15 @@ def reading(proc: str, pid: int, ino: int, own: int | None) -> dict[str, tuple]:
         except OSError:
             _sockets.pop(ino, None)
             sock.close()
+            old = _pause.pop(ino, None)
+            if old is not None:
+                old.sock.close()
             raise
-        return {ln.name: (ln, qd.get(i)) for i, ln in links.items()}
+        pause = _pause.get(ino)
+        if pause is None:
+            pause = _pause[ino] = ethtool.PauseReader(rtnl.socket_in(None if ino == own else f"{proc}/{pid}/ns/net",
+                                                                     socket.AF_INET, socket.SOCK_DGRAM, 0))
+        return {ln.name: (ln, qd.get(i), pause.read(ln.name)) for i, ln in links.items()}
     return tickmemo.get(("nic", ino), read)
 
 
@@ -161,7 +192,7 @@ class NicProbe(Probe):
         ino = netns_inode(self.host.proc, self.pid)
         if ino is not None:
             self.ino = ino
-        env = job_env(self.host.proc, self.pid)
+        env = procfs.environ(self.host.proc, self.pid, ENV_KEYS)
         key = next((k for k in ENV_KEYS if env.get(k)), None)
         self.spec = env[key] if key else None
         self.by = f"{key}={self.spec}" if key else "all"
@@ -169,15 +200,17 @@ class NicProbe(Probe):
     def _chosen(self, seen: dict[str, tuple]) -> list[str]:
         if self.spec:
             return wanted(sorted(seen), self.spec)
-        return sorted(n for n, (ln, _) in seen.items() if ln.up and n != "lo")
+        return sorted(n for n, (ln, _, _) in seen.items() if ln.up and n != "lo")
 
     def _counters(self, seen: dict[str, tuple]) -> dict[str, dict[str, int]]:
         out = {}
         for n in self._chosen(seen):
-            ln, qd = seen[n]
+            ln, qd, pause = seen[n]
             c = {k: ln.stats.get(k, 0) for k in LINK_COUNTERS}
             if qd is not None:
                 c.update({f"qdisc_{k}": getattr(qd, k) for k in QDISC_COUNTERS})
+            if pause is not None:
+                c["pause_rx_frames"], c["pause_tx_frames"] = pause
             out[n] = c
         return out
 
@@ -191,7 +224,7 @@ class NicProbe(Probe):
         cur = self._counters(seen)
         nics = []
         for n, c in cur.items():
-            ln, qd = seen[n]
+            ln, qd, _ = seen[n]
             before = self.prev.get(n)
             item: dict[str, Any] = {"name": n, "up": ln.up}
             item.update({k: delta(v, before[k]) if before and k in before else 0 for k, v in c.items()})
@@ -210,8 +243,9 @@ class NicProbe(Probe):
             nics.append(item)
         self.files.sweep()
         self.prev = cur
+        rails, slow = compare_rails(nics, dt)
         return {"nics": nics, "netns": "host" if self.ino == self.own else f"netns:{self.ino}",
-                "shared": self.ino == self.own, "selected_by": self.by}
+                "shared": self.ino == self.own, "selected_by": self.by, "rails": rails, "rails_slow": slow}
 
     def stop(self) -> None:
         self.target = None

@@ -147,3 +147,31 @@ def test_events_bench_end_to_end_with_the_peer(tmp_path):
         assert math.isfinite(r["added_ns"]) and r["ratio"] > 0
     text = events_markdown(res)
     assert "| sched, other job |" in text and "| runqlat-bpfcc |" in text
+
+
+def test_deep_trace_configs_and_the_traced_share(tmp_path):
+    from jobprobe.bench.overhead import config_options, traced_share
+    from jobprobe.errors import BadInput
+    assert config_options("std", tmp_path) == ("std", [])
+    assert config_options("std@rules", tmp_path) == ("std", ["--rules", "default", "--trace-dir",
+                                                             str(tmp_path / "traces")])
+    base, argv = config_options("std+pystacks@fire=18", tmp_path)
+    assert base == "std+pystacks" and argv[0] == "--rules" and "trace_s = 18" in open(argv[1]).read()
+    assert config_options("cgroup@every=40", tmp_path)[1][:2] == ["--trace-every", "40"]
+    with pytest.raises(BadInput, match="unknown option @often"):
+        config_options("std@often", tmp_path)
+    samples = [{"kind": "sample", "t": 100.0 + i, "dt": 1.0} for i in range(1, 101)]     # the run: 100 … 200
+    windows = [{"kind": "trace", "start": 110.0, "duration_s": 25.0},
+               {"kind": "trace", "start": 190.0, "duration_s": 25.0}]                  # the second cut at 200
+    assert traced_share(samples + windows) == pytest.approx(35 / 100)
+
+
+@pytest.mark.kernel
+def test_the_kit_measures_a_run_traced_on_a_schedule(tmp_path):
+    """`cgroup@every=1`: a 25 s window opens 1 s into a 4 s job and is cut short at its end — about 3 s of 4
+    traced, read from the run's own `trace` frames; the window's file is written."""
+    bench = OverheadBench(workload("burn", 4), ["cgroup@every=1"], max_runs=2, warmup=0, seed=1,
+                          workdir=str(tmp_path), progress=None)
+    r = bench.run()["configs"]["cgroup@every=1"]
+    assert r["options"][:2] == ["--trace-every", "1"] and 0.45 < r["traced_share"] < 0.95, r
+    assert list((tmp_path / "traces").glob("*.trace.json.gz"))

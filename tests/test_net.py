@@ -484,10 +484,10 @@ def test_cost_per_packet_and_per_event(probe, make_cgroup, net):
 @pytest.mark.kernel
 def test_tcp_rtt_of_a_job_on_a_shaped_link_matches_the_sockets_own(probe, make_cgroup, net):
     """A slow link queues: A's egress shaped to 40 Mbit/s (tc tbf, up to 20 ms of queue), the job sends 4 MiB.
-    The probe's tcp_srtt_us (the sending socket's srtt per skb sent) against the socket's own TCP_INFO tcpi_rtt
-    read after every send: the same order (different samplings — per skb against per send call, whose median leans
-    to the queue's early, emptier moments: within 0.3-4x; a loaded CI run saw 2.8x), and far above what the
-    unshaped link shows."""
+    The probe's tcp_srtt_us (the sending socket's srtt per skb sent, averaged by segments) against the socket's own
+    TCP_INFO tcpi_rtt read after every send, averaged: the same order (different samplings — per skb against per
+    send call: within 0.4-3x; runs here 1.35-1.8x, while the per-call median, which leans to the queue's early,
+    emptier moments, went from 1x to 4.1x), and far above what the unshaped link shows."""
     got = {}
     for shaped in (False, True):
         if shaped:
@@ -512,8 +512,9 @@ def test_tcp_rtt_of_a_job_on_a_shaped_link_matches_the_sockets_own(probe, make_c
         result(sink)
         rtts = round(weighted / segs, 1) if segs else None
         probe.stop()
-        got[shaped] = (rtts, job["rtt_us"])
-        print(f"net rtt ({'shaped' if shaped else 'free'}): probe {rtts} µs, TCP_INFO median {job['rtt_us']} µs")
-    (free, _), (slow, slow_own) = got[False], got[True]
-    assert slow is not None and slow_own > 2000 and 0.3 * slow_own <= slow <= 4 * slow_own, got
+        got[shaped] = (rtts, job["rtt_us"], job["rtt_mean_us"])
+        print(f"net rtt ({'shaped' if shaped else 'free'}): probe {rtts} µs, TCP_INFO median {job['rtt_us']} µs, "
+              f"mean {job['rtt_mean_us']:.0f} µs")
+    (free, _, _), (slow, _, slow_own) = got[False], got[True]
+    assert slow is not None and slow_own > 2000 and 0.4 * slow_own <= slow <= 3 * slow_own, got
     assert free is None or free < slow / 20, got

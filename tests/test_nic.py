@@ -3,7 +3,9 @@ own counters in sysfs read from inside the namespace (`ip netns exec … cat /sy
 `tc -s qdisc` for the queue."""
 from __future__ import annotations
 
+import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -113,3 +115,105 @@ def test_a_job_in_the_hosts_namespace_is_told_its_interfaces_are_shared():
     finally:
         proc.kill()
         proc.wait()
+
+
+def add_rail(net, dev_a: str, dev_b: str, addr_a: str, addr_b: str) -> None:
+    """A second veth pair between the namespaces, on its own subnet: a second rail."""
+    sh = net.run
+    subprocess.run(["ip", "link", "add", dev_a, "address", "02:00:0a:d6:00:01", "netns", net.a, "type", "veth", "peer",
+                    "name", dev_b, "address", "02:00:0a:d6:00:02", "netns", net.b], check=True)
+    for ns, dev, addr, peer, mac in ((net.a, dev_a, addr_a, addr_b, "02:00:0a:d6:00:02"),
+                                     (net.b, dev_b, addr_b, addr_a, "02:00:0a:d6:00:01")):
+        sh(ns, "ip", "addr", "add", f"{addr}/24", "dev", dev)
+        sh(ns, "ip", "link", "set", dev, "up")
+        sh(ns, "ip", "neigh", "replace", peer, "lladdr", mac, "dev", dev, "nud", "permanent")
+
+
+@pytest.mark.kernel
+def test_two_rails_a_shaped_one_is_flagged_and_an_even_pair_is_not(make_cgroup, net):
+    """A job in namespace A with two rails to B (veth pairs on two subnets, named by NCCL_SOCKET_IFNAME) floods
+    both for 9 s. With the second rail shaped to 20 Mbit/s (tc tbf), it carries a small share of the median and is
+    the slow rail in every busy interval, and the default rule rail_imbalance fires over those frames; with both
+    unshaped, no rail is slow and the rule stays quiet. Per rail, the bytes sent over the run equal what B's end of
+    that veth received (its own counters), exactly."""
+    from jobprobe.probe import schema_of
+    from jobprobe.rules import RuleSet, load
+    va2, vb2 = f"{net.va}r", f"{net.vb}r"
+    add_rail(net, va2, vb2, "10.214.0.1", "10.214.0.2")
+    rule = [r for r in load("default") if r.name == "rail_imbalance"]
+
+    def peer_rx() -> dict[str, int]:
+        out = net.run(net.b, "sh", "-c", f"cat /sys/class/net/{net.vb}/statistics/rx_bytes "
+                                         f"/sys/class/net/{vb2}/statistics/rx_bytes")
+        return dict(zip((net.va, va2), map(int, out.split())))
+
+    for shaped in (True, False):
+        if shaped:
+            net.run(net.a, "tc", "qdisc", "replace", "dev", va2, "root", "tbf", "rate", "20mbit", "burst", "16kb",
+                    "latency", "50ms")
+        else:
+            net.run(net.a, "tc", "qdisc", "del", "dev", va2, "root")
+        cg = make_cgroup()
+        sinks = [net.start(net.b, "tcp_sink", port, 0, ready=True) for port in (5401, 5402)]
+        env = {**os.environ, "NCCL_SOCKET_IFNAME": f"={net.va},{va2}"}
+        holder = net.start(net.a, "tcp_sink", 5499, 0, spawn=cg.spawn, env=env)     # the job's first process
+        time.sleep(0.3)
+        probe = NicProbe()
+        probe.start(CgroupTarget(str(cg.path)))
+        rx0 = peer_rx()
+        floods = [net.start(net.a, "tcp_flood", addr, port, spawn=cg.spawn)
+                  for addr, port in ((ADDR_B, 5401), ("10.214.0.2", 5402))]
+        smps = []
+        for _ in range(9):                       # the rule's 5 s window, then its 3 s hold
+            time.sleep(1.0)
+            smps.append(probe.sample())
+        for p in floods + sinks:
+            p.kill()
+            p.wait()
+        time.sleep(0.3)
+        smps.append(probe.sample())
+        rx1 = peer_rx()
+        holder.kill()
+        probe.stop()
+        sent = {n: sum(x["tx_bytes"] for s in smps for x in s["nics"] if x["name"] == n) for n in (net.va, va2)}
+        busy = [s for s in smps if s["rails"] == 2]
+        shares = [{x["name"]: x["rail_share"] for x in s["nics"]} for s in busy]
+        print(f"rails ({'shaped' if shaped else 'even'}): sent {sent}, B received {({k: rx1[k] - rx0[k] for k in rx0})};"
+              f" busy intervals {len(busy)}, shares {shares}, slow {[s['rails_slow'] for s in busy]}")
+        assert sent == {k: rx1[k] - rx0[k] for k in rx0}
+        assert all(s["selected_by"] == f"NCCL_SOCKET_IFNAME=={net.va},{va2}" for s in smps)
+        assert len(busy) >= 8
+        rs = RuleSet(rule, schema_of([probe]), "j")
+        fired = [ev for i, s in enumerate(smps) for ev in rs.feed({"kind": "sample", "t": 1000.0 + i, "dt": 1.0,
+                                                                   "probes": {"nic": s}}) if ev["event"] == "rule"]
+        if shaped:
+            assert all(s["rails_slow"] == 1 and sh[va2] < 0.5 < sh[net.va] for s, sh in zip(busy, shares))
+            assert [ev["rule"] for ev in fired] == ["rail_imbalance"], fired
+        else:
+            assert all(s["rails_slow"] == 0 for s in busy) and fired == []
+
+
+def test_pause_counters_are_told_apart_by_their_drivers_names():
+    from jobprobe.kernel.ethtool import pause_totals
+    mlx5 = {"rx_pause_ctrl_phy": 5, "tx_pause_ctrl_phy": 1, "rx_prio3_pause": 40, "tx_prio3_pause": 7,
+            "rx_prio3_pause_duration": 999, "rx_prio3_pause_transition": 3, "rx_bytes": 10 ** 9}
+    assert pause_totals(mlx5) == (45, 8)
+    ice = {"link_xon_rx": 2, "link_xoff_rx": 3, "priority_xon_rx_3": 4, "priority_xoff_tx_3": 6, "rx_bytes": 1}
+    assert pause_totals(ice) == (9, 6)
+    bnxt = {"rx_pause_frames": 11, "tx_pause_frames": 12, "rx_pfc_ena_frames_pri3": 13, "tx_pfc_frames": 0}
+    assert pause_totals(bnxt) == (24, 12)
+    assert pause_totals({"peer_ifindex": 2, "rx_queue_0_drops": 0}) is None
+
+
+@pytest.mark.kernel
+def test_the_ethtool_reader_reads_a_drivers_statistics(net):
+    """A real driver's statistics through SIOCETHTOOL: veth's `peer_ifindex` is the ifindex of its peer, which B's
+    own sysfs says; veth counts no pause frames, so the nic probe carries no pause fields for it."""
+    from jobprobe.kernel import ethtool, rtnl
+    sock = rtnl.socket_in(f"/var/run/netns/{net.a}", socket.AF_INET, socket.SOCK_DGRAM, 0)
+    try:
+        st = ethtool.stats(sock, net.va)
+        assert st["peer_ifindex"] == int(net.run(net.b, "cat", f"/sys/class/net/{net.vb}/ifindex"))
+        assert ethtool.PauseReader(sock).read(net.va) is None
+    finally:
+        sock.close()

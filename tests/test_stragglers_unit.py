@@ -8,7 +8,8 @@ import random
 from jobprobe.stragglers import StragglerWatch, causes, figures, Window
 
 
-def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None):
+def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
+          nic=None, rdma=None):
     cg = {"cpu_user_ns": int(cpu), "cpu_system_ns": 0, "cpu_throttled_ns": int(throttled)}
     if limit:
         cg["cpu_limit_cores"] = limit
@@ -16,6 +17,10 @@ def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, 
               "net": {"tcp_tx_bytes": 10 << 20, "tcp_rx_bytes": 10 << 20, "tcp_retransmits": retrans}}
     if gpu:
         probes["gpu"] = {"gpus": [gpu]}
+    if nic is not None:
+        probes["nic"] = nic
+    if rdma is not None:
+        probes["rdma"] = rdma
     return {"v": 1, "kind": "sample", "node": node, "job": "j", "run": "r", "seq": int(t), "t": t, "dt": 1.0,
             "probes": probes}
 
@@ -69,6 +74,22 @@ def test_a_lossy_link_and_a_slow_gpu_are_named_with_their_evidence():
                                 "clock_event_reasons": 0}}
     ev = run(w, 60, gpu)
     assert [(e[1], e[3]) for e in ev] == [("a", "straggler")] and ev[0][4]["causes"] == ["gpu_util"]
+
+
+def test_a_node_with_a_slow_rail_or_a_dead_rdma_port_is_named():
+    """The nic probe's rail comparison and the rdma probe's verdicts, across nodes: node b's second rail slow from
+    t = 1020 (every other node's rails even) — a straggler for its rail; node c's RDMA port fatal — for its port."""
+    w = StragglerWatch()
+    rails = lambda n, t: {"nic": {"rails": 2, "rails_slow": int(n == "b" and t >= 1020)}}     # noqa: E731
+    ev = run(w, 60, rails)
+    assert [(e[1], e[3]) for e in ev] == [("b", "straggler")] and ev[0][4]["causes"] == ["nic_rail"]
+    assert "one of its rails carried under half" in ev[0][4]["reason"]
+    w = StragglerWatch()
+    ports = lambda n, t: {"rdma": {"ports_fatal": int(n == "c" and t >= 1020), "ports_degraded": 0}}  # noqa: E731
+    ev = run(w, 60, ports)
+    assert [(e[1], e[3]) for e in ev] == [("c", "straggler")] and ev[0][4]["causes"] == ["rdma_port"]
+    w = StragglerWatch()
+    assert run(w, 60, lambda n, t: {"nic": {"rails": 2, "rails_slow": 0}}) == []
 
 
 def test_figures_absent_are_not_compared():

@@ -95,7 +95,8 @@ def tcp_send(host: str, port: int, nbytes: int) -> None:
     got = drain(s)
     info = retransmitted(s)
     s.close()
-    say(sent=sent, received=got, rtt_us=sorted(rtts)[len(rtts) // 2], **info)
+    say(sent=sent, received=got, rtt_us=sorted(rtts)[len(rtts) // 2], rtt_mean_us=sum(rtts) / max(1, len(rtts)),
+        **info)
 
 
 def udp_echo(port: int, reply: int) -> None:

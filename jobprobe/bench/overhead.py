@@ -60,21 +60,23 @@ action = "trace"
 
 def config_options(config: str, workdir: Path) -> tuple[str, list[str]]:
     """A config's probe part and the extra `jobprobe run` flags of its @options: @rules (the default rules, no
-    window opened on a steady job: the agent loaded, not tracing), @fire (a rule asking for a window all the time:
-    traced when a rule fired, within the tracer's budget), @every=S (a window every S s, as requests are)."""
+    window opened on a steady job: the agent loaded, not tracing), @fire[=S] (a rule asking for a window — of S s,
+    default 25 — all the time: traced when a rule fired, within the tracer's budget), @every=S (a 25 s window
+    every S s, as requests are)."""
     base, _, opts = config.partition("@")
     argv: list[str] = []
     for opt in filter(None, opts.split("@")):
         if opt == "rules":
             argv += ["--rules", "default"]
-        elif opt == "fire":
-            path = workdir / "fire-rule.toml"
-            path.write_text(FIRE_RULE)
+        elif opt == "fire" or opt.startswith("fire="):
+            secs = opt.partition("=")[2]
+            path = workdir / f"fire-rule{secs}.toml"
+            path.write_text(FIRE_RULE + (f"trace_s = {float(secs):g}\n" if secs else ""))
             argv += ["--rules", str(path)]
         elif opt.startswith("every="):
             argv += ["--trace-every", opt[len("every="):]]
         else:
-            raise BadInput(f"config {config!r}: unknown option @{opt} (known: @rules, @fire, @every=S)")
+            raise BadInput(f"config {config!r}: unknown option @{opt} (known: @rules, @fire[=S], @every=S)")
     if argv:
         argv += ["--trace-dir", str(workdir / "traces")]
     return base or "std", argv

@@ -45,6 +45,13 @@ GAUGES = (("sm_clock_mhz", "sm_clock", "nvmlDeviceGetClockInfo", (1,), 1),      
           ("pcie_rx_bytes_per_s", "pcie", "nvmlDeviceGetPcieThroughput", (1,), 1024))
 
 
+NO_DRIVER = f"no NVIDIA driver ({LIBRARY} not found)"
+INIT_ERRORS = {12: NO_DRIVER,                                                   # NVML_ERROR_LIBRARY_NOT_FOUND
+               9: f"NVIDIA driver not loaded ({LIBRARY} found, no kernel driver)",   # DRIVER_NOT_LOADED
+               18: "NVIDIA library and kernel driver versions differ (reload the driver)",  # LIB_RM_VERSION_MISMATCH
+               4: "no permission to use NVML"}                                  # NO_PERMISSION
+
+
 def decode_reasons(mask: int) -> list[str]:
     names = [name for bit, name in CLOCK_EVENT_NAMES.items() if mask & bit]
     rest = mask & ~sum(CLOCK_EVENT_NAMES)

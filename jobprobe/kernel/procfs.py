@@ -159,3 +159,19 @@ def cgroup_v1_path(proc: str, pid: int | str, controller: str) -> str | None:
         if controller in ctrls:
             return path
     return None
+
+
+def environ(proc: str, pid: int | str, keys: tuple[str, ...]) -> dict[str, str]:
+    """The variables named `keys` in a process's /proc/PID/environ (its environment at exec); {} when unreadable."""
+    try:
+        with open(f"{proc}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    want = {k.encode() for k in keys}
+    out = {}
+    for item in raw.split(b"\0"):
+        k, sep, v = item.partition(b"=")
+        if sep and k in want:
+            out[k.decode()] = v.decode(errors="replace")
+    return out

@@ -52,10 +52,12 @@ class Qdisc(NamedTuple):
     overlimits: int
 
 
-def socket_in(netns_path: str | None = None) -> socket.socket:
-    """A NETLINK_ROUTE socket for the namespace at `netns_path` (/proc/PID/ns/net), or ours when None."""
+def socket_in(netns_path: str | None = None, family: int = socket.AF_NETLINK, kind: int = socket.SOCK_RAW,
+              proto: int = socket.NETLINK_ROUTE) -> socket.socket:
+    """A socket (by default NETLINK_ROUTE) for the namespace at `netns_path` (/proc/PID/ns/net), or ours when None:
+    a socket answers for the namespace it was made in, whoever uses it later."""
     if netns_path is None:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
+        return socket.socket(family, kind, proto)
     out: list = []
 
     def inside() -> None:
@@ -68,7 +70,7 @@ def socket_in(netns_path: str | None = None) -> socket.socket:
                     raise OSError(err, f"setns {netns_path}: {os.strerror(err)}")
             finally:
                 os.close(fd)
-            out.append(socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE))
+            out.append(socket.socket(family, kind, proto))
         except OSError as err:
             out.append(err)
     t = threading.Thread(target=inside, name="rtnl-setns")

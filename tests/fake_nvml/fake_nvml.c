@@ -12,6 +12,7 @@
  *     I uuid GPU-…   I name …   I minor M   I lost 1           (I = GPU index)
  *     I util GPU MEM (%)        I mem TOTAL USED (bytes)       I clocks SM MEM (MHz)   I power MW
  *     I energy MJ (total)       I temp C   I pcie TX RX (KB/s) I throttle MASK         I ecc CORR UNCORR
+ *     I persistence 0|1         (persistence mode; default 1)
  *     I remap CORR UNCORR PENDING FAILURE  I nvlink_tx K0 K1 … (KiB per link, totals)  I nvlink_rx …
  *     I nvlink_no_aggregate 1   (refuse scopeId UINT_MAX, as some drivers do: callers must sum the links)
  *     I procs PID:BYTES …       I gprocs PID:BYTES …           (compute / graphics process lists)
@@ -59,7 +60,7 @@ struct mig {
 };
 struct dev {
     char uuid[96], name[96], unsupported[1024];
-    unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, power, temp, pcie_tx, pcie_rx, remap[4];
+    unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, power, temp, pcie_tx, pcie_rx, remap[4], nopersist;
     int lost, nlinks, no_aggregate, nprocs, ngprocs, nxids, gpm, ngpm;
     unsigned long long mem_total, mem_used, energy, throttle, ecc[2], nvl_tx[MAXLINK], nvl_rx[MAXLINK];
     unsigned long long xids[MAXXID];
@@ -128,6 +129,7 @@ static void load(void) {
         else if (!strcmp(key, "power")) d->power = atoi(v);
         else if (!strcmp(key, "energy")) d->energy = strtoull(v, NULL, 0);
         else if (!strcmp(key, "temp")) d->temp = atoi(v);
+        else if (!strcmp(key, "persistence")) d->nopersist = !atoi(v);
         else if (!strcmp(key, "pcie")) sscanf(v, "%u %u", &d->pcie_tx, &d->pcie_rx);
         else if (!strcmp(key, "throttle")) d->throttle = strtoull(v, NULL, 0);
         else if (!strcmp(key, "ecc")) sscanf(v, "%llu %llu", &d->ecc[0], &d->ecc[1]);
@@ -321,6 +323,9 @@ nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t h, int type, unsigned *mhz) {
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned *mw) { ENTER(h); *mw = d->power; return OK; }
 nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t h, unsigned long long *mj) {
     ENTER(h); *mj = d->energy; return OK;
+}
+nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t h, int *mode) {
+    ENTER(h); *mode = !d->nopersist; return OK;
 }
 nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t h, int sensor, unsigned *c) {
     ENTER(h); if (sensor != 0) return INVALID; *c = d->temp; return OK;
