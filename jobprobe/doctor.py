@@ -4,7 +4,7 @@ not a pass.
 
 Checks: root; BPF usable (a two-instruction program loaded, as the probes will); kernel BTF or headers (bcc
 compiles against them); a hardware PMU (perf's hardware counters); cgroup v2 and its controllers; PSI; NVML and
-the driver version; persistence mode per GPU; GPUDirect RDMA (nvidia_peermem) where GPUs and RDMA devices meet;
+the driver version; persistence mode and accounting mode (exited processes' GPU use) per GPU; GPUDirect RDMA (nvidia_peermem) where GPUs and RDMA devices meet;
 each GPU's nearest RDMA NIC (PCIe switch / host bridge / NUMA node, as `nvidia-smi topo -m` says it); ACS on the
 PCIe bridges between a GPU and its NIC (redirected peer-to-peer traffic: GPUDirect through the root complex);
 RDMA links up; RoCE ECN / PFC / DSCP trust where the driver exposes them in sysfs; MTU and rate alike across
@@ -69,6 +69,9 @@ class NvmlView:
 
     def persistence_mode(self, i: int) -> bool:
         return self.nv.nvmlDeviceGetPersistenceMode(self.nv.nvmlDeviceGetHandleByIndex(i)) == 1
+
+    def accounting_mode(self, i: int) -> bool:
+        return self.nv.nvmlDeviceGetAccountingMode(self.nv.nvmlDeviceGetHandleByIndex(i)) == 1
 
 
 def open_nvml() -> NvmlView | str:
@@ -194,6 +197,20 @@ def check_persistence(c: Ctx) -> Check:
         return Check("persistence", "warn", f"persistence mode off on GPU {', '.join(map(str, off))}: each job pays "
                      "the driver's initialisation, and a GPU left idle loses its state", "run nvidia-persistenced")
     return Check("persistence", "pass", "persistence mode on for every GPU")
+
+
+def check_accounting(c: Ctx) -> Check:
+    if not gpus(c) or isinstance(c.nvml, str) or c.nvml is None:
+        return Check("accounting", "absent", "no GPU reachable through NVML")
+    try:
+        off = [i for i in c.nvml.gpus() if not c.nvml.accounting_mode(i)]
+    except Exception as err:              # a driver without accounting
+        return Check("accounting", "absent", f"NVML accounting unavailable: {err}")
+    if off:
+        return Check("accounting", "warn", f"accounting mode off on GPU {', '.join(map(str, off))}: a job process "
+                     "that exits between two ticks leaves no record of its GPU use", "nvidia-smi -am 1 (as root, "
+                     "per boot; or in the node's GPU setup)")
+    return Check("accounting", "pass", "accounting mode on for every GPU")
 
 
 def check_gpudirect(c: Ctx) -> Check:
@@ -345,7 +362,7 @@ def check_clock(c: Ctx) -> Check:
 
 
 CHECKS: list[Callable[[Ctx], Check]] = [check_root, check_bpf, check_btf_headers, check_pmu, check_cgroup, check_psi,
-                                        check_nvml, check_persistence, check_gpudirect, check_affinity, check_acs,
+                                        check_nvml, check_persistence, check_accounting, check_gpudirect, check_affinity, check_acs,
                                         check_rdma_links, check_roce_qos, check_rails, check_clock]
 
 

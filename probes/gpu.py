@@ -138,6 +138,30 @@ class GpuProbe(Probe):
         "gpus[].other_procs": Field("int", "count", "other processes on NVML's process lists"),
         "gpus[].job_mem_bytes": Field("int", "bytes", "GPU memory of the job's processes (sum of usedGpuMemory)"),
         "gpus[].procs": Field("list[map]", "—", "the job's processes on it: {pid, mem_bytes (null: NVML can't tell)}"),
+        "gpus[].sharing": Field("str", "—", "how the GPU is shared: exclusive (only the job's processes), "
+                                "time-slicing (other jobs' processes have contexts on it), mps (an MPS server "
+                                "runs it: other clients' work runs beside the job's)"),
+        "gpus[].job_mem_share": Field("float", "ratio", "the job's GPU memory (job_mem_bytes) over the GPU's memory "
+                                      "used (mem_used_bytes, every process and the driver's own)", kind="gauge"),
+        "gpus[].job_sm_pct": Field("float", "%", "the job's own SM utilization this interval: each of its processes' "
+                                   "per-process samples averaged, summed over its processes (NVML per-process "
+                                   "utilization)", kind="gauge"),
+        "gpus[].job_mem_util_pct": Field("float", "%", "the job's own memory-controller utilization, as job_sm_pct",
+                                         kind="gauge"),
+        "gpus[].job_enc_pct": Field("float", "%", "the job's own encoder utilization, as job_sm_pct", kind="gauge"),
+        "gpus[].job_dec_pct": Field("float", "%", "the job's own decoder utilization, as job_sm_pct", kind="gauge"),
+        "gpus[].others_sm_pct": Field("float", "%", "the SM utilization of every other process on the GPU, as "
+                                      "job_sm_pct: job_sm_pct + others_sm_pct is the GPU's, as its processes' "
+                                      "samples add up", kind="gauge"),
+        "gpus[].util_samples": Field("int", "count", "per-process samples the driver took this interval (each read "
+                                     "once: the newest time stamp seen is carried to the next tick)"),
+        "gpus[].util_source": Field("str", "—", "the call that gave them: ProcessesUtilizationInfo (newer drivers) "
+                                    "or ProcessUtilization"),
+        "gpus[].accounting": Field("bool", "—", "NVML accounting mode is on (exited processes are counted; "
+                                   "`nvidia-smi -am 1`)"),
+        "gpus[].exited": Field("list[map]", "—", "the job's processes on this GPU that exited since the last tick, "
+                               "each once, from NVML accounting: {pid, gpu_util_pct and mem_util_pct (over its "
+                               "life), max_mem_bytes, time_ms}"),
         "gpus[].util_gpu_pct": Field("int", "%", "time a kernel ran, over the driver's last sample period"),
         "gpus[].util_mem_pct": Field("int", "%", "time device memory was read or written, same period"),
         "gpus[].mem_used_bytes": Field("int", "bytes", "device memory used, all processes"),
@@ -228,6 +252,7 @@ class GpuProbe(Probe):
             nvml.close()
             raise ProbeUnavailable(INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")) from err
         self.nvml, self.target, self.rules, self.told_lost = nvml, target, {}, set()
+        self.seen_on: dict[int, set[int]] = {}      # GPU index → the job's pids seen on it, until their exit is told
         try:
             self.rules, _, self.mig_rules, _ = self._membership(set(target.pids()))
             for g in nvml.live():
@@ -386,6 +411,12 @@ class GpuProbe(Probe):
             else:
                 entry["xid_errors"] = xids.get(g.index, 0)
                 entry.update(self._attribution(procs.get(g.index), pids))
+                try:
+                    entry.update(self._share(g, procs.get(g.index), pids))
+                except GpuLost:
+                    self._mark_lost(g)
+                if entry.get("mem_used_bytes") and "job_mem_bytes" in entry:
+                    entry["job_mem_share"] = round(entry["job_mem_bytes"] / entry["mem_used_bytes"], 4)
                 if g.migs:
                     entry["mig"] = self._migs(g, mig_rules, mig_procs, pids)
             gpus.append(entry)
@@ -419,6 +450,45 @@ class GpuProbe(Probe):
                 break          # the whole GPU: marked lost at its next read
             entry.update(self._attribution(procs.get(m), pids))
             out.append(entry)
+        return out
+
+    def _share(self, g: Gpu, procs: dict | None, pids: set[int]) -> dict:
+        """The job's own share of the GPU: its processes' per-process utilization samples (each read once), the
+        others' beside them, how the GPU is shared, and the job's processes that exited since the last tick
+        (NVML accounting, once each). Raises GpuLost."""
+        nvml, out = self.nvml, {}
+        samples = nvml.process_samples(g)
+        seen = self.seen_on.setdefault(g.index, set())
+        if samples is not None:
+            by_pid: dict[int, list[tuple]] = {}
+            for pid, _, *vals in samples:
+                by_pid.setdefault(pid, []).append(vals)
+
+            def total(which: list[int], i: int) -> float:
+                return round(sum(sum(v[i] for v in by_pid[p]) / len(by_pid[p]) for p in which), 2)
+            mine = [p for p in by_pid if p in pids]
+            others = [p for p in by_pid if p not in pids]
+            out.update(job_sm_pct=total(mine, 0), job_mem_util_pct=total(mine, 1), job_enc_pct=total(mine, 2),
+                       job_dec_pct=total(mine, 3), others_sm_pct=total(others, 0), util_samples=len(samples),
+                       util_source=nvml.util_source())
+            seen |= set(mine)
+        if procs is not None:
+            seen |= {p for p in procs if p in pids}
+            mps = nvml.call(g, "mps_processes")
+            out["sharing"] = "mps" if mps else ("time-slicing" if any(p not in pids for p in procs) else "exclusive")
+        gone = [p for p in seen if p not in pids]
+        if gone:
+            exited = []
+            for pid in sorted(gone):
+                rec = nvml.accounting(g, pid)
+                if rec is None or not rec.pop("running"):
+                    seen.discard(pid)          # told once (or never: no accounting), not asked again
+                    if rec is not None:
+                        exited.append(rec)
+            if exited:
+                out["exited"] = exited
+        if "accounting_mode" not in nvml.missing and "accounting_mode" not in g.unsupported:
+            out["accounting"] = nvml.call(g, "accounting_mode", fn=nvml.nv.nvmlDeviceGetAccountingMode) == 1
         return out
 
     @staticmethod

@@ -7,7 +7,8 @@
 #   1. checks what is there (nvidia-smi, pynvml, torch with CUDA, bcc for the uprobe-based `cuda` probe);
 #   2. runs the GPU reference job (scripts/train_gpu.py) under `jobprobe run --probes +gpu[,+cuda]`, while
 #      sampling `nvidia-smi --query-gpu` once a second beside it;
-#   3. cross-checks jobprobe's per-tick GPU utilization, memory used and power against nvidia-smi's samples
+#   3. cross-checks jobprobe's per-tick GPU utilization, memory used and power against nvidia-smi's samples, and
+#      the job's own SM share (per-process samples) against `nvidia-smi pmon`'s sm column
 #      (medians over the run), checks the job was matched to its GPU, and that CUDA launch counts are non-zero
 #      and plausible when the `cuda` probe could run;
 #   4. a few paired runs of the job without and with standard collection (+gpu): the slowdown;
@@ -39,9 +40,11 @@ echo "== the GPU reference job under jobprobe ($probes), nvidia-smi sampled besi
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,power.draw --format=csv,noheader,nounits \
   -l 1 > "$out/nvidia-smi.csv" &
 smi=$!
+nvidia-smi pmon -s u -d 1 > "$out/pmon.txt" 2>/dev/null &      # per-process SM % (the driver's samples)
+pmon=$!
 $py -m jobprobe.cli run --probes="$probes" --out "$out/frames.mpk" --stdout -- \
   $py scripts/train_gpu.py --steps "$steps" | tail -n 5 | cut -c1-300
-kill $smi 2>/dev/null; wait $smi 2>/dev/null
+kill $smi $pmon 2>/dev/null; wait $smi $pmon 2>/dev/null
 
 echo "== paired runs: the job without and with standard collection (+gpu)"
 $py -m jobprobe.cli bench overhead --config std+gpu --max-runs 6 --warmup 1 --json "$out/overhead.json" \
@@ -70,6 +73,17 @@ if samples:
         good = abs(a - b) <= (tol if k == "util_gpu_pct" else tol * max(b, 1))
         res[f"{k}_agrees"] = good
         ok &= good
+    # the job's own SM share (per-process samples) against nvidia-smi pmon's per-process sm column for its pids
+    pm = []
+    for line in open(f"{out}/pmon.txt", errors="replace"):
+        parts = line.split()
+        if len(parts) > 4 and not line.startswith("#") and parts[3].isdigit():
+            pm.append(float(parts[3]))                        # gpu pid type sm mem enc dec … : sm
+    shares = [x["job_sm_pct"] for x in g if x.get("util_samples")]
+    res["job_sm_pct"] = {"jobprobe": med(shares), "nvidia_smi_pmon": med(pm), "source": g[-1].get("util_source")}
+    if shares and pm:
+        res["job_sm_pct_agrees"] = abs(med(shares) - med(pm)) <= 15
+        ok &= res["job_sm_pct_agrees"]
     cuda = [s["probes"].get("cuda", {}) for s in samples]
     launches = sum(c.get("kernel_launches", 0) for c in cuda)
     res["cuda_kernel_launches"] = launches if any(cuda) else "not run"

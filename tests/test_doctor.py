@@ -53,7 +53,7 @@ class Node:
         self.t.pci(chain, NV, GPU_CLS, numa, hb, acs)
         i = self.state.count
         self.state.gpu(i, uuid=f"GPU-{i:08d}-0000-4000-8000-000000000000", name="NVIDIA H100 80GB HBM3",
-                       minor=i).write()
+                       minor=i, accounting=1).write()
         return self
 
     def nic(self, name: str, chain: list[str], numa: int = 0, hb: str = "pci0000:00", acs: int | None = None,
@@ -101,8 +101,8 @@ def good_node(node: Node, acs: int | None = 0) -> Node:
 def test_a_healthy_fixture_node_passes_every_check_it_can(node, nvml_dir):
     code, c = good_node(node).run(nvml_dir)
     assert c["nvml"]["status"] == "pass" and "550.54.15" in c["nvml"]["detail"] and "1 GPU" in c["nvml"]["detail"]
-    for name in ("btf_or_headers", "pmu", "cgroup_v2", "psi", "persistence", "gpudirect", "gpu_nic_affinity", "acs",
-                 "rdma_links", "rails"):
+    for name in ("btf_or_headers", "pmu", "cgroup_v2", "psi", "persistence", "accounting", "gpudirect",
+                 "gpu_nic_affinity", "acs", "rdma_links", "rails"):
         assert c[name]["status"] == "pass", c[name]
     assert "PIX" in c["gpu_nic_affinity"]["detail"]
     assert c["roce_qos"]["status"] == "absent"        # InfiniBand ports only
@@ -116,6 +116,7 @@ def test_a_healthy_fixture_node_passes_every_check_it_can(node, nvml_dir):
     ("port_down", "rdma_links", "fail", "mlx5_1/1 DOWN"),
     ("slow_rail", "rails", "warn", "200 Gb/s"),
     ("no_persistence", "persistence", "warn", "GPU 0"),
+    ("no_accounting", "accounting", "warn", "GPU 0"),
     ("old_driver", "nvml", "warn", "470.57.02"),
     ("no_driver", "nvml", "fail", "no NVIDIA driver"),
     ("no_headers", "btf_or_headers", "fail", "no kernel headers"),
@@ -143,6 +144,8 @@ def test_each_check_fails_for_its_own_reason(node, nvml_dir, breakage, check, st
         (node.root / "sys/class/infiniband/mlx5_1/ports/1/rate").write_text("200 Gb/sec (4X HDR)\n")
     elif breakage == "no_persistence":
         node.state.gpu(0, persistence=0).write()
+    elif breakage == "no_accounting":
+        node.state.gpu(0, accounting=0).write()
     elif breakage == "old_driver":
         node.state.driver = "470.57.02"
         node.state.write()
@@ -167,7 +170,7 @@ def test_each_check_fails_for_its_own_reason(node, nvml_dir, breakage, check, st
     assert c[check]["fix"]
     assert code == (3 if status == "fail" else code) and code >= doctor.ORDER[status]
     others = {k: v["status"] for k, v in c.items() if k not in (check, "root", "bpf", "clock", "roce_qos")
-              and not (check == "nvml" and k == "persistence")
+              and not (check == "nvml" and k in ("persistence", "accounting"))
               and not (breakage in ("far_nic", "host_bridge") and k in ("acs", "rails"))
               and not (breakage == "port_down" and k == "rails")}      # (one active port left: no rails to compare)
     assert set(others.values()) == {"pass"}, others      # one breakage, one verdict
@@ -221,7 +224,7 @@ def test_on_this_machine_the_doctor_tells_the_truth():
     gpus = any(Path(p, "vendor").read_text().strip() == "0x10de" for p in Path("/sys/bus/pci/devices").iterdir())
     rdma_here = Path("/sys/class/infiniband").is_dir() and any(Path("/sys/class/infiniband").iterdir())
     if not gpus:
-        assert c["nvml"] == c["persistence"] == "absent"
+        assert c["nvml"] == c["persistence"] == c["accounting"] == "absent"
     if not (gpus and rdma_here):
         assert c["gpudirect"] == c["gpu_nic_affinity"] == c["acs"] == "absent"
     if not rdma_here:

@@ -129,8 +129,10 @@ def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
         "nvlink_tx_bytes": (50 + 60) * 1024, "nvlink_rx_bytes": 3 * 1024,
         "gpm_sm_active_pct": 45.5, "gpm_sm_occupancy_pct": 30.25, "gpm_tensor_active_pct": 12.0,
         "gpm_dram_bw_pct": 60.0, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
-        "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}]}
-    assert set(g) | {"gpus", "ngpus", "node_gpus", "note", "unsupported"} == \
+        "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}], "sharing": "exclusive",
+        "job_mem_share": 0.3, "job_sm_pct": 0, "job_mem_util_pct": 0, "job_enc_pct": 0, "job_dec_pct": 0,
+        "others_sm_pct": 0, "util_samples": 0, "util_source": "ProcessesUtilizationInfo", "accounting": False}
+    assert set(g) | {"gpus", "ngpus", "node_gpus", "note", "unsupported", "exited"} == \
         {k.removeprefix("gpus[].") for k in GpuProbe.fields if not k.startswith("gpus[].mig")}, \
         "every declared field, and only those (MIG: test_mig_devices_of_two_jobs)"
     fake.gpu(0, energy=5_000_000 + 312_000 + 1000, util="90 80").write()
@@ -368,8 +370,9 @@ def fake_env(fake_lib, state):
 
 @pytest.mark.skipif(not IS_ROOT, reason="needs root: `-- CMD` creates a cgroup2 group")
 def test_cli_end_to_end_with_the_fake_on_ld_library_path(fake, fake_lib):
-    """A real subprocess: pynvml finds the fake by LD_LIBRARY_PATH; the job puts itself on GPU 0's process list."""
-    job = [sys.executable, str(FAKE_DIR / "gpu_job.py"), "0", str(7 * GiB), "2.5"]
+    """A real subprocess: pynvml finds the fake by LD_LIBRARY_PATH; the job puts itself on GPU 0's process list
+    and writes per-process samples of itself."""
+    job = [sys.executable, str(FAKE_DIR / "gpu_job.py"), "0", str(7 * GiB), "2.5", "37"]
     res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,gpu", "--stdout", "json",
                           "--interval", "0.5", "--", *job], env=fake_env(fake_lib, fake.path), cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
@@ -385,6 +388,10 @@ def test_cli_end_to_end_with_the_fake_on_ld_library_path(fake, fake_lib):
             (0, UUID[0], "process", 55, 10 * GiB, 312000)
         assert g["procs"] == [{"pid": pid, "mem_bytes": 7 * GiB}] and g["job_mem_bytes"] == 7 * GiB
     assert all(g["energy_mj"] == 0 for g in on[1:])   # the fake's counter stands still
+    # the job's own share beside the device's: the samples the job wrote of itself (37%), none of others
+    sampled = [g for g in on if g.get("util_samples")]
+    assert len(sampled) >= 2 and all((g["job_sm_pct"], g["others_sm_pct"], g["util_gpu_pct"]) == (37, 0, 55)
+                                     for g in sampled), on
 
 
 @pytest.mark.parametrize("code,why", [(9, "NVIDIA driver not loaded"), (999, "nvmlInit failed: Unknown Error")])
@@ -479,3 +486,81 @@ def test_real_cuda_process_found_on_the_process_list():
         job.wait()
     g = ticks[-1]["gpus"][0]
     assert g["rule"] == "process" and g["procs"][0]["pid"] == job.pid and g["job_mem_bytes"] >= 1 << 30
+
+
+# ---- the job's own share of a shared GPU (per-process utilization, accounting) -------------------------------------
+def test_two_jobs_on_one_gpu_each_get_their_own_share_and_the_rest_is_others(fake, spawn, probes):
+    """Jobs A and B and a third process C on GPU 0, with per-process samples written to the fake: each job's SM
+    share is the mean of its own process's samples, `others` the rest, and job + others is the GPU's figure (the
+    fake's device utilization, set to the samples' sum). Each sample is read once: the next tick, with no new
+    sample, reads 0; a later sample counts in the tick after it."""
+    a, b, c = spawn(), spawn(), spawn()
+    fake.gpu(0, procs=f"{a.pid}:{GiB} {b.pid}:{2 * GiB} {c.pid}:{GiB}", putil=f"{a.pid}:500:99:99:0:0").write()
+    pa, pb = probes(PidTreeTarget([a.pid])), probes(PidTreeTarget([b.pid]))   # the old sample: left behind
+    fake.gpu(0, util="58 20", putil=" ".join([f"{a.pid}:1000:30:10:0:0", f"{a.pid}:2000:34:12:4:0",
+                                              f"{b.pid}:1000:20:5:0:2", f"{b.pid}:2000:22:7:0:2",
+                                              f"{c.pid}:1500:5:1:0:0"])).write()
+    ga, gb = pa.sample()["gpus"][0], pb.sample()["gpus"][0]
+    assert (ga["job_sm_pct"], ga["job_mem_util_pct"], ga["job_enc_pct"], ga["others_sm_pct"]) == (32, 11, 2, 26)
+    assert (gb["job_sm_pct"], gb["job_dec_pct"], gb["others_sm_pct"]) == (21, 2, 37)
+    assert ga["job_sm_pct"] + ga["others_sm_pct"] == gb["job_sm_pct"] + gb["others_sm_pct"] == ga["util_gpu_pct"]
+    assert ga["util_samples"] == 5 and ga["util_source"] == "ProcessesUtilizationInfo"
+    assert ga["sharing"] == gb["sharing"] == "time-slicing" and ga["job_mem_share"] == 0.1     # 1 GiB of 10
+    again = pa.sample()["gpus"][0]
+    assert (again["job_sm_pct"], again["util_samples"]) == (0, 0)          # no sample twice
+    fake.gpu(0, putil=f"{a.pid}:3000:50:0:0:0").write()
+    assert pa.sample()["gpus"][0]["job_sm_pct"] == 50
+
+
+def test_a_process_that_exits_between_ticks_is_counted_once_through_accounting(fake, spawn, probes):
+    """Accounting mode on: a job process seen on the GPU exits mid-interval; the next frame lists it in `exited`
+    with the driver's record of its whole life, and no later frame lists it again. With accounting off there is
+    no record to give: `accounting` false, nothing in `exited`."""
+    a1, a2 = spawn(), spawn()
+    fake.gpu(0, procs=f"{a1.pid}:{GiB} {a2.pid}:{GiB}", accounting=1,
+             acct=f"{a1.pid}:60:20:{GiB}:9000:100:1 {a2.pid}:40:10:{2 * GiB}:1500:200:0").write()
+    ta = PidTreeTarget([a1.pid, a2.pid])
+    p = probes(ta)
+    first = p.sample()["gpus"][0]
+    assert first["accounting"] is True and "exited" not in first
+    a2.kill()
+    a2.wait()
+    fake.gpu(0, procs=f"{a1.pid}:{GiB}").write()
+    ta.refresh()                                  # (the sampler's tick refreshes the target first)
+    told = p.sample()["gpus"][0]["exited"]
+    assert told == [{"pid": a2.pid, "gpu_util_pct": 40, "mem_util_pct": 10, "max_mem_bytes": 2 * GiB,
+                     "time_ms": 1500}]
+    assert "exited" not in p.sample()["gpus"][0]
+    b1, b2 = spawn(), spawn()
+    fake.gpu(0, procs=f"{b1.pid}:{GiB} {b2.pid}:{GiB}", accounting=0).write()
+    tb = PidTreeTarget([b1.pid, b2.pid])
+    q = probes(tb)
+    q.sample()
+    b2.kill()
+    b2.wait()
+    tb.refresh()
+    g = q.sample()["gpus"][0]
+    assert g["accounting"] is False and "exited" not in g
+
+
+def test_a_driver_without_the_newer_call_falls_back_and_unsupported_is_said_once(fake, spawn, probes):
+    """nvmlDeviceGetProcessesUtilizationInfo missing from the driver (FUNCTION_NOT_FOUND): the older
+    nvmlDeviceGetProcessUtilization gives the same share, and the newer one is never asked again. Per-process
+    utilization not supported on a GPU: the fields are absent, `unsupported` says so in one frame, and the driver
+    is asked once (the fake's call log)."""
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}", missing="nvmlDeviceGetProcessesUtilizationInfo").write()
+    p = probes(PidTreeTarget([job.pid]))
+    fake.gpu(0, putil=f"{job.pid}:1000:44:3:0:0 {job.pid}:2000:46:5:0:0").write()
+    g = [p.sample()["gpus"][0] for _ in range(3)]
+    assert (g[0]["job_sm_pct"], g[0]["util_source"]) == (45, "ProcessUtilization") and g[1]["job_sm_pct"] == 0
+    assert fake.calls("nvmlDeviceGetProcessesUtilizationInfo") == 1
+    other = spawn()
+    fake.gpu(1, procs=f"{other.pid}:{GiB}", unsupported="nvmlDeviceGetProcessesUtilizationInfo").write()
+    q = probes(PidTreeTarget([other.pid]))
+    frames = [q.sample() for _ in range(3)]
+    assert all("job_sm_pct" not in f["gpus"][0] for f in frames)
+    said = [f.get("unsupported", []) for f in frames]
+    assert said[0] == ["gpu1.process_util"] or "gpu1.process_util" in sum(said, [])
+    assert sum(s.count("gpu1.process_util") for s in said) == 1
+    assert fake.calls("nvmlDeviceGetProcessesUtilizationInfo", 1) == 1

@@ -23,7 +23,7 @@ from jobprobe.probe import delta
 log = logging.getLogger("jobprobe.gpu")
 
 LIBRARY = "libnvidia-ml.so.1"      # the name pynvml dlopen()s on Linux
-GPU_IS_LOST, TIMEOUT = 15, 10      # NVML_ERROR_*
+GPU_IS_LOST, TIMEOUT, NOT_FOUND = 15, 10, 6      # NVML_ERROR_*
 STICKY_GPU = {3: "not supported", 4: "no permission"}                      # this GPU will not, ever
 MISSING = {13: "function not found", 25: "argument version mismatch"}       # this driver cannot, for any GPU
 XID_EVENT = 0x8                    # nvmlEventTypeXidCriticalError
@@ -78,6 +78,7 @@ class Gpu:
         self.gpm: list | None = None             # [previous sample, spare sample] while GPM runs
         self.nvlinks: int | None = None          # set when the driver refuses the all-links scope: sum per link
         self.migs: list[Mig] = []                # its MIG devices, when MIG mode is on
+        self.util_seen = 0                       # µs: the newest per-process utilization sample read
         # Event data names the GPU by handle: compare the pointers' values.
         self.addr = ctypes.cast(handle, ctypes.c_void_p).value if handle is not None else None
 
@@ -116,13 +117,37 @@ class Nvml:
                                        "nvmlDeviceGetComputeRunningProcesses_v2"],
                  "graphics_processes": ["nvmlDeviceGetGraphicsRunningProcesses_v3",
                                         "nvmlDeviceGetGraphicsRunningProcesses_v2"],
-                 "mps_processes": ["nvmlDeviceGetMPSComputeRunningProcesses_v3"]}
+                 "mps_processes": ["nvmlDeviceGetMPSComputeRunningProcesses_v3"],
+                 "process_util": ["_util_info", "_util_samples"]}
         # metric → the functions to try, newest first; one the driver lacks is dropped for good (all GPUs)
         self.fns = {m: [f for n in ns if (f := getattr(self, n, None) or getattr(nv, n, None))]
                     for m, ns in names.items()}
 
     def _memory_v2(self, handle):
         return self.nv.nvmlDeviceGetMemoryInfo(handle, version=self.nv.nvmlMemory_v2)
+
+    # Per-process utilization samples newer than `since` (µs), newest API first; NVML_ERROR_NOT_FOUND is "no sample
+    # since then", not a failure.
+    def _util_info(self, handle, since):
+        return self._no_samples_ok(self.nv.nvmlDeviceGetProcessesUtilizationInfo, handle, since)
+
+    def _util_samples(self, handle, since):
+        return self._no_samples_ok(self.nv.nvmlDeviceGetProcessUtilization, handle, since)
+
+    def _no_samples_ok(self, fn, handle, since):
+        try:
+            return fn(handle, since)
+        except self.nv.NVMLError as err:
+            if err.value == NOT_FOUND:
+                return []
+            raise
+
+    def util_source(self) -> str | None:
+        """Which call gives per-process utilization on this driver (None: neither)."""
+        fns = self.fns.get("process_util") or []
+        if "process_util" in self.missing or not fns:
+            return None
+        return "ProcessesUtilizationInfo" if fns[0].__name__ == "_util_info" else "ProcessUtilization"
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -275,12 +300,36 @@ class Nvml:
                 out[p.pid] = mem if out.get(p.pid) is None else max(out[p.pid], mem or 0)
         return out if seen else None
 
+    def process_samples(self, g: Gpu) -> list[tuple[int, int, int, int, int, int]] | None:
+        """(pid, µs, sm %, mem %, enc %, dec %) of every per-process sample the driver took since the last call for
+        this GPU — each sample once; None when the driver cannot say. Raises GpuLost."""
+        got = self.call(g, "process_util", g.util_seen)
+        if got is None:
+            return None
+        out = [(s.pid, s.timeStamp, s.smUtil, s.memUtil, s.encUtil, s.decUtil) for s in got]
+        if out:
+            g.util_seen = max(g.util_seen, max(s[1] for s in out))
+        return out
+
+    def accounting(self, g: Gpu, pid: int) -> dict | None:
+        """NVML's accounting record of one process on this GPU (the driver keeps it after the process exits, when
+        accounting mode is on), or None (mode off, no record). Raises GpuLost."""
+        if self.call(g, "accounting_mode", fn=self.nv.nvmlDeviceGetAccountingMode) != 1:
+            return None
+        st = self.call(g, "accounting_stats", pid, fn=self.nv.nvmlDeviceGetAccountingStats)
+        if st is None:
+            return None
+        return {"pid": pid, "gpu_util_pct": st.gpuUtilization, "mem_util_pct": st.memoryUtilization,
+                "max_mem_bytes": st.maxMemoryUsage, "time_ms": st.time, "running": bool(st.isRunning)}
+
     # ---- per-tick values -----------------------------------------------------------------------------------
     def prime(self, g: Gpu, counters: bool) -> None:
         """Baselines for a GPU that just became the job's: the first GPM sample, and (at start) the counters, so
         that the next read reports deltas over one whole interval."""
         if counters:
             g.prev = self.counters(g)
+        if not isinstance(g, Mig):
+            self.process_samples(g)       # the samples before it was the job's: read and left behind
         self.free_gpm(g)                  # (a GPU back in the job: its old samples go first)
         metric = gpm_metric(g)
         if metric in g.unsupported or metric in self.missing:

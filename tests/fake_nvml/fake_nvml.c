@@ -19,6 +19,10 @@
  *     I xids X …                (every XID so far; an event set sees those added after it registered)
  *     I gpm 1                   I gpm_values ID=VALUE …        (GPM support; metric values over an interval)
  *     I unsupported nvmlFnName …  (those functions return NVML_ERROR_NOT_SUPPORTED for this GPU)
+ *     I missing nvmlFnName …      (those return NVML_ERROR_FUNCTION_NOT_FOUND: a driver older than the call)
+ *     I putil PID:TS:SM:MEM:ENC:DEC …   per-process utilization samples (TS in µs); both per-process calls return
+ *                                      those newer than the caller's last-seen time stamp (NOT_FOUND when none)
+ *     I accounting 0|1          I acct PID:GPU%:MEM%:MAXMEM:TIME_MS:START_US:RUNNING …   (accounting mode, records)
  *     I mig_mode 1              (MIG enabled: device calls other than identity, memory and processes refuse the
  *                                MIG devices' handles, as NVML does)
  *     I mig SLOT UUID GI CI TOTAL USED      a MIG device in slot SLOT (0..6): MIG-UUID, GPU and compute instance
@@ -38,7 +42,7 @@
 
 typedef int nvmlReturn_t;
 enum { OK = 0, UNINIT = 1, INVALID = 2, NOT_SUPPORTED = 3, NOT_FOUND = 6, INSUFFICIENT = 7, TIMEOUT = 10,
-       LOST = 15, VERSION_MISMATCH = 25 };
+       FUNCTION_NOT_FOUND = 13, LOST = 15, VERSION_MISMATCH = 25 };
 
 #define MAXDEV 8
 #define MAXPROC 32
@@ -69,6 +73,10 @@ struct dev {
     double gpm_val[MAXGPM];
     int mig_mode;
     struct mig migs[MAXMIG];
+    char missing[1024];
+    int nps, acct_mode, nacct;
+    struct { unsigned pid, sm, mem, enc, dec; unsigned long long ts; } ps[MAXPROC];
+    struct { unsigned pid, gpu, mem, running; unsigned long long maxmem, time_ms, start_us; } acct[MAXPROC];
 };
 static struct { int count; char driver[32]; struct dev d[MAXDEV]; } S;
 typedef struct handle { int index, mig; } *nvmlDevice_t;   /* mig: the MIG slot, -1 for a whole GPU */
@@ -141,6 +149,23 @@ static void load(void) {
         else if (!strcmp(key, "nvlink_rx")) parse_ulls(v, d->nvl_rx, MAXLINK);
         else if (!strcmp(key, "nvlink_no_aggregate")) d->no_aggregate = atoi(v);
         else if (!strcmp(key, "procs")) d->nprocs = parse_procs(v, d->procs);
+        else if (!strcmp(key, "missing")) snprintf(d->missing, sizeof d->missing, " %s ", v);
+        else if (!strcmp(key, "accounting")) d->acct_mode = atoi(v);
+        else if (!strcmp(key, "putil") || !strcmp(key, "acct")) {
+            int is_ps = key[0] == 'p';
+            for (char *save, *tok = strtok_r(v, " \t", &save); tok; tok = strtok_r(NULL, " \t", &save)) {
+                if (is_ps && d->nps < MAXPROC) {
+                    typeof(&d->ps[0]) p = &d->ps[d->nps];
+                    if (sscanf(tok, "%u:%llu:%u:%u:%u:%u", &p->pid, &p->ts, &p->sm, &p->mem, &p->enc, &p->dec) == 6)
+                        d->nps++;
+                } else if (!is_ps && d->nacct < MAXPROC) {
+                    typeof(&d->acct[0]) a = &d->acct[d->nacct];
+                    if (sscanf(tok, "%u:%u:%u:%llu:%llu:%llu:%u", &a->pid, &a->gpu, &a->mem, &a->maxmem, &a->time_ms,
+                               &a->start_us, &a->running) == 7)
+                        d->nacct++;
+                }
+            }
+        }
         else if (!strcmp(key, "gprocs")) d->ngprocs = parse_procs(v, d->gprocs);
         else if (!strcmp(key, "xids")) d->nxids = parse_ulls(v, d->xids, MAXXID);
         else if (!strcmp(key, "gpm")) d->gpm = atoi(v);
@@ -235,6 +260,8 @@ static nvmlReturn_t enter_any(const char *fn, nvmlDevice_t h, struct dev **out, 
     snprintf(pat, sizeof pat, " %s ", fn);
     if (strstr(d->unsupported, pat))
         return NOT_SUPPORTED;
+    if (strstr(d->missing, pat))
+        return FUNCTION_NOT_FOUND;
     *out = d;
     return OK;
 }
@@ -324,6 +351,81 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned *mw) { ENTER(h); *
 nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t h, unsigned long long *mj) {
     ENTER(h); *mj = d->energy; return OK;
 }
+/* ---- per-process utilization and accounting ------------------------------------------------------------- */
+typedef struct { unsigned pid; unsigned long long timeStamp; unsigned smUtil, memUtil, encUtil, decUtil; }
+    nvmlProcessUtilizationSample_t;
+typedef struct { unsigned long long timeStamp; unsigned pid, smUtil, memUtil, encUtil, decUtil, jpgUtil, ofaUtil; }
+    nvmlProcessUtilizationInfo_v1_t;
+typedef struct { unsigned version, processSamplesCount; unsigned long long lastSeenTimeStamp;
+                 nvmlProcessUtilizationInfo_v1_t *procUtilArray; } nvmlProcessesUtilizationInfo_t;
+#define PROCESSES_UTILIZATION_INFO_V1 0x01000018u
+
+static int newer(struct dev *d, unsigned long long last, int *idx) {
+    int n = 0;
+    for (int i = 0; i < d->nps; i++)
+        if (d->ps[i].ts > last)
+            idx[n++] = i;
+    return n;
+}
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t h, nvmlProcessUtilizationSample_t *out, unsigned *count,
+                                             unsigned long long last) {
+    ENTER(h);
+    int idx[MAXPROC], n = newer(d, last, idx);
+    if (!n) return NOT_FOUND;
+    if (!out || *count < (unsigned)n) { *count = n; return INSUFFICIENT; }
+    for (int i = 0; i < n; i++) {
+        typeof(&d->ps[0]) p = &d->ps[idx[i]];
+        out[i] = (nvmlProcessUtilizationSample_t){p->pid, p->ts, p->sm, p->mem, p->enc, p->dec};
+    }
+    *count = n;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(nvmlDevice_t h, nvmlProcessesUtilizationInfo_t *info) {
+    ENTER(h);
+    if (info->version != PROCESSES_UTILIZATION_INFO_V1) return VERSION_MISMATCH;
+    int idx[MAXPROC], n = newer(d, info->lastSeenTimeStamp, idx);
+    if (!n) return NOT_FOUND;
+    if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
+        info->processSamplesCount = n;
+        return INSUFFICIENT;
+    }
+    for (int i = 0; i < n; i++) {
+        typeof(&d->ps[0]) p = &d->ps[idx[i]];
+        info->procUtilArray[i] = (nvmlProcessUtilizationInfo_v1_t){p->ts, p->pid, p->sm, p->mem, p->enc, p->dec, 0, 0};
+    }
+    info->processSamplesCount = n;
+    return OK;
+}
+typedef struct { unsigned gpuUtilization, memoryUtilization; unsigned long long maxMemoryUsage, time, startTime;
+                 unsigned isRunning, reserved[5]; } nvmlAccountingStats_t;
+nvmlReturn_t nvmlDeviceGetAccountingMode(nvmlDevice_t h, int *mode) {
+    ENTER(h); *mode = d->acct_mode; return OK;
+}
+nvmlReturn_t nvmlDeviceGetAccountingBufferSize(nvmlDevice_t h, unsigned *size) {
+    ENTER(h); *size = MAXPROC; return OK;
+}
+nvmlReturn_t nvmlDeviceGetAccountingPids(nvmlDevice_t h, unsigned *count, unsigned *pids) {
+    ENTER(h);
+    if (!d->acct_mode) return NOT_SUPPORTED;
+    if (*count < (unsigned)d->nacct) { *count = d->nacct; return INSUFFICIENT; }
+    for (int i = 0; i < d->nacct; i++)
+        pids[i] = d->acct[i].pid;
+    *count = d->nacct;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetAccountingStats(nvmlDevice_t h, unsigned pid, nvmlAccountingStats_t *st) {
+    ENTER(h);
+    if (!d->acct_mode) return NOT_SUPPORTED;
+    for (int i = 0; i < d->nacct; i++)
+        if (d->acct[i].pid == pid) {
+            typeof(&d->acct[0]) a = &d->acct[i];
+            memset(st, 0, sizeof *st);
+            *st = (nvmlAccountingStats_t){a->gpu, a->mem, a->maxmem, a->time_ms, a->start_us, a->running, {0}};
+            return OK;
+        }
+    return NOT_FOUND;
+}
+
 nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t h, int *mode) {
     ENTER(h); *mode = !d->nopersist; return OK;
 }
