@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
+    co.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cost.py): jobprobe_job_cost_total in "
+                    "--metrics")
     co.add_argument("--tsdb", metavar="URL", help="also write every sample to VictoriaMetrics: "
                     "victoriametrics://HOST:8428 (a single node) or …://VMINSERT:8480/insert/0/prometheus")
     co.add_argument("--metrics", metavar="HOST:PORT", help="serve cluster-wide metrics for Prometheus (freshness "
@@ -133,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--field", metavar="PROBE.FIELD")
     qu.add_argument("--node", metavar="N")
     qu.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
+    qu.add_argument("--summary", action="store_true", help="with --job: the job's cost block (node-hours, GPU-hours, "
+                    "energy, waste; money with --prices)")
+    qu.add_argument("--prices", metavar="FILE", help="a price file (TOML; see jobprobe/cost.py)")
 
     at = sub.add_parser("attach", help="ask the agent to attach a job",
                         usage="jobprobe attach (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID) "
@@ -237,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
     rp.add_argument("--job", metavar="ID", help="the job, in the store")
     rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
+    rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cost.py): the job's cost at the top")
     return p
 
 
@@ -506,6 +512,9 @@ def cmd_controller(args) -> int:
                 print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
                                                           else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
         return 0
+    if args.prices:
+        from jobprobe.cost import load as load_prices
+        load_prices(args.prices)         # a bad price file: one line, before anything starts
     local = None
     url = args.nats
     if url is None:
@@ -514,7 +523,7 @@ def cmd_controller(args) -> int:
         url = local.url
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds, ca=args.ca,
-                     replicas=args.replicas, tsdb=args.tsdb)
+                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices)
     server = None
     if args.metrics:
         from jobprobe.controller import serve_metrics
@@ -557,9 +566,26 @@ def cmd_report(args) -> int:
             if not os.path.isfile(f):
                 raise BadInput(f"report: no frame file {f}")
         job = report.from_files(args.files)
-    size = report.write(job, args.out)
+    cost = None
+    if args.prices:
+        from jobprobe import cost as _cost
+        prices = _cost.load(args.prices)
+        cost = _cost.summary(_store_of(args.store, args.files), job.name, prices)
+    size = report.write(job, args.out, cost)
     print(f"{args.out}: {job.name}, {len(job.nodes)} node(s), {size / 1024:.0f} KiB")
     return 0
+
+
+def _store_of(path: str | None, files: list[str]):
+    """The controller's store, or an in-memory one made of frame files."""
+    from jobprobe.store import Store
+    if path:
+        return Store(path, readonly=True)
+    st = Store(":memory:")
+    for f in files:
+        with open(f, "rb") as fp:
+            st.add(list(StreamReader(fp)))
+    return st
 
 
 def cmd_query(args) -> int:
@@ -570,6 +596,13 @@ def cmd_query(args) -> int:
         store = Store(args.store, readonly=True)
     except FileNotFoundError as err:
         raise BadInput(str(err)) from None
+    if args.summary or args.prices:
+        from jobprobe import cost
+        if not args.job:
+            raise BadInput("--summary needs --job ID")
+        s = cost.summary(store, args.job, cost.load(args.prices) if args.prices else None)
+        print(json.dumps(s, indent=1) if args.format == "jsonl" else cost.text(s))
+        return 0
     try:
         if args.sql:
             cols, rows = store.sql(args.sql)

@@ -63,7 +63,7 @@ class NodeState:
 
 class Controller:
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
-                 ca: str | None = None, replicas: int = 1, tsdb: str | None = None):
+                 ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
@@ -71,6 +71,8 @@ class Controller:
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
         self.stop_event = asyncio.Event()
         self.stragglers = StragglerWatch()
+        from jobprobe.cost import Meter, load as load_prices
+        self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics
         self.tsdb = None
         if tsdb:
             from jobprobe.tsdb import VictoriaMetrics, schema_from_store
@@ -262,6 +264,8 @@ class Controller:
                 self.counts["duplicates"] += dup
                 if self.tsdb is not None and frames:
                     self.tsdb.add(frames)      # a copy for dashboards: queued, never holds up the store
+                for f in frames:
+                    self.meter.add(f)
             for m in msgs:                 # only now: what is acked is in the store
                 await m.ack()
             if now > next_sweep:
@@ -304,6 +308,19 @@ class MetricsCollector:
         n = CounterMetricFamily("jobprobe_stragglers_named", "straggler events since the controller started")
         n.add_metric([], ctl.stragglers.named)
         yield n
+        e = CounterMetricFamily("jobprobe_job_energy_joules", "energy the job drew (CPU packages and DRAM by its CPU "
+                                "share, GPUs by their share), from the samples stored since the controller started",
+                                labels=["job"])
+        for job, j in list(ctl.meter.energy.items()):
+            e.add_metric([job], j)
+        yield e
+        if ctl.meter.prices is not None:
+            c = CounterMetricFamily("jobprobe_job_cost", "what the job cost (node-hours × the price file's per_hour, "
+                                    "plus energy × electricity_per_kwh when set), since the controller started",
+                                    labels=["job", "currency"])
+            for job, v in list(ctl.meter.cost.items()):
+                c.add_metric([job, ctl.meter.prices.currency], v)
+            yield c
 
 
 def serve_metrics(ctl: Controller, listen: str):

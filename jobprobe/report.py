@@ -271,7 +271,27 @@ def timelines(job: Job) -> list[tuple[str, str]]:
     return out
 
 
-def render(job: Job) -> str:
+def cost_html(c: dict | None) -> str:
+    """The job's cost block (jobprobe/cost.py summary) as a small table, or nothing."""
+    if not c:
+        return ""
+    cur = html.escape(c.get("currency", ""))
+    money = (lambda x: f"{x:,.2f} {cur}") if "cost" in c else (lambda x: "")       # noqa: E731
+    head = (f"<p class='cost' id='cost'><b>Cost: {money(c['cost'])}</b> ({money(c['cost_per_hour'])} per hour of run;"
+            f" nodes {money(c['node_cost'])}, energy {money(c['energy_cost'])})</p>") if "cost" in c else ""
+    waste = c["idle_gpu_cost"] + c["waiting_gpu_cost"] + c["revoked_cost"] if "cost" in c else None
+    rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{o['node_hours']:.3f}</td><td>{o['gpu_hours']:.3f}</td>"
+                   f"<td>{o['energy_kwh']:.4f}</td><td>{html.escape(str(o.get('price', '')))}</td>"
+                   f"<td>{money(o['cost']) if 'cost' in o else ''}</td></tr>" for n, o in c["nodes"].items())
+    return (f"<h2>Cost</h2>{head}<p>{c['node_hours']:.3f} node-hours, {c['gpu_hours']:.3f} GPU-hours, "
+            f"{c['energy_kwh']:.4f} kWh. Wasted: {c['idle_gpu_hours']:.3f} GPU-hours idle, "
+            f"{c['waiting_gpu_hours']:.3f} waiting on the host, {c['revoked_node_hours']:.3f} node-hours lost to "
+            f"revocations{' — ' + money(waste) if waste is not None else ''}.</p>"
+            f"<table><tr><th>node</th><th>node-h</th><th>GPU-h</th><th>kWh</th><th>price</th><th>cost</th></tr>"
+            f"{rows}</table>")
+
+
+def render(job: Job, cost: dict | None = None) -> str:
     if not job.nodes:
         from jobprobe.errors import BadInput
         raise BadInput(f"no sample frames{' of job ' + job.name if job.name else ''} to report on")
@@ -294,6 +314,7 @@ text-align: left; vertical-align: top; }} svg {{ max-width: 100%; height: auto; 
 <p class="meta">{len(job.nodes)} node(s): {html.escape(", ".join(sorted(job.nodes)))} ·
 {time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0))} – {time.strftime("%H:%M:%S", time.gmtime(t1))} UTC
 ({t1 - t0:.0f} s)</p>
+{cost_html(cost)}
 <p class="verdict" id="verdict">{verdict(job)}</p>
 <h2>Timelines</h2>
 <p>Shaded, in its line's colour: a node named the straggler, from the first moment its cause held to when it was
@@ -305,7 +326,7 @@ cleared. Dotted: other events (a node lost or back, rules, …).</p>
 """
 
 
-def write(job: Job, out: str) -> int:
-    text = render(job)
+def write(job: Job, out: str, cost: dict | None = None) -> int:
+    text = render(job, cost)
     Path(out).write_text(text)
     return len(text.encode())

@@ -157,6 +157,10 @@ class GpuProbe(Probe):
                                      "once: the newest time stamp seen is carried to the next tick)"),
         "gpus[].util_source": Field("str", "—", "the call that gave them: ProcessesUtilizationInfo (newer drivers) "
                                     "or ProcessUtilization"),
+        "gpus[].job_energy_mj": Field("float", "mJ", "the job's part of energy_mj: all of it on a GPU it has to "
+                                      "itself; shared, by its share of the processes' SM samples (job_sm_pct over "
+                                      "job + others), else by job_mem_share", kind="counter"),
+        "gpus[].energy_split": Field("str", "—", "how job_energy_mj was split: exclusive, sm_share, mem_share"),
         "gpus[].accounting": Field("bool", "—", "NVML accounting mode is on (exited processes are counted; "
                                    "`nvidia-smi -am 1`)"),
         "gpus[].exited": Field("list[map]", "—", "the job's processes on this GPU that exited since the last tick, "
@@ -417,6 +421,8 @@ class GpuProbe(Probe):
                     self._mark_lost(g)
                 if entry.get("mem_used_bytes") and "job_mem_bytes" in entry:
                     entry["job_mem_share"] = round(entry["job_mem_bytes"] / entry["mem_used_bytes"], 4)
+                if "energy_mj" in entry:
+                    entry.update(self._energy(entry))
                 if g.migs:
                     entry["mig"] = self._migs(g, mig_rules, mig_procs, pids)
             gpus.append(entry)
@@ -490,6 +496,17 @@ class GpuProbe(Probe):
         if "accounting_mode" not in nvml.missing and "accounting_mode" not in g.unsupported:
             out["accounting"] = nvml.call(g, "accounting_mode", fn=nvml.nv.nvmlDeviceGetAccountingMode) == 1
         return out
+
+    @staticmethod
+    def _energy(e: dict) -> dict:
+        """The job's part of the GPU's energy this interval: all of it on a GPU it has to itself; on a shared one, by
+        its share of the processes' SM samples, else of their memory (said in energy_split)."""
+        if e.get("sharing") == "exclusive" or not e.get("shared", False):
+            return {"job_energy_mj": e["energy_mj"], "energy_split": "exclusive"}
+        busy = e.get("job_sm_pct", 0) + e.get("others_sm_pct", 0)
+        if e.get("util_samples") and busy > 0:
+            return {"job_energy_mj": round(e["energy_mj"] * e["job_sm_pct"] / busy, 3), "energy_split": "sm_share"}
+        return {"job_energy_mj": round(e["energy_mj"] * e.get("job_mem_share", 0), 3), "energy_split": "mem_share"}
 
     @staticmethod
     def _attribution(procs: dict | None, pids: set[int]) -> dict:

@@ -131,7 +131,8 @@ def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
         "gpm_dram_bw_pct": 60.0, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
         "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}], "sharing": "exclusive",
         "job_mem_share": 0.3, "job_sm_pct": 0, "job_mem_util_pct": 0, "job_enc_pct": 0, "job_dec_pct": 0,
-        "others_sm_pct": 0, "util_samples": 0, "util_source": "ProcessesUtilizationInfo", "accounting": False}
+        "others_sm_pct": 0, "util_samples": 0, "util_source": "ProcessesUtilizationInfo", "accounting": False,
+        "job_energy_mj": 312_000, "energy_split": "exclusive"}
     assert set(g) | {"gpus", "ngpus", "node_gpus", "note", "unsupported", "exited"} == \
         {k.removeprefix("gpus[].") for k in GpuProbe.fields if not k.startswith("gpus[].mig")}, \
         "every declared field, and only those (MIG: test_mig_devices_of_two_jobs)"
@@ -506,9 +507,19 @@ def test_two_jobs_on_one_gpu_each_get_their_own_share_and_the_rest_is_others(fak
     assert ga["job_sm_pct"] + ga["others_sm_pct"] == gb["job_sm_pct"] + gb["others_sm_pct"] == ga["util_gpu_pct"]
     assert ga["util_samples"] == 5 and ga["util_source"] == "ProcessesUtilizationInfo"
     assert ga["sharing"] == gb["sharing"] == "time-slicing" and ga["job_mem_share"] == 0.1     # 1 GiB of 10
+    # energy on the shared GPU: each job's part by its share of the processes' SM samples (fake NVML's counter)
+    fake.gpu(0, energy=5_000_000 + 58_000).write()
+    ea, eb = pa.sample()["gpus"][0], pb.sample()["gpus"][0]
+    assert ea["energy_mj"] == eb["energy_mj"] == 58_000
+    fake.gpu(0, putil=" ".join([f"{a.pid}:4000:30:0:0:0", f"{b.pid}:4000:20:0:0:0", f"{c.pid}:4000:8:0:0:0"])).write()
+    fake.gpu(0, energy=5_000_000 + 2 * 58_000).write()
+    ea, eb = pa.sample()["gpus"][0], pb.sample()["gpus"][0]
+    assert (ea["job_energy_mj"], ea["energy_split"], eb["job_energy_mj"]) == (30_000, "sm_share", 20_000)
+    fake.gpu(0, putil=f"{a.pid}:3000:50:0:0:0", energy=5_000_000).write()
+    pa.sample()
     again = pa.sample()["gpus"][0]
     assert (again["job_sm_pct"], again["util_samples"]) == (0, 0)          # no sample twice
-    fake.gpu(0, putil=f"{a.pid}:3000:50:0:0:0").write()
+    fake.gpu(0, putil=f"{a.pid}:5000:50:0:0:0").write()
     assert pa.sample()["gpus"][0]["job_sm_pct"] == 50
 
 

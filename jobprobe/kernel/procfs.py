@@ -116,6 +116,7 @@ class Stat(NamedTuple):
     cutime: int         # of the children it has waited for
     cstime: int
     num_threads: int
+    processor: int = -1  # the CPU it last ran on
 
 
 def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = read_small) -> Stat | None:
@@ -125,14 +126,14 @@ def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = rea
     if data is None:
         return None
     # after comm: state(0) ppid(1) pgrp session tty_nr tpgid flags(6) minflt cminflt majflt cmajflt utime(11)
-    # stime(12) cutime(13) cstime(14) priority nice num_threads(17)
+    # stime(12) cutime(13) cstime(14) priority nice num_threads(17) … processor(36)
     f = data[data.rfind(")") + 2:].split()
     if len(f) < 2:
         return None
 
     def num(i: int, default: int = 0) -> int:   # (a short line: a fixture tree, or a kernel that had fewer fields)
         return int(f[i]) if i < len(f) else default
-    return Stat(f[0], num(1), num(6), num(11), num(12), num(13), num(14), num(17, 1))
+    return Stat(f[0], num(1), num(6), num(11), num(12), num(13), num(14), num(17, 1), num(36, -1))
 
 
 def read_cgroup(proc: str, pid: int | str) -> list[tuple[str, list[str], str]] | None:
