@@ -140,7 +140,8 @@ class GpuProbe(Probe):
         "gpus[].procs": Field("list[map]", "—", "the job's processes on it: {pid, mem_bytes (null: NVML can't tell)}"),
         "gpus[].sharing": Field("str", "—", "how the GPU is shared: exclusive (only the job's processes), "
                                 "time-slicing (other jobs' processes have contexts on it), mps (an MPS server "
-                                "runs it: other clients' work runs beside the job's)"),
+                                "runs it: other clients' work runs beside the job's), mig (split into MIG devices: "
+                                "see mig)"),
         "gpus[].job_mem_share": Field("float", "ratio", "the job's GPU memory (job_mem_bytes) over the GPU's memory "
                                       "used (mem_used_bytes, every process and the driver's own)", kind="gauge"),
         "gpus[].job_sm_pct": Field("float", "%", "the job's own SM utilization this interval: each of its processes' "
@@ -481,7 +482,8 @@ class GpuProbe(Probe):
         if procs is not None:
             seen |= {p for p in procs if p in pids}
             mps = nvml.call(g, "mps_processes")
-            out["sharing"] = "mps" if mps else ("time-slicing" if any(p not in pids for p in procs) else "exclusive")
+            out["sharing"] = "mig" if g.migs else "mps" if mps else \
+                ("time-slicing" if any(p not in pids for p in procs) else "exclusive")
         gone = [p for p in seen if p not in pids]
         if gone:
             exited = []

@@ -267,6 +267,7 @@ def test_mig_devices_of_two_jobs(fake, spawn, probes):
                              "gpm_sm_occupancy_pct": 22.0, "gpm_tensor_active_pct": 0.5, "gpm_dram_bw_pct": 33.25}]
     assert ga[0]["gpm_sm_active_pct"] == 45.5                             # the whole GPU's GPM is its own
     assert ga[0]["power_mw"] == 312000 and ga[0]["shared"] is True          # the whole GPU's values
+    assert ga[0]["sharing"] == gb[0]["sharing"] == "mig"
     assert [(g["index"], g["rule"]) for g in gb] == [(0, "env")]
     assert [(m["slot"], m["rule"], m["job_procs"], m["shared"]) for m in gb[0]["mig"]] == [(5, "env", 0, False)]
     # slot 5's instance has no GPM values in the fake: its metrics are unsupported there, once; the GPU's still come
@@ -374,9 +375,14 @@ def test_cli_end_to_end_with_the_fake_on_ld_library_path(fake, fake_lib):
     """A real subprocess: pynvml finds the fake by LD_LIBRARY_PATH; the job puts itself on GPU 0's process list
     and writes per-process samples of itself."""
     job = [sys.executable, str(FAKE_DIR / "gpu_job.py"), "0", str(7 * GiB), "2.5", "37"]
+    other = subprocess.Popen(["sleep", "60"])        # another job's process on the same GPU: a shared GPU
+    fake.gpu(0, procs=f"{other.pid}:{GiB}").write()
     res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,gpu", "--stdout", "json",
-                          "--interval", "0.5", "--", *job], env=fake_env(fake_lib, fake.path), cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+                          "--interval", "0.5", "--", *job], env={**fake_env(fake_lib, fake.path),
+                                                                 "FAKE_OTHER": f"{other.pid}:18"},
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    other.kill()
+    other.wait()
     assert res.returncode == 0, res.stderr
     frames = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     pid = int(next(ln for ln in res.stdout.splitlines() if ln.startswith("gpu_job")).split()[1])
@@ -388,10 +394,11 @@ def test_cli_end_to_end_with_the_fake_on_ld_library_path(fake, fake_lib):
         assert (g["index"], g["uuid"], g["rule"], g["util_gpu_pct"], g["mem_used_bytes"], g["power_mw"]) == \
             (0, UUID[0], "process", 55, 10 * GiB, 312000)
         assert g["procs"] == [{"pid": pid, "mem_bytes": 7 * GiB}] and g["job_mem_bytes"] == 7 * GiB
+        assert g["shared"] is True and g["sharing"] == "time-slicing"
     assert all(g["energy_mj"] == 0 for g in on[1:])   # the fake's counter stands still
-    # the job's own share beside the device's: the samples the job wrote of itself (37%), none of others
+    # the job's own share beside the device's: the samples the job wrote of itself (37%), the other process's (18%)
     sampled = [g for g in on if g.get("util_samples")]
-    assert len(sampled) >= 2 and all((g["job_sm_pct"], g["others_sm_pct"], g["util_gpu_pct"]) == (37, 0, 55)
+    assert len(sampled) >= 2 and all((g["job_sm_pct"], g["others_sm_pct"], g["util_gpu_pct"]) == (37, 18, 55)
                                      for g in sampled), on
 
 

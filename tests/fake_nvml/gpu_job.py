@@ -21,7 +21,9 @@ if len(sys.argv) > 4:
     while time.monotonic() < end:
         ts += 100_000
         st = FakeState.load(os.environ["FAKE_NVML_STATE"])
-        st.gpu(index, putil=f"{os.getpid()}:{ts}:{sm}:0:0:0").write()
+        other = os.environ.get("FAKE_OTHER")      # "PID:SM": another process sampled beside it (a shared GPU)
+        extra = f" {other.split(':')[0]}:{ts}:{other.split(':')[1]}:0:0:0" if other else ""
+        st.gpu(index, putil=f"{os.getpid()}:{ts}:{sm}:0:0:0{extra}").write()
         time.sleep(0.1)
 else:
     time.sleep(seconds)
