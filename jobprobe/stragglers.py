@@ -208,26 +208,17 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False) -
         m, _, _ = others.stats("gpu_clock", gc)
         if m > 0 and gc <= m * (0.85 + 0.1 * (f < 1)):
             out.append(Cause("gpu_clock", round(gc), round(m), f"SM clock {gc:.0f} MHz; peers {m:.0f} MHz"))
-    gt = v["gpu_throttled"]
-    if gt is not None:
-        m, top, _ = others.stats("gpu_throttled", gt)
-        if gt >= 0.5 * f and gt >= top + 0.5 * f:
-            out.append(Cause("gpu_throttled", round(gt, 2), round(m, 2),
-                             f"GPU clocks held down (power/thermal) {gt:.0%} of the time; peers {m:.0%}"))
-    rs = v["rail_slow"]
-    if rs is not None:
-        m, top, _ = others.stats("rail_slow", rs)
-        if rs >= 0.5 * f and rs >= top + 0.5 * f:
-            out.append(Cause("nic_rail", round(rs, 2), round(m, 2),
-                             f"network: one of its rails carried under half the median of its rails {rs:.0%} of the "
-                             f"time (a slow NIC, cable or port); peers {m:.0%}"))
-    rf = v["rdma_fatal"]
-    if rf is not None:
-        m, top, _ = others.stats("rdma_fatal", rf)
-        if rf >= 0.5 * f and rf >= top + 0.5 * f:
-            out.append(Cause("rdma_port", round(rf, 2), round(m, 2),
-                             f"network: an RDMA port of it was down or past its symbol-error bound {rf:.0%} of the "
-                             f"time; peers {m:.0%}"))
+    # shares of time in a bad state: at least half the window, and half more than any peer
+    for key, name, what in (("gpu_throttled", "gpu_throttled", "GPU clocks held down (power/thermal)"),
+                            ("rail_slow", "nic_rail", "network: one of its rails carried under half the median of "
+                             "its rails (a slow NIC, cable or port)"),
+                            ("rdma_fatal", "rdma_port", "network: an RDMA port of it was down or past its "
+                             "symbol-error bound")):
+        x = v[key]
+        if x is not None:
+            m, top, _ = others.stats(key, x)
+            if x >= 0.5 * f and x >= top + 0.5 * f:
+                out.append(Cause(name, round(x, 2), round(m, 2), f"{what} {x:.0%} of the time; peers {m:.0%}"))
     return out
 
 
