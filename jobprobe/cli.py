@@ -820,9 +820,13 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
 
 
 def _check_config(config: str) -> None:
-    from jobprobe.bench.overhead import config_probes
+    import tempfile
+    from pathlib import Path
+    from jobprobe.bench.overhead import config_options, config_probes
     from jobprobe.registry import all_probes, parse_probes
-    parse_probes(config_probes(config), all_probes())   # raises BadInput naming an unknown probe
+    with tempfile.TemporaryDirectory() as d:
+        base, _ = config_options(config, Path(d))       # raises BadInput naming an unknown @option
+    parse_probes(config_probes(base), all_probes())   # raises BadInput naming an unknown probe
 
 
 def main(argv: list[str] | None = None) -> int:
