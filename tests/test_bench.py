@@ -77,7 +77,7 @@ def test_markdown_tables_have_the_seed_shape():
                                "collector_written_bps": 600, "job_memory_added_bytes": 0, "network_sent_bps": 0}}}
     md = markdown(res)
     assert "| std | +0.37% | -0.04 to +0.78 | 2 | no |" in md
-    assert "| std | 0.0012 cores | 20 MiB | none | 0 B/s | 0.59 KiB/s |" in md
+    assert "| std | 0.0012 cores | 0.0000 cores | 20 MiB | none | 0 B/s | 0.59 KiB/s |" in md
 
 
 @pytest.mark.kernel
@@ -94,6 +94,7 @@ def test_kit_end_to_end_on_a_tiny_job(tmp_path):
         assert r["pairs"] == 2 and len(r["seconds_with"]) == 2
         assert all(0.25 < t < 5 for t in r["seconds_with"] + r["seconds_without"])
         assert 0 <= r["collector_cores"] < 0.5 and r["collector_peak_bytes"] > 5 << 20
+        assert r["collector_cores_all"] >= r["collector_cores"] * 0.5     # its own CPU (and its loaders')
         assert r["collector_written_bps"] > 0
     assert progress.getvalue().count("runs") == 4          # a progress line per pair
     assert not list(tmp_path.glob("*.mpk"))                # frame files are removed after reading

@@ -161,11 +161,15 @@ class OverheadBench:
             run = self._job(g)
         finally:
             agent.send_signal(signal.SIGINT)
-            _, err = agent.communicate(timeout=60)
+            err = agent.stderr.read()
+            # its whole CPU, children it waited for included (eBPF loaders, py-spy recorders of trace windows)
+            _, status, ru = os.wait4(agent.pid, 0)
+            agent.returncode = os.waitstatus_to_exitcode(status)
             _rmdir(g)
         if agent.returncode != 0:
             raise BadInput(f"jobprobe failed with config {config!r}: {err.decode().strip()}")
         run.collector = collector_stats(out)
+        run.collector["cores_all"] = (ru.ru_utime + ru.ru_stime) / run.seconds if run.seconds > 0 else 0.0
         out.unlink()
         return run
 
@@ -236,6 +240,7 @@ class OverheadBench:
                 "settled": self._settled(c),
                 "seconds_without": s.without, "seconds_with": s.with_,
                 "collector_cores": median([x["cores"] for x in col]),
+                "collector_cores_all": median([x.get("cores_all", 0.0) for x in col]),
                 "collector_peak_bytes": max([x["peak_bytes"] for x in col], default=0),
                 "collector_written_bps": median([x["written_bps"] for x in col]),
                 "job_memory_added_bytes": median([r.job_maxrss for r in self.runs[c]]) - base_rss,
@@ -307,10 +312,11 @@ def markdown(res: dict) -> str:
         lo = "n/a" if r["pairs"] < 2 else f"{r['lo'] * 100:+.2f} to {r['hi'] * 100:+.2f}"
         lines.append(f"| {c} | {r['slowdown'] * 100:+.2f}% | {lo} | {r['pairs']} | {'yes' if r['settled'] else 'no'} | "
                      f"{r.get('traced_share', 0) * 100:.0f}% |")
-    lines += ["", "| What was on | Collector CPU | Collector memory, peak | Memory added to the job | Network sent | "
-              "Disk written |", "| - | - | - | - | - | - |"]
+    lines += ["", "| What was on | Collector CPU | With its children, per job second | Collector memory, peak | "
+              "Memory added to the job | Network sent | Disk written |", "| - | - | - | - | - | - | - |"]
     for c, r in res["configs"].items():
-        lines.append(f"| {c} | {r['collector_cores']:.4f} cores | {r['collector_peak_bytes'] / (1 << 20):.0f} MiB | "
+        lines.append(f"| {c} | {r['collector_cores']:.4f} cores | {r.get('collector_cores_all', 0):.4f} cores | "
+                     f"{r['collector_peak_bytes'] / (1 << 20):.0f} MiB | "
                      f"{_mib(r['job_memory_added_bytes'])} | {r['network_sent_bps']:.0f} B/s | "
                      f"{r['collector_written_bps'] / 1024:.2f} KiB/s |")
     return "\n".join(lines)
