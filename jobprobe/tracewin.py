@@ -15,7 +15,7 @@ ID [--duration S]`). For its duration, for that job only:
   reason; network), so the Python timeline sits beside what the kernel saw;
 - the rule's evidence is an instant event at the window's start.
 Tracks: a thread's Python samples are on (pid, its OS thread id) — py-spy names threads by pthread id, mapped here
-with one `py-spy dump` per process at the window's end — its kernel events on (pid, KERNEL_TID + tid), its CUDA
+with a `py-spy dump` per process at the window's start and end — its kernel events on (pid, KERNEL_TID + tid), its CUDA
 calls on (pid, CUDA_TID + tid), each track named.
 Then the file is written under the trace directory and announced in a `trace` frame with its path.
 
@@ -136,6 +136,16 @@ class Window:
                                      "--idle", "--output", str(tmp)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             self.recorders.append((pid, proc, tmp))
+        # py-spy's thread ids → OS ones, asked now (the processes may be gone by the end: a job that ends cuts
+        # the window short) and again at the end for threads started meanwhile
+        self.tid_maps: dict[int, dict[int, int]] = {}
+        self._mapper = threading.Thread(target=self._map_threads, args=([pid for pid, _, _ in self.recorders],),
+                                        daemon=True, name="trace-tids")
+        self._mapper.start()
+
+    def _map_threads(self, pids: list[int]) -> None:
+        for pid in pids:
+            self.tid_maps.setdefault(pid, {}).update(os_thread_ids(self.py_spy, pid))
 
     @property
     def done(self) -> bool:
@@ -163,9 +173,10 @@ class Window:
                 if isinstance(e, dict) and isinstance(e.get("ts"), (int, float)):
                     events.append(e)
         events = balanced(events, self.duration * 1e6)
-        if events and self.py_spy:                   # py-spy's pthread ids → OS thread ids, while they run
+        if events and self.py_spy:                   # py-spy's pthread ids → OS thread ids
+            self._mapper.join(timeout=30)
             for pid in {e["pid"] for e in events if "pid" in e}:
-                ids = os_thread_ids(self.py_spy, pid)
+                ids = {**self.tid_maps.get(pid, {}), **os_thread_ids(self.py_spy, pid)}
                 for e in events:
                     if e.get("pid") == pid and e.get("tid") in ids:
                         e["tid"] = ids[e["tid"]]

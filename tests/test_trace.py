@@ -216,6 +216,13 @@ def test_an_input_bound_training_job_fires_input_bound_and_its_trace_shows_where
     assert "slow_storage_read" in names, sorted(names)[:30]
     workers = {e["pid"] for e in doc["traceEvents"] if e["ph"] == "B" and e["name"] == "slow_storage_read"}
     assert workers and all(p in tr["processes"] for p in workers)
+    # the workers' Python on their OS threads (mapped at the window's start: the job's end cut it short), beside
+    # their kernel tracks, where each 1.5 s wait is a 1.5 s sleep from do_nanosleep
+    tracks = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert all(f"thread {p}: Python" in tracks and f"thread {p}: kernel: syscalls, off-CPU" in tracks for p in workers)
+    naps = [e for e in doc["traceEvents"] if e.get("cat") == "off-cpu" and e["pid"] in workers
+            and e["args"]["reason"] == "sleep" and e["dur"] - e["args"].get("runq_us", 0) >= 1_490_000]
+    assert naps and all("do_nanosleep" in " ".join(e["args"]["kernel_stack"]) for e in naps)
 
 
 GPU_JOB = r'''
