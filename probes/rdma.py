@@ -2,8 +2,13 @@
 
 Which ports: every port of every device in /sys/class/infiniband, or — when the job's environment names them
 (`NCCL_IB_HCA`: `mlx5_0:1,mlx5_1` prefixes of device names with an optional port, `^` to exclude, `=` for exact
-names) — those. A port is shared by every job that uses it: the figures are the port's (`shared` is always true
-here; per-queue-pair counters of the job's own processes are not read).
+names) — those. A port is shared by every job that uses it: the port's figures are the port's (`shared` is always
+true). The job's own share, where the kernel can say it: the queue-pair counters of its processes through RDMA
+netlink (jobprobe/kernel/rdmanl.py) — the probe turns a port whose QP counter mode is unset to auto mode with the PID
+mask (`rdma statistic qp set link DEV/PORT auto pid on`: a counter per process for the QPs it makes from then on;
+a mode an operator set is left as it is), and reports per port, in `job`, the counters of the job's processes and
+threads summed (`qp_counters` says whether, or why not). The mode stays on after the agent ends; it binds only QPs
+made after it was set.
 
 Per port: bytes and packets (IB port_xmit_data / port_rcv_data count 4-byte words per lane: ×4), link use over
 the port's rate, the IB error counters (symbol_error, link_downed, link_error_recovery, port_rcv_errors,
@@ -18,7 +23,8 @@ errors in the last hour; `degraded` — symbol errors, link error recoveries or 
 else `ok`. A change of verdict is an `rdma_health` event with its reasons; `ports_fatal` / `ports_degraded` feed
 the rules (rdma_port_fatal, rdma_port_degraded in jobprobe/default_rules.toml).
 
-Hooks: sysfs only (jobprobe/kernel/rdma.py). Kernel: any with the IB core. Root: to read another user's environment.
+Hooks: sysfs (jobprobe/kernel/rdma.py); RDMA netlink for the job's QP counters (5.3+, a driver with counter binding:
+mlx5). Kernel: any with the IB core. Root: to read another user's environment and to set a port's counter mode.
 A RoCE port's pause / PFC frames come from its Ethernet driver's statistics (SIOCETHTOOL, jobprobe/kernel/ethtool.py).
 Cost: ~40-60 small file reads per port per tick, two ioctls per RoCE port. Limits: counters a driver does not keep
 are absent.
@@ -26,13 +32,15 @@ are absent.
 from __future__ import annotations
 
 import collections
+import os
 import socket
 import time
 from typing import Any
 
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
-from jobprobe.kernel import ethtool, procfs, rdma
+from jobprobe import tickmemo
+from jobprobe.kernel import ethtool, procfs, rdma, rdmanl
 from jobprobe.probe import EVENTS_KEY, Field, Probe, delta
 from jobprobe.target import Target
 
@@ -76,6 +84,10 @@ def selected(ports: list[rdma.Port], spec: str | None) -> list[rdma.Port]:
     return [p for p in ports if match(p) != exclude]
 
 
+def _why(err: OSError) -> str:
+    return os.strerror(err.errno) if err.errno else str(err)
+
+
 def fields() -> dict[str, Field]:
     out = {
         "ports": Field("list[map]", "—", "the job's RDMA ports (fields ports[].*)"),
@@ -83,6 +95,15 @@ def fields() -> dict[str, Field]:
         "selected_by": Field("str", "—", "'all', or the job's NCCL_IB_HCA"),
         "ports_fatal": Field("int", "count", "ports whose health is fatal now", kind="gauge"),
         "ports_degraded": Field("int", "count", "ports whose health is degraded now", kind="gauge"),
+        "qp_counters": Field("str", "—", "'per process on <ports>': the job's own QP counters are read there "
+                             "(ports[].job); and for each other port why not (no RDMA netlink, a driver without "
+                             "counter binding, a mode set otherwise)"),
+        "ports[].job": Field("map", "count", "the job's own QP counters this interval, by the driver's name "
+                             "(out_of_sequence, local_ack_timeout_err, rnr_nak_retry_err, rx_write_requests, …; "
+                             "rdma_tx_bytes and kin where the driver's optional counters are on): the counters of "
+                             "the job's processes and threads, summed"),
+        "ports[].job_qps": Field("int", "count", "the job's QPs bound to its counters now (QPs made before the "
+                                 "port's mode was set are not)", kind="gauge"),
         "ports[].name": Field("str", "—", "device/port, as mlx5_0/1"),
         "ports[].state": Field("str", "—", "the port's logical state: ACTIVE, DOWN, INIT, ARMED"),
         "ports[].phys_state": Field("str", "—", "the physical link: LinkUp, Polling, Disabled, …"),
@@ -130,6 +151,14 @@ class RdmaProbe(Probe):
         self.health: dict[str, str] = {}
         self.was_active: dict[str, bool] = {}
         self.pause: ethtool.PauseReader | None = None
+        self.nl: rdmanl.RdmaNetlink | None = None
+        self.qp_ports: dict[str, tuple[int, int]] = {}       # port name → (device index, port) read per process
+        self.qp_why = "not read"
+        self.qp_prev: dict[tuple, dict[str, int]] = {}       # (device, counter id, pid) → values at the last tick
+        self.tgids: dict[int, int | None] = {}               # a counter's thread id → its process
+
+    def open_netlink(self) -> rdmanl.RdmaNetlink:
+        return rdmanl.RdmaNetlink()
 
     def check(self, host: Host) -> str | None:
         why = super().check(host)
@@ -146,7 +175,74 @@ class RdmaProbe(Probe):
         self.prev = {p.name: self._read(p) for p in self._ports()}
         if not self.prev:
             raise ProbeUnavailable(f"no RDMA port matches the job's {ENV_KEY}={self.spec}")
+        self._qp_setup(self._ports())
+        if self.qp_ports:
+            self.qp_prev = {k: v for k, (v, _) in self._job_counters(self.target.pids()).items()}
         self.t_prev = now
+
+    # ---- the job's own QP counters (RDMA netlink) ---------------------------------------------------------
+    def _qp_setup(self, ports: list[rdma.Port]) -> None:
+        try:
+            self.nl = self.open_netlink()
+            index = self.nl.devices()
+        except OSError as err:
+            self.qp_why = f"no RDMA netlink: {_why(err)}"
+            return
+        why = []
+        for p in ports:
+            if p.device not in index:
+                why.append(f"{p.name}: not in RDMA netlink")
+                continue
+            try:
+                mode, mask = self.nl.qp_mode(index[p.device], p.port)
+                if mode == rdmanl.MODE_NONE or (mode == rdmanl.MODE_AUTO and mask == 0):
+                    self.nl.set_auto_pid(index[p.device], p.port)
+                    mode, mask = self.nl.qp_mode(index[p.device], p.port)
+            except OSError as err:
+                why.append(f"{p.name}: {_why(err)}")
+                continue
+            if mode == rdmanl.MODE_AUTO and mask & rdmanl.MASK_PID:
+                self.qp_ports[p.name] = (index[p.device], p.port)
+            else:
+                how = "manual" if mode == rdmanl.MODE_MANUAL else f"auto without the PID mask (mask {mask})"
+                why.append(f"{p.name}: counter mode {how}, set by someone else: left as it is")
+        self.qp_why = "; ".join(([f"per process on {', '.join(self.qp_ports)}"] if self.qp_ports else []) + why) \
+            or "no port"
+
+    def _job_counters(self, pids: list[int]) -> dict[tuple, tuple[dict[str, int], int]]:
+        """The QP counters of the job's processes (and their threads) on its ports: key → (values, QPs bound)."""
+        members = set(pids)
+        out = {}
+        for name, (index, port) in self.qp_ports.items():
+            # every job of the node reads the same table: once per tick
+            counters = tickmemo.get(("rdma_qp", index), lambda: self.nl.qp_counters(index))
+            for c in counters:
+                if c.port != port or c.pid is None:
+                    continue
+                if c.pid not in self.tgids:
+                    self.tgids[c.pid] = procfs.tgid(self.host.proc, c.pid)
+                if c.pid in members or self.tgids[c.pid] in members:
+                    out[(name, c.id, c.pid)] = (c.values, len(c.qps))
+        return out
+
+    def _job_deltas(self) -> dict[str, tuple[dict[str, int], int]]:
+        """Per port: the job's counters this interval (a counter new since the last tick counts whole) and QPs."""
+        try:
+            now = self._job_counters(self.target.pids())
+        except OSError as err:
+            self.qp_why = f"RDMA netlink: {_why(err)}"
+            return {}
+        out: dict[str, tuple[dict[str, int], int]] = {name: ({}, 0) for name in self.qp_ports}
+        for key, (values, qps) in now.items():
+            before = self.qp_prev.get(key, {})
+            d, n = out[key[0]]
+            for k, v in values.items():
+                d[k] = d.get(k, 0) + delta(v, before.get(k, 0))
+            out[key[0]] = (d, n + qps)
+        self.qp_prev = {k: v for k, (v, _) in now.items()}
+        alive = {k[2] for k in now}
+        self.tgids = {t: g for t, g in self.tgids.items() if t in alive}
+        return out
 
     def _recheck(self) -> None:
         now = time.monotonic()
@@ -189,6 +285,7 @@ class RdmaProbe(Probe):
         dt, self.t_prev = max(now - self.t_prev, 1e-6), now
         out_ports, events, cur = [], [], {}
         fatal = degraded = 0
+        mine = self._job_deltas() if self.qp_ports else {}
         for p in self._ports():
             c = cur[p.name] = self._read(p)
             before = self.prev.get(p.name, c)
@@ -207,6 +304,8 @@ class RdmaProbe(Probe):
                 item["tx_util_pct"] = round(item["tx_bytes"] * 8 / dt / (p.rate_gbps * 1e9) * 100, 3)
                 item["rx_util_pct"] = round(item["rx_bytes"] * 8 / dt / (p.rate_gbps * 1e9) * 100, 3)
             item.update({k: d[k] for k in IB_ERRORS + HW + PAUSE if k in d})
+            if p.name in mine:
+                item["job"], item["job_qps"] = mine[p.name]
             verdict, why, sym_1h = self._health(p, c, d, now)
             item["health"], item["symbol_errors_1h"] = verdict, sym_1h
             if why:
@@ -220,7 +319,8 @@ class RdmaProbe(Probe):
             out_ports.append(item)
         self.prev = cur
         out: dict[str, Any] = {"ports": out_ports, "shared": True, "selected_by": f"{ENV_KEY}={self.spec}"
-                               if self.spec else "all", "ports_fatal": fatal, "ports_degraded": degraded}
+                               if self.spec else "all", "ports_fatal": fatal, "ports_degraded": degraded,
+                               "qp_counters": self.qp_why}
         if events:
             out[EVENTS_KEY] = events
         return out
@@ -259,4 +359,8 @@ class RdmaProbe(Probe):
         if self.pause is not None:
             self.pause.sock.close()
             self.pause = None
+        if self.nl is not None:
+            self.nl.close()
+            self.nl = None
+        self.qp_ports = {}
 

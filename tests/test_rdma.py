@@ -146,3 +146,87 @@ def test_on_this_host_the_probe_says_there_is_no_rdma_device():
     if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
         pytest.skip("this host has RDMA devices")
     assert hello["probes"]["rdma"] == "unavailable: no RDMA device (/sys/class/infiniband is empty or absent)"
+
+
+@pytest.fixture
+def threaded_job():
+    """A real process with a second thread (QPs made by a thread are counted under the thread's id)."""
+    p = subprocess.Popen([sys.executable, "-c", "import threading, time\n"
+                          "t = threading.Thread(target=time.sleep, args=(60,)); t.start()\n"
+                          "print(t.native_id, flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    tid = int(p.stdout.readline())
+    other = subprocess.Popen(["sleep", "60"])
+    yield p.pid, tid, other.pid
+    for x in (p, other):
+        x.kill()
+        x.wait()
+
+
+def test_the_jobs_own_qp_counters_through_rdma_netlink_FAKE(node, threaded_job, tmp_path):
+    """Per-job RDMA counters through the real RdmaNetlink code (requests, multi-message dumps, nested tables) talking
+    to a FAKE kernel (tests/fake_rdmanl.py: no IB core here), whose numbers come from the system's uapi header. The
+    probe turns the unset port to auto mode with the PID mask and leaves an operator's manual port and a driver
+    without counter binding alone, saying why; the job's counters are those of its process and of its thread, never
+    another process's or a kernel consumer's; a counter born mid-interval counts whole, one freed counts nothing
+    more; every figure equals what the fake's counters moved by."""
+    from fake_rdmanl import Counter, Device, FakeRdmaNetlink
+    from jobprobe.kernel.rdmanl import RdmaNetlink
+    pid, tid, other = threaded_job
+    fake = FakeRdmaNetlink(tmp_path, [
+        Device("mlx5_0", 1, counters=[
+            Counter(1, 1, pid, [10, 11], {"out_of_sequence": 5, "local_ack_timeout_err": 1, "rdma_tx_bytes": 1000}),
+            Counter(1, 2, tid, [12], {"out_of_sequence": 2, "local_ack_timeout_err": 0, "rdma_tx_bytes": 500}),
+            Counter(1, 3, other, [13], {"out_of_sequence": 100, "local_ack_timeout_err": 9, "rdma_tx_bytes": 7}),
+            Counter(1, 4, None, [1], {"out_of_sequence": 50, "local_ack_timeout_err": 0, "rdma_tx_bytes": 8})]),
+        Device("mlx5_1", 2, modes={1: (fake_mode := 2, 0)}),          # RDMA_COUNTER_MODE_MANUAL, by an operator
+        Device("irdma0", 3, binding=False)])
+    assert fake_mode == fake.u["RDMA_COUNTER_MODE_MANUAL"]
+    probe = probe_on(node)
+    probe.open_netlink = lambda: RdmaNetlink(fake.client())
+    try:
+        probe.start(PidTreeTarget([pid]))
+        assert fake.sets == [("mlx5_0", 1, fake.u["RDMA_COUNTER_MODE_AUTO"], fake.u["RDMA_COUNTER_MASK_PID"])]
+        dev = fake.devices[1]
+        with fake.lock:
+            c1, c2, c3, c4 = dev.counters
+            c1.values = {"out_of_sequence": 8, "local_ack_timeout_err": 1, "rdma_tx_bytes": 1000 + 4096}
+            c2.values = {"out_of_sequence": 2, "local_ack_timeout_err": 0, "rdma_tx_bytes": 500 + 1024}
+            c3.values = {"out_of_sequence": 1100, "local_ack_timeout_err": 19, "rdma_tx_bytes": 7 + 10 ** 9}
+            c4.values = {"out_of_sequence": 51, "local_ack_timeout_err": 0, "rdma_tx_bytes": 9}
+            dev.counters.append(Counter(1, 5, pid, [14, 15, 16], {"out_of_sequence": 7, "local_ack_timeout_err": 2,
+                                                                  "rdma_tx_bytes": 64}))
+        s = probe.sample()
+        ports = {p["name"]: p for p in s["ports"]}
+        assert ports["mlx5_0/1"]["job"] == {"out_of_sequence": 3 + 0 + 7, "local_ack_timeout_err": 0 + 0 + 2,
+                                           "rdma_tx_bytes": 4096 + 1024 + 64}
+        assert ports["mlx5_0/1"]["job_qps"] == 2 + 1 + 3
+        assert "job" not in ports["mlx5_1/1"] and "job" not in ports["irdma0/1"]
+        why = s["qp_counters"]
+        assert why.startswith("per process on mlx5_0/1"), why
+        assert "mlx5_1/1: counter mode manual" in why and "irdma0/1: Operation not supported" in why, why
+        assert s["shared"] is True                     # the port figures stay the port's
+        with fake.lock:
+            dev.counters.remove(c2)                    # its last QP destroyed: the kernel frees the counter
+            c1.values = dict(c1.values, rdma_tx_bytes=c1.values["rdma_tx_bytes"] + 1)
+        s = probe.sample()
+        mine = {p["name"]: p for p in s["ports"]}["mlx5_0/1"]
+        assert mine["job"] == {"out_of_sequence": 0, "local_ack_timeout_err": 0, "rdma_tx_bytes": 1}
+        assert mine["job_qps"] == 2 + 3
+    finally:
+        probe.stop()
+        fake.close()
+
+
+def test_on_this_host_rdma_netlink_is_absent_and_the_probe_says_so(node, job):
+    """The real NETLINK_RDMA socket here (no IB core): the port figures still flow, and qp_counters says why the
+    job's own are not read."""
+    probe = probe_on(node)
+    try:
+        probe.start(job())
+        s = probe.sample()
+    finally:
+        probe.stop()
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("this host has an IB core")
+    assert s["qp_counters"] == "no RDMA netlink: Protocol not supported"
+    assert len(s["ports"]) == 3 and all("job" not in p for p in s["ports"])
