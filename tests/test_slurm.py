@@ -155,8 +155,10 @@ def test_slurm_job_cpu_is_seen_and_agrees_with_the_job_itself(slurm, tmp_path):
     # script's shell is the root of the PID tree, and slurmstepd (outside the job) reaps it; if it exited in the
     # same interval as the burner, the burner's last partial interval would leave with it (it sits in the shell's
     # cutime) and the cgroup probe, which reads /proc per process, would miss up to one interval of CPU.
-    job = slurm.sbatch("-o", str(out), "-J", "burn", "--wrap", shlex.join(workload("burn", 3)) + "; sleep 1")
-    burner = wait_for(lambda: next((p for p in slurm.listpids(job) if "workloads.py burn" in cmdline(p)), None),
+    # The burner counts its 3 s in its own CPU time: the job is frozen while jobprobe attaches (below), and a slow
+    # host's attach could otherwise use up a wall-clock burner's time while it is stopped.
+    job = slurm.sbatch("-o", str(out), "-J", "burn", "--wrap", shlex.join(workload("burncpu", 3)) + "; sleep 1")
+    burner = wait_for(lambda: next((p for p in slurm.listpids(job) if "workloads.py burncpu" in cmdline(p)), None),
                       20, f"scontrol listpids {job} to list the burner")
     pids = slurm.listpids(job)
     # jobprobe cannot see what the job did before it attached. To know that part exactly, freeze the job while

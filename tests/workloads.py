@@ -1,6 +1,8 @@
 """Workloads with known behaviour, run as separate processes by the tests.
 
     burn SECONDS            busy loop on one core
+    burncpu SECONDS         busy loop until this process has used SECONDS of CPU (time stopped or waiting does not
+                            count: the length of its busy part is known however long it is frozen)
     sleepwake N USEC        N sleeps of USEC microseconds (N voluntary context switches, give or take)
     switches N USEC         sleepwake, then print this process's own "voluntary nonvoluntary" switch counts
                             from /proc/self/status (the kernel's count, an independent check for probes)
@@ -16,6 +18,13 @@ def burn(seconds: float) -> None:
     end = time.monotonic() + seconds
     x = 0
     while time.monotonic() < end:
+        for _ in range(10000):
+            x += 1
+
+
+def burn_cpu(seconds: float) -> None:
+    x = 0
+    while time.process_time() < seconds:
         for _ in range(10000):
             x += 1
 
@@ -46,8 +55,8 @@ def forktree(depth: int, seconds: float) -> None:
 
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    if what == "burn":
-        burn(float(args[0]))
+    if what in ("burn", "burncpu"):
+        (burn if what == "burn" else burn_cpu)(float(args[0]))
         ru = __import__("resource").getrusage(0)   # the kernel's own account of this process, for the tests
         print(f"cpu_ns={int((ru.ru_utime + ru.ru_stime) * 1e9)}", file=sys.stderr, flush=True)
     elif what == "sleepwake":
