@@ -10,6 +10,7 @@
  * Oldest kernel: 4.18 (bpf_get_current_cgroup_id; BPF on tracepoints needs 4.7). The sched_process_exit field
  *   group_dead (recent kernels only) is used when user space says it exists (-DJOB_EXIT_HAS_GROUP_DEAD).
  * Cost: job_slot_current() is one array read plus one hash lookup per kind of membership in use (job_kinds);
+ *   job_slot_cached() (sched) answers a task like the last one asked on its CPU from a per-CPU array;
  *   fork/exit add one lookup and at most one update/delete per process or thread created or ended.
  *
  * One owner per node: the maps and the fork/exit/exec handlers are compiled into bpf/membership.c (-DJOB_MEMBERSHIP)
@@ -37,7 +38,7 @@
 #ifdef JOB_PIN_DIR
 BPF_TABLE_PINNED("hash", u64, u32, job_of_cgroup, 4096, JOB_PIN_DIR "/job_of_cgroup");
 BPF_TABLE_PINNED("hash", u32, u32, job_of_tgid, MAX_MEMBER_TASKS, JOB_PIN_DIR "/job_of_tgid");
-BPF_TABLE_PINNED("array", u32, u32, job_kinds, 1, JOB_PIN_DIR "/job_kinds");
+BPF_TABLE_PINNED("array", u32, u32, job_kinds, 2, JOB_PIN_DIR "/job_kinds");
 #else
 BPF_HASH(job_of_cgroup, u64, u32, 4096);
 /* Keyed by tgid for processes, but fork cannot tell a new thread from a new process (the tracepoint has no
@@ -91,13 +92,89 @@ static inline u32 log2_floor(u64 v)
     return r;
 }
 
-/* Which kinds of membership are in use, set by user space: bit 0, some job is watched by cgroup id; bit 1, by tgid.
- * A task of no job then costs one array read and one hash lookup, not two hash lookups. (0 before user space has
- * registered anything: nothing is a member yet.) */
+/* Which kinds of membership are in use, set by user space: [0] bit 0, some job is watched by cgroup id; bit 1, by
+ * tgid. A task of no job then costs one array read and one hash lookup, not two hash lookups. (0 before user space
+ * has registered anything: nothing is a member yet.) [1] a generation, moved by user space after every change it
+ * makes to the membership maps (job_slot_cached). */
 #define JOB_BY_CGROUP 1
 #define JOB_BY_TGID 2
 #ifndef JOB_PIN_DIR
-BPF_ARRAY(job_kinds, u32, 1);
+BPF_ARRAY(job_kinds, u32, 2);
+#endif
+
+/* `slot` if it is a job's slot and this module counts for that job (its slots_on bit; the membership owner has no
+ * such bits), else -1. */
+static inline int job_slot_on(int slot)
+{
+    if (slot < 0 || slot >= MAX_SLOTS)
+        return -1;
+#ifndef JOB_MEMBERSHIP
+    u32 zero = 0;
+    u64 *on = slots_on.lookup(&zero);
+    if (!on || !((*on >> slot) & 1))
+        return -1;
+#endif
+    return slot;
+}
+
+#ifdef JOB_SLOT_CACHE
+/* job_slot_current() with this CPU's last answer kept: a module defining JOB_SLOT_CACHE (sched: a context switch
+ * asks for the task leaving, and one CPU mostly alternates between the same few tasks) answers a task of the same
+ * cgroup id and tgid as the last one asked, in the same membership generation, from a per-CPU array instead of a
+ * hash lookup. User space moves the generation after each change it makes (an attach, a detach, a process or group
+ * added); the kernel's own changes (a fork joins the parent's job; an exit leaves) concern tasks of another tgid or
+ * tasks that will not run again. Only for programs that cannot interrupt one another on a CPU (sched_switch runs
+ * with interrupts off): an entry is written field by field. */
+struct job_cache {
+    u64 cgid;
+    u32 tgid;
+    u32 gen;
+    s32 slot;                  /* the answer before the module's own slots_on bit: -1, not a member */
+    u32 valid;
+};
+BPF_PERCPU_ARRAY(job_cache, struct job_cache, 1);
+
+/* The membership slot before the module's own slots_on bit (-1: not a member). */
+static inline int job_slot_cached_raw(void)
+{
+    u32 zero = 0, one = 1;
+    u32 *kinds = job_kinds.lookup(&zero), *gen = job_kinds.lookup(&one);
+    struct job_cache *c = job_cache.lookup(&zero);
+    if (!kinds || !gen || !c)
+        return -1;
+    u32 g = *gen;
+    u64 cg = bpf_get_current_cgroup_id();
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    int slot;
+    if (c->valid && c->gen == g && c->cgid == cg && c->tgid == tgid) {
+        slot = c->slot;
+    } else {
+        u32 *s = 0;
+        if (*kinds & JOB_BY_CGROUP)
+            s = job_of_cgroup.lookup(&cg);
+        if (!s && (*kinds & JOB_BY_TGID))
+            s = job_of_tgid.lookup(&tgid);
+        slot = (s && *s < MAX_SLOTS) ? (int)*s : -1;   /* (bounded before an int: a u32 ≥ 2^31 is no slot) */
+        c->cgid = cg;
+        c->tgid = tgid;
+        c->gen = g;
+        c->slot = slot;
+        c->valid = 1;
+    }
+    return slot;
+}
+
+static inline int job_slot_cached(void)
+{
+    return job_slot_on(job_slot_cached_raw());
+}
+
+/* The membership generation now (job_kinds[1]): an answer kept elsewhere holds while it has not moved. */
+static inline u32 job_membership_gen(void)
+{
+    u32 one = 1, *gen = job_kinds.lookup(&one);
+    return gen ? *gen : 0;
+}
 #endif
 
 /* The job slot of the task running now, or -1. Cgroup first: on v2 hosts that is the only lookup for members. */
@@ -117,12 +194,7 @@ static inline int job_slot_current(void)
     }
     if (!slot || *slot >= MAX_SLOTS)
         return -1;
-#ifndef JOB_MEMBERSHIP
-    u64 *on = slots_on.lookup(&zero);
-    if (!on || !((*on >> *slot) & 1))
-        return -1;
-#endif
-    return (int)*slot;
+    return job_slot_on((int)*slot);
 }
 
 #ifdef JOB_MEMBERSHIP

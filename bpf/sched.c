@@ -20,12 +20,15 @@
  *   part closes at its wakeup, where its `wakeup` part opens. The interval's value is the difference of that sum
  *   between two ticks; a period's parts always sum to its whole (switch-out to switch-in).
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
- *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw) —
+ *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw), or with
+ *   -DBTF_SCHED too (the kernel's BTF) as BTF tracepoint programs (*_btf, tp_btf) whose records are task storage —
  *   raw_syscalls:sys_enter (on_sys_enter, only with -DSYSCALL_HOOK; on_sys_enter_raw with -DRAW_SCHED too),
  *   attached by name from probes/sched.py;
  *   fork/exit from common.h.
- *   Only tracepoint arguments and helpers are read, never task_struct: kernel headers may not match the
- *   running kernel (this project's hosts run 6.18 with 6.12 headers), and kprobes may be absent.
+ *   task_struct is never read at header offsets: kernel headers may not match the running kernel (this project's
+ *   hosts run 6.18 with 6.12 headers), and kprobes may be absent. The BTF programs read two members (pid, cgroups)
+ *   at offsets user space takes from the running kernel's BTF, which the verifier checks; the others read
+ *   tracepoint arguments and helpers only.
  * Which syscall a sleeping thread is in (-DSYSCALL_REASONS), two ways:
  *   -DSYSCALL_FROM_REGS (5.15+ with BTF: bpf_get_current_task_btf, bpf_task_pt_regs): read at its switch-out from
  *   its saved user registers, where the syscall number stays while the call runs (x86_64 orig_ax, arm64
@@ -40,14 +43,22 @@
  *   syscall numbers, no raw_syscalls) lock and sleep are folded into wait and no syscall is hooked.
  * Oldest kernel: 4.18 (common.h); prev_state as "reported state" (bit per state, preempted → 0 in the low byte)
  *   since 4.14.
- * Cost (6.18 VM, bpf_stats): sched_switch runs on every switch of every task on the node: 1-2 lookups for prev's
- *   membership and one for next in `start`; members rewrite their `start` entry in place, and an interruptible
- *   sleep reads its syscall from its registers (or, with the hook, one lookup in `in_call`): a job ping-ponging
- *   over pipes, 174 ns per switch, 121 per wakeup (bcc's runqlat in the same run: 87 and 80). With the hook,
- *   sys_enter (every syscall of the node): a compare chain and one hash miss on the caller's tid, plus a
- *   membership check for futex waits and nanosleeps (getppid +15 ns raw, +43 ns classic; none without the hook).
+ * Cost (6.18 VM, bpf_stats): sched_switch runs on every switch of every task on the node: prev's membership (BTF:
+ *   the answer kept in its record while the membership generation and its css_set are unchanged; else this CPU's
+ *   last answer when prev is of the same group and process as the last task asked, else 1-2 lookups:
+ *   job_slot_cached in common.h) and one lookup for next's record (task storage with BTF, else `start`; none for
+ *   the CPU's idle task); members rewrite their record in place, and an interruptible sleep reads its syscall
+ *   from its registers (or, with the hook, one lookup in `in_call`); the clock is read only for a member or a
+ *   record (bpf_ktime_get_ns, ~75 ns here, is the dearest step: runqlat reads it at switch-in only, sched at the
+ *   member's switch-out too). A job ping-ponging over pipes (`jobprobe bench agent --jobs 1 --n 30000`):
+ *   on_switch_btf 275-307 ns per switch, on_wakeup_btf 173-190 (runqlat in the same runs: 236-252 and 159-170);
+ *   raw programs with the hash: 299-301 ns (runqlat 206-207). With the hook, sys_enter (every syscall of the node): a compare
+ *   chain and one hash miss on the caller's tid, plus a membership check for futex waits and nanosleeps (getppid
+ *   +15 ns raw, +43 ns classic; none without the hook).
  *   Memory: `start` (and `in_call`) hold one entry per job thread off CPU / in a classified call (deleted when it
- *   runs again or exits); maps are preallocated, ~5 MiB per hash of 64 Ki entries.
+ *   runs again or exits); maps are preallocated, ~5 MiB per hash of 64 Ki entries; task storage is allocated per
+ *   member thread at its first switch-out (or its wakeup_new, where the allocation makes that run µs long) and
+ *   freed with the thread.
  */
 #define NBUCKETS 27            /* log2 µs: bucket i holds [2^i, 2^(i+1)) µs, bucket 0 [0, 2); the last: ≥ 2^26 µs */
 #define MAX_OFFCPU_THREADS 65536
@@ -73,11 +84,19 @@ struct off_rec {
     u32 tgid;     /* set only for a period of a job in a deep-trace window (JOB_DEEP_TRACE): record it */
     s32 kstack;   /* its stacks at switch-out (trace_stacks ids; negative: none) */
     s32 ustack;
+    u32 epoch;    /* BTF_SCHED: its slot's epoch when made (slot_epoch); a record of an earlier job counts nowhere */
+    s32 mslot;    /* BTF_SCHED: the thread's membership slot (-1: none), kept for membership generation mgen */
+    u32 mgen;
+    u32 pad;
+    u64 css;      /* BTF_SCHED: ... and while the thread stays in the cgroups it was in (task_struct.cgroups) */
 };
 
 /* Which thread a `start` entry is for. Classic tracepoints give thread ids; the raw ones (RAW_SCHED, Linux 5.18+:
  * sched_switch carries prev_state as an argument) give task_struct addresses, used as they are, never read. */
-#ifdef RAW_SCHED
+#if defined(BTF_SCHED)
+struct task_struct;
+typedef struct task_struct *task_key;
+#elif defined(RAW_SCHED)
 typedef u64 task_key;
 #else
 typedef u32 task_key;
@@ -99,8 +118,63 @@ struct slot_stats {
     u64 runq_hist[NBUCKETS];
 };
 
-BPF_HASH(start, task_key, struct off_rec, MAX_OFFCPU_THREADS);
 BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked below */
+#ifdef BTF_SCHED
+/* The record lives in the task (task local storage, 5.11+, here with BTF tracepoint programs): found from the
+ * task pointer with no hashing (6.18 VM, bpf_stats: two lookups 33 ns against 72 for the hash), gone with the
+ * task. User space cannot walk it, so a released slot is not cleaned record by record: its epoch moves instead
+ * (slot_epoch, user space), and a record made under another epoch closes into nothing. */
+BPF_TASK_STORAGE(start, struct off_rec);
+BPF_ARRAY(slot_epoch, u32, 64);
+
+static inline u32 epoch_of(u32 slot)
+{
+    u32 *e = slot_epoch.lookup(&slot);
+    return e ? *e : 0;
+}
+
+static inline struct off_rec *rec_get(task_key task)
+{
+    return start.task_storage_get(task, 0, 0);
+}
+
+/* `rec` as the task's record; nonzero when none can be made. */
+static inline int rec_put(task_key task, struct off_rec *rec)
+{
+    struct off_rec *p = start.task_storage_get(task, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
+    if (!p)
+        return -1;
+    *p = *rec;
+    return 0;
+}
+
+static inline void rec_del(task_key task)
+{
+    start.task_storage_delete(task);
+}
+#else
+BPF_HASH(start, task_key, struct off_rec, MAX_OFFCPU_THREADS);
+
+static inline u32 epoch_of(u32 slot)
+{
+    return 0;               /* release() deletes a slot's records */
+}
+
+static inline struct off_rec *rec_get(task_key task)
+{
+    return start.lookup(&task);
+}
+
+static inline int rec_put(task_key task, struct off_rec *rec)
+{
+    return start.update(&task, rec);
+}
+
+static inline void rec_del(task_key task)
+{
+    start.delete(&task);
+}
+#endif
 #ifdef SYSCALL_HOOK
 BPF_HASH(in_call, u32, u32, 65536);                /* tid -> R_LOCK / R_SLEEP; 65536 == MAX_MEMBER_TASKS */
 #endif
@@ -112,14 +186,20 @@ static inline void forget(task_key task, u64 now);
 static inline void job_exit_hook(u32 tid)
 {
 #ifndef RAW_SCHED
-    forget(tid, bpf_ktime_get_ns());   /* (raw: keyed by task address, forgotten at the last switch-out below) */
+    forget(tid, 0);   /* (raw: keyed by task address, forgotten at the last switch-out below) */
 #endif
 #ifdef SYSCALL_HOOK
     in_call.delete(&tid);
 #endif
 }
 
+#define JOB_SLOT_CACHE         /* membership of the task leaving a CPU: this CPU's last answer (common.h) */
 #include "common.h"
+
+#if defined(RAW_SCHED) && !defined(BTF_SCHED)
+/* This CPU's idle task (raw: switches name tasks by address): a switch to it needs no lookup of its record. */
+BPF_PERCPU_ARRAY(idle_task, u64, 1);
+#endif
 
 #ifdef JOB_DEEP_TRACE
 /* Deep-trace windows: each off-CPU period of a traced job's thread at least job_trace_min_ns() long, with the
@@ -181,22 +261,28 @@ static inline u32 syscall_reason(long id, unsigned long op)
 #ifdef SYSCALL_FROM_REGS
 /* The reason for the syscall the current thread is in, from its saved user registers: the number stays there
  * (orig_ax, syscallno; -1 outside a syscall) while the call runs. 32 bits at SYSCALL_NR_OFF: x86_64's orig_ax is
- * little-endian, arm64's syscallno an int. */
-static inline u32 syscall_now(void)
+ * little-endian, arm64's syscallno an int. bpf_task_pt_regs gives a BTF pointer to struct pt_regs: the verifier
+ * checks each offset against the running kernel's BTF and makes the load a direct one (a fault reads 0), ~80 ns
+ * less per switch-out than bpf_probe_read_kernel here (6.18 VM, bpf_stats: 23 vs 102 ns over an empty program). */
+static inline u32 syscall_now(task_key task)
 {
-    unsigned long regs = bpf_task_pt_regs(bpf_get_current_task_btf());
-    s32 nr = -1;
-    unsigned long op = 0;
-    if (!regs || bpf_probe_read_kernel(&nr, sizeof(nr), (void *)(regs + SYSCALL_NR_OFF)))
+#ifdef BTF_SCHED
+    unsigned long regs = (unsigned long)bpf_task_pt_regs(task);    /* task: current, as a BTF pointer already */
+#else
+    unsigned long regs = (unsigned long)bpf_task_pt_regs(bpf_get_current_task_btf());
+#endif
+    if (!regs)
         return 0;
+    s32 nr = *(s32 *)(regs + SYSCALL_NR_OFF);
+    unsigned long op = 0;
     if (nr == NR_FUTEX)
-        bpf_probe_read_kernel(&op, sizeof(op), (void *)(regs + SYSCALL_ARG2_OFF));
+        op = *(unsigned long *)(regs + SYSCALL_ARG2_OFF);
     return syscall_reason(nr, op);
 }
 #endif
 
 /* Why `tid` (current, being switched out) leaves the CPU, from its reported state. */
-static inline u32 offcpu_reason(long state, u32 tid)
+static inline u32 offcpu_reason(long state, u32 tid, task_key task)
 {
     if (state == 0)
         return R_PREEMPT;
@@ -204,7 +290,7 @@ static inline u32 offcpu_reason(long state, u32 tid)
         return R_IO;
 #if defined(SYSCALL_FROM_REGS)
     if (state & STATE_S) {
-        u32 r = syscall_now();
+        u32 r = syscall_now(task);
         if (r)
             return r;
     }
@@ -244,7 +330,7 @@ static inline void finish(struct off_rec *rec, u64 now)
     if (rec->out_ns == 0 && rec->enq_ns == 0)
         return;
     u32 key = rec->slot;
-    struct slot_stats *s = stats.lookup(&key);
+    struct slot_stats *s = rec->epoch == epoch_of(key) ? stats.lookup(&key) : 0;
     if (s) {
         u64 end = now;
         if (rec->out_ns) {
@@ -280,13 +366,22 @@ static inline void finish(struct off_rec *rec, u64 now)
     rec->tgid = 0;
 }
 
+/* The clock, read once per event and only where a record needs it (bpf_ktime_get_ns: ~75 ns in a 6.18 VM, the
+ * dearest step of a switch; most of the node's switches are of no job and need none). */
+static inline u64 clock_ns(u64 *now)
+{
+    if (*now == 0)
+        *now = bpf_ktime_get_ns();
+    return *now;
+}
+
 /* Close what `task`'s entry holds open, then delete it (a thread's end). */
 static inline void forget(task_key task, u64 now)
 {
-    struct off_rec *rec = start.lookup(&task);
+    struct off_rec *rec = rec_get(task);
     if (rec) {
-        finish(rec, now);
-        start.delete(&task);
+        finish(rec, clock_ns(&now));
+        rec_del(task);
     }
 }
 
@@ -294,11 +389,31 @@ static inline void forget(task_key task, u64 now)
  * in reported state `state`, next (key `next`, 0 for an idle task) gets it. */
 static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, task_key next)
 {
-    u64 now = bpf_ktime_get_ns();
+    u64 now = 0;
 
     /* The tracepoint runs before the switch: "current" is still prev, so membership helpers see prev. */
     if (prev_tid != 0) {
-        int slot = job_slot_current();
+#ifdef BTF_SCHED
+        /* A member's record keeps its membership answer: valid while the membership generation has not moved
+         * and the thread is in the same cgroups (its css_set), with no helper call. */
+        struct off_rec *mine = rec_get(prev);
+        u64 css = *(u64 *)((void *)prev + TASK_CGROUPS_OFF);
+        u32 gen = job_membership_gen();
+        int slot;
+        if (mine && mine->mgen == gen && mine->css == css) {
+            slot = job_slot_on(mine->mslot);
+        } else {
+            int raw = job_slot_cached_raw();
+            if (mine) {
+                mine->mslot = raw;
+                mine->mgen = gen;
+                mine->css = css;
+            }
+            slot = job_slot_on(raw);
+        }
+#else
+        int slot = job_slot_cached();
+#endif
         if (slot >= 0) {
             u32 key = slot;
             struct slot_stats *s = stats.lookup(&key);
@@ -309,10 +424,16 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                     s->voluntary++;
             }
             if (!(state & STATE_EXITING) && s) {
+                clock_ns(&now);
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
-                                      .reason = offcpu_reason(state, prev_tid), .tid = prev_tid,
-                                      .kstack = -1, .ustack = -1};
+                                      .reason = offcpu_reason(state, prev_tid, prev), .tid = prev_tid,
+                                      .kstack = -1, .ustack = -1, .epoch = epoch_of(slot)};
+#ifdef BTF_SCHED
+                rec.mslot = slot;
+                rec.mgen = gen;
+                rec.css = css;
+#endif
 #ifdef JOB_DEEP_TRACE
                 if (job_traced(slot)) {
                     rec.tgid = bpf_get_current_pid_tgid() >> 32;
@@ -322,11 +443,15 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
 #endif
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
                  * lookup instead of a hash insert and delete per switch. */
-                struct off_rec *old = start.lookup(&prev);
+#ifdef BTF_SCHED
+                struct off_rec *old = mine;
+#else
+                struct off_rec *old = rec_get(prev);
+#endif
                 if (old) {
                     finish(old, now);   /* a no-op unless its switch-in was missed */
                     *old = rec;
-                } else if (start.update(&prev, &rec)) {
+                } else if (rec_put(prev, &rec)) {
                     goto next;          /* the map is full: this period is not counted, and nothing is opened */
                 }
                 open_time(s, rec.reason, now);
@@ -348,9 +473,19 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
 next:
     if (next == 0)
         return 0;
-    struct off_rec *rec = start.lookup(&next);
-    if (rec)
-        finish(rec, now);   /* not a member: no entry; running already (its period was consumed): a no-op */
+#if defined(RAW_SCHED) && !defined(BTF_SCHED)
+    u32 zero = 0;
+    u64 *idle = idle_task.lookup(&zero);
+    if (idle) {
+        if (prev_tid == 0)
+            *idle = prev;       /* prev is this CPU's idle task */
+        else if (next == *idle)
+            return 0;           /* the idle task: never a member, no record */
+    }
+#endif
+    struct off_rec *rec = rec_get(next);
+    if (rec && (rec->out_ns || rec->enq_ns))   /* not a member: no entry; running already: consumed */
+        finish(rec, clock_ns(&now));
     return 0;
 }
 
@@ -359,7 +494,7 @@ next:
  * runnable (preempted, or woken twice) has been waiting since the earlier time. */
 static inline void woken(task_key task)
 {
-    struct off_rec *rec = start.lookup(&task);
+    struct off_rec *rec = rec_get(task);
     if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
         return;
     u64 now = bpf_ktime_get_ns();
@@ -368,7 +503,7 @@ static inline void woken(task_key task)
     if (now < rec->out_ns)
         now = rec->out_ns;
     u32 key = rec->slot;
-    struct slot_stats *s = stats.lookup(&key);
+    struct slot_stats *s = rec->epoch == epoch_of(key) ? stats.lookup(&key) : 0;
     if (!s)
         return;
     rec->enq_ns = now;
@@ -387,11 +522,11 @@ static inline void woken_new(task_key task, u32 tid)
     u32 key = slot;
     struct slot_stats *s = stats.lookup(&key);
     struct off_rec rec = {.out_ns = 0, .enq_ns = bpf_ktime_get_ns(), .slot = slot, .tid = tid, .kstack = -1,
-                          .ustack = -1};
-    struct off_rec *old = start.lookup(&task);
+                          .ustack = -1, .epoch = epoch_of(slot), .mslot = -1};
+    struct off_rec *old = rec_get(task);
     if (old)
         finish(old, rec.enq_ns);   /* a reused key whose owner's end was missed: close what it held open */
-    if (s && start.update(&task, &rec) == 0)
+    if (s && rec_put(task, &rec) == 0)
         open_time(s, T_RUNQ, rec.enq_ns);
 }
 
@@ -444,6 +579,35 @@ static inline long reported_state(u64 preempt, u32 st)
     return st ? 1 << log2_floor(st) : 0;
 }
 
+#ifdef BTF_SCHED
+/* BTF tracepoint programs (tp_btf, -DBTF_SCHED with RAW_SCHED; loaded by jobprobe.kernel.bpf_loader): the same
+ * arguments as raw ones, but typed, so that the task pointers can be handed to task storage and read directly at
+ * offsets user space takes from the running kernel's BTF (TASK_PID_OFF, TASK_CGROUPS_OFF; the verifier checks each
+ * against that BTF): no helper call for a thread id, no hash for a record, no lookup for the idle task (pid 0). */
+static inline u32 task_tid(struct task_struct *t)
+{
+    return *(u32 *)((void *)t + TASK_PID_OFF);
+}
+
+int on_switch_btf(u64 *ctx)
+{
+    struct task_struct *prev = (struct task_struct *)ctx[1], *next = (struct task_struct *)ctx[2];
+    return switched(ctx, prev, task_tid(prev), reported_state(ctx[0], (u32)ctx[3]), task_tid(next) ? next : 0);
+}
+
+int on_wakeup_btf(u64 *ctx)
+{
+    woken((struct task_struct *)ctx[0]);
+    return 0;
+}
+
+int on_wakeup_new_btf(u64 *ctx)
+{
+    struct task_struct *p = (struct task_struct *)ctx[0];
+    woken_new(p, task_tid(p));
+    return 0;
+}
+#else
 int on_switch_raw(struct bpf_raw_tracepoint_args *ctx)
 {
     u32 prev_tid = bpf_get_current_pid_tgid();   /* current is prev; 0 for an idle task */
@@ -461,6 +625,7 @@ int on_wakeup_new_raw(struct bpf_raw_tracepoint_args *ctx)
     woken_new(ctx->args[0], 0);
     return 0;
 }
+#endif
 #endif
 
 #ifdef SYSCALL_HOOK

@@ -1,7 +1,8 @@
 """A sink behind a bounded queue and a thread of its own: a slow or stuck sink never delays the tick.
 
 `QueuedSink(inner, name, maxsize)` wraps any exporter (`write(frame, data)`, `close()`). `write()` only appends to a
-bounded queue and returns at once; one worker thread per sink hands the frames to `inner.write` in order. Nothing
+bounded queue and returns at once; a worker thread hands the frames to `inner.write` in order — one per sink, or one
+`SinkWorker` shared by several sinks (the agent's per-job files), taking their frames in turn. Nothing
 is lost silently: every frame handed to `write()` ends in exactly one of the counters (`stats()`)
 
     queued == written + errors + dropped + depth + in_flight
@@ -34,6 +35,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from collections import deque
 
 log = logging.getLogger("jobprobe.sink")
@@ -51,26 +53,107 @@ def dead_reason(err: BaseException) -> str | None:
     return None
 
 
-class QueuedSink:
-    """`inner` behind a bounded queue of `maxsize` frames and one worker thread. Thread-safe; never blocks the
-    caller of write(); close() waits at most `timeout` seconds."""
+class SinkWorker:
+    """The thread that writes for one or more QueuedSinks: a frame at a time, taken round-robin from the sinks with
+    frames waiting, so a busy sink does not starve the others. Its thread runs while it has sinks and ends with
+    the last (a later sink starts a new one). One worker per sink is the default; the agent shares one among the
+    per-job file sinks (`--out`), so 64 idle jobs wake one thread per tick, not 64. A sink stuck in its write holds
+    up the others on its worker (never the tick): they queue, and drop their oldest, as if each were stuck."""
 
-    def __init__(self, inner, name: str, maxsize: int = 1024):
+    def __init__(self, name: str):
+        self.name = name
+        self.cond = threading.Condition()
+        self.sinks: list[QueuedSink] = []      # registered and not finished (a finished sink is never touched again)
+        self.thread: threading.Thread | None = None
+        self._next = 0
+
+    def add(self, sink: "QueuedSink") -> None:
+        """Register `sink` (the caller holds `cond`)."""
+        self.sinks.append(sink)
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"sink-{self.name}", daemon=True)
+            self.thread.start()
+
+    def retire(self, sink: "QueuedSink") -> None:
+        """`sink` gets no more frames from this worker (the caller holds `cond`)."""
+        if sink in self.sinks:
+            self.sinks.remove(sink)
+        sink._worker_done = True
+        self.cond.notify_all()
+
+    def _pick(self) -> "QueuedSink | None":
+        """The next sink with a frame to write, waiting for one; None when no sink is left (holds `cond`)."""
+        while True:
+            for s in [s for s in self.sinks if not s._q and (s._closing or s._state != "ok")]:
+                self.retire(s)              # closing and flushed, or dead: finished
+            if not self.sinks:
+                return None
+            n = len(self.sinks)
+            for i in range(n):
+                s = self.sinks[(self._next + i) % n]
+                if s._q:
+                    self._next = (self._next + i + 1) % n
+                    return s
+            self.cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                sink = self._pick()
+                if sink is None:
+                    self.thread = None
+                    return
+                frame, data = sink._q.popleft()
+                sink._in_flight = True
+            err: Exception | None = None
+            try:
+                sink.inner.write(frame, data)
+            except Exception as e:   # a sink's failure is counted and reported, never raised into the tick
+                err = e
+            dead = dead_reason(err) if err is not None else None
+            closer = False
+            with self.cond:
+                if sink._abandoned:                  # close() gave up on this frame and counted it
+                    self.retire(sink)
+                    closer = True
+                else:
+                    sink._in_flight = False
+                    if err is None:
+                        sink._written += 1
+                    else:
+                        sink._errors += 1
+                        if dead:
+                            sink._state = f"stopped: {dead}"
+                            sink._dropped += len(sink._q)
+                            sink._q.clear()
+                    self.cond.notify_all()           # a close() may wait for this sink's last frame
+            if err is not None:
+                sink._log_error(err, dead)
+            if closer:
+                sink._close_inner()
+
+
+class QueuedSink:
+    """`inner` behind a bounded queue of `maxsize` frames, written by a SinkWorker (its own unless `worker` is given).
+    Thread-safe; never blocks the caller of write(); close() waits at most `timeout` seconds."""
+
+    def __init__(self, inner, name: str, maxsize: int = 1024, worker: SinkWorker | None = None):
         if maxsize < 1:
             raise ValueError(f"maxsize must be at least 1, got {maxsize}")
         self.inner, self.name, self.maxsize = inner, name, maxsize
-        self._cond = threading.Condition()
+        self.worker = worker or SinkWorker(name)
+        self._cond = self.worker.cond
         self._q: deque[tuple[dict, bytes]] = deque()
         self._queued = self._written = self._dropped = self._errors = 0
         self._in_flight = False
         self._state = "ok"             # "ok" | "stopped: <why>" (inner is dead) | "closed"
-        self._closing = False          # close() called: the worker drains the queue and ends
-        self._abandoned = False        # close() timed out: the worker closes inner when its write returns
-        self._worker_done = False
+        self._closing = False          # close() called: the worker drains the queue and finishes the sink
+        self._abandoned = False        # close() timed out mid-write: the worker closes inner when its write returns
+        self._worker_done = False      # the worker will not touch this sink again
         self._logged: set[tuple[str, int | None]] = set()
         self._overflow_logged = False
-        self._thread = threading.Thread(target=self._run, name=f"sink-{name}", daemon=True)
-        self._thread.start()
+        with self._cond:
+            self.worker.add(self)
 
     # ---- the caller's side (the tick) --------------------------------------------------------------------
     def write(self, frame: dict, data: bytes) -> None:
@@ -95,7 +178,8 @@ class QueuedSink:
                     return
                 self._dropped += 1
             self._q.append((frame, data))
-            self._cond.notify()
+            if len(self._q) == 1:
+                self._cond.notify_all()         # the worker sleeps only when every queue is empty
             log_it = overflow and not self._overflow_logged
             self._overflow_logged |= overflow
         if log_it:
@@ -105,21 +189,29 @@ class QueuedSink:
     def close(self, timeout: float = 5.0) -> None:
         """Flush what is queued within `timeout` seconds, then close the inner sink; what could not be flushed is
         counted as dropped. Idempotent; never raises."""
+        end = time.monotonic() + max(0.0, timeout)
         with self._cond:
             if self._closing:
                 return
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(max(0.0, timeout))
-        with self._cond:
+            while not self._worker_done:
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
             unflushed = len(self._q) + (1 if self._in_flight else 0)
             self._dropped += unflushed
             self._q.clear()
-            self._in_flight = False          # counted as dropped: whatever the worker does with it now
             if self._state == "ok":
                 self._state = "closed"
-            closer = self._worker_done       # else the worker closes inner when its stuck write returns
-            self._abandoned = not closer
+            if self._in_flight:              # the worker is stuck in our write: it closes inner when it returns
+                self._in_flight = False      # counted as dropped: whatever the worker does with it now
+                self._abandoned = True
+                closer = False
+            else:                            # finished, or its worker is busy with another sink's write
+                self.worker.retire(self)
+                closer = True
             stats = self._stats_locked()
         if closer:
             self._close_inner()
@@ -141,44 +233,6 @@ class QueuedSink:
         return {"queued": self._queued, "written": self._written, "dropped": self._dropped,
                 "errors": self._errors, "depth": len(self._q), "in_flight": int(self._in_flight),
                 "state": self._state}
-
-    # ---- the worker's side -------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._q and not self._closing:
-                    self._cond.wait()
-                if not self._q or self._abandoned:
-                    break
-                frame, data = self._q.popleft()
-                self._in_flight = True
-            err: Exception | None = None
-            try:
-                self.inner.write(frame, data)
-            except Exception as e:   # a sink's failure is counted and reported, never raised into the tick
-                err = e
-            dead = dead_reason(err) if err is not None else None
-            with self._cond:
-                if self._abandoned:                  # close() gave up on this frame and counted it
-                    break
-                self._in_flight = False
-                if err is None:
-                    self._written += 1
-                else:
-                    self._errors += 1
-                    if dead:
-                        self._state = f"stopped: {dead}"
-                        self._dropped += len(self._q)
-                        self._q.clear()
-            if err is not None:
-                self._log_error(err, dead)
-            if dead:
-                break
-        with self._cond:
-            self._worker_done = True
-            closer = self._abandoned
-        if closer:
-            self._close_inner()
 
     def _log_error(self, err: Exception, dead: str | None) -> None:
         kind = (type(err).__name__, getattr(err, "errno", None))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jobprobe.exporters.file import FileExporter
-from jobprobe.exporters.queued import QueuedSink, sink_stats
+from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe import tickmemo
 from jobprobe.errors import BadInput, TargetGone
@@ -213,6 +213,7 @@ class Agent:
         self.persist = False     # write cfg.state on every change (the daemon; not `jobprobe run`)
         self._t0 = clock()
         self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        self.file_writer = SinkWorker("files")   # one thread writes every job's --out file
 
     # ---- sinks --------------------------------------------------------------------------------------------
     def _default_sinks(self, job: str) -> list:
@@ -221,7 +222,8 @@ class Agent:
             os.makedirs(self.cfg.out, exist_ok=True)
             path = os.path.join(self.cfg.out, f"{safe_name(job)}.mpk")
             try:
-                out.append(QueuedSink(FileExporter(path, self.cfg.out_max_mb), f"file:{path}", self.cfg.queue))
+                out.append(QueuedSink(FileExporter(path, self.cfg.out_max_mb), f"file:{path}", self.cfg.queue,
+                                      self.file_writer))
             except OSError as err:
                 raise BadInput(f"cannot write {path}: {err.strerror}") from err
         if self.cfg.stdout:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes as ct
 import importlib.util
+import time
 from typing import Any
 
 from jobprobe import tickmemo
@@ -68,6 +69,7 @@ class BpfProbe(Probe):
         self._last: Any = None
         self._still: dict[str, Any] | None = None   # the interval of a reading equal to the one before
         self._missed = 0
+        self.read_ns = 0          # when the slot's counters were last read (slot_sums)
 
     # ---- what a probe provides ---------------------------------------------------------------------------
     def reading(self) -> Any:
@@ -88,13 +90,23 @@ class BpfProbe(Probe):
         """This slot's per-CPU struct of u64 counters (scalars and arrays) summed over CPUs: {field: int or list}.
         Summed as flat u64 columns: reading ctypes fields one by one costs ~1 ms a tick on wide structs."""
         table = self.loaded.maps[map_name]
-        tot = table.lookup_sums(self.slot)
+        tot = self.slot_sums(map_name)
         out, i = {}, 0
         for name, typ in table.value_type._fields_:
             n = ct.sizeof(typ) // 8
             out[name] = tot[i] if not hasattr(typ, "_length_") else tot[i:i + n]
             i += n
         return out
+
+    def slot_sums(self, map_name: str = "stats") -> list[int]:
+        """This slot's per-CPU value of u64 fields summed over CPUs, as flat columns. In an agent tick the whole
+        per-slot array is read once (one batch lookup) for every job, with the time of that read (`read_ns`)."""
+        table = self.loaded.maps[map_name]
+        if not tickmemo.active():
+            self.read_ns = time.monotonic_ns()
+            return table.lookup_sums(self.slot)
+        raw, self.read_ns = tickmemo.get(("slots", id(table)), lambda: (table.array_raw(), time.monotonic_ns()))
+        return table.sums_at(raw, self.slot)
 
     def hook_handlers(self) -> tuple[tuple[str, str], ...]:
         """The module's own exit / exec programs, where its C keeps per-thread state (bpf/common.h)."""
@@ -118,7 +130,7 @@ class BpfProbe(Probe):
         if why:
             return why
         missing = [tp for tp, _ in MEMBERSHIP + self.all_handlers()
-                   if not host.tracepoint_exists(*tp.removeprefix(_bpf.RAW).split(":"))]
+                   if not host.tracepoint_exists(*_bpf.event_of(tp).split(":"))]
         if missing:
             return f"tracepoint {missing[0]} not found in tracefs"
         if importlib.util.find_spec("bcc") is None:

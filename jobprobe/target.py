@@ -62,6 +62,18 @@ class Target:
         their final CPU and I/O totals, so a probe can count their last interval."""
         return []
 
+    def cpu_stat(self) -> dict[str, int] | None:
+        """The job's group's cpu.stat ({key: int}; usage_usec, user_usec, system_usec, and nr_periods … with the
+        cpu controller); None without a group, or once it is gone."""
+        return procfs.read_kv(f"{self.cgroup_path}/cpu.stat") if self.cgroup_path else None
+
+    def quiet(self) -> bool:
+        """True when no task of the job has run since the previous agent tick: counters that only move while one
+        of its tasks runs (perf_event counts of its group, the threads' own I/O accounts) cannot have moved, so a
+        probe may skip reading them this tick — what a task does in a run too short to show is in the next read,
+        never lost. False where that is not known (outside a tick, a process tree)."""
+        return False
+
     def refresh(self) -> None:
         """Called once per tick before the probes sample; raises TargetGone when the job has ended."""
 
@@ -85,13 +97,21 @@ class CgroupTarget(Target):
         self.cgroup_path = str(p)
         self.job = job or p.name
         self.files = procfs.OpenFiles()      # each group's cgroup.procs, read every tick
+        self._usage: int | None = None       # cpu.stat usage_usec at the last tick that asked quiet()
 
     def describe(self) -> dict:
         return {"kind": self.kind, "job": self.job, "cgroup": self.cgroup_path}
 
     def dirs(self) -> list[str]:
         """The job's cgroup and all its descendants (SLURM steps, container sub-groups); walked once per agent tick."""
-        return tickmemo.get(("dirs", id(self)), lambda: [root for root, _, _ in os.walk(self.cgroup_path)])
+        return tickmemo.get(("dirs", id(self)), self._dirs_now)
+
+    def _dirs_now(self) -> list[str]:
+        # A group without descendants (most jobs) says so in its cgroup.stat, one pread of a kept fd: no walk.
+        st = self.files.read(f"{self.cgroup_path}/cgroup.stat")
+        if st is not None and "\nnr_descendants 0\n" in "\n" + st:
+            return [self.cgroup_path]
+        return [root for root, _, _ in os.walk(self.cgroup_path)]   # also [] once the group is removed
 
     def cgroup_ids(self) -> list[int]:
         """cgroup2 ids as bpf_get_current_cgroup_id() returns them: the directories' inode numbers."""
@@ -112,6 +132,23 @@ class CgroupTarget(Target):
             pids.extend(int(x) for x in (self.files.read(f"{d}/cgroup.procs") or "").split())
         self.files.sweep()
         return pids
+
+    def quiet(self) -> bool:
+        if not tickmemo.active():
+            return False
+        return tickmemo.get(("quiet", id(self)), self._quiet_now)
+
+    def _quiet_now(self) -> bool:
+        # cpu.stat usage_usec (also without the cpu controller) covers the descendants; it moves with any run of a
+        # task of the group that reaches a microsecond, and a shorter one is counted by the next tick that reads.
+        usage = (self.cpu_stat() or {}).get("usage_usec")
+        prev, self._usage = self._usage, usage
+        return usage is not None and usage == prev
+
+    def cpu_stat(self) -> dict[str, int] | None:
+        # once per agent tick: the cgroup probe's CPU figures and quiet() read the same snapshot
+        return tickmemo.get(("cpu.stat", id(self)),
+                            lambda: procfs.read_kv(f"{self.cgroup_path}/cpu.stat", self.files.read))
 
     def refresh(self) -> None:
         if not self.dirs():      # the walk (once per agent tick) finds not even the job's own group

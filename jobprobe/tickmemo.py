@@ -23,6 +23,11 @@ def end() -> None:
     _tick = -abs(_tick)     # remembered, but not in a tick
 
 
+def active() -> bool:
+    """Whether a tick is open (values are shared until it ends)."""
+    return _tick > 0
+
+
 def get(key: Any, fn: Callable[[], Any]) -> Any:
     """fn()'s value, computed once per tick for `key` (every call outside a tick computes it)."""
     if _tick <= 0:

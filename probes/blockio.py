@@ -152,7 +152,8 @@ def raw_flags_once(btf_path: str, events: tuple[str, ...]) -> tuple[tuple[str, .
 def raw_cflags(btf_path: str | Path, events: list[str]) -> tuple[list[str], str | None]:
     """The -D flags (struct offsets) of the raw programs for these block events, or why they cannot be used."""
     try:
-        btf = Btf(Path(btf_path).read_bytes())
+        btf = Btf(Path(btf_path).read_bytes(),
+                  names=[*(f"btf_trace_{e}" for e in events), *(name for name, _, _ in RAW_OFFSETS.values())])
     except (OSError, ValueError, struct.error) as err:
         return [], f"no kernel BTF ({err})"
     for event in events:
@@ -290,7 +291,7 @@ class BlockioProbe(BpfProbe):
             self._expired += self.sweep()
         # Summed as flat u64 columns (DirStats: the COUNTERS, then hist, per direction): reading ctypes fields one
         # by one costs ~0.1 ms a job a tick.
-        tot = self.loaded.maps["stats"].lookup_sums(self.slot)
+        tot = self.slot_sums()
         out: dict[str, Any] = {"expired": self._expired}
         width = len(COUNTERS) + NBUCKETS
         for i, d in enumerate(DIRS):

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from jobprobe import tickmemo
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.probe import Field, Probe, delta
 from jobprobe.target import Target
@@ -38,17 +39,7 @@ Reader = Callable[[str], "str | None"]
 OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 
 
-def read_kv(path: Path, read: Reader = procfs.read_small) -> dict[str, int] | None:
-    """'key value' lines (cpu.stat, memory.stat) → dict, or None if the file does not exist."""
-    text = read(path)
-    if text is None:
-        return None
-    out = {}
-    for line in text.splitlines():
-        k, _, v = line.partition(" ")
-        if v.strip().lstrip("-").isdigit():
-            out[k] = int(v)
-    return out
+read_kv = procfs.read_kv
 
 
 def read_int(path: Path, read: Reader = procfs.read_small) -> int | None:
@@ -74,21 +65,24 @@ def io_stat_bytes(path: Path, read: Reader = procfs.read_small) -> tuple[int, in
     return rd, wr
 
 
-def proc_counters(proc: str, pid: int, io: bool = True, read: Reader = procfs.read_small) -> dict[str, int] | None:
+def proc_counters(proc: str, pid: int, io: bool = True, read: Reader = procfs.read_small,
+                  cpu: bool = True) -> dict[str, int] | None:
     """CPU (ns), RSS (bytes) and I/O bytes of one process from /proc; None if it has gone. (The probe reads I/O
-    per thread, ThreadAcct, and asks for no `io` here; the process's figure is for the tests' and tools' use.)"""
-    base = Path(proc, str(pid))
-    st = procfs.read_stat(proc, pid, read)
-    statm = (read(base / "statm") or "").split()
+    per thread, ThreadAcct, and asks for no `io` here; the process's figure is for the tests' and tools' use. No
+    `cpu`: CPU is not read, 0 — the group's cpu.stat has it.)"""
+    base = f"{proc}/{pid}"
+    st = procfs.read_stat(proc, pid, read) if cpu else None
+    statm = (read(f"{base}/statm") or "").split()
     if len(statm) < 3:
         return None
-    if st is None:
+    if st is None and cpu:
         return None
     ns = procfs.NS_PER_TICK
     # statm: size resident shared(RssFile + RssShmem) ...
-    out = {"user": st.utime * ns, "system": st.stime * ns, "cuser": st.cutime * ns, "csystem": st.cstime * ns,
+    out = {"user": st.utime * ns if st else 0, "system": st.stime * ns if st else 0,
+           "cuser": st.cutime * ns if st else 0, "csystem": st.cstime * ns if st else 0,
            "rss": int(statm[1]) * PAGE, "rss_file": int(statm[2]) * PAGE, "rd": 0, "wr": 0}
-    io = read_kv_colon(base / "io", read) if io else None
+    io = read_kv_colon(f"{base}/io", read) if io else None
     if io:
         out["rd"], out["wr"] = io.get("read_bytes", 0), io.get("write_bytes", 0)
     return out
@@ -180,12 +174,21 @@ class ThreadAcct:
         self.primed = from_zero
 
     def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
-               cpu: bool = True) -> dict[str, int]:
-        """This interval's KEYS summed over the job's threads (CPU 0 when `cpu` is off)."""
+               cpu: bool = True, quiet: bool = False) -> dict[str, int]:
+        """This interval's KEYS summed over the job's threads (CPU 0 when `cpu` is off).
+
+        `quiet`: the caller knows that none of the job's threads ran since the last update (its group's CPU usage
+        did not move, its processes are the same): a thread's counters only grow while it runs (I/O bytes are
+        charged to the task that submits or dirties), so /proc is not walked and nothing is counted — unless an
+        exit record of the job came (then the walk is done as usual). What a thread did in less than the usage
+        counter's 1 µs is not lost: it is in the next walk's difference, or in its exit record."""
         records = self.listener.drain() if self.listener is not None else []
         out = [0, 0, 0, 0]
         if self.primed:
-            for r in self.job_records(records, pids):
+            mine = self.job_records(records, pids)
+            if quiet and not mine:
+                return dict.fromkeys(KEYS, 0)
+            for r in mine:
                 _, before = self.last.pop(r.tid, (0, (0, 0, 0, 0)))
                 final = (r.read_bytes, r.write_bytes, r.utime_us * 1000, r.stime_us * 1000)
                 for i in range(4):
@@ -249,7 +252,7 @@ class Throttle:
         self.acc = [0, 0, 0]
         self.limit: float | None = None
         self.seen = False                     # some cpu.stat read: the fields are real (else absent)
-        self.groups: list[str] = []
+        self.groups: list[tuple[str, str]] = []      # (v1 group, its directory)
         self.found_at = -1e9
         self.mount: tuple[str, str] | None | bool = False     # v1 cpu mount (point, root), looked up once
 
@@ -282,18 +285,26 @@ class Throttle:
         if now - self.found_at > OPTIONAL_RECHECK_S or not self.groups:
             self.found_at = now
             found = {procfs.cgroup_v1_path(self.host.proc, p, "cpu") for p in pids[:64]}
-            self.groups = sorted(g for g in found if g)
-        point, root = self.mount
-        for g in self.groups:
-            rel = g[len(root):] if root != "/" and g.startswith(root) else g
-            d = Path(point) / rel.lstrip("/")
-            st = read_kv(d / "cpu.stat", self.files.read)
-            if st is None or "nr_periods" not in st:
-                continue
-            quota = read_int(d / "cpu.cfs_quota_us", self.files.read)
-            period = read_int(d / "cpu.cfs_period_us", self.files.read)
-            limit = quota / period if quota and quota > 0 and period else None
-            self._add(g, (st["nr_periods"], st["nr_throttled"], st.get("throttled_time", 0)), limit)
+            point, root = self.mount
+
+            def where(g: str) -> str:
+                rel = g[len(root):] if root != "/" and g.startswith(root) else g
+                return str(Path(point) / rel.lstrip("/"))
+            self.groups = [(g, where(g)) for g in sorted(g for g in found if g)]
+        for g, d in self.groups:
+            # jobs whose processes share a v1 group (a hybrid host's session or root group) read it once per tick
+            got = tickmemo.get(("v1cpu", d), lambda: self._v1_group(d))
+            if got is not None:
+                self._add(g, *got)
+
+    def _v1_group(self, d: str) -> tuple[tuple[int, int, int], float | None] | None:
+        st = read_kv(f"{d}/cpu.stat", self.files.read)
+        if st is None or "nr_periods" not in st:
+            return None
+        quota = read_int(f"{d}/cpu.cfs_quota_us", self.files.read)
+        period = read_int(f"{d}/cpu.cfs_period_us", self.files.read)
+        limit = quota / period if quota and quota > 0 and period else None
+        return (st["nr_periods"], st["nr_throttled"], st.get("throttled_time", 0)), limit
 
     def take(self) -> dict:
         if not self.seen:
@@ -338,9 +349,11 @@ class CgroupProbe(Probe):
         super().__init__(host)
         self.target: Target | None = None
         self.cg: Path | None = None
+        self.cgf: dict[str, str] = {}
         self.prev: dict[str, int] = {}
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.threadacct: ThreadAcct | None = None
+        self.members: list[int] = []      # the processes read last time (with pids that ended)
         self.from_zero = False
         self.peak = 0
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
@@ -349,10 +362,13 @@ class CgroupProbe(Probe):
     def start(self, target: Target) -> None:
         self.target = target
         self.cg = Path(target.cgroup_path) if target.cgroup_path else None
-        if self.cg is not None and read_kv(self.cg / "cpu.stat") is None:
+        self.cgf = {n: str(self.cg / n) for n in ("memory.current", "memory.stat", "memory.peak",
+                                                  "io.stat")} if self.cg is not None else {}
+        if self.cg is not None and target.cpu_stat() is None:
             raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
         self.perpid = PerPid({"user": "cuser", "system": "csystem"})
         self.threadacct = None
+        self.members = []
         self.peak = 0
         self.throttle = Throttle(self.files, self.host, from_zero=bool(getattr(target, "from_start", False)))
         # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
@@ -370,22 +386,23 @@ class CgroupProbe(Probe):
         need_proc = self.cg is None
         cur: dict[str, int] = {}
         if self.cg is not None:
-            cpu = read_kv(self.cg / "cpu.stat", read)
+            cpu = self.target.cpu_stat()    # (read once a tick: Target.quiet() looks at it too)
             if cpu is None:
                 raise TargetGone(f"cgroup {self.cg} was removed")
             cur["user"] = cpu.get("user_usec", 0) * 1000
             cur["system"] = cpu.get("system_usec", 0) * 1000
+            cur["usage"] = cpu.get("usage_usec", -1)
             if "nr_periods" in cpu:      # the cpu controller is on cgroup2 for this group
                 self.throttle.v2(self.cg, cpu)
-            mem = read_int(self.cg / "memory.current", optional)
+            mem = read_int(self.cgf["memory.current"], optional)
             if mem is not None:  # the memory controller is on cgroup2 here
                 cur["mem"] = mem
-                stat = read_kv(self.cg / "memory.stat", optional) or {}
+                stat = read_kv(self.cgf["memory.stat"], optional) or {}
                 cur["anon"], cur["file"] = stat.get("anon", 0), stat.get("file", 0)
-                peak = read_int(self.cg / "memory.peak", optional)
+                peak = read_int(self.cgf["memory.peak"], optional)
                 if peak is not None:
                     cur["peak"] = peak
-            io = io_stat_bytes(self.cg / "io.stat", optional)
+            io = io_stat_bytes(self.cgf["io.stat"], optional)
             if io is not None:
                 cur["rd"], cur["wr"] = io
             need_proc = mem is None or io is None
@@ -395,10 +412,18 @@ class CgroupProbe(Probe):
             self.throttle.v1(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
             members = pids + self.target.ended_pids()
-            per = {p: c for p in members if (c := proc_counters(proc, p, io=False, read=read)) is not None}
             acct = self.thread_acct()
-            d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None)
-            if "user" not in cur and acct.listener is None:   # no exit records: per process, cutime for the reaped
+            per_cpu = "user" not in cur and acct.listener is None   # no exit records: per process, with cutime
+            per = {}
+            if per_cpu or "mem" not in cur:   # /proc/PID/stat only for per_cpu; statm for RSS
+                per = {p: c for p in members
+                       if (c := proc_counters(proc, p, io=False, read=read, cpu=per_cpu)) is not None}
+            # No thread of the group ran since the last read (usage unchanged) and its processes are the same: the
+            # threads' /proc counters cannot have moved (ThreadAcct.update).
+            quiet = cur.get("usage", -1) >= 0 and cur["usage"] == self.prev.get("usage") and members == self.members
+            self.members = members
+            d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None, quiet=quiet)
+            if per_cpu:
                 d.update(self.perpid.update(per, ("user", "system")))
             if "mem" not in cur:
                 cur["mem"] = sum(c["rss"] for c in per.values())

@@ -112,6 +112,7 @@ class EnergyProbe(Probe):
         self.cpu_pkg: dict[int, int] = {}
         self.prev: dict[str, int] = {}
         self.threads: dict[tuple[int, int], int] = {}     # (pid, tid) → utime + stime at the last tick
+        self.primed = False                                 # a first reading (the baseline) has been taken
         self.busy: dict[int, int] = {}
 
     def check(self, host: Host) -> str | None:
@@ -132,6 +133,7 @@ class EnergyProbe(Probe):
         if any(v is None for v in self.prev.values()):
             raise ProbeUnavailable("RAPL energy_uj not readable (root only since Linux 5.10)")
         self.busy = busy_ticks(self.host.proc)
+        self.primed = False
         self._job_ticks()
 
     def _counters(self) -> dict[str, int]:
@@ -157,10 +159,10 @@ class EnergyProbe(Probe):
                     continue
                 key = (pid, int(tid))
                 now[key] = st.utime + st.stime
-                d = now[key] - self.threads.get(key, now[key] if self.threads else 0)
+                d = now[key] - self.threads.get(key, 0)      # a thread not seen before was born since
                 pkg = self.cpu_pkg.get(st.processor, 0)
                 out[pkg] = out.get(pkg, 0) + max(0, d)
-        first = not self.threads
+        first, self.primed = not self.primed, True
         self.threads = now
         return {} if first else out
 

@@ -30,23 +30,14 @@ from jobprobe.kernel import procfs
 from jobprobe.kernel.devcg import DeviceRules
 from jobprobe.kernel.nvml import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig, Nvml  # noqa: F401
 
-ENV_KEYS = (b"CUDA_VISIBLE_DEVICES", b"NVIDIA_VISIBLE_DEVICES")
+ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 NVIDIA_MAJOR = "195"
 NOT_GPU_MINORS = 254     # 195:254 is nvidia-modeset, 195:255 nvidiactl; GPUs are 195:0…253
 
 
 # ---- rule env: CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES ----------------------------------------------------
 def read_visible_env(proc: str, pid: int) -> dict[str, str]:
-    try:
-        data = Path(proc, str(pid), "environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in data.split(b"\0"):
-        key, _, value = item.partition(b"=")
-        if key in ENV_KEYS:
-            out[key.decode()] = value.decode(errors="replace")
-    return out
+    return procfs.environ(proc, pid, ENV_KEYS)
 
 
 def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:

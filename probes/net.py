@@ -273,8 +273,7 @@ class NetProbe(BpfProbe):
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot summed over CPUs, and our slot's peers {(addr, port): (tx, rx)}."""
-        per_cpu = self.loaded.maps["stats"].lookup(self.slot)
-        counters = {k: sum(getattr(s, k) for s in per_cpu) for k in COUNTERS + RTT}
+        counters = dict(zip(COUNTERS + RTT, self.slot_sums()))
         peers: dict[tuple[str, int], tuple[int, int]] = {}
         table = self.loaded.maps["peers"]
         by_slot = tickmemo.get(("peers", id(table)), lambda: _by_slot(table.items()))   # once a tick, every job

@@ -162,6 +162,7 @@ class NicProbe(Probe):
         self.spec: str | None = None
         self.by = "all"
         self.prev: dict[str, dict[str, int]] = {}
+        self.prev_seen: dict | None = None     # the dump `prev` came from (shared by the jobs of one tick)
         self.checked = -1e9
         self.files = procfs.OpenFiles()
         self.t_prev = 0.0
@@ -174,6 +175,7 @@ class NicProbe(Probe):
             raise ProbeUnavailable("the job's network namespace cannot be read (no process yet?)")
         try:
             self.prev = self._counters(reading(self.host.proc, self.pid, self.ino, self.own))
+            self.prev_seen = None
         except OSError as err:
             raise ProbeUnavailable(f"rtnetlink in the job's network namespace: {err}") from err
         self.t_prev = time.monotonic()
@@ -218,9 +220,20 @@ class NicProbe(Probe):
         if self.target is None:
             return {}
         self._recheck()
-        seen = reading(self.host.proc, self.pid, self.ino, self.own)
+        # every job in the same network namespace sees the same links: one rtnetlink dump per namespace and tick
+        seen = tickmemo.get(("nic", self.ino), lambda: reading(self.host.proc, self.pid, self.ino, self.own))
         now_t = time.monotonic()
         dt, self.t_prev = max(now_t - self.t_prev, 1e-6), now_t
+        # jobs of one namespace choosing the same interfaces, whose last reading was the same dump, have the same
+        # interval: worked out once per tick
+        key = ("nic-items", self.ino, self.spec, id(self.prev_seen)) if self.prev_seen is not None else None
+        nics, cur, (rails, slow) = tickmemo.get(key, lambda: self._items(seen, dt)) if key else self._items(seen, dt)
+        self.prev, self.prev_seen = cur, seen
+        self.files.sweep()
+        return {"nics": nics, "netns": "host" if self.ino == self.own else f"netns:{self.ino}",
+                "shared": self.ino == self.own, "selected_by": self.by, "rails": rails, "rails_slow": slow}
+
+    def _items(self, seen: dict[str, tuple], dt: float) -> tuple[list[dict], dict[str, dict[str, int]], tuple]:
         cur = self._counters(seen)
         nics = []
         for n, c in cur.items():
@@ -231,7 +244,8 @@ class NicProbe(Probe):
             if qd is not None:
                 item.update(qdisc=qd.kind, qdisc_backlog_bytes=qd.backlog, qdisc_qlen=qd.qlen)
             if self.ino == self.own:
-                speed = self.files.read(f"{self.host.sys}/class/net/{n}/speed")
+                path = f"{self.host.sys}/class/net/{n}/speed"
+                speed = tickmemo.get(("speed", path), lambda: self.files.read(path))   # once per tick for every job
                 try:
                     mbps = int((speed or "").split()[0])
                 except (ValueError, IndexError):
@@ -241,11 +255,7 @@ class NicProbe(Probe):
                     item["tx_util_pct"] = round(item["tx_bytes"] * 8 / dt / (mbps * 1e6) * 100, 2)
                     item["rx_util_pct"] = round(item["rx_bytes"] * 8 / dt / (mbps * 1e6) * 100, 2)
             nics.append(item)
-        self.files.sweep()
-        self.prev = cur
-        rails, slow = compare_rails(nics, dt)
-        return {"nics": nics, "netns": "host" if self.ino == self.own else f"netns:{self.ino}",
-                "shared": self.ino == self.own, "selected_by": self.by, "rails": rails, "rails_slow": slow}
+        return nics, cur, compare_rails(nics, dt)
 
     def stop(self) -> None:
         self.target = None

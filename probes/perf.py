@@ -201,7 +201,10 @@ class PerfProbe(Probe):
                 raise ProbeFailed(str(err)) from err
         totals = {ev: 0 for ev in self._events}
         ratio = 1.0
-        for src in self.sources:
+        # A group whose tasks did not run since the last tick counted nothing (its events count only while one of
+        # them is on a CPU): not read — one read per CPU saved per idle job; the next read has any remainder.
+        quiet = self._target is not None and self._target.quiet()
+        for src in () if quiet else self.sources:
             try:
                 counts, r = src.delta()
             except OSError:

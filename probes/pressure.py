@@ -8,7 +8,7 @@ descendants included (a job's steps and containers count). Kernel: 4.20+ with CO
 (/proc/pressure then exists); cgroup cpu `full` 5.13+; irq.pressure 6.1+ with CONFIG_IRQ_TIME_ACCOUNTING (else
 null). A hybrid host's cgroup2 groups report PSI although the controllers sit on v1. Needs a cgroup target: a
 process tree has no group of its own, and the node-wide /proc/pressure is not the job's. Cost: four small reads
-per tick, no root.
+per tick (three in a tick the job used no CPU: its IRQ time cannot have moved), no root.
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class PressureProbe(Probe):
     def __init__(self, host: Host | None = None):
         super().__init__(host)
         self.dir: Path | None = None
+        self.target: Target | None = None
         self.paths: dict[str, str] = {}
         self.prev: dict[str, int | None] = {}
         self.files = procfs.OpenFiles()
@@ -74,6 +75,7 @@ class PressureProbe(Probe):
             raise ProbeUnavailable("needs a cgroup target (--cgroup, --k8s-pod, -- CMD, a SLURM job with a group): "
                                    "a process tree has no pressure figures of its own")
         self.dir = Path(target.cgroup_path)
+        self.target = target
         if read_pressure(self.dir / FILES["cpu"]) is None:
             raise ProbeUnavailable(f"cannot read {self.dir / FILES['cpu']} (PSI disabled for cgroups?)")
         # files this kernel does not have (irq before 6.1) are not looked for again every tick
@@ -82,7 +84,13 @@ class PressureProbe(Probe):
 
     def _read(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {}
+        # IRQ time is charged to the group of the task the interrupt took it from: none while no task of the job
+        # ran since the last tick (Target.quiet), so irq.pressure is not read then (the next read has the rest).
+        quiet = self.target is not None and self.target.quiet() and self.prev.get("irq_full_ns") is not None
         for res in FILES:
+            if res == "irq" and quiet:
+                out["irq_full_ns"] = self.prev["irq_full_ns"]
+                continue
             got = read_pressure(self.paths[res], self.files.read) if res in self.paths else None
             if got is None and res == "cpu" and not (self.dir / "cgroup.procs").exists():
                 raise TargetGone(f"cgroup {self.dir} was removed")   # (else PSI turned off for it: nulls)
@@ -100,5 +108,5 @@ class PressureProbe(Probe):
         return {k: None if v is None or prev.get(k) is None else delta(v, prev[k]) for k, v in cur.items()}
 
     def stop(self) -> None:
-        self.dir, self.paths = None, {}
+        self.dir, self.paths, self.target = None, {}, None
         self.files.close()

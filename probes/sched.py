@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes as ct
 import os
 import platform
-import time
 from typing import Any
 
 from jobprobe.host import Host
@@ -69,6 +68,14 @@ RAW_HANDLERS = (
     ("raw:sched:sched_wakeup", "on_wakeup_raw"),
     ("raw:sched:sched_wakeup_new", "on_wakeup_new_raw"),
 )
+# With the kernel's BTF: BTF tracepoint programs (tp_btf), their records in task storage (bpf/sched.c BTF_SCHED).
+BTF_HANDLERS = (
+    ("btf:sched:sched_switch", "on_switch_btf"),
+    ("btf:sched:sched_wakeup", "on_wakeup_btf"),
+    ("btf:sched:sched_wakeup_new", "on_wakeup_new_btf"),
+)
+# task_struct members the BTF programs read directly, at the running kernel's offsets: (define, member, size)
+BTF_OFFSETS = (("TASK_PID_OFF", "pid", 4), ("TASK_CGROUPS_OFF", "cgroups", 8))
 SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
 # With RAW_SCHED the syscall hook is a raw tracepoint program too: a classic one returning 0 hides every
 # raw_syscalls:sys_enter of the node from perf users (`perf trace`, `perf stat -e raw_syscalls:*`).
@@ -88,7 +95,9 @@ SYSCALL_NRS = {
 class OffRec(ct.Structure):
     """bpf/sched.c struct off_rec, the value of `start` (one per job thread off CPU or seen leaving it)."""
     _fields_ = [("out_ns", ct.c_uint64), ("enq_ns", ct.c_uint64), ("slot", ct.c_uint32), ("reason", ct.c_uint32),
-                ("tid", ct.c_uint32), ("tgid", ct.c_uint32), ("kstack", ct.c_int32), ("ustack", ct.c_int32)]
+                ("tid", ct.c_uint32), ("tgid", ct.c_uint32), ("kstack", ct.c_int32), ("ustack", ct.c_int32),
+                ("epoch", ct.c_uint32), ("mslot", ct.c_int32), ("mgen", ct.c_uint32), ("pad", ct.c_uint32),
+                ("css", ct.c_uint64)]
 
 
 class OffcpuEvent(ct.Structure):
@@ -106,6 +115,19 @@ def raw_sched(host: Host) -> bool:
     """Raw tracepoint programs for the sched hooks: they need sched_switch's prev_state argument (5.18, well after
     raw tracepoints themselves, 4.17)."""
     return host.kernel_at_least(5, 18)
+
+
+def btf_sched(host: Host) -> tuple[tuple[str, ...], str | None]:
+    """BTF tracepoint programs with task storage for the sched hooks, where the raw ones can be used (5.18) and the
+    kernel has BTF (task storage from tracing programs: 5.11; BTF task pointers to helpers: 5.11). (flags, why not)"""
+    if not raw_sched(host):
+        return (), "no raw sched_switch with prev_state (5.18)"
+    if not host.has_btf:
+        return (), "no kernel BTF (/sys/kernel/btf/vmlinux)"
+    # the task_struct offsets are left for the loader to take from the kernel's BTF ("@btf:...", bpf_loader): the
+    # agent never reads the ~6 MB of BTF itself (its heap kept ~8 MiB of the pass)
+    return ("-DBTF_SCHED", *(f"-D{define}=@btf:task_struct.{member}:{size}" for define, member, size in BTF_OFFSETS)), \
+        None
 
 
 class SlotStats(ct.Structure):
@@ -237,9 +259,10 @@ class SchedProbe(BpfProbe):
     map_types = {"start": (ct.c_uint32, OffRec), "stats": (ct.c_uint32, SlotStats)}
 
     def __init__(self, host: Host | None = None, node: Node | None = None, syscall_reasons: bool = True,
-                 machine: str | None = None, syscall_source: str | None = None):
+                 machine: str | None = None, syscall_source: str | None = None, btf: bool | None = None):
         """syscall_source: "regs" (read at switch-out), "hook" (raw_syscalls:sys_enter), or None: regs where the
-        kernel can, else the hook."""
+        kernel can, else the hook. btf: BTF tracepoint programs with records in task storage (None: where the
+        kernel can; False: raw ones with a hash of records, whose entries user space can list)."""
         super().__init__(host, node)
         machine = machine or platform.machine()
         self.from_regs = syscall_source == "regs" or (syscall_source is None and syscall_from_regs(self.host))
@@ -248,7 +271,9 @@ class SchedProbe(BpfProbe):
         self.syscall_reasons = self.syscall_reasons_off is None
         self.syscall_hook = self.syscall_reasons and not self.from_regs
         self.raw = raw_sched(self.host)
-        self.handlers = (RAW_HANDLERS if self.raw else HANDLERS) + \
+        btf_flags, self.btf_why = btf_sched(self.host) if btf is not False else ((), "not asked for")
+        self.btf = bool(btf_flags)
+        self.handlers = (BTF_HANDLERS if self.btf else RAW_HANDLERS if self.raw else HANDLERS) + \
             ((RAW_SYSCALL_HANDLERS if self.raw else SYSCALL_HANDLERS) if self.syscall_hook else ())
         self.cflags = tuple(syscall_cflags(machine) or ()) if self.syscall_reasons else ()
         if self.syscall_hook:
@@ -259,6 +284,9 @@ class SchedProbe(BpfProbe):
         if self.raw:   # `start` is keyed by task_struct address instead of thread id
             self.cflags += ("-DRAW_SCHED",)
             self.map_types = {**self.map_types, "start": (ct.c_uint64, OffRec)}
+        if self.btf:   # `start` is task storage: not listed (a released slot's epoch moves instead)
+            self.cflags += btf_flags
+            self.map_types = {k: v for k, v in self.map_types.items() if k != "start"}
 
     # ---- deep-trace windows: each off-CPU period, with the stacks it left the CPU with ----------------------
     trace_kinds = {1: OffcpuEvent}
@@ -310,10 +338,18 @@ class SchedProbe(BpfProbe):
                         "tid": clock.kernel_tid(r.tid), **clock.span(r.out_ns, r.in_ns), "args": args})
         return out
 
+    def release(self) -> None:
+        """With task storage the job's records cannot be listed: its slot's epoch moves first, so that whatever
+        record of it is left counts nowhere, then the counters are zeroed."""
+        if self.btf and self.loaded is not None and self.slot >= 0:
+            epoch = self.loaded.maps["slot_epoch"].typed(ct.c_uint32, ct.c_uint32)
+            epoch.update(self.slot, ((epoch.lookup(self.slot) or 0) + 1) & 0xFFFFFFFF)
+        super().release()
+
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs; times up to the instant after the map read."""
         out = self.slot_totals()
-        out["times"] = time_totals(out, time.monotonic_ns())
+        out["times"] = time_totals(out, self.read_ns)      # open periods counted up to the map's read
         out["hist"] = out.pop("runq_hist")
         return out
 

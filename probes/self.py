@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import resource
 import time
-from pathlib import Path
 from typing import Callable
 
 from jobprobe.host import Host
+from jobprobe.kernel import procfs
 from jobprobe import tickmemo
 from jobprobe.probe import Field, Probe
 
@@ -53,6 +53,8 @@ class SelfProbe(Probe):
                               "closed"),
     }
 
+    files = procfs.OpenFiles()      # the agent's own status and io, kept open: every job's self probe reads them
+
     def __init__(self, host: Host | None = None, sinks: Callable[[], dict[str, dict]] | None = None):
         super().__init__(host)
         self.sinks = sinks
@@ -63,9 +65,9 @@ class SelfProbe(Probe):
 
     def _read_now(self) -> tuple[float, int, int, int]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
-        status = Path(self.host.proc, "self/status").read_text()
+        status = self.files.read(f"{self.host.proc}/self/status") or ""
         wchar = 0
-        for line in Path(self.host.proc, "self/io").read_text().splitlines():
+        for line in (self.files.read(f"{self.host.proc}/self/io") or "").splitlines():
             if line.startswith("wchar:"):
                 wchar = int(line.split()[1])
         return (ru.ru_utime + ru.ru_stime, status_kib(status, "VmRSS") * 1024, status_kib(status, "VmHWM") * 1024,

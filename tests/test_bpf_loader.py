@@ -166,6 +166,30 @@ def test_percpu_values_are_padded_to_8_bytes_per_cpu(monkeypatch):
         m.update(2, [PC()])
 
 
+@pytest.mark.parametrize("ncpus", [2, 8])
+def test_sums_at_sums_each_column_over_cpus_and_sums_again_only_what_changed(ncpus):
+    """sums_at() on array_raw()'s bytes (4 slots × ncpus × 3 u64 fields): each column summed over CPUs (both ways
+    of summing: few CPUs, many); a slot whose
+    bytes did not change is answered from the last sums, one that did is summed anew; a caller changing the list
+    it got changes nothing."""
+    m = _bpf.Map(-1, "stats", 6, 4, 24, 4, ncpus=ncpus)
+    assert m.stride == 24
+
+    def raw_of(vals):   # vals[slot][cpu] = (a, b, c)
+        return b"".join(struct.pack("QQQ", *vals[s][c]) for s in range(4) for c in range(ncpus))
+    vals = [[(s + c, 2**63 + c, 10 * s) for c in range(ncpus)] for s in range(4)]
+    raw = raw_of(vals)
+    want = [[sum(v[i] for v in vals[s]) for i in range(3)] for s in range(4)]
+    assert [m.sums_at(raw, s) for s in range(4)] == want            # exact (no wrap past 2^64)
+    got = m.sums_at(raw, 1)
+    got[0] = -1
+    assert m.sums_at(raw, 1) == want[1]
+    vals[1][ncpus - 1] = (1, 2, 3)
+    raw2 = raw_of(vals)
+    assert m.sums_at(raw2, 1) == [sum(v[i] for v in vals[1]) for i in range(3)] != want[1]
+    assert m.sums_at(raw2, 2) == want[2]
+
+
 def test_items_fall_back_to_per_key_lookups_when_batch_is_refused(monkeypatch):
     fake = FakeKernel(value_len=8)
     monkeypatch.setattr(_bpf, "sys_bpf", fake)
@@ -364,3 +388,20 @@ def test_kernel_written_percpu_counts_match_the_workloads_own(make_cgroup):
               f"on_switch ran {stats.run_cnt} times, {stats.run_time_ns / max(stats.run_cnt, 1):.0f} ns each")
         assert expected >= 990 and abs(got - expected) <= 0.05 * expected
         assert stats.run_cnt >= got and stats.run_time_ns > 0      # it runs for every switch on the node
+
+
+def test_the_loader_takes_struct_offsets_from_the_kernels_btf():
+    """-DNAME=@btf:struct.member:size is resolved in the loader (the agent never reads the BTF): the offset the
+    kernel's own BTF gives, the size checked, a missing member or a wrong size said."""
+    from jobprobe.kernel.bpf_loader import btf_flag
+    from jobprobe.kernel.btf import Btf
+    vmlinux = Path("/sys/kernel/btf/vmlinux")
+    if not vmlinux.exists():
+        pytest.skip("no kernel BTF on this host (/sys/kernel/btf/vmlinux)")
+    off, size = Btf(vmlinux.read_bytes()).offset("task_struct", "pid")
+    assert size == 4 and btf_flag("-DTASK_PID_OFF=@btf:task_struct.pid:4") == f"-DTASK_PID_OFF={off}"
+    assert btf_flag("-DPLAIN=3") == "-DPLAIN=3"
+    with pytest.raises(Exception, match="is 4 bytes in the kernel's BTF, not 8"):
+        btf_flag("-DX=@btf:task_struct.pid:8")
+    with pytest.raises(Exception, match="has no.*no_such_member"):
+        btf_flag("-DX=@btf:task_struct.no_such_member:4")

@@ -13,7 +13,7 @@ from jobprobe.kernel import bpf as _bpf
 from jobprobe.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.probes.sched import SchedProbe
 
-EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(0.5); "
+EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(3); "
                       "t = threading.Thread(target=lambda: os.execv('/bin/sleep', ['sleep', '1.5'])); "
                       "t.start(); t.join()")
 
@@ -26,7 +26,7 @@ def test_exec_from_a_thread_leaves_no_stale_member():
     probe = SchedProbe()
     try:
         probe.start(PidTreeTarget([proc.pid]))
-        for _ in range(100):                  # wait for the thread to be created and to exec
+        for _ in range(250):                  # wait for the thread to be created and to exec (after the attach)
             if open(f"/proc/{proc.pid}/comm").read().strip() == "sleep":
                 break
             time.sleep(0.02)
@@ -80,3 +80,48 @@ def test_every_bpf_probe_declares_bpf_missed():
     assert {cls.name for cls in bpf_probes} >= {"sched", "net", "blockio"}
     for cls in bpf_probes:
         assert MISSED in cls.fields, cls.name
+
+
+@pytest.mark.kernel
+def test_in_an_agent_tick_every_jobs_slot_comes_from_one_read_equal_to_its_own_lookup(make_cgroup):
+    """The agent reads a module's per-slot array once per tick (one batch lookup) for all its jobs: each job's
+    summed counters from that read equal a lookup of its own slot, for sched, blockio and net, and two jobs of one
+    node read through one shared load."""
+    from jobprobe import tickmemo
+    from jobprobe.kernel.membership import Node
+    from jobprobe.probes.blockio import BlockioProbe
+    from jobprobe.probes.net import NetProbe
+    from jobprobe.target import CgroupTarget
+    node = Node()
+    groups = [make_cgroup(), make_cgroup()]
+    busy = [g.spawn(["sleep", "60"]) for g in groups]
+    probes = []
+    try:
+        targets = [CgroupTarget(str(g.path)) for g in groups]    # one per job, its probes' (one slot each)
+        for cls in (SchedProbe, BlockioProbe, NetProbe):
+            for t in targets:
+                p = cls(node=node)
+                p.start(t)
+                probes.append(p)
+        for n, g in zip((300, 400), groups):
+            g.spawn(["sh", "-c", f"for i in $(seq {n}); do sleep 0.001; done"]).wait()
+        time.sleep(0.5)                     # the loops are done: the jobs sleep, their counters stand still
+        assert len({id(p.loaded) for p in probes if isinstance(p, SchedProbe)}) == 1
+        tickmemo.begin()
+        try:
+            got = [p.slot_sums() for p in probes]
+            reads = {p.read_ns for p in probes}
+        finally:
+            tickmemo.end()
+        for p, g in zip(probes, got):
+            assert g == p.loaded.maps["stats"].lookup_sums(p.slot), p.name
+        sched = [g for p, g in zip(probes, got) if isinstance(p, SchedProbe)]
+        assert sched[0][0] >= 300 and sched[1][0] >= 400 and sched[0] != sched[1]   # voluntary switches, each its own
+        assert len(reads) == 3                  # one read (and its time) per module, shared by both jobs
+    finally:
+        for p in probes:
+            p.stop()
+        for b in busy:
+            b.kill()
+            b.wait()
+        node.close()

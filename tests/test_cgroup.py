@@ -3,6 +3,7 @@ kernel's own cpu.stat read by the test."""
 import contextlib
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from conftest import workload
 from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel.taskstats import ExitRecord
+from jobprobe.probes import cgroup as cgroup_mod
 from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadAcct, io_stat_bytes, proc_counters, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK
@@ -142,6 +144,31 @@ def test_thread_acct_adds_what_threads_did_up_to_their_exit(tmp_path):
     assert io(plain.update(str(proc), [30])) == (0, 0)
     write_thread_io(proc, 30, 30, 15)
     assert io(plain.update(str(proc), [30])) == (5, 0)
+
+
+def test_thread_acct_quiet_skips_the_walk_and_loses_nothing(tmp_path):
+    """`quiet` (the group's CPU usage did not move): /proc is not read — a counter changed under it is not seen
+    then — and the next walk counts the whole difference; an exit record of the job makes even a quiet update
+    walk, so a thread that read and exited is counted at once."""
+    proc = tmp_path / "proc"
+    write_thread_io(proc, 10, 10, 100)
+    fake = FakeListener()
+    tio = ThreadAcct(fake)
+    assert io(tio.update(str(proc), [10], quiet=True)) == (0, 0)          # baseline: walked whatever `quiet` says
+    write_thread_io(proc, 10, 10, 130)
+    assert io(tio.update(str(proc), [10], quiet=True)) == (0, 0)          # not walked
+    write_thread_io(proc, 10, 10, 150)
+    assert io(tio.update(str(proc), [10])) == (50, 0)                      # the skipped 30 are in this difference
+    write_thread_io(proc, 10, 11, 0)
+    assert io(tio.update(str(proc), [10])) == (0, 0)                       # thread 11 seen at 0
+    shutil.rmtree(proc / "10" / "task" / "11")
+    write_thread_io(proc, 10, 10, 160)
+    fake.queue = [rec(11, 10, 1, 40), rec(99, 99, 1, 5555)]
+    assert io(tio.update(str(proc), [10], quiet=True)) == (50, 0)          # its record: a walk (10 + 40)
+    fake.queue = [rec(99, 99, 1, 5555)]                                     # a stranger's record: still quiet
+    write_thread_io(proc, 10, 10, 170)
+    assert io(tio.update(str(proc), [10], quiet=True)) == (0, 0)
+    assert io(tio.update(str(proc), [10])) == (10, 0)
 
 
 def test_thread_acct_cpu_to_the_exit_and_from_zero(tmp_path):
@@ -337,6 +364,75 @@ def test_pid_tree_io_bytes_include_what_processes_did_up_to_their_exit(tmp_path)
     assert abs(sum(reads) - truth) <= 0.01 * truth, (sum(reads), truth)
 
 
+BURSTS = r"""
+import mmap, os, sys, time
+path, bursts = sys.argv[1], int(sys.argv[2])
+
+
+def read_bytes():
+    with open("/proc/self/io") as f:
+        return int(dict(x.split(": ") for x in f.read().splitlines())["read_bytes"])
+
+
+fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+buf = mmap.mmap(-1, 1 << 16)
+print("start", read_bytes(), flush=True)
+sys.stdin.readline()
+for i in range(bursts):                 # 4 MiB of O_DIRECT reads, then a second asleep: quiet ticks
+    for k in range(64):
+        os.preadv(fd, [buf], ((i * 64 + k) % 512) << 16)
+    time.sleep(1.0)
+print("end", read_bytes(), flush=True)
+sys.stdin.readline()                    # alive until the probe's last sample
+"""
+
+
+@pytest.mark.kernel
+def test_a_job_idle_between_io_bursts_is_counted_whole(make_cgroup, tmp_path, monkeypatch):
+    """A job in its own group reading 4 MiB with O_DIRECT, then sleeping a second, four times, sampled every
+    0.25 s: the sum of io_read_bytes is the job's own /proc/self/io account (exactly: the same counters). Where the
+    probe reads the threads' /proc files (controllers on v1), the ticks in which the group used no CPU skip that
+    walk (ThreadAcct's `quiet`) — fewer walks than samples here — and lose nothing by it."""
+    data = tmp_path / "data"
+    with open(data, "wb") as f:
+        f.write(os.urandom(32 << 20))
+        os.fsync(f.fileno())
+    walks = []
+    real = cgroup_mod.thread_counters
+    monkeypatch.setattr(cgroup_mod, "thread_counters", lambda *a, **k: walks.append(1) or real(*a, **k))
+    cg = make_cgroup()
+    job = cg.spawn([sys.executable, "-c", BURSTS, str(data), "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                   text=True)
+    what, before = job.stdout.readline().split()
+    assert what == "start"
+    probe = CgroupProbe()
+    target = CgroupTarget(str(cg.path))
+    probe.start(target)
+    job.stdin.write("go\n")
+    job.stdin.flush()
+    reads, samples = [], 0
+    end = None
+    while end is None:
+        time.sleep(0.25)
+        reads.append(probe.sample()["io_read_bytes"])
+        samples += 1
+        if job.stdout in select.select([job.stdout], [], [], 0)[0]:
+            what, end = job.stdout.readline().split()
+    time.sleep(0.25)
+    reads.append(probe.sample()["io_read_bytes"])
+    samples += 1
+    job.stdin.write("\n")
+    job.stdin.flush()
+    job.wait(timeout=10)
+    probe.stop()
+    truth = int(end) - int(before)
+    print(f"io_read_bytes per 0.25 s tick (KiB): {[r >> 10 for r in reads]}; sum {sum(reads)}, the job's own "
+          f"{truth}; /proc walks {len(walks)} in {samples} samples")
+    assert truth == 4 * (4 << 20) and sum(reads) == truth
+    if probe.threadacct is not None:
+        assert len(walks) < samples - 4, (len(walks), samples)
+
+
 @pytest.mark.kernel
 def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
     """`jobprobe run --probes cgroup -- fio` with O_DIRECT random reads (here io.stat is on cgroup v1, so the
@@ -345,6 +441,11 @@ def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
     with open(data, "wb") as f:
         f.write(os.urandom(64 << 20))
     report = tmp_path / "fio.json"
+    # fio once beforehand, outside the job: its binary and libraries are paged in then (read_bytes counts page-ins,
+    # which a cold cache adds to the job's first frame), so the job's reads are its O_DIRECT reads alone
+    subprocess.run(["fio", "--name=w", f"--filename={data}", "--size=64M", "--rw=randread", "--bs=4k", "--direct=1",
+                    "--time_based", "--runtime=1", "--output-format=json", f"--output={tmp_path / 'warm.json'}"],
+                   check=True, capture_output=True, timeout=60)
     res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup", "--interval",
                           "0.5", "--stdout", "json", "--", "fio", "--name=x", f"--filename={data}", "--size=64M",
                           "--rw=randread", "--bs=4k", "--direct=1", "--time_based", "--runtime=3",

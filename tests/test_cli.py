@@ -208,7 +208,9 @@ def test_cgroup_removed_while_attached_ends_cleanly(make_cgroup):
     out, err = proc.communicate(timeout=30)
     frames = [hello] + [json.loads(x) for x in out.splitlines()]
     assert proc.returncode == 0, err
-    assert err.strip() == f"jobprobe: job ended: cgroup {cg.path} was removed"
+    # which it sees first depends on whether a tick falls between the last exit and the rmdir (a few ms; seen in CI)
+    assert err.strip() in (f"jobprobe: job ended: cgroup {cg.path} was removed",
+                           f"jobprobe: job ended: every process of {cg.path.name} has exited"), err
     assert [f["seq"] for f in frames] == list(range(len(frames)))
     # every probe that started is still "ok" (gpu is "unavailable" here: no NVIDIA driver on this host)
     assert frames[-1]["status"]["perf"] == "ok" and frames[-1]["status"]["cgroup"] == "ok"

@@ -92,3 +92,36 @@ def test_on_this_host_without_rapl_the_probe_says_so():
     if any(Path("/sys/class/powercap").glob("intel-rapl:*")):
         pytest.skip("this host has RAPL")
     assert p.check(p.host) == "no RAPL (/sys/class/powercap has no intel-rapl or amd-rapl zone)"
+
+
+def test_a_thread_born_mid_interval_counts_its_first_interval(make_cgroup, tmp_path):
+    """The job's only busy thread is started between two ticks: its CPU time in its first interval is the job's
+    share of that interval (the kernel's cpu.stat against /proc/stat's busy time of its CPU), not zero."""
+    root = powercap(tmp_path / "sys")
+    probe = EnergyProbe(dataclasses.replace(Host(), sys=str(root)))
+    cg = make_cgroup()
+    job = cg.spawn(["taskset", "-c", "1", sys.executable, "-c",
+                    "import threading, time\ntime.sleep(1.5)\n"
+                    "def burn():\n    end = time.time() + 2.5\n    while time.time() < end: pass\n"
+                    "t = threading.Thread(target=burn); t.start(); t.join()"])
+    time.sleep(0.3)
+    probe.start(CgroupTarget(str(cg.path)))
+    cpu0, busy0 = cg.cpu_usage_ns(), busy_ticks("/proc")[1]
+    e1 = 1_000_000
+    try:
+        for i in range(3):
+            time.sleep(1.0)
+            e1 += 10_000_000
+            set_uj(root, 1, e1)
+            s = probe.sample()
+            cpu1, busy1 = cg.cpu_usage_ns(), busy_ticks("/proc")[1]
+            share = (cpu1 - cpu0) / ((busy1 - busy0) * TICK_NS) if busy1 > busy0 else 0.0   # the kernel's own
+            print(f"energy tick {i}: job {s['cpu_energy_j']:.3f} J of package 1's 10 J; kernel share {share:.3f}")
+            assert abs(s["cpu_energy_j"] - 10 * share) <= 0.5 + 0.1 * 10 * share, (i, s, share)
+            if i == 1:          # the thread was born in this interval (at ~1.2 s of the 1 s–2 s window)
+                assert share > 0.3 and s["cpu_energy_j"] > 3.0
+            cpu0, busy0 = cpu1, busy1
+    finally:
+        job.kill()
+        job.wait()
+        probe.stop()

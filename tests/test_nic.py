@@ -81,6 +81,82 @@ def test_a_job_in_its_own_namespace_sees_its_veth_and_the_queue_in_front_of_it(m
 
 
 @pytest.mark.kernel
+def test_jobs_of_one_namespace_in_one_agent_tick_share_the_work_and_each_count_is_exact(make_cgroup, net):
+    """Jobs in namespace A sampled in the same agent ticks (jobprobe.tickmemo, as the agent does): two attached
+    together get the very same interval (worked out once); a third, attached between two transfers, gets its own
+    first interval and then shares too; each one's summed bytes and packets equal the veth's own counters over its
+    own time."""
+    from jobprobe import tickmemo
+    cg = make_cgroup()
+    holder = net.start(net.a, "tcp_sink", 5398, 0, spawn=cg.spawn)
+    time.sleep(0.3)
+    probes: list[NicProbe] = []
+    base: list[dict[str, int]] = []
+    totals: list[dict[str, int]] = []
+
+    def attach():                                 # no traffic now: the veth's counters and the probe's start agree
+        probes.append(NicProbe())
+        probes[-1].start(CgroupTarget(str(cg.path)))
+        base.append(sysfs(net, net.va))
+        totals.append({})
+
+    def transfer(port: int) -> tuple[int, int]:
+        sink = net.start(net.b, "tcp_sink", port, 0, ready=True)
+        sender = net.start(net.a, "tcp_send", ADDR_B, port, 8 << 20, spawn=cg.spawn)
+        shared = rounds = 0
+        while True:
+            done = sender.poll() is not None
+            time.sleep(0.1)
+            rounds += 1
+            tickmemo.begin()
+            try:
+                smps = [p.sample() for p in probes]
+            finally:
+                tickmemo.end()
+            shared += all(smp["nics"] is smps[0]["nics"] for smp in smps)
+            for smp, tot in zip(smps, totals):
+                for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
+                    tot[k] = tot.get(k, 0) + smp["nics"][0][k]
+            if done:
+                break
+        result(sender)
+        result(sink)
+        return shared, rounds
+
+    try:
+        attach()
+        attach()
+        shared, rounds = transfer(5302)
+        assert shared == rounds - 1               # one object for both jobs, but for their first intervals
+        time.sleep(0.3)                           # the last segments and acks are in
+        tickmemo.begin()
+        for p, tot in zip(probes, totals):        # what came in since their last tick
+            smp = p.sample()
+            for k in tot:
+                tot[k] += smp["nics"][0][k]
+        tickmemo.end()
+        attach()
+        shared, rounds = transfer(5303)
+        assert shared == rounds - 1               # the third job's first interval is its own
+        time.sleep(0.3)
+        end = sysfs(net, net.va)
+        tickmemo.begin()
+        for p, tot in zip(probes, totals):
+            smp = p.sample()
+            for k in tot:
+                tot[k] += smp["nics"][0][k]
+        tickmemo.end()
+    finally:
+        holder.kill()
+        for p in probes:
+            p.stop()
+    for tot, b in zip(totals, base):
+        for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets"):
+            assert tot[k] == end[k] - b[k], (k, tot, b, end)
+    assert totals[0]["tx_bytes"] > 16 << 20 and 8 << 20 < totals[2]["tx_bytes"] < totals[0]["tx_bytes"]
+
+
+@pytest.mark.kernel
 def test_the_jobs_environment_chooses_its_interfaces(net):
     """NCCL_SOCKET_IFNAME in the job's environment: only the interfaces it names (here loopback, by its exact
     name), said in selected_by."""

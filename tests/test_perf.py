@@ -25,6 +25,7 @@ import errno
 import os
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -226,6 +227,49 @@ def test_cgroup_burner_matches_cpu_stat(make_cgroup):
         (total,), switches = run_sampling([probe], [burner])
         assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02, switches)
         assert total > 0.5e9      # it ran (3 s of wall time: less CPU on a busy host; the match above is the proof)
+    finally:
+        probe.stop()
+
+
+BURST_THEN_SLEEP = r"""
+import time
+for _ in range(4):                     # 0.3 s on the CPU, then 0.9 s asleep
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:
+        pass
+    time.sleep(0.9)
+"""
+
+
+@pytest.mark.kernel
+def test_a_job_idle_between_bursts_is_not_read_while_quiet_and_loses_nothing(make_cgroup, monkeypatch):
+    """Sampled every 0.2 s in agent ticks (tickmemo): in a tick where the group used no CPU (Target.quiet) its
+    events are not read — fewer reads than samples × CPUs — and the sum of task_clock_ns still matches cpu.stat."""
+    from jobprobe import tickmemo
+    reads = []
+    real = _perf.Source.delta
+    monkeypatch.setattr(_perf.Source, "delta", lambda self: reads.append(1) or real(self))
+    cg = make_cgroup()
+    probe = PerfProbe()
+    target = CgroupTarget(str(cg.path))
+    probe.start(target)
+    try:
+        ncpu, s0 = len(probe.sources), steal_ns()
+        job = cg.spawn([sys.executable, "-c", BURST_THEN_SLEEP])
+        total, samples, done = 0, 0, False
+        while not done:
+            done = reap(job) is not None
+            time.sleep(0 if done else 0.2)
+            tickmemo.begin()
+            try:
+                total += probe.sample()["task_clock_ns"]
+            finally:
+                tickmemo.end()
+            samples += 1
+        print(f"task_clock {total / 1e9:.3f} s, cpu.stat {cg.cpu_usage_ns() / 1e9:.3f} s; {len(reads)} reads in "
+              f"{samples} samples × {ncpu} CPUs")
+        assert_cpu_close(total, cg.cpu_usage_ns(), steal_ns() - s0, 0.02, reap(job).ru_nivcsw)
+        assert len(reads) <= (samples - 5) * ncpu, (len(reads), samples, ncpu)
     finally:
         probe.stop()
 

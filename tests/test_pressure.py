@@ -65,6 +65,25 @@ def test_reader_and_deltas_on_fixture_files(tmp_path, monkeypatch):
     assert p.sample() == {}
 
 
+def test_irq_pressure_is_not_read_while_the_job_is_quiet_and_nothing_is_lost(tmp_path):
+    """A tick in which no task of the job ran (Target.quiet) cannot have IRQ time charged to it: irq.pressure is
+    not read (a change made under it is not seen then) and the next read has the whole difference."""
+    irq = "full avg10=0.00 avg60=0.00 avg300=0.00 total={}\n"
+    g = group(tmp_path, **{"cpu.pressure": CPU, "io.pressure": CPU, "memory.pressure": CPU,
+                           "irq.pressure": irq.format(100)})
+    target = CgroupTarget.__new__(CgroupTarget)
+    target.cgroup_path = str(g)
+    p = PressureProbe(Host())
+    p.start(target)
+    target.quiet = lambda: True
+    (g / "irq.pressure").write_text(irq.format(130))
+    assert p.sample()["irq_full_ns"] == 0
+    target.quiet = lambda: False
+    (g / "irq.pressure").write_text(irq.format(150))
+    assert p.sample()["irq_full_ns"] == 50_000
+    p.stop()
+
+
 def test_a_process_tree_or_a_kernel_without_psi_is_said_so(tmp_path):
     with pytest.raises(ProbeUnavailable, match="needs a cgroup target"):
         PressureProbe(Host()).start(PidTreeTarget([1]))
@@ -168,7 +187,13 @@ def test_io_stall_matches_the_off_cpu_io_time(pressure, beside, make_cgroup, tmp
     print(f"io some {s['io_some_ns'] / 1e6:.1f} ms, full {s['io_full_ns'] / 1e6:.1f} ms; sched offcpu_io "
           f"{o['offcpu_io_ns'] / 1e6:.1f} ms ({o['offcpu_io_events']} periods)")
     assert o["offcpu_io_events"] >= 0.9 * 512      # (a read that completes before its task sleeps does not sleep)
-    assert abs(s["io_some_ns"] - o["offcpu_io_ns"]) <= 0.05 * o["offcpu_io_ns"] + 1_000_000
+    # PSI's I/O stall is iowait; the sched probe's I/O time is every uninterruptible sleep, also those that are not
+    # iowait (a lock such as mmap_lock taken in D state, more of them at the process's start and end). Those grow
+    # under CPU load, when the holder waits for a CPU: seen +1.0-1.6 ms with two busy loops beside (either kind of
+    # program) and +3.1 ms (8%) once in CI, equal to 0.1 ms on a quiet VM. So sched may exceed PSI by a little more
+    # than PSI may exceed sched.
+    assert s["io_some_ns"] - o["offcpu_io_ns"] <= 0.05 * o["offcpu_io_ns"] + 1_000_000
+    assert o["offcpu_io_ns"] - s["io_some_ns"] <= 0.10 * s["io_some_ns"] + 1_000_000
     assert s["io_full_ns"] <= s["io_some_ns"]
 
 

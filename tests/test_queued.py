@@ -8,7 +8,7 @@ import threading
 import time
 
 from jobprobe.exporters.file import FileExporter
-from jobprobe.exporters.queued import QueuedSink, sink_stats
+from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe.frame import FrameBuilder, StreamReader, encode
 from jobprobe.probes.self import SelfProbe
@@ -148,6 +148,59 @@ def test_close_gives_up_on_a_stuck_sink_in_time_and_counts_what_it_could_not_flu
     wait_for(lambda: inner.closed_by is not None)
     assert inner.closed_by == "sink-file"
     assert sink.stats()["written"] == 0 and sink.stats()["dropped"] == 32   # counted once, as dropped
+
+
+def test_sinks_sharing_one_worker_take_turns_and_one_stuck_sink_holds_up_only_its_worker(tmp_path):
+    """The agent's per-job files share one SinkWorker: frames of busy sinks are taken in turn, every frame is
+    written in order to its own file, and the thread ends with the last sink. A stuck sink holds up its worker's
+    other sinks (never write()): closing one of them gives up in time, counts its queue, and closes its file at
+    once (the worker is busy elsewhere); the stuck sink's file is closed by the worker when its write returns."""
+    worker = SinkWorker("files")
+    order = []
+
+    class Logged(FileExporter):
+        def write(self, frame, data):
+            order.append(self.path)
+            super().write(frame, data)
+
+    paths = [str(tmp_path / f"{i}.mpk") for i in range(3)]
+    sinks = [QueuedSink(Logged(p), f"file:{p}", maxsize=100, worker=worker) for p in paths]
+    assert worker.thread is not None and worker.thread.name == "sink-files"
+    first = worker.thread
+    with worker.cond:                         # queue every frame before the worker takes one
+        for s in sinks:
+            for f in frames(20):
+                s.write(f, encode(f))
+    for s in sinks:
+        s.close(timeout=10)
+    assert [read_seqs(p) for p in paths] == [[("hello", 0)] + [("sample", i) for i in range(1, 21)]] * 3
+    assert order[:6] == paths * 2             # in turn, not one sink's backlog after another's
+    assert all(s.stats() == {"queued": 21, "written": 21, "dropped": 0, "errors": 0, "depth": 0, "in_flight": 0,
+                             "state": "closed"} for s in sinks)
+    first.join(5)
+    assert not first.is_alive() and worker.thread is None       # no sink left: no thread
+
+    stuck = Gated(str(tmp_path / "stuck.mpk"))
+    free = Logged(str(tmp_path / "free.mpk"))
+    s_stuck = QueuedSink(stuck, "stuck", maxsize=10, worker=worker)
+    s_free = QueuedSink(free, "free", maxsize=10, worker=worker)
+    fs = list(frames(15))
+    s_stuck.write(fs[0], encode(fs[0]))
+    wait_for(lambda: s_stuck.stats()["in_flight"] == 1)
+    t0 = time.monotonic()
+    for f in fs:
+        s_free.write(f, encode(f))            # never blocks, though its worker is stuck
+    assert time.monotonic() - t0 < 0.5
+    st = s_free.stats()
+    assert st["depth"] == 10 and st["dropped"] == 6 and balanced(st)
+    s_free.close(timeout=0.2)
+    st = s_free.stats()
+    assert st == {"queued": 16, "written": 0, "dropped": 16, "errors": 0, "depth": 0, "in_flight": 0,
+                  "state": "closed"}
+    assert free._fd == -1                     # closed by close() itself: the worker is in another sink's write
+    stuck.gate.set()
+    s_stuck.close(timeout=5)
+    assert s_stuck.stats()["written"] == 1 and read_seqs(stuck.path) == [("hello", 0)]
 
 
 class Failing(FileExporter):

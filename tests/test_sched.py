@@ -22,10 +22,10 @@ from jobprobe.host import Host
 from jobprobe.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.bpfprobe import MISSED
-from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.kernel.membership import MEMBERSHIP, Node
 from jobprobe.probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
                           SYSCALL_HANDLERS, TIMES, OffRec, time_totals,
-                          SchedProbe, SlotStats, interval, raw_sched, syscall_from_regs, zero_reading)
+                          SchedProbe, SlotStats, btf_sched, interval, raw_sched, syscall_from_regs, zero_reading)
 from jobprobe.kernel.bpf import trim_log
 from jobprobe.kernel.membership import exit_has_group_dead, proc_gone
 from tests.conftest import TESTS, bpf_fds, wait_for, workload
@@ -138,7 +138,7 @@ def test_python_and_c_agree_on_layout():
     for i, r in enumerate(REASONS, 1):
         assert re.search(rf"#define R_{r.upper()} {i}\b", src), r
     for _, fn in SchedProbe().all_handlers():
-        assert re.search(rf"^int {fn}\(struct (tracepoint__|bpf_raw_tracepoint_args)", src, re.M), fn
+        assert re.search(rf"^int {fn}\((struct (tracepoint__|bpf_raw_tracepoint_args)|u64 \*ctx\))", src, re.M), fn
 
 
 def test_check_reports_why(tmp_path):
@@ -168,11 +168,20 @@ def test_interval_splits_offcpu_by_reason():
 def test_raw_tracepoints_from_5_18(tmp_path):
     """5.18 gave sched_switch its prev_state argument: from there the sched hooks are raw tracepoint programs and
     `start` is keyed by task address; before, classic ones keyed by thread id."""
-    old, new = (SchedProbe(Host(kernel=k), syscall_source="hook") for k in ("5.17.3", "6.18.44-x"))
+    old, new = (SchedProbe(Host(kernel=k), syscall_source="hook", btf=False) for k in ("5.17.3", "6.18.44-x"))
     assert [fn for _, fn in old.handlers][:3] == [fn for _, fn in HANDLERS] and "-DRAW_SCHED" not in old.cflags
     assert [fn for _, fn in new.handlers][:3] == ["on_switch_raw", "on_wakeup_raw", "on_wakeup_new_raw"]
     assert "-DRAW_SCHED" in new.cflags and new.map_types["start"][0] is ct.c_uint64
     assert old.map_types["start"][0] is ct.c_uint32
+    # with the kernel's BTF (this host's): BTF tracepoint programs, records in task storage, offsets from the BTF
+    flags, why = btf_sched(Host())
+    btf = SchedProbe(Host(kernel="6.18.44-x"))
+    assert btf.btf == (why is None) and (why is None or "BTF" in why or "btf" in why)
+    if btf.btf:
+        assert [fn for _, fn in btf.handlers][:3] == ["on_switch_btf", "on_wakeup_btf", "on_wakeup_new_btf"]
+        assert "-DBTF_SCHED" in btf.cflags and "start" not in btf.map_types
+        assert any(f.startswith("-DTASK_PID_OFF=") for f in btf.cflags)
+    assert not SchedProbe(Host(kernel="5.17.3")).btf        # BTF ones only where the raw ones can be
     # the syscall hook follows: raw with raw sched hooks (a classic one would hide sys_enter from perf users)
     if new.syscall_reasons:
         assert new.handlers[-1] == RAW_SYSCALL_HANDLERS[0] and "-DSYSCALL_ARG2_OFF=104" in new.cflags
@@ -213,7 +222,7 @@ def test_syscall_read_from_registers_where_the_kernel_can(tmp_path):
 def test_syscall_hook_is_chosen_from_the_host(tmp_path):
     events = tmp_path / "kernel/tracing/events"
     for tp, _ in MEMBERSHIP + SchedProbe().all_handlers() + SYSCALL_HANDLERS:
-        (events / tp.removeprefix(_bpf.RAW).replace(":", "/")).mkdir(parents=True, exist_ok=True)
+        (events / _bpf.event_of(tp).replace(":", "/")).mkdir(parents=True, exist_ok=True)
     host = Host(is_root=True, sys=str(tmp_path), kernel="5.15.0")
     p = SchedProbe(host, machine="x86_64")
     assert p.syscall_reasons and p.syscall_reasons_off is None
@@ -253,8 +262,10 @@ def by_source(request):
     source, _, classic = request.param.partition("-")
     if source == "regs" and not syscall_from_regs(Host()):
         pytest.skip("this kernel cannot read a thread's syscall from its registers (5.15+ with BTF)")
-    p = SchedProbe(Host(kernel="5.17.0") if classic else Host(), syscall_source=source)
+    # the hook is what kernels without BTF use: with it, the raw programs and their hash of records (5.18+)
+    p = SchedProbe(Host(kernel="5.17.0") if classic else Host(), syscall_source=source, btf=source == "regs")
     assert p.raw == (not classic and raw_sched(Host()))
+    assert p.btf == (source == "regs" and not classic and not btf_sched(Host())[1])
     assert p.syscall_reasons, p.syscall_reasons_off
     yield p
     p.stop()
@@ -399,7 +410,7 @@ def test_runq_latency_when_the_job_waits_for_a_cpu(probe, make_cgroup):
 def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))
-    raw = sum(tp.startswith(_bpf.RAW) for tp, _ in probe.all_handlers())
+    raw = sum(_bpf.linked(tp) for tp, _ in probe.all_handlers())
     assert raw == ((3 + probe.syscall_hook) if probe.raw else 0)
     # the probe's programs, and its private node's membership handlers (classic tracepoints: perf events)
     assert bpf_fds("prog") == before + len(probe.all_handlers()) + len(MEMBERSHIP)
@@ -407,9 +418,9 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
     assert bpf_fds("link") == links + raw
     # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
-    # slots_on, start, stats, and in_call with the sys_enter hook; with a deep mode (5.8+) slots_traced, trace_ring
-    # and trace_stacks
-    assert bpf_fds("map") == maps + 3 + 3 + 3 + probe.syscall_hook + 3 * probe.deep
+    # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
+    # with BTF ones instead); with a deep mode (5.8+) slots_traced, trace_ring and trace_stacks
+    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + 3 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
@@ -442,9 +453,14 @@ def test_failed_start_says_why_and_releases_everything(probe, monkeypatch, old, 
 @pytest.mark.kernel
 @pytest.mark.parametrize("group_dead", [True, False], ids=["group_dead", "older-kernel"])
 def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead):
+    """The older-kernel variant also takes the raw programs with a hash of records (what a kernel without BTF gets),
+    whose entries can be listed: none is left of an exited task. BTF ones keep records in task storage, which goes
+    with its task."""
     if group_dead and not exit_has_group_dead():
         pytest.skip("this kernel's sched_process_exit has no group_dead field")
     monkeypatch.setattr("jobprobe.kernel.membership.exit_has_group_dead", lambda sys_root: group_dead)
+    if not group_dead:
+        probe = SchedProbe(btf=False)
     root = subprocess.Popen([sys.executable, str(TESTS / "workloads_syscalls.py"), "storm", "2000", "200"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -462,6 +478,7 @@ def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead
     finally:
         root.communicate("\n", timeout=30)
     assert probe.members() == set()
+    probe.stop()
 
 
 # ---------------------------------------------------------------- kernel tier: why the job was off CPU
@@ -469,8 +486,9 @@ def test_fork_exit_storm_leaves_only_live_members(probe, monkeypatch, group_dead
 
 def start_tids(probe: SchedProbe) -> list[int]:
     """Thread ids of the `start` entries (keyed by tid, or by task address on raw tracepoints: the value says which
-    thread; 0 for a new task not switched out yet)."""
-    return [rec.tid for _, rec in probe.loaded.maps["start"].items()]
+    thread; 0 for a new task not switched out yet). None with BTF programs: their records are task storage, which
+    user space cannot list and which goes with its task."""
+    return [] if probe.btf else [rec.tid for _, rec in probe.loaded.maps["start"].items()]
 
 
 def sched_workload(name: str, *args) -> list[str]:
@@ -637,7 +655,7 @@ sys.stdin.readline()
 def test_threads_killed_inside_a_futex_wait_leave_no_entry():
     """The syscall hook (older kernels; forced here) keeps no sys_exit hook: a thread that never leaves its futex
     wait is forgotten when it exits (common.h hook)."""
-    probe = SchedProbe(syscall_source="hook")
+    probe = SchedProbe(syscall_source="hook", btf=False)
     assert probe.syscall_hook, probe.syscall_reasons_off
     root = subprocess.Popen([sys.executable, "-c", HOLD_FOREVER], stdin=subprocess.PIPE, text=True)
     try:
@@ -741,3 +759,97 @@ def test_offcpu_time_lands_in_the_intervals_it_was_spent(probe, make_cgroup, kin
     whole = [s["offcpu_sleep_ns"] / (a - prev_a) for (prev_a, _, _), (a, _, s) in zip(ticks, ticks[1:])
              if max(t0 for t0, _ in spans) < prev_a and a < min(t1 for _, t1 in spans)]
     assert len(whole) >= 3 and all(2.95 <= w <= 3.05 for w in whole), whole
+
+
+def _voluntary(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("voluntary_ctxt_switches"))
+
+
+@pytest.mark.kernel
+def test_the_per_cpu_membership_answer_follows_attach_and_detach():
+    """sched keeps each CPU's last membership answer (bpf/common.h job_slot_cached). A process pinned to one CPU,
+    sleeping 1 ms at a time, is asked about at every switch: first as no job's (another job is attached), then
+    attached as a job of its own — its switches are counted from then on (the voluntary_ctxt_switches the kernel
+    keeps for it) — then let go, and a third, idle process attached in the slot it had: none of the first one's
+    switches lands there, nor in the slot it left."""
+    from jobprobe.kernel.membership import Node
+    node = Node()
+    spin = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c",
+                             "import time\nwhile True: time.sleep(0.001)"])
+    other = subprocess.Popen(["sleep", "60"])
+    third = subprocess.Popen(["sleep", "60"])
+    probes = []
+    try:
+        a = SchedProbe(node=node)
+        a.start(PidTreeTarget([other.pid]))              # the module loaded, the spinner asked about: no job
+        probes.append(a)
+        time.sleep(1.0)
+        b = SchedProbe(node=node)
+        b.start(PidTreeTarget([spin.pid]))
+        probes.append(b)
+        v0 = _voluntary(spin.pid)
+        time.sleep(1.5)
+        got, v1 = b.sample()["voluntary_switches"], _voluntary(spin.pid)
+        print(f"attached: probe {got} voluntary switches, the kernel {v1 - v0}")
+        assert got >= 0.99 * (v1 - v0) > 300, (got, v1 - v0)   # (a cached "no job" kept: ~0.96 here)
+        slot, stats = b.slot, b.loaded.maps["stats"]
+        b.stop()
+        probes.remove(b)
+        c = SchedProbe(node=node)
+        c.start(PidTreeTarget([third.pid]))
+        probes.append(c)
+        time.sleep(1.5)
+        got_c, left = c.sample()["voluntary_switches"], stats.lookup_sums(slot)[0]
+        print(f"after the detach: the idle third job {got_c} voluntary switches; the released slot {left}")
+        assert got_c <= 5 and left == 0, (got_c, left)
+    finally:
+        for p in probes:
+            p.stop()
+        for x in (spin, other, third):
+            x.kill()
+            x.wait()
+        node.close()
+
+
+@pytest.mark.kernel
+def test_a_released_slots_records_count_nowhere_for_its_next_job():
+    """BTF programs keep each thread's record in task storage, which user space cannot list: a job let go leaves
+    the records of its threads off CPU, and the next job in its slot must not get their ends. The slot's epoch
+    moves at release; such a record closes into nothing. (With the hash, release deletes them; both checked.)"""
+    for btf in (True, False):
+        node = Node(keep_loads=True)
+        old = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.05)"])
+        new = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+        first = second = None
+        try:
+            time.sleep(0.3)                            # both started; `new` now blocks for good
+            first = SchedProbe(node=node, btf=btf)
+            assert first.btf == (btf and not btf_sched(Host())[1])
+            first.start(PidTreeTarget([old.pid]))
+            time.sleep(0.3)                            # `old` left the CPU a few times: records made
+            first.sample()
+            time.sleep(0.3)
+            assert first.sample()["offcpu_sleep_events"] > 0
+            slot = first.slot
+            first.stop()                               # mostly while `old` sleeps: a record of it is open
+            node._free.remove(slot)                    # (the node hands slots out first in, first out: this
+            node._free.appendleft(slot)                # one would come back after the 63 others)
+            second = SchedProbe(node=node, btf=btf)
+            second.start(PidTreeTarget([new.pid]))
+            assert second.slot == slot                 # the same slot, the same programs and maps
+            old.kill()                                 # its last sleep ends: woken, switched in, gone
+            old.wait(timeout=30)
+            time.sleep(0.2)
+            s = second.sample()
+            # `new` has not run since it was attached: nothing of `old` may show as its own
+            assert s["voluntary_switches"] == 0 and s["runq_events"] == 0, s
+            assert s["offcpu_sleep_events"] == 0 and s["offcpu_sleep_ns"] == 0, s
+        finally:
+            for p in (old, new):
+                p.kill()
+                p.wait()
+            for p in (first, second):
+                if p is not None:
+                    p.stop()
+            node.close()

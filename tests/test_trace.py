@@ -112,7 +112,11 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     # asleep (switch-out to wakeup: the period less its wait for a CPU, runq_us) for the 10 ms asked — the timer is
     # armed a few µs before the switch-out — and from do_nanosleep
     asleep = [e["dur"] - e["args"].get("runq_us", 0) for e in sleeps]
-    assert all(9_900 <= a < 100_000 for a in asleep), sorted(asleep)[:3] + sorted(asleep)[-3:]
+    # (a worker preempted between arming its timer and switching out — a loaded CI host: one at 9.89 ms — has that
+    # much less of it asleep: most, not all, are the whole 10 ms)
+    full = sum(a >= 9_900 for a in asleep)
+    assert all(1_000 <= a < 100_000 for a in asleep) and full >= 0.9 * len(asleep), \
+        (full, len(asleep), sorted(asleep)[:3] + sorted(asleep)[-3:])
     assert all("do_nanosleep" in " ".join(e["args"].get("kernel_stack", [])) for e in sleeps), sleeps[:2]
     inside = [s for s in sleeps if any(c["tid"] == s["tid"] and c["ts"] <= s["ts"] and
                                        s["ts"] + s["dur"] <= c["ts"] + c["dur"] for c in naps)]

@@ -83,13 +83,54 @@ def pin_shared(pinned: dict[str, int]) -> str:
     return where
 
 
+_btf = None   # the running kernel's BTF, read at its first use
+
+
+def vmlinux() -> Any:
+    from pathlib import Path
+
+    from jobprobe.kernel.btf import Btf
+    global _btf
+    if _btf is None:
+        _btf = Btf(Path("/sys/kernel/btf/vmlinux").read_bytes())
+    return _btf
+
+
+def btf_trace_id(tp: str) -> int:
+    """The vmlinux BTF id of a tracepoint's btf_trace_<event> typedef, what a BTF tracepoint program names."""
+    event = tp.rsplit(":", 1)[1]
+    btf = vmlinux()
+    tid = btf.find(btf.TYPEDEF, f"btf_trace_{event}")
+    if tid is None:
+        raise Exception(f"no btf_trace_{event} in this kernel's BTF")
+    return tid
+
+
+def btf_flag(flag: str) -> str:
+    """-DNAME=@btf:struct.member:size becomes -DNAME=offset, from the running kernel's BTF (its size checked):
+    offsets a module reads directly, found here so that the agent never reads the BTF itself."""
+    if "=@btf:" not in flag:
+        return flag
+    define, ref = flag.split("=@btf:", 1)
+    where, size = ref.rsplit(":", 1)
+    struct_name, path = where.split(".", 1)
+    try:
+        off, got = vmlinux().offset(struct_name, path)
+    except (KeyError, IndexError) as err:
+        raise Exception(f"the kernel's BTF has no {err}") from None
+    if got != int(size):
+        raise Exception(f"{where} is {got} bytes in the kernel's BTF, not {size}")
+    return f"{define}={off}"
+
+
 def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
-    from jobprobe.kernel.bpf import CGROUP_HOOKS, RAW, attach_cgroup
+    from jobprobe.kernel.bpf import (BTF, CGROUP_HOOKS, RAW, attach_btf_tracepoint, attach_cgroup,
+                                     load_btf_tracepoint)
 
-    cflags = list(req["cflags"])
+    cflags = [btf_flag(f) for f in req["cflags"]]
     if req.get("pinned"):
         cflags.append(f'-DJOB_PIN_DIR="{pin_shared(req["pinned"])}"')
     # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
@@ -97,17 +138,26 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     progs: dict[str, int] = {}
     links = []
+    btf_progs: dict[str, int] = {}
     for tp, fn in req["tracepoints"]:
-        if tp.startswith(RAW):
-            event = tp.rsplit(":", 1)[1].encode()       # a raw tracepoint is named by its event alone
-            b.attach_raw_tracepoint(tp=event, fn_name=fn.encode())
-            fd = b.raw_tracepoint_fds[event]
+        if tp.startswith(BTF):
+            # bcc compiles it (maps made, their fds in the code) but cannot load this type: load it here
+            if fn not in btf_progs:
+                btf_progs[fn] = load_btf_tracepoint(b.dump_func(fn.encode()), fn, btf_trace_id(tp))
+            prog_fd = btf_progs[fn]
+            fd = attach_btf_tracepoint(prog_fd)
         else:
-            b.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
-            fd = b.tracepoint_fds[tp.encode()]
+            if tp.startswith(RAW):
+                event = tp.rsplit(":", 1)[1].encode()       # a raw tracepoint is named by its event alone
+                b.attach_raw_tracepoint(tp=event, fn_name=fn.encode())
+                fd = b.raw_tracepoint_fds[event]
+            else:
+                b.attach_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+                fd = b.tracepoint_fds[tp.encode()]
+            prog_fd = b.funcs[fn.encode()].fd
         if fn not in progs:
             progs[fn] = len(fds)
-            fds.append(b.funcs[fn.encode()].fd)
+            fds.append(prog_fd)
         links.append({"tracepoint": tp, "prog": fn, "fd": len(fds)})
         fds.append(fd)
     for fn, path, hook in req.get("cgroups", ()):

@@ -101,6 +101,7 @@ class Node:
         self.jobs: dict[int, Job] = {}                  # id(target) → its job
         self.loads: dict[Any, SharedLoad] = {}
         self._free = collections.deque(range(MAX_SLOTS))
+        self.gen = 0                                    # job_kinds[1]: the membership maps' generation
         self._lock = threading.RLock()
         self._load_locks: dict[Any, threading.Lock] = collections.defaultdict(threading.Lock)
 
@@ -187,6 +188,7 @@ class Node:
         for job in self.jobs.values():
             kinds |= JOB_BY_CGROUP if job.target.kind == "cgroup" else JOB_BY_TGID
         self.loaded.maps["job_kinds"].update(0, kinds)
+        self._moved()
 
     def _register(self, job: Job) -> None:
         """Put the job's cgroups or processes in the membership maps. For a PID tree, the in-kernel fork handler
@@ -227,18 +229,30 @@ class Node:
             table.update(cg, job.slot)
         for cg in job.cg_ids - ids:
             table.delete(cg)
+        if ids != job.cg_ids:
+            self._moved()
         job.cg_ids = ids
 
     def _add_pids(self, job: Job, pids: list[int]) -> None:
         table = self.loaded.maps["job_of_tgid"]
+        added = False
         for pid in pids:
             if pid in table:
                 continue
             table.update(pid, job.slot)
+            added = True
             # Insert first, then look: a process that exits after the look finds its key and deletes it in the
             # kernel; one that exited before it is removed here. Either way no stale key stays.
             if proc_gone(self.host.proc, pid):
                 table.delete(pid)
+        if added:
+            self._moved()
+
+    def _moved(self) -> None:
+        """The membership maps changed: a new generation (job_kinds[1]), so that no program keeps an answer it
+        cached before (bpf/common.h, job_slot_cached)."""
+        self.gen = (self.gen + 1) & 0xFFFFFFFF
+        self.loaded.maps["job_kinds"].update(1, self.gen)
 
     def members(self, slot: int) -> set[int]:
         """tgids (and member threads' tids) in the kernel's job_of_tgid map for a slot."""

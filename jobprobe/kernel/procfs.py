@@ -6,6 +6,7 @@ clock ticks (USER_HZ). Imports nothing of jobprobe.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -35,13 +36,28 @@ def read_small(path: str | Path) -> str | None:
         os.close(fd)
 
 
+def read_kv(path: str | Path, read: Callable[[str], str | None] = read_small) -> dict[str, int] | None:
+    """'key value' lines (cpu.stat, memory.stat) → dict, or None if the file does not exist."""
+    text = read(str(path))
+    if text is None:
+        return None
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        if v.strip().lstrip("-").isdigit():
+            out[k] = int(v)
+    return out
+
+
 class OpenFiles:
     """Small /proc, /sys and cgroup files read again every tick, through an fd kept open: one pread(2) at offset 0
     (seq_file and kernfs make the text anew) instead of open + read + close — 4–6× cheaper here, and the agent reads
     some ten such files per job per tick. A read that fails on a kept fd (the process reaped: ESRCH; the group
     removed: ENODEV) opens the path once more, so a PID used again is read as the new process. Files not read since
-    the previous sweep() are closed. Only the kernel's own files (under /proc and /sys) are kept: a regular file
-    (a fixture tree) could be replaced or removed under a kept fd. Bounded: past LIMIT fds held by all instances,
+    the previous sweep() are closed. Thread-safe: a job's probes start side by side, each reading its target's
+    files (two first reads of one path opened two fds and kept one: one leaked fd per file per attach). Only the
+    kernel's own files (under /proc and /sys) are kept: a regular file (a fixture tree) could be replaced or
+    removed under a kept fd. Bounded: past LIMIT fds held by all instances,
     reads open and close as read_small does."""
 
     LIMIT = 4096
@@ -49,9 +65,11 @@ class OpenFiles:
     held = 0
 
     def __init__(self):
+        self.lock = threading.Lock()
         self.fds: dict[str, list[int]] = {}    # path → [fd, generation of its last read]
         self.absent: dict[str, float] = {}     # path → when to look again
         self.gen = 0
+        self.closed = False
 
     def read(self, path: str | Path, recheck: float = 0.0) -> str | None:
         """The file's text; None if it cannot be read. `recheck` > 0: a file found absent is not looked for again
@@ -59,6 +77,10 @@ class OpenFiles:
         path = str(path)
         if recheck and self.absent and time.monotonic() < self.absent.get(path, 0.0):
             return None
+        with self.lock:
+            return self._read(path, recheck)
+
+    def _read(self, path: str, recheck: float) -> str | None:
         entry = self.fds.get(path)
         if entry is not None:
             entry[1] = self.gen
@@ -66,7 +88,7 @@ class OpenFiles:
             if data is not None:
                 return data
             self._drop(path)
-        if OpenFiles.held >= self.LIMIT or not path.startswith(self.KEEP):
+        if OpenFiles.held >= self.LIMIT or not path.startswith(self.KEEP) or self.closed:
             return read_small(path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -98,13 +120,17 @@ class OpenFiles:
 
     def sweep(self) -> None:
         """Close what was not read since the last sweep (processes gone, groups removed)."""
-        for path in [p for p, (_, g) in self.fds.items() if g != self.gen]:
-            self._drop(path)
-        self.gen += 1
+        with self.lock:
+            for path in [p for p, (_, g) in self.fds.items() if g != self.gen]:
+                self._drop(path)
+            self.gen += 1
 
     def close(self) -> None:
-        for path in list(self.fds):
-            self._drop(path)
+        """Close every kept fd; later reads (a last look at a job let go) open and close as read_small does."""
+        with self.lock:
+            self.closed = True
+            for path in list(self.fds):
+                self._drop(path)
 
 
 class Stat(NamedTuple):
@@ -176,3 +202,11 @@ def environ(proc: str, pid: int | str, keys: tuple[str, ...]) -> dict[str, str]:
         if sep and k in want:
             out[k.decode()] = v.decode(errors="replace")
     return out
+
+
+def tgid(proc: str, tid: int | str) -> int | None:
+    """The process (thread group) of thread `tid` (/proc/TID/status reads for any thread id); None if it is gone."""
+    for line in (read_small(f"{proc}/{tid}/status") or "").splitlines():
+        if line.startswith("Tgid:"):
+            return int(line.split()[1])
+    return None

@@ -12,6 +12,7 @@ socket keeps answering for that namespace after the thread is gone, so the agent
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import socket
 import struct
@@ -94,26 +95,38 @@ def root_qdiscs(sock: socket.socket, seq: int = 1) -> dict[int, Qdisc]:
 
 
 def _dump(sock: socket.socket, ask: int, answer: int, head: bytes, parse, seq: int) -> dict:
-    sock.send(struct.pack("=IHHII", 16 + len(head), ask, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + head)
     out: dict = {}
+    for typ, body in request(sock, ask, NLM_F_REQUEST | NLM_F_DUMP, head, seq, what="rtnetlink dump"):
+        if typ == answer:
+            q = parse(body)
+            if q is not None:
+                out[q[0]] = q[1]
+    return out
+
+
+def request(sock: socket.socket, ask: int, flags: int, body: bytes, seq: int, what: str = "netlink"):
+    """Send one netlink request and yield each answer as (type, body after the 16-byte header): for a dump
+    (NLM_F_DUMP) until NLMSG_DONE; else the one answer, or the acknowledgement (an NLMSG_ERROR of 0) of a request
+    made with NLM_F_ACK. An error answer raises OSError with the kernel's errno."""
+    sock.send(struct.pack("=IHHII", 16 + len(body), ask, flags, seq, 0) + body)
+    dump = flags & NLM_F_DUMP == NLM_F_DUMP
     while True:
         data = sock.recv(1 << 16)
+        if not data:
+            raise OSError(errno.ECONNRESET, f"{what} {ask}: the socket closed")
         off = 0
         while off + 16 <= len(data):
-            n, typ, _, mseq, _ = struct.unpack_from("=IHHII", data, off)
-            if n < 16:
-                return out
-            if typ == NLMSG_DONE:
-                return out
+            n, typ, _, _, _ = struct.unpack_from("=IHHII", data, off)
+            if n < 16 or typ == NLMSG_DONE:
+                return
             if typ == NLMSG_ERROR:
                 err = -struct.unpack_from("=i", data, off + 16)[0]
                 if err:
-                    raise OSError(err, f"rtnetlink dump {ask}: {os.strerror(err)}")
-                return out
-            if typ == answer:
-                q = parse(data[off + 16:off + n])
-                if q is not None:
-                    out[q[0]] = q[1]
+                    raise OSError(err, f"{what} {ask}: {os.strerror(err)}")
+                return
+            yield typ, data[off + 16:off + n]
+            if not dump:
+                return
             off += (n + 3) & ~3
 
 

@@ -51,14 +51,19 @@ class ExitRecord(NamedTuple):
 
 
 def attrs(data: bytes, off: int = 0, end: int | None = None) -> dict[int, bytes]:
-    """Netlink attributes (nla_len, nla_type, payload padded to 4) → {type: payload}."""
+    """Netlink attributes (nla_len, nla_type, payload padded to 4) → {type: payload} (the last of a repeated type)."""
+    return dict(attr_items(data, off, end))
+
+
+def attr_items(data: bytes, off: int = 0, end: int | None = None) -> list[tuple[int, bytes]]:
+    """Netlink attributes in order, repeats kept (the entries of a nested table): [(type, payload)]."""
     end = len(data) if end is None else end
-    out = {}
+    out = []
     while off + 4 <= end:
         n, t = struct.unpack_from("=HH", data, off)
         if n < 4:
             break
-        out[t & ~NLA_F_NESTED] = data[off + 4:off + n]
+        out.append((t & ~NLA_F_NESTED, data[off + 4:off + n]))
         off += (n + 3) & ~3
     return out
 
