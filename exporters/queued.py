@@ -32,6 +32,7 @@ once it has handed it to write(); `data`, the encoded bytes, is immutable.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -66,6 +67,23 @@ class SinkWorker:
         self.sinks: list[QueuedSink] = []      # registered and not finished (a finished sink is never touched again)
         self.thread: threading.Thread | None = None
         self._next = 0
+        self._held = 0        # hold() depth: writes queue without waking the thread
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Frames written inside are taken after it, with one wake-up, not once per sink: the agent's tick writes a
+        frame for each of its jobs and the thread then writes them all in one go (a wake-up, and a hand-over of
+        the interpreter between the two threads, per tick rather than per job). A sink being closed inside a
+        hold (a job that ended in the tick) is flushed at once all the same."""
+        with self.cond:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self.cond:
+                self._held -= 1
+                if not self._held and any(s._q for s in self.sinks):
+                    self.cond.notify_all()
 
     def add(self, sink: "QueuedSink") -> None:
         """Register `sink` (the caller holds `cond`)."""
@@ -91,7 +109,7 @@ class SinkWorker:
             n = len(self.sinks)
             for i in range(n):
                 s = self.sinks[(self._next + i) % n]
-                if s._q:
+                if s._q and (not self._held or s._closing):    # a close() inside a hold is not held up
                     self._next = (self._next + i + 1) % n
                     return s
             self.cond.wait()
@@ -178,7 +196,7 @@ class QueuedSink:
                     return
                 self._dropped += 1
             self._q.append((frame, data))
-            if len(self._q) == 1:
+            if len(self._q) == 1 and not self.worker._held:
                 self._cond.notify_all()         # the worker sleeps only when every queue is empty
             log_it = overflow and not self._overflow_logged
             self._overflow_logged |= overflow

@@ -420,7 +420,8 @@ class Agent:
             jobs = list(self.jobs.values())
         tickmemo.begin()
         try:
-            self._tick_jobs(jobs)
+            with self.file_writer.hold():      # the files' thread wakes once, after every job's frame
+                self._tick_jobs(jobs)
         finally:
             tickmemo.end()
         self._retry_pending()

@@ -291,3 +291,36 @@ def test_self_probe_reports_what_real_sinks_dropped_per_interval(tmp_path):
     assert (s4["sink_dropped"], s4["sink_queue_max"]) == (0, 0)
     assert [p["state"] for p in s4["sinks"]] == ["closed", "closed"]
     assert len(read_seqs(tmp_path / "b.mpk")) == 5 and len(read_seqs(tmp_path / "a.mpk")) == 21
+
+
+def test_frames_written_while_the_worker_is_held_wait_for_the_end_of_the_hold_then_all_go(tmp_path):
+    """The agent's tick holds the files' worker while it writes a frame per job: nothing is taken before the hold
+    ends (no wake-up per job), then everything is written, in order; writes outside a hold wake the worker at once."""
+    worker = SinkWorker("files")
+    paths = [str(tmp_path / f"{i}.mpk") for i in range(4)]
+    sinks = [QueuedSink(FileExporter(p), f"file:{p}", maxsize=100, worker=worker) for p in paths]
+    fs = list(frames(3))
+    with worker.hold():
+        for s in sinks:
+            s.write(fs[0], encode(fs[0]))
+        with worker.hold():                      # nested: only the outermost end wakes the worker
+            for s in sinks:
+                s.write(fs[1], encode(fs[1]))
+        time.sleep(0.3)
+        assert [s.stats()["written"] for s in sinks] == [0] * 4
+        assert [s.stats()["depth"] for s in sinks] == [2] * 4
+    wait_for(lambda: all(s.stats()["written"] == 2 for s in sinks))
+    sinks[0].write(fs[2], encode(fs[2]))         # no hold: taken at once
+    wait_for(lambda: sinks[0].stats()["written"] == 3)
+    with worker.hold():                          # a job that ends inside the tick: its sink closes, flushed now
+        sinks[1].write(fs[2], encode(fs[2]))
+        t0 = time.monotonic()
+        sinks[1].close(timeout=5)
+        assert time.monotonic() - t0 < 2 and sinks[1].stats()["written"] == 3
+    for s in sinks:
+        s.close(timeout=5)
+    assert read_seqs(paths[1]) == [("hello", 0), ("sample", 1), ("sample", 2)]
+    del paths[1]
+    assert read_seqs(paths[0]) == [("hello", 0), ("sample", 1), ("sample", 2)]
+    assert [read_seqs(p) for p in paths[1:]] == [[("hello", 0), ("sample", 1)]] * 2
+    assert all(balanced(s.stats()) and s.stats()["dropped"] == 0 for s in sinks)
