@@ -168,6 +168,11 @@ class Job:
         self.attached_at = time.time()
         self.ended: str | None = None
         self.had_procs = False      # a group attached before its processes start is not "ended" while empty
+        # Held by whoever uses the job's sampler — the tick, a detach's last frame, a probe toggle, a trace request —
+        # so that two threads never sample one job at once (each would count the same interval). A job's lock is
+        # taken alone or before the agent's lock (a job that ends in its tick leaves the table), never inside it.
+        self.lock = threading.RLock()
+        self.released = False       # its probes and sinks are let go: nothing may sample it any more
 
 
 class Agent:
@@ -306,12 +311,13 @@ class Agent:
                 if ended is not None:   # it ended by itself (an epilog comes after the job's last process)
                     return {"job": name, "state": "already ended", "why": ended["why"]}
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
-            self._drop(job, why)      # out of the table first: the tick does not sample it meanwhile
-        try:
-            job.sampler.tick()
-        except Exception:
-            log.exception("last frame of %s", name)
-        self._release(job)
+            self._drop(job, why)      # out of the table first: later ticks do not sample it
+        with job.lock:                # a tick that took it before waits here, then finds it released
+            try:
+                job.sampler.tick()
+            except Exception:
+                log.exception("last frame of %s", name)
+            self._release(job)
         log.info("detached %s: %s", name, why)
         return {"job": name, "state": "detached", "why": why}
 
@@ -334,13 +340,19 @@ class Agent:
             t.start()
             return {"job": name, "ok": True, "state": "scheduled", "at": at, "in_s": round(at - now, 3),
                     "duration_s": float(duration)}
-        return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
+        with job.lock:
+            if job.released:
+                raise BadInput(f"no job {name!r} is attached")
+            return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
 
     def _open_at(self, name: str, duration: float, at: float) -> None:
         with self.lock:
             job = self.jobs.get(name)
-        r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True) if job else \
-            {"state": "refused", "why": "the job is gone"}
+        r = {"state": "refused", "why": "the job is gone"}
+        if job is not None:
+            with job.lock:
+                if not job.released:
+                    r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True)
         log.warning("job %s: trace window due at %.3f (%+.3f s): %s", name, at, time.time() - at,
                     r.get("path") or r.get("why"))
 
@@ -368,16 +380,21 @@ class Agent:
             job = self.jobs.get(name)
             if job is None:
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
+        with job.lock:               # not inside the agent's lock: a job's lock comes first
+            if job.released:
+                raise BadInput(f"no job {name!r} is attached")
             for e in edits:
                 if e[0] == "+":
                     job.sampler.enable(make_probe(self.registry[e[1:]], self.host, self.node,
                                                   lambda: sink_stats(job.sinks)))
                 else:
                     job.sampler.disable(e[1:])
-            if job.spec is not None:   # a restart attaches it again with the probes it has now
-                job.spec.probes = ",".join(n for n, st in job.sampler.status.items() if st != "off")
+            status = dict(job.sampler.status)
+        with self.lock:
+            if job.spec is not None and self.jobs.get(name) is job:   # a restart attaches it with what it has now
+                job.spec.probes = ",".join(n for n, st in status.items() if st != "off")
                 self._save()
-            return {"job": name, "probes": dict(job.sampler.status)}
+        return {"job": name, "probes": status}
 
     def status(self) -> dict[str, Any]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -428,21 +445,26 @@ class Agent:
 
     def _tick_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
-            try:
-                job.target.refresh()
-                if job.target.kind == "cgroup":
-                    has = bool(job.target.pids())
-                    if job.had_procs and not has:
-                        job.ended = f"every process of {job.name} has exited"
-                    job.had_procs |= has
-            except TargetGone as err:
-                job.ended = str(err)
-            try:
-                job.sampler.tick()
-            except Exception:
-                log.exception("tick of %s", job.name)
-            if job.ended or job.sampler.end_reason:
-                self._end(job, job.ended or job.sampler.end_reason or "ended")
+            with job.lock:
+                if not job.released:
+                    self._tick_job(job)
+
+    def _tick_job(self, job: Job) -> None:
+        try:
+            job.target.refresh()
+            if job.target.kind == "cgroup":
+                has = bool(job.target.pids())
+                if job.had_procs and not has:
+                    job.ended = f"every process of {job.name} has exited"
+                job.had_procs |= has
+        except TargetGone as err:
+            job.ended = str(err)
+        try:
+            job.sampler.tick()
+        except Exception:
+            log.exception("tick of %s", job.name)
+        if job.ended or job.sampler.end_reason:
+            self._end(job, job.ended or job.sampler.end_reason or "ended")
 
     def _end(self, job: Job, why: str) -> None:
         """A job that ended by itself, after its last frame."""
@@ -463,8 +485,10 @@ class Agent:
     @staticmethod
     def _release(job: Job) -> None:
         """The job's probes (its slot's state in every module) and sinks, then what its target made."""
-        job.sampler.stop()
-        job.target.close()
+        with job.lock:
+            job.released = True
+            job.sampler.stop()
+            job.target.close()
 
     def _retry_pending(self) -> None:
         with self.lock:

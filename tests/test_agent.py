@@ -462,3 +462,70 @@ def test_kept_files_first_read_by_many_threads_at_once_keep_one_fd_each():
     assert procfs.OpenFiles.held == held + len(paths)
     files.close()
     assert not ours() - before and procfs.OpenFiles.held == held
+
+
+def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_one_job(tmp_path, make_cgroup):
+    """The control thread's detach (its last frame) and the tick thread never sample one job at the same time —
+    each would count the same interval, and a probe's state is not made for two threads. A probe that holds the
+    tick inside its sample() shows it: the detach waits for that tick, takes its last frame after it, and nothing
+    samples the job after its release. (A probe toggle and a trace request take the same per-job lock.)"""
+    from jobprobe.probe import Field, Probe
+    entered, go = threading.Event(), threading.Event()
+    seen = {"inside": 0, "most": 0, "calls": 0, "after_stop": 0, "stopped": False}
+    guard = threading.Lock()
+
+    class Gate(Probe):
+        name = "gate"
+        fields = {"calls": Field("int", "count", "sample() calls so far")}
+
+        def start(self, target):
+            pass
+
+        def sample(self):
+            with guard:
+                seen["inside"] += 1
+                seen["most"] = max(seen["most"], seen["inside"])
+                seen["calls"] += 1
+                seen["after_stop"] += seen["stopped"]
+                n = seen["calls"]
+            if n == 3:                    # the third tick holds on until the test lets it go
+                entered.set()
+                go.wait(10)
+            with guard:
+                seen["inside"] -= 1
+            return {"calls": n}
+
+        def stop(self):
+            seen["stopped"] = True
+
+    cfg = Config(interval=0.05, probes="gate", out=str(tmp_path / "out"))
+    a = Agent(cfg)
+    a.registry = {**a.registry, "gate": Gate}
+    cg = make_cgroup("gated")
+    proc = cg.spawn(["sleep", "30"])
+    loop = threading.Thread(target=a.run, daemon=True)
+    try:
+        assert a.attach(JobSpec(cgroup=str(cg.path), job="gated", probes="gate"))["state"] == "attached"
+        loop.start()
+        assert entered.wait(10), "the tick never reached the third sample"
+        result = {}
+        detacher = threading.Thread(target=lambda: result.update(a.detach("gated")))
+        detacher.start()
+        time.sleep(0.3)                   # long enough for a detach that does not wait to sample beside the tick
+        assert seen["most"] == 1 and detacher.is_alive(), seen
+        go.set()
+        detacher.join(10)
+        assert result.get("state") == "detached", result
+        time.sleep(0.2)                   # ticks go on (no job): nothing samples the released job
+    finally:
+        go.set()
+        a.stop_event.set()
+        loop.join(10)
+        a.close()
+        proc.kill()
+        proc.wait()
+    assert seen["most"] == 1 and seen["after_stop"] == 0, seen
+    frames = frames_of(a, "gated")
+    samples = [f["probes"]["gate"]["calls"] for f in frames if f["kind"] == "sample"]
+    assert samples == list(range(1, seen["calls"] + 1)) and seen["calls"] == 4, (samples, seen)   # 3 ticks + last
+    assert [f["seq"] for f in frames] == list(range(len(frames)))
