@@ -103,8 +103,12 @@ class Sampler:
         return self.tracer.open(reason, evidence, duration or 25.0, force_budget=force_budget)
 
     def _deep_begin(self) -> list[Probe]:
-        """A window's first tick: the window-only probes start for this job, then every running probe with a deep
-        mode records event by event. Returns those probes."""
+        """A window's first tick: every running probe with a deep mode records event by event, then the
+        window-only probes start for this job (their compile takes seconds, longer on a loaded host: the running
+        probes' records begin before it) and record too. Returns those probes."""
+        deep = [p for p in self.running.values() if getattr(p, "deep", False)]
+        for p in deep:
+            p.trace_on(True)
         for probe in self.window_probes:
             if probe.name not in self.running and self.status.get(probe.name) != "off":
                 if self.enable(probe).startswith("ok"):
@@ -113,9 +117,11 @@ class Sampler:
                     log.info("job %s: %s not in the trace window: %s", self.target.job, probe.name,
                              self.status.pop(probe.name, None))
                     self.probes.pop(probe.name, None)
-        deep = [p for p in self.running.values() if getattr(p, "deep", False)]
-        for p in deep:
-            p.trace_on(True)
+        for name in self._window_only:
+            p = self.running.get(name)
+            if p is not None and getattr(p, "deep", False) and p not in deep:
+                p.trace_on(True)
+                deep.append(p)
         return deep
 
     def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int]]:
