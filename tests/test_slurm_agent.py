@@ -200,7 +200,10 @@ def test_an_array_job_each_task_its_own_job(site):
         wait_for(lambda: agent.ended(job), 60, f"task {task} (job {job}) to end and be let go")
         own = int((jobs / f"array-{task}.out").read_text().split("cpu_ns=")[1].split()[0])
         seen = cpu(agent.frames(job))
-        assert abs(seen - own) <= 40e6 + 0.02 * own, dict(task=task, own=own, seen=seen)
+        assert abs(seen - own) <= 40e6 + 0.02 * own, dict(task=task, own=own, seen=seen,
+                                                         from_start=hello.get("from_start"),
+                                                         prolog=runs(cluster.base, "prolog", job),
+                                                         log=(cluster.base / "agent.log").read_text()[-1500:])
         assert hello["labels"]["slurm_job_id"] == job
 
 
