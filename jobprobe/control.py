@@ -175,7 +175,10 @@ def call(path: str, req: dict[str, Any], timeout: float = TIMEOUT) -> dict[str, 
             raise BadInput(f"permission denied on {path}: the agent serves root only") from None
         except OSError as err:
             raise BadInput(f"cannot reach the agent at {path}: {err.strerror or err}") from None
-        sock.sendall(json.dumps(req).encode() + b"\n")
+        try:
+            sock.sendall(json.dumps(req).encode() + b"\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass     # the agent answered and closed before reading (a refused peer): its reply is still there
         data = b""
         while not data.endswith(b"\n"):
             chunk = sock.recv(65536)

@@ -217,3 +217,30 @@ def test_cgroup_removed_while_attached_ends_cleanly(make_cgroup):
     assert not any(v.startswith("failed") for v in frames[-1]["status"].values()), frames[-1]["status"]
     cpu = sum(f["probes"]["perf"]["task_clock_ns"] for f in frames[1:])
     assert cpu > 0.3e9
+
+
+def test_a_reply_sent_before_the_request_was_read_still_reaches_the_client(tmp_path):
+    """The agent refuses a non-root peer without reading its request, then closes: a client still writing gets
+    EPIPE, and must read the refusal rather than fail on the broken pipe (a race a CI run lost once). A request too
+    big for the socket's buffer makes the client's write outlast the server's close every time."""
+    import socket
+    import threading
+    from jobprobe.control import call
+    path = str(tmp_path / "s.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+
+    def answer_unread():
+        conn, _ = srv.accept()
+        with conn:
+            conn.sendall(b'{"ok": false, "error": "permission denied: the agent serves root only"}\n')
+
+    t = threading.Thread(target=answer_unread)
+    t.start()
+    try:
+        reply = call(path, {"cmd": "status", "pad": "x" * (4 << 20)})
+    finally:
+        t.join(10)
+        srv.close()
+    assert reply == {"ok": False, "error": "permission denied: the agent serves root only"}
