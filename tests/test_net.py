@@ -334,7 +334,10 @@ def test_busy_senders_outside_the_job_are_counted_by_none(probe, make_cgroup, ne
     print(f"net ({kind}, {s['source']}): tcp tx {s['tcp_tx_bytes']} udp tx {s['udp_tx_bytes']}, workload "
           f"{job['sent']}; veth A sent {v['tx_bytes']} B in all; peers {s.get('peers')}")
     assert v["tx_bytes"] > 3 * job["sent"]               # the neighbours did send, and a lot
-    assert near(s["tcp_tx_bytes"], job["sent"]) and s["udp_tx_bytes"] == 0 == s["udp_rx_bytes"]
+    # packets count the payload as it leaves, retransmissions included (the floods make some: 3% in one CI run),
+    # which the job's socket reports itself; syscalls count what send() accepted
+    want = job["sent"] + (job["retrans_bytes"] if s["source"] == "packets" else 0)
+    assert near(s["tcp_tx_bytes"], want) and s["udp_tx_bytes"] == 0 == s["udp_rx_bytes"], (s["tcp_tx_bytes"], job)
     assert s["tcp_active_opens"] == 1 and s["tcp_closes"] == 1
     assert list(s["peers"]) == [(ADDR_B, 5003)]
     assert s["source"] == ("packets" if kind == "cgroup" else "syscalls")
