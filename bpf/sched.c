@@ -375,6 +375,89 @@ static inline u64 clock_ns(u64 *now)
     return *now;
 }
 
+#if defined(BTF_SCHED) && defined(RQ_CLOCK_OFF) && TASK_CFS_RQ_OFF >= 0 && CFS_RQ_RQ_OFF >= 0 && RQ_CLOCK_OFF >= 0
+/* The instant a member leaves its CPU without reading the clock (BTF programs, where the kernel's BTF has the
+ * path: task_struct.se.cfs_rq -> cfs_rq.rq -> rq.clock, CONFIG_FAIR_GROUP_SCHED). __schedule stamps the run
+ * queue's clock (sched_clock, the stamp the kernel's own schedstat run_delay uses) just before this tracepoint; a
+ * per-CPU offset turns it into CLOCK_MONOTONIC, bpf_ktime_get_ns's clock, that every other time here and user
+ * space's tick use. The offset is CLOCK_MONOTONIC minus the stamp at each clock read this CPU makes for a
+ * switch-in anyway (the least of them within CLOCK_EPOCH_NS: a stamp the kernel did not renew, a wakeup's that
+ * preempted, only makes it larger), and is started afresh by a clock read when older than that: the two clocks
+ * drift apart only by NTP's frequency correction (≤ 500 ppm, 5 µs over the epoch, typically ~0.1 µs). The
+ * clock read was the dearest step of a member's switch-out (bpf_ktime_get_ns, ~75 ns in a 6.18 VM). */
+#define CLOCK_EPOCH_NS 10000000ULL
+struct cpu_clock {
+    u64 off;                   /* CLOCK_MONOTONIC - rq->clock on this CPU */
+    u64 at;                    /* rq->clock when this epoch started; 0: none yet */
+};
+BPF_PERCPU_ARRAY(cpu_clock, struct cpu_clock, 1);
+
+static inline u64 rq_clock_of(struct task_struct *t)
+{
+    /* direct loads through BTF pointers, each checked by the verifier against the running kernel's BTF (a fault
+     * reads 0) */
+    void *cfs = *(void **)((void *)t + TASK_CFS_RQ_OFF);
+    void *rq = *(void **)(cfs + CFS_RQ_RQ_OFF);
+    return *(u64 *)(rq + RQ_CLOCK_OFF);
+}
+
+/* `now` (just read from the clock) against this CPU's run-queue stamp `sc`: keep the least offset of the epoch. */
+static inline void clock_seen(struct cpu_clock *c, u64 now, u64 sc)
+{
+    u64 off = now - sc;
+    if (c->at == 0 || sc < c->at || sc - c->at >= CLOCK_EPOCH_NS) {
+        c->off = off;
+        c->at = sc;
+    } else if ((s64)(off - c->off) < 0) {
+        c->off = off;
+    }
+}
+
+/* The instant of a scheduler event of `t` (a member leaving this CPU, or being woken): its run queue's stamp, which
+ * the kernel renewed for this event, in CLOCK_MONOTONIC; or the clock itself (read into *now, for the rest of the
+ * event) where this CPU's offset is too old or none can be had. A wakeup may run on another CPU than t's run
+ * queue: the offset is then the waker's CPU's, right where the scheduler's clock agrees across CPUs (a stable
+ * TSC, kvm-clock), as the kernel's own run_delay, stamped the same way, takes it to. */
+static inline u64 stamp_ns(struct task_struct *t, u64 *now)
+{
+    if (*now)
+        return *now;
+    u32 zero = 0;
+    struct cpu_clock *c = cpu_clock.lookup(&zero);
+    u64 sc = rq_clock_of(t);
+    if (c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
+        return sc + c->off;
+    *now = bpf_ktime_get_ns();
+    if (c && sc)
+        clock_seen(c, *now, sc);
+    return *now;
+}
+
+/* The clock for `next`'s switch-in (it is on this CPU's run queue: the same stamp), the offset renewed from it. */
+static inline u64 switch_in_ns(struct task_struct *next, u64 *now)
+{
+    if (*now)
+        return *now;
+    *now = bpf_ktime_get_ns();
+    u32 zero = 0;
+    struct cpu_clock *c = cpu_clock.lookup(&zero);
+    u64 sc = rq_clock_of(next);
+    if (c && sc)
+        clock_seen(c, *now, sc);
+    return *now;
+}
+#else
+static inline u64 stamp_ns(task_key t, u64 *now)
+{
+    return clock_ns(now);
+}
+
+static inline u64 switch_in_ns(task_key next, u64 *now)
+{
+    return clock_ns(now);
+}
+#endif
+
 /* Close what `task`'s entry holds open, then delete it (a thread's end). */
 static inline void forget(task_key task, u64 now)
 {
@@ -424,9 +507,9 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                     s->voluntary++;
             }
             if (!(state & STATE_EXITING) && s) {
-                clock_ns(&now);
+                u64 out = stamp_ns(prev, &now);
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
-                struct off_rec rec = {.out_ns = now, .enq_ns = state == 0 ? now : 0, .slot = slot,
+                struct off_rec rec = {.out_ns = out, .enq_ns = state == 0 ? out : 0, .slot = slot,
                                       .reason = offcpu_reason(state, prev_tid, prev), .tid = prev_tid,
                                       .kstack = -1, .ustack = -1, .epoch = epoch_of(slot)};
 #ifdef BTF_SCHED
@@ -449,14 +532,14 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                 struct off_rec *old = rec_get(prev);
 #endif
                 if (old) {
-                    finish(old, now);   /* a no-op unless its switch-in was missed */
+                    finish(old, out);   /* a no-op unless its switch-in was missed */
                     *old = rec;
                 } else if (rec_put(prev, &rec)) {
                     goto next;          /* the map is full: this period is not counted, and nothing is opened */
                 }
-                open_time(s, rec.reason, now);
+                open_time(s, rec.reason, out);
                 if (state == 0)
-                    open_time(s, T_RUNQ, now);
+                    open_time(s, T_RUNQ, out);
             }
         }
         if (state & STATE_EXITING) {
@@ -485,7 +568,7 @@ next:
 #endif
     struct off_rec *rec = rec_get(next);
     if (rec && (rec->out_ns || rec->enq_ns))   /* not a member: no entry; running already: consumed */
-        finish(rec, clock_ns(&now));
+        finish(rec, switch_in_ns(next, &now));
     return 0;
 }
 
@@ -497,7 +580,8 @@ static inline void woken(task_key task)
     struct off_rec *rec = rec_get(task);
     if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
         return;
-    u64 now = bpf_ktime_get_ns();
+    u64 clock = 0;
+    u64 now = stamp_ns(task, &clock);
     /* always after the switch-out (the waker needs prev off its CPU or its rq lock); a vCPU's clock may differ by
      * a hair */
     if (now < rec->out_ns)

@@ -74,8 +74,12 @@ BTF_HANDLERS = (
     ("btf:sched:sched_wakeup", "on_wakeup_btf"),
     ("btf:sched:sched_wakeup_new", "on_wakeup_new_btf"),
 )
-# task_struct members the BTF programs read directly, at the running kernel's offsets: (define, member, size)
-BTF_OFFSETS = (("TASK_PID_OFF", "pid", 4), ("TASK_CGROUPS_OFF", "cgroups", 8))
+# Members the BTF programs read directly, at the running kernel's offsets: (define, struct.member, size, needed).
+# The run queue's clock (a member's switch-out instant without a clock read) is optional: without
+# CONFIG_FAIR_GROUP_SCHED there is no se.cfs_rq, and the clock is read instead.
+BTF_OFFSETS = (("TASK_PID_OFF", "task_struct.pid", 4, True), ("TASK_CGROUPS_OFF", "task_struct.cgroups", 8, True),
+               ("TASK_CFS_RQ_OFF", "task_struct.se.cfs_rq", 8, False), ("CFS_RQ_RQ_OFF", "cfs_rq.rq", 8, False),
+               ("RQ_CLOCK_OFF", "rq.clock", 8, False))
 SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
 # With RAW_SCHED the syscall hook is a raw tracepoint program too: a classic one returning 0 hides every
 # raw_syscalls:sys_enter of the node from perf users (`perf trace`, `perf stat -e raw_syscalls:*`).
@@ -126,8 +130,8 @@ def btf_sched(host: Host) -> tuple[tuple[str, ...], str | None]:
         return (), "no kernel BTF (/sys/kernel/btf/vmlinux)"
     # the task_struct offsets are left for the loader to take from the kernel's BTF ("@btf:...", bpf_loader): the
     # agent never reads the ~6 MB of BTF itself (its heap kept ~8 MiB of the pass)
-    return ("-DBTF_SCHED", *(f"-D{define}=@btf:task_struct.{member}:{size}" for define, member, size in BTF_OFFSETS)), \
-        None
+    return ("-DBTF_SCHED", *(f"-D{define}=@btf{'' if needed else '?'}:{where}:{size}"
+                             for define, where, size, needed in BTF_OFFSETS)), None
 
 
 class SlotStats(ct.Structure):

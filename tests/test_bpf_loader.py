@@ -405,3 +405,8 @@ def test_the_loader_takes_struct_offsets_from_the_kernels_btf():
         btf_flag("-DX=@btf:task_struct.pid:8")
     with pytest.raises(Exception, match="has no.*no_such_member"):
         btf_flag("-DX=@btf:task_struct.no_such_member:4")
+    # optional (@btf?:): a member the kernel lacks is -1, one it has its offset; nested paths across structs
+    assert btf_flag("-DX=@btf?:task_struct.no_such_member:4") == "-DX=-1"
+    cfs, _ = Btf(vmlinux.read_bytes()).offset("task_struct", "se")
+    inner, _ = Btf(vmlinux.read_bytes()).offset("sched_entity", "exec_start")
+    assert btf_flag("-DX=@btf?:task_struct.se.exec_start:8") == f"-DX={cfs + inner}"

@@ -419,8 +419,10 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     assert bpf_fds("link") == links + raw
     # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
     # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
-    # with BTF ones instead); with a deep mode (5.8+) slots_traced, trace_ring and trace_stacks
-    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + 3 * probe.deep
+    # with BTF ones instead), and cpu_clock with BTF ones where the kernel's BTF has the run queue's clock; with a
+    # deep mode (5.8+) slots_traced, trace_ring and trace_stacks
+    rq_clock = probe.btf and "cpu_clock" in probe.loaded.maps
+    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + 3 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
@@ -764,6 +766,56 @@ def test_offcpu_time_lands_in_the_intervals_it_was_spent(probe, make_cgroup, kin
 def _voluntary(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(ln.split()[1]) for ln in f if ln.startswith("voluntary_ctxt_switches"))
+
+
+SCHED_DEBUG = Path("/sys/kernel/debug/sched/debug")
+
+
+def sched_debug_clocks() -> tuple[int, int, bool]:
+    """(CLOCK_MONOTONIC, the scheduler's clock, sched_clock_stable()) as the kernel prints them together at the top
+    of its sched debug file (ktime, cpu_clk — local_clock(), what rq->clock is stamped from — read back to back;
+    ms with ns digits)."""
+    if not SCHED_DEBUG.exists():
+        subprocess.run(["mount", "-t", "debugfs", "none", "/sys/kernel/debug"], capture_output=True)
+    if not SCHED_DEBUG.exists():
+        pytest.skip(f"no {SCHED_DEBUG} (debugfs, CONFIG_SCHED_DEBUG) to read the kernel's clocks from")
+    head = dict(re.findall(r"^(\S+(?:\(\))?)\s*:\s*(\S+)", SCHED_DEBUG.read_text()[:2000], re.M))
+    ns = lambda v: int(v.replace(".", ""))           # "11608546.205481" ms with 6 decimals -> ns
+    return ns(head["ktime"]), ns(head["cpu_clk"]), head.get("sched_clock_stable()") == "1"
+
+
+@pytest.mark.kernel
+def test_switch_outs_and_wakeups_are_stamped_with_the_run_queues_clock(probe, make_cgroup):
+    """BTF programs take a member's switch-out and wakeup instants from its run queue's clock (no clock read),
+    turned into CLOCK_MONOTONIC by a per-CPU offset learnt at switch-ins (bpf/sched.c stamp_ns). Each CPU's offset
+    against the kernel's own: its sched debug file prints CLOCK_MONOTONIC and the scheduler's clock together. (The
+    times these stamps make are checked against the workloads' own clocks and the kernel's run_delay by the tests
+    above: they run with the stamps on this kernel.)"""
+    cg = make_cgroup()
+    probe.start(CgroupTarget(str(cg.path)))
+    if "cpu_clock" not in probe.loaded.maps:
+        pytest.skip(f"the sched programs read the clock here (BTF programs: {probe.btf}; the kernel's BTF has no "
+                    "task_struct.se.cfs_rq without CONFIG_FAIR_GROUP_SCHED)")
+    proc = cg.spawn(sched_workload("sleep", 50, 2), stdout=subprocess.PIPE, text=True)
+    account(proc)
+    s = probe.sample()
+    assert s["offcpu_sleep_events"] >= 40
+    mono, sched_clk, stable = sched_debug_clocks()
+    kernel_off = mono - sched_clk
+    table = probe.loaded.maps["cpu_clock"]
+    offs = []
+    for raw in table.lookup(ct.c_uint32(0)):
+        off, at = ct.c_int64.from_buffer_copy(raw[:8]).value, ct.c_uint64.from_buffer_copy(raw[8:16]).value
+        if at:
+            assert at <= sched_clk
+            offs.append(off)
+    print(f"CLOCK_MONOTONIC - scheduler clock: the kernel's {kernel_off} ns (sched_clock_stable() {stable}); "
+          f"per CPU here {offs}")
+    assert offs, "no CPU learnt an offset: the stamps were never used"
+    for off in offs:
+        # ours is the least (clock read at the tracepoint) - (stamp at __schedule's clock update) of its epoch: a
+        # few µs after the kernel's back-to-back pair, never before it by more than the pair's own reads
+        assert -20_000 <= off - kernel_off <= 500_000, (off, kernel_off)
 
 
 @pytest.mark.kernel

@@ -108,15 +108,19 @@ def btf_trace_id(tp: str) -> int:
 
 def btf_flag(flag: str) -> str:
     """-DNAME=@btf:struct.member:size becomes -DNAME=offset, from the running kernel's BTF (its size checked):
-    offsets a module reads directly, found here so that the agent never reads the BTF itself."""
-    if "=@btf:" not in flag:
+    offsets a module reads directly, found here so that the agent never reads the BTF itself. With @btf?: a
+    member the kernel does not have (a config option off) becomes -1, for the module to do without."""
+    if "=@btf:" not in flag and "=@btf?:" not in flag:
         return flag
-    define, ref = flag.split("=@btf:", 1)
+    optional = "=@btf?:" in flag
+    define, ref = flag.split("=@btf?:" if optional else "=@btf:", 1)
     where, size = ref.rsplit(":", 1)
     struct_name, path = where.split(".", 1)
     try:
         off, got = vmlinux().offset(struct_name, path)
     except (KeyError, IndexError) as err:
+        if optional:
+            return f"{define}=-1"
         raise Exception(f"the kernel's BTF has no {err}") from None
     if got != int(size):
         raise Exception(f"{where} is {got} bytes in the kernel's BTF, not {size}")
