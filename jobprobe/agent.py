@@ -12,6 +12,7 @@ loaders pin maps only inside a mount namespace that dies with them), so SIGKILL 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -22,7 +23,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from jobprobe.exporters.file import FileExporter
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
@@ -330,29 +331,39 @@ class Agent:
         now = time.time()
         if at is not None and (not isinstance(at, (int, float)) or not now - 60 <= at <= now + 3600):
             raise BadInput(f"at must be a UNIX time within the next hour, got {at!r} (now {now:.1f})")
-        with self.lock:
-            job = self.jobs.get(name)
-        if job is None:
-            raise BadInput(f"no job {name!r} is attached")
+        job = self._find(name)
         if at is not None and at - now > 0.01:
             t = threading.Timer(at - now, self._open_at, (name, float(duration), at))
             t.daemon = True
             t.start()
             return {"job": name, "ok": True, "state": "scheduled", "at": at, "in_s": round(at - now, 3),
                     "duration_s": float(duration)}
-        with job.lock:
-            if job.released:
-                raise BadInput(f"no job {name!r} is attached")
+        with self._held(job):
             return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
 
-    def _open_at(self, name: str, duration: float, at: float) -> None:
+    def _find(self, name: str) -> Job:
+        """The attached job `name` (BadInput if none)."""
         with self.lock:
             job = self.jobs.get(name)
-        r = {"state": "refused", "why": "the job is gone"}
-        if job is not None:
-            with job.lock:
-                if not job.released:
-                    r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True)
+            if job is None:
+                raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
+        return job
+
+    @contextlib.contextmanager
+    def _held(self, job: Job) -> Iterator[Job]:
+        """`job` under its lock, for sampling it or changing its probes; BadInput if it was released meanwhile. Taken
+        outside the agent's lock: a job's lock comes first."""
+        with job.lock:
+            if job.released:
+                raise BadInput(f"no job {job.name!r} is attached")
+            yield job
+
+    def _open_at(self, name: str, duration: float, at: float) -> None:
+        try:
+            with self._held(self._find(name)) as job:
+                r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True)
+        except BadInput:
+            r = {"state": "refused", "why": "the job is gone"}
         log.warning("job %s: trace window due at %.3f (%+.3f s): %s", name, at, time.time() - at,
                     r.get("path") or r.get("why"))
 
@@ -376,13 +387,8 @@ class Agent:
         if not edits or bad:
             what = bad[0] if bad else spec
             raise BadInput(f"bad probe toggle {what!r}: give +name or -name, names from: {', '.join(self.registry)}")
-        with self.lock:
-            job = self.jobs.get(name)
-            if job is None:
-                raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
-        with job.lock:               # not inside the agent's lock: a job's lock comes first
-            if job.released:
-                raise BadInput(f"no job {name!r} is attached")
+        job = self._find(name)
+        with self._held(job):
             for e in edits:
                 if e[0] == "+":
                     job.sampler.enable(make_probe(self.registry[e[1:]], self.host, self.node,

@@ -119,7 +119,7 @@ class Sampler:
                     self.probes.pop(probe.name, None)
         for name in self._window_only:
             p = self.running.get(name)
-            if p is not None and getattr(p, "deep", False) and p not in deep:
+            if p is not None and getattr(p, "deep", False):     # not running before: not in `deep` yet
                 p.trace_on(True)
                 deep.append(p)
         return deep
