@@ -48,10 +48,12 @@
  *   last answer when prev is of the same group and process as the last task asked, else 1-2 lookups:
  *   job_slot_cached in common.h) and one lookup for next's record (task storage with BTF, else `start`; none for
  *   the CPU's idle task); members rewrite their record in place, and an interruptible sleep reads its syscall
- *   from its registers (or, with the hook, one lookup in `in_call`); the clock is read only for a member or a
- *   record (bpf_ktime_get_ns, ~75 ns here, is the dearest step: runqlat reads it at switch-in only, sched at the
- *   member's switch-out too). A job ping-ponging over pipes (`jobprobe bench agent --jobs 1 --n 30000`):
- *   on_switch_btf 275-307 ns per switch, on_wakeup_btf 173-190 (runqlat in the same runs: 236-252 and 159-170);
+ *   from its registers (or, with the hook, one lookup in `in_call`); the clock is read only for a record's
+ *   switch-in (bpf_ktime_get_ns, ~75 ns here, is the dearest step; runqlat reads it there too): BTF programs stamp a
+ *   member's switch-out and wakeup with its run queue's clock (stamp_ns), the others read the clock there too.
+ *   A job ping-ponging over pipes (`jobprobe bench agent --jobs 1,16,64 --n 30000`): on_switch_btf 210-236 ns per
+ *   switch, 0.92-0.97x runqlat's in the same runs, on_wakeup_btf 0.94-1.12x; before the stamps 275-307 ns per
+ *   switch, on_wakeup_btf 173-190 (runqlat in the same runs: 236-252 and 159-170);
  *   raw programs with the hash: 299-301 ns (runqlat 206-207). With the hook, sys_enter (every syscall of the node): a compare
  *   chain and one hash miss on the caller's tid, plus a membership check for futex waits and nanosleeps (getppid
  *   +15 ns raw, +43 ns classic; none without the hook).
