@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import Callable, Iterable
 
 from jobprobe import __version__
@@ -49,6 +49,8 @@ class Sampler:
         self.trace_every = trace_every
         self._next_scheduled = clock() + trace_every if trace_every else None
         self._window_only: list[str] = []
+        self._window_deep: list | None = None    # the open window's recording probes (the tracer's list)
+        self._window_starting: dict[str, tuple[Probe, Future]] = {}   # window-only probes being compiled
         self.ruleset = None
         if rules:
             from jobprobe.rules import RuleSet
@@ -103,30 +105,65 @@ class Sampler:
         return self.tracer.open(reason, evidence, duration or 25.0, force_budget=force_budget)
 
     def _deep_begin(self) -> list[Probe]:
-        """A window's first tick: every running probe with a deep mode records event by event, then the
-        window-only probes start for this job (their compile takes seconds, longer on a loaded host: the running
-        probes' records begin before it) and record too. Returns those probes."""
+        """A window's first tick: every running probe with a deep mode records event by event; the window-only
+        probes start for this job in threads of their own (their compile takes seconds, longer on a loaded host:
+        the agent's tick, every job's, never waits for it) and record from the end of their start; they join the
+        window's probes and frames at the first tick after it (_window_join). Returns the recording probes (a list
+        the joining ones are added to)."""
         deep = [p for p in self.running.values() if getattr(p, "deep", False)]
         for p in deep:
             p.trace_on(True)
+        self._window_deep = deep
         for probe in self.window_probes:
-            if probe.name not in self.running and self.status.get(probe.name) != "off":
-                if self.enable(probe).startswith("ok"):
-                    self._window_only.append(probe.name)
-                else:
-                    log.info("job %s: %s not in the trace window: %s", self.target.job, probe.name,
-                             self.status.pop(probe.name, None))
-                    self.probes.pop(probe.name, None)
-        for name in self._window_only:
-            p = self.running.get(name)
-            if p is not None and getattr(p, "deep", False):     # not running before: not in `deep` yet
-                p.trace_on(True)
-                deep.append(p)
+            name = probe.name
+            if name not in self.running and name not in self._window_starting and self.status.get(name) != "off":
+                done: Future = Future()
+                threading.Thread(target=self._window_start, args=(probe, done), name=f"window-{name}",
+                                 daemon=True).start()
+                self._window_starting[name] = (probe, done)
         return deep
+
+    def _window_start(self, probe: Probe, done: Future) -> None:
+        """(its own thread) Start a window-only probe and its deep mode; it is this thread's alone until joined."""
+        why = self._start_one(probe.name, probe)
+        if why is None and getattr(probe, "deep", False):
+            try:
+                probe.trace_on(True)
+            except Exception as err:
+                log.exception("probe %s: deep mode not started", probe.name)
+                self._stop_quietly(probe)
+                why = f"deep mode not started: {_reason(err)}"
+        done.set_result(why)
+
+    def _window_join(self) -> None:
+        """(the tick) The window-only probes whose start has ended: into the open window's probes and the frames,
+        or stopped if the window ended first (or their start failed: said in the log, not in the frames)."""
+        for name, (probe, done) in list(self._window_starting.items()):
+            if not done.done():
+                continue
+            del self._window_starting[name]
+            why = done.result()
+            if why is not None:
+                log.info("job %s: %s not in the trace window: %s", self.target.job, name, why)
+            elif self._window_deep is None or name in self.running:
+                self._stop_quietly(probe)
+            else:
+                self.probes[name] = self.running[name] = probe
+                self._note(name, probe)
+                self._window_only.append(name)
+                if getattr(probe, "deep", False):
+                    self._window_deep.append(probe)
+
+    def _stop_quietly(self, probe: Probe) -> None:
+        try:
+            probe.stop()
+        except Exception:
+            log.exception("probe %s failed to stop", probe.name)
 
     def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int]]:
         """The window's end: each probe's records, deep mode off, the window-only probes stopped (and out of the
         frames again)."""
+        self._window_deep = None      # a window-only probe still starting is stopped when its start ends
         out = []
         for p in probes:
             try:
@@ -148,6 +185,13 @@ class Sampler:
                 self._emit(self.builder.trace(time.time(), **body))
         for name in list(self.running):
             self._stop_probe(name)
+        for probe, done in self._window_starting.values():   # a window's probe still compiling: let go at its end
+            try:
+                if done.result(timeout=120) is None:
+                    self._stop_quietly(probe)
+            except TimeoutError:
+                log.error("probe %s: its start for a trace window did not end", probe.name)
+        self._window_starting.clear()
         for exp in self.exporters:
             try:
                 exp.close()
@@ -210,6 +254,8 @@ class Sampler:
         values = {}
         events: list[dict] = []
         stacks: list[dict] = []
+        if self._window_starting:
+            self._window_join()
         for name, probe in list(self.running.items()):
             try:
                 values[name] = probe.sample()

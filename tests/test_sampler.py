@@ -1,6 +1,8 @@
 """Unit tier: the tick loop, with named fake probes and a fake target (no kernel needed for what is tested here:
 failure isolation, status reporting, scheduling without drift, the last partial interval)."""
 
+import time
+
 from jobprobe.errors import ProbeUnavailable, TargetGone
 from jobprobe.host import Host
 from jobprobe.frame import decode, encode
@@ -215,3 +217,97 @@ def test_every_frame_of_a_run_carries_its_run_and_the_next_run_another():
         assert [f["seq"] for f in rec.frames] == list(range(len(rec.frames)))
         runs.append(rec.frames[0]["run"])
     assert runs[0] != runs[1]
+
+
+class SlowWindowFake(CountingFake):
+    """A window-only probe whose start (an eBPF probe's compile) waits for `gate`; records what it is asked."""
+    name = "slowfake"
+    deep = True
+
+    def __init__(self, gate):
+        self.gate, self.asked, self.stopped, self.started = gate, [], 0, False
+
+    def start(self, target):
+        super().start(target)
+        assert self.gate.wait(20)
+        self.started = True
+
+    def trace_on(self, on):
+        self.asked.append(on)
+
+    def trace_take(self):
+        self.asked.append("take")
+        return [], 0
+
+
+def window_sampler(tmp_path, slow):
+    rec = Recorder()
+    s = Sampler(FakeTarget(), [CountingFake()], [rec], interval=1.0, host=Host(is_root=False, node="n1", kernel="k"),
+                trace_dir=str(tmp_path), window_probes=[slow])
+    s.start()
+    r = s.open_trace("request", {}, 1.0, force_budget=True)
+    assert r["ok"], r
+    return s, rec
+
+
+def test_a_window_only_probes_compile_never_holds_the_tick(tmp_path):
+    """A deep-trace window's window-only probe starts (compiles) in a thread of its own: the tick that opens the
+    window returns at once, the probe records from the end of its start, joins the window's probes and the frames
+    at the next tick, and the window's end takes its records and stops it."""
+    import threading
+    gate = threading.Event()
+    slow = SlowWindowFake(gate)
+    s, rec = window_sampler(tmp_path, slow)
+    t0 = time.monotonic()
+    s.tick()                                     # the window's first tick: the start begins, the tick goes on
+    s.tick()
+    assert time.monotonic() - t0 < 0.5 and not slow.started
+    assert "slowfake" not in rec.frames[-1]["status"] and "slowfake" not in s.running
+    gate.set()
+    assert wait_until(lambda: slow.asked == [True])   # deep mode on from its start's end, before joining
+    frame = s.tick()
+    assert s.running.get("slowfake") is slow and frame["status"]["slowfake"] == "ok"
+    assert frame["probes"]["slowfake"] == {"n": 1}
+    time.sleep(1.0)
+    s.tick()                                     # past the window's end: records taken, deep mode off, stopped
+    assert slow.asked == [True, "take", False] and slow.stopped == 1
+    assert "slowfake" not in s.running and "slowfake" not in s.tick()["status"]
+    s.stop()
+    assert slow.stopped == 1
+
+
+def test_a_window_only_probe_started_after_its_window_ended_is_stopped_unseen(tmp_path):
+    import threading
+    gate = threading.Event()
+    slow = SlowWindowFake(gate)
+    s, rec = window_sampler(tmp_path, slow)
+    s.tick()
+    time.sleep(1.0)
+    s.tick()                                     # the window ends while the probe still compiles
+    gate.set()
+    assert wait_until(lambda: slow.asked == [True])
+    s.tick()
+    assert slow.stopped == 1 and "take" not in slow.asked and "slowfake" not in s.running
+    assert all("slowfake" not in f.get("status", {}) for f in rec.frames)
+    s.stop()
+    assert slow.stopped == 1
+
+
+def test_a_job_that_ends_while_its_window_probe_compiles_lets_it_go(tmp_path):
+    import threading
+    gate = threading.Event()
+    slow = SlowWindowFake(gate)
+    s, rec = window_sampler(tmp_path, slow)
+    s.tick()
+    threading.Timer(0.3, gate.set).start()
+    s.stop()                                     # waits for the start to end, then stops the probe
+    assert slow.started and slow.stopped == 1
+
+
+def wait_until(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
