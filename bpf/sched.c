@@ -417,44 +417,26 @@ static inline void clock_seen(struct cpu_clock *c, u64 now, u64 sc)
 
 /* The instant of a scheduler event of `t` (a member leaving this CPU, or being woken): its run queue's stamp, which
  * the kernel renewed for this event, in CLOCK_MONOTONIC; or the clock itself (read into *now, for the rest of the
- * event) where this CPU's offset is too old or none can be had. A wakeup may run on another CPU than t's run
- * queue: the offset is then the waker's CPU's, right where the scheduler's clock agrees across CPUs (a stable
- * TSC, kvm-clock), as the kernel's own run_delay, stamped the same way, takes it to. */
-static inline u64 stamp_ns(struct task_struct *t, u64 *now)
+ * event) where this CPU's offset is too old or none can be had, or where `exact` asks for it (a switch-in: the
+ * offset is renewed from it). A wakeup may run on another CPU than t's run queue: the offset is then the waker's
+ * CPU's, right where the scheduler's clock agrees across CPUs (a stable TSC, kvm-clock), as the kernel's own
+ * run_delay, stamped the same way, takes it to. */
+static inline u64 stamp_ns(struct task_struct *t, u64 *now, int exact)
 {
     if (*now)
         return *now;
     u32 zero = 0;
     struct cpu_clock *c = cpu_clock.lookup(&zero);
     u64 sc = rq_clock_of(t);
-    if (c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
+    if (!exact && c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
         return sc + c->off;
     *now = bpf_ktime_get_ns();
     if (c && sc)
         clock_seen(c, *now, sc);
     return *now;
 }
-
-/* The clock for `next`'s switch-in (it is on this CPU's run queue: the same stamp), the offset renewed from it. */
-static inline u64 switch_in_ns(struct task_struct *next, u64 *now)
-{
-    if (*now)
-        return *now;
-    *now = bpf_ktime_get_ns();
-    u32 zero = 0;
-    struct cpu_clock *c = cpu_clock.lookup(&zero);
-    u64 sc = rq_clock_of(next);
-    if (c && sc)
-        clock_seen(c, *now, sc);
-    return *now;
-}
 #else
-static inline u64 stamp_ns(task_key t, u64 *now)
-{
-    return clock_ns(now);
-}
-
-static inline u64 switch_in_ns(task_key next, u64 *now)
+static inline u64 stamp_ns(task_key t, u64 *now, int exact)
 {
     return clock_ns(now);
 }
@@ -509,7 +491,7 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                     s->voluntary++;
             }
             if (!(state & STATE_EXITING) && s) {
-                u64 out = stamp_ns(prev, &now);
+                u64 out = stamp_ns(prev, &now, 0);
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = out, .enq_ns = state == 0 ? out : 0, .slot = slot,
                                       .reason = offcpu_reason(state, prev_tid, prev), .tid = prev_tid,
@@ -570,7 +552,7 @@ next:
 #endif
     struct off_rec *rec = rec_get(next);
     if (rec && (rec->out_ns || rec->enq_ns))   /* not a member: no entry; running already: consumed */
-        finish(rec, switch_in_ns(next, &now));
+        finish(rec, stamp_ns(next, &now, 1));   /* the clock, as runqlat's */
     return 0;
 }
 
@@ -583,7 +565,7 @@ static inline void woken(task_key task)
     if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
         return;
     u64 clock = 0;
-    u64 now = stamp_ns(task, &clock);
+    u64 now = stamp_ns(task, &clock, 0);
     /* always after the switch-out (the waker needs prev off its CPU or its rq lock); a vCPU's clock may differ by
      * a hair */
     if (now < rec->out_ns)
