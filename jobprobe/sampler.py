@@ -51,6 +51,7 @@ class Sampler:
         self._window_only: list[str] = []
         self._window_deep: list | None = None    # the open window's recording probes (the tracer's list)
         self._window_starting: dict[str, tuple[Probe, Future]] = {}   # window-only probes being compiled
+        self._traced_since: dict[str, int] = {}  # a recording probe's CLOCK_MONOTONIC ns when its recording began
         self.ruleset = None
         if rules:
             from jobprobe.rules import RuleSet
@@ -113,6 +114,7 @@ class Sampler:
         deep = [p for p in self.running.values() if getattr(p, "deep", False)]
         for p in deep:
             p.trace_on(True)
+            self._traced_since[p.name] = time.monotonic_ns()
         self._window_deep = deep
         for probe in self.window_probes:
             name = probe.name
@@ -129,6 +131,7 @@ class Sampler:
         if why is None and getattr(probe, "deep", False):
             try:
                 probe.trace_on(True)
+                self._traced_since[probe.name] = time.monotonic_ns()
             except Exception as err:
                 log.exception("probe %s: deep mode not started", probe.name)
                 self._stop_quietly(probe)
@@ -161,13 +164,13 @@ class Sampler:
             log.exception("probe %s failed to stop", probe.name)
 
     def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int]]:
-        """The window's end: each probe's records, deep mode off, the window-only probes stopped (and out of the
-        frames again)."""
+        """The window's end: each probe's records [(probe, records, dropped, recording since: monotonic ns)], deep
+        mode off, the window-only probes stopped (and out of the frames again)."""
         self._window_deep = None      # a window-only probe still starting is stopped when its start ends
         out = []
         for p in probes:
             try:
-                out.append((p, *p.trace_take()))
+                out.append((p, *p.trace_take(), self._traced_since.get(p.name)))
             finally:
                 p.trace_on(False)
         for name in self._window_only:

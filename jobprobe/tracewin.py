@@ -121,7 +121,8 @@ class Window:
         self.kclock = TraceClock(time.monotonic_ns())
         self.py_spy = py_spy
         self.deep: list | None = None      # the probes recording event by event (None: not begun yet)
-        self.taken: list[tuple[Any, list, int]] = []    # (probe, its records, records it could not keep)
+        # (probe, its records, records it could not keep, CLOCK_MONOTONIC ns its recording began or None)
+        self.taken: list[tuple[Any, list, int, int | None]] = []
         self.deep_span: list[float] = []   # µs on the window's timeline: event-by-event recording on, off
         self.frames: list[dict] = []
         self.out_dir = Path(out_dir)
@@ -181,7 +182,11 @@ class Window:
                     if e.get("pid") == pid and e.get("tid") in ids:
                         e["tid"] = ids[e["tid"]]
         counts: dict[str, int] = {}
-        for probe, records, dropped in self.taken:
+        spans: dict[str, list[float]] = {}     # each probe's own recording span: a window-only one's from its start
+        for probe, records, dropped, since_ns in self.taken:
+            if len(self.deep_span) == 2:
+                on, off = self.deep_span
+                spans[probe.name] = [max(on, self.kclock.us(since_ns)) if since_ns else on, off]
             try:
                 deep = probe.trace_events(records, self.kclock)
             except Exception as err:           # one probe's records must not cost the window
@@ -208,7 +213,8 @@ class Window:
         doc = {"traceEvents": meta + marks + tracks + events, "displayTimeUnit": "ms",
                "otherData": {"job": self.job, "reason": self.reason, "start_unix_s": self.t0,
                              "duration_s": self.duration, "tool": "jobprobe",
-                             "monotonic_ns_at_0": self.kclock.mono0_ns, "kernel_events_us": self.deep_span}}
+                             "monotonic_ns_at_0": self.kclock.mono0_ns, "kernel_events_us": self.deep_span,
+                             "kernel_events_us_by_probe": spans}}
         tmp = self.path.with_suffix(".tmp")
         with gzip.open(tmp, "wt") as f:
             json.dump(doc, f)
@@ -259,7 +265,7 @@ class Tracer:
                  duty: float = DUTY, clock: Callable[[], float] = time.time,
                  deep_begin: Callable[[], list] = list, deep_end: Callable[[list], list] = lambda probes: []):
         """deep_begin: (the sampler's thread, at the first tick of a window) start the window's probes and their
-        deep mode, returning those probes; deep_end(probes): their records [(probe, records, dropped)], the
+        deep mode, returning those probes; deep_end(probes): their records [(probe, records, dropped, since_ns)], the
         window-only probes stopped."""
         self.job, self.out_dir, self.pids, self.roles, self.is_python = job, out_dir, pids, roles, is_python
         self.deep_begin, self.deep_end = deep_begin, deep_end

@@ -274,6 +274,13 @@ def test_a_window_only_probes_compile_never_holds_the_tick(tmp_path):
     assert "slowfake" not in s.running and "slowfake" not in s.tick()["status"]
     s.stop()
     assert slow.stopped == 1
+    # the trace file says from when each probe recorded: the window-only one from its start's end (after the gate)
+    import gzip, json
+    (path,) = tmp_path.glob("*.trace.json.gz")
+    other = json.loads(gzip.open(path, "rt").read())["otherData"]
+    on, off = other["kernel_events_us"]
+    slow_on, slow_off = other["kernel_events_us_by_probe"]["slowfake"]
+    assert on < slow_on < slow_off == off
 
 
 def test_a_window_only_probe_started_after_its_window_ended_is_stopped_unseen(tmp_path):

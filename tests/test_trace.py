@@ -330,7 +330,9 @@ def test_gpu_idle_while_the_cpu_is_busy_fires_and_its_trace_has_each_cuda_call(t
     with gzip.open(tr["path"], "rt") as f:
         doc = json.load(f)
     ev, other = doc["traceEvents"], doc["otherData"]
-    on, off = other["kernel_events_us"]
+    # the cuda probe runs for the window only: it records from the end of its compile, its own span
+    on, off = other["kernel_events_us_by_probe"]["cuda"]
+    assert other["kernel_events_us"][0] <= on < off == other["kernel_events_us"][1]
     us = lambda ns: (ns - other["monotonic_ns_at_0"]) / 1e3               # noqa: E731
     calls = [(us(int(a)), us(int(b))) for a, b in (ln.split() for ln in (tmp_path / "calls").read_text().splitlines())]
     launches = sorted(e["ts"] for e in ev if e.get("cat") == "cuda" and e["name"] == "cudaLaunchKernel")
