@@ -163,7 +163,7 @@ class Sampler:
         except Exception:
             log.exception("probe %s failed to stop", probe.name)
 
-    def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int]]:
+    def _deep_end(self, probes: list[Probe]) -> list[tuple[Probe, list, int, int | None]]:
         """The window's end: each probe's records [(probe, records, dropped, recording since: monotonic ns)], deep
         mode off, the window-only probes stopped (and out of the frames again)."""
         self._window_deep = None      # a window-only probe still starting is stopped when its start ends
