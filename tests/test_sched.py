@@ -814,8 +814,9 @@ def test_switch_outs_and_wakeups_are_stamped_with_the_run_queues_clock(probe, ma
     assert offs, "no CPU learnt an offset: the stamps were never used"
     for off in offs:
         # ours is the least (clock read at the tracepoint) - (stamp at __schedule's clock update) of its epoch: a
-        # few µs after the kernel's back-to-back pair, never before it by more than the pair's own reads
-        assert -20_000 <= off - kernel_off <= 500_000, (off, kernel_off)
+        # few µs after the kernel's back-to-back pair; before it only by the two clocks' drift since that epoch
+        # (NTP's correction: ≤ 500 ppm, tens of ms here), and a wrong clock would be off by ms or more
+        assert -100_000 <= off - kernel_off <= 500_000, (off, kernel_off)
 
 
 @pytest.mark.kernel
