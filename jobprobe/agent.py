@@ -153,8 +153,9 @@ RECENT = 256     # jobs that ended, remembered (with why) for status and for an 
 def make_probe(cls: type[Probe], host: Host, node: Node | None, sinks: Callable[[], dict] | None) -> Probe:
     """An instance of a probe for one job, given what its constructor takes (the node, the sinks' counters)."""
     params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())   # **kw, handed on to BpfProbe
     kw: dict[str, Any] = {}
-    if "node" in params:
+    if "node" in params or takes_any:
         kw["node"] = node
     if "sinks" in params and sinks is not None:
         kw["sinks"] = sinks

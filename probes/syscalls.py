@@ -30,6 +30,8 @@ from typing import Any
 
 from jobprobe.probe import Field, delta, log2_percentile
 from jobprobe.bpfprobe import BpfProbe
+from jobprobe.host import Host
+from jobprobe.kernel.membership import Node
 
 NBUCKETS = 27     # bpf/syscalls.c NBUCKETS
 NR_MAX = 1024     # bpf/syscalls.c NR_MAX: numbers outside [0, NR_MAX) are all counted as NR_MAX
@@ -255,8 +257,8 @@ class SyscallsProbe(BpfProbe):
     map_types = {"inflight": (ct.c_uint32, InflightRec), "stats": (ct.c_uint32, SlotStats),
                  "by_nr": (ct.c_uint32, NrTotal), "class_of": (ct.c_uint32, ct.c_uint32)}
 
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
+    def __init__(self, host: Host | None = None, node: Node | None = None):
+        super().__init__(host, node)
         if self.host.has_raw_tracepoints:   # cheaper, and perf users of raw_syscalls keep their counts
             self.handlers = self.raw_handlers
             self.cflags = (*self.cflags, "-DRAW_SYSCALLS")

@@ -170,8 +170,14 @@ def test_jobs_sharing_one_load_count_apart(agent, make_cgroup):
     busy, quiet = make_cgroup("share-busy"), make_cgroup("share-quiet")
     for cg, name in ((busy, "share-busy"), (quiet, "share-quiet")):
         assert ctl(agent, cmd="attach", cgroup=str(cg.path), job=name, probes="cgroup,sched,syscalls,memory")["ok"]
-    held = ours(kernel_progs())
+    all_progs = kernel_progs()
+    held = ours(all_progs)
+    print(f"programs held for two jobs with cgroup,sched,syscalls,memory: {held}")
+    # one of each program for both jobs, counted from the kernel: the node's membership handlers once (no probe
+    # with a private node of its own), each module's once (its exit handler: sched, syscalls, memory)
+    assert held["job_fork"] == held["job_exit"] == held["job_exec"] == 1, held
     assert sum(held.get(f"on_switch{k}", 0) for k in ("_btf", "_raw", "")) == 1, held
+    assert held["job_exit_probe"] == 3 and all_progs["on_enter_raw"] + all_progs["on_enter"] == 1, all_progs
     sleeper = quiet.spawn(["sleep", "3"])
     res = subprocess.run([sys.executable, "-m", "jobprobe.bench.micro", "syscalls", "200000"], capture_output=True,
                          text=True, cwd=str(ROOT), preexec_fn=lambda: (busy.path / "cgroup.procs").write_text(
