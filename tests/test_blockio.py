@@ -291,8 +291,13 @@ def test_direct_io_counts_are_exact(probe, make_cgroup, loop, kind):
     print(f"blockio[{probe.mode},{kind}] reads: {s2['read_requests']} req {s2['read_bytes']} B; /proc io "
           f"{rd['proc_read_bytes']} B; disk {disk_r['reads']} req {disk_r['read_bytes']} B, "
           f"{s2['read_lat_ns'] / 1e6:.1f} ms vs disk {disk_r['read_ms']} ms")
-    assert within(s2["read_requests"], n) and within(s2["read_bytes"], n * bs)
-    assert within(s2["read_bytes"], rd["proc_read_bytes"]) and within(s2["read_bytes"], disk_r["read_bytes"])
+    # the job's reads on every disk: its n O_DIRECT reads of the loop device, plus whatever pages of its own
+    # interpreter's libraries the kernel fetched for it (its /proc io counts them too; a CI run: 7 pages of 4 KiB
+    # from the root disk, 307 requests, /proc io and ours both 19689472 B)
+    paged = max(0, rd["proc_read_bytes"] - n * bs)
+    assert n * 0.98 <= s2["read_requests"] <= n * 1.02 + paged // 4096, (s2["read_requests"], paged)
+    assert within(s2["read_bytes"], n * bs + paged) and within(s2["read_bytes"], rd["proc_read_bytes"])
+    assert within(s2["read_bytes"] - paged, disk_r["read_bytes"])
     assert s2["write_requests"] == 0 and ours_inflight(probe) == []
     if kind == "pids":
         assert probe.members() == set()        # the job exited: no membership entry left behind
