@@ -236,10 +236,7 @@ class Sampler:
     def _stop_probe(self, name: str) -> None:
         probe = self.running.pop(name, None)
         if probe is not None:
-            try:
-                probe.stop()
-            except Exception:
-                log.exception("probe %s failed to stop", name)
+            self._stop_quietly(probe)
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def _labels(self) -> dict[str, str]:
