@@ -671,14 +671,14 @@ def cmd_doctor(args) -> int:
 
 def send_doctor(args, node: str, result: dict) -> None:
     """The result as an `event` frame (job `node`, event `doctor`) into the frames' stream, as an agent sends."""
-    from jobprobe.exporters.nats import msg_id, subject_for
+    from jobprobe.wire import frames_subject, msg_id
     from jobprobe.exporters.natswire import NatsError, Wire
     from jobprobe.frame import FrameBuilder, encode
     fr = FrameBuilder(node, "node", f"doctor-{int(time.time() * 1000)}").event(time.time(), "doctor", **result)
     wire = Wire(args.controller, args.nats_creds, name="jobprobe-doctor")
     try:
         wire.connect()
-        wire.publish([(subject_for(node), msg_id(fr), encode(fr))], timeout=10)
+        wire.publish([(frames_subject(node), msg_id(fr), encode(fr))], timeout=10)
     except (OSError, NatsError) as err:
         raise BadInput(f"doctor: the result could not be sent to {args.controller}: {err}") from err
     finally:
@@ -716,7 +716,7 @@ def cmd_trace(args) -> int:
 
 def cluster_trace(args, at: float | None) -> int:
     """Ask the controller for a window on every node of the job; print each node's answer."""
-    from jobprobe.exporters.nats import CLUSTER_TRACE
+    from jobprobe.wire import CLUSTER_TRACE
     from jobprobe.exporters.natswire import NatsError, Wire
     wire = Wire(args.nats, args.nats_creds, name="jobprobe-trace")
     try:

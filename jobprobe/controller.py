@@ -27,6 +27,7 @@ import logging
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import time
 import zlib
@@ -35,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.errors import BadInput
-from jobprobe.exporters.nats import CLUSTER_TRACE, auth_options, control_subject, safe_token
-from jobprobe.frame import MalformedFrame, decode
+from jobprobe.exporters.nats import auth_options
+from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, token
+from jobprobe import framecheck
+from jobprobe.frame import MalformedFrame
 from jobprobe.store import Store
 from jobprobe.stragglers import StragglerWatch
 
@@ -48,6 +51,12 @@ DURABLE = "controller"
 BATCH = 512
 LOST_AFTER = 3          # intervals of silence before a node is lost
 MAX_FRAME = 1 << 20     # bytes; the server's max_payload too
+MAX_INFLATED = 1 << 20  # bytes of msgpack a compressed frame may inflate to
+FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
+MAX_RUNS = 10_000       # runs whose declared schema is kept (the oldest go first)
+MAX_JOBS_PER_NODE = 4096
+FORGET_NODE_S = 86400.0 # a node silent this long is forgotten (its node_lost was said long before)
+CONTROLLER_RUN = "controller"   # the run of the controller's own events; no node's frame may claim it
 REJECT_LOG_PER_MIN = 10
 TRACE_LEAD_S = 3.0      # a cluster-wide trace starts this far ahead: every node has its request by then
 TRACE_ASK_S = 5.0       # how long a node has to answer
@@ -68,7 +77,9 @@ class Controller:
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
         self._reject_window = [0.0, 0]          # (start, refused in it): what was logged this minute
-        self.counts = {"stored": 0, "duplicates": 0, "rejected": 0}
+        self.counts = {"stored": 0, "duplicates": 0, "rejected": 0, "consumer_errors": 0}
+        self.consumer_errors: dict[str, int] = {}      # consumer (stragglers, cost, tsdb, freshness) → errors
+        self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
         self.stop_event = asyncio.Event()
         self.stragglers = StragglerWatch()
         from jobprobe.cost import Meter, load as load_prices
@@ -82,42 +93,67 @@ class Controller:
 
     # ---- one message -------------------------------------------------------------------------------------
     def check(self, subject: str, data: bytes) -> dict:
-        """The frame in a message, or MalformedFrame saying why it is refused."""
+        """The frame in a message, or MalformedFrame saying why it is refused: inflated within MAX_INFLATED bytes,
+        decoded within framecheck's bounds on objects, every value checked (framecheck.check, against the run's
+        declared schema when its hello was seen), from the node its subject names, not claiming the controller's
+        own run."""
         if len(data) > MAX_FRAME:
             raise MalformedFrame(f"{len(data)} bytes: larger than {MAX_FRAME}")
         if data[:1] == b"\x78":          # zlib (the agents' default); a msgpack map never starts with 0x78
             z = zlib.decompressobj()
             try:
-                data = z.decompress(data, MAX_FRAME + 1)
+                data = z.decompress(data, MAX_INFLATED + 1)
             except zlib.error as err:
                 raise MalformedFrame(f"not a zlib stream: {err}") from err
-            if len(data) > MAX_FRAME or z.unconsumed_tail:
-                raise MalformedFrame(f"inflates past {MAX_FRAME} bytes")
-        frame = decode(data)
-        if not subject.startswith("jobprobe.frames.") or safe_token(frame["node"]) != subject.rsplit(".", 1)[1]:
-            raise MalformedFrame(f"node {frame['node']!r} on subject {subject!r}: a node publishes its own frames")
+            if len(data) > MAX_INFLATED or z.unconsumed_tail:
+                raise MalformedFrame(f"inflates past {MAX_INFLATED} bytes")
+        obj = framecheck.decode(data)
+        key = (obj.get("node"), obj.get("job"), obj.get("run")) if isinstance(obj, dict) else None
+        frame = framecheck.check(obj, self.declared.get(key) if key and all(isinstance(k, str) for k in key)
+                                 else None)
+        if not subject.startswith(FRAMES + ".") or _token_or_none(frame["node"]) != subject[len(FRAMES) + 1:]:
+            raise MalformedFrame(f"node {frame['node'][:80]!r} on subject {subject[:120]!r}: a node publishes its "
+                                 "own frames")
+        if frame.get("run") == CONTROLLER_RUN:
+            raise MalformedFrame("a node's frame claims the controller's run (its events are the controller's)")
+        if frame["kind"] == "hello" and isinstance(frame.get("schema"), dict):
+            self.declared.pop(key, None)
+            self.declared[key] = frame["schema"]
+            while len(self.declared) > MAX_RUNS:        # the oldest run's declarations go first
+                self.declared.pop(next(iter(self.declared)))
         return frame
 
     def take(self, msgs: list[Any]) -> list[dict]:
         """Validate a batch; refuse what is not a frame. Returns the frames to store."""
+        return [f for _, f in self._take(msgs)]
+
+    def _take(self, msgs: list[Any]) -> list[tuple[Any, dict]]:
+        """take(), with each frame's message: (message, frame)."""
         good = []
         for m in msgs:
             try:
-                good.append(self.check(m.subject, m.data))
+                good.append((m, self.check(m.subject, m.data)))
             except MalformedFrame as err:
-                node = m.subject.rsplit(".", 1)[-1] if m.subject.startswith("jobprobe.frames.") else None
-                self.store.reject(m.subject, node, str(err), len(m.data))
-                self.counts["rejected"] += 1
-                now = time.monotonic()
-                if now - self._reject_window[0] > 60:
-                    if self._reject_window[1] > REJECT_LOG_PER_MIN:
-                        log.warning("… and %d more refused frames in that minute (all in rejects)",
-                                    self._reject_window[1] - REJECT_LOG_PER_MIN)
-                    self._reject_window = [now, 0]
-                self._reject_window[1] += 1
-                if self._reject_window[1] <= REJECT_LOG_PER_MIN:   # a flood of bad frames must not flood the log
-                    log.warning("refused a frame on %s: %s", m.subject, err)
+                node = m.subject[len(FRAMES) + 1:] if m.subject.startswith(FRAMES + ".") else None
+                self.refuse(m.subject, node, str(err), len(m.data))
         return good
+
+    def refuse(self, subject: str, node: str | None, why: str, size: int) -> None:
+        """Count and record one refusal; the log says the first REJECT_LOG_PER_MIN of each minute."""
+        self.counts["rejected"] += 1
+        try:
+            self.store.reject(subject[:200], node[:200] if node else None, why, size)
+        except Exception as err:    # the store failing here must not stop the loop: the count and the log remain
+            log.warning("could not record a refusal in the store: %s: %s", type(err).__name__, err)
+        now = time.monotonic()
+        if now - self._reject_window[0] > 60:
+            if self._reject_window[1] > REJECT_LOG_PER_MIN:
+                log.warning("… and %d more refused frames in that minute (all in rejects)",
+                            self._reject_window[1] - REJECT_LOG_PER_MIN)
+            self._reject_window = [now, 0]
+        self._reject_window[1] += 1
+        if self._reject_window[1] <= REJECT_LOG_PER_MIN:   # a flood of bad frames must not flood the log
+            log.warning("refused a frame on %s: %s", subject[:200], why)
 
     def seen(self, frames: list[dict], now: float) -> list[dict]:
         """Freshness upkeep; returns the node_back events the frames call for."""
@@ -132,7 +168,10 @@ class Controller:
                         for job in st.jobs]
                 log.warning("node %s is back", f["node"])
             st.last = now
+            st.jobs.pop(f["job"], None)
             st.jobs[f["job"]] = now
+            while len(st.jobs) > MAX_JOBS_PER_NODE:     # the least recently seen job goes first
+                st.jobs.pop(next(iter(st.jobs)))
         return out
 
     def lost_nodes(self, now: float) -> list[dict]:
@@ -154,8 +193,21 @@ class Controller:
             out.append(self.node_event(node, job, name, now, **body))
         return out
 
+    def forget(self, now: float) -> None:
+        """Bounded state: nodes silent for FORGET_NODE_S go, each node's jobs unseen for an hour, and the straggler
+        tracks and declared schemas of jobs no node reports any more."""
+        for node in [n for n, st in self.nodes.items() if now - st.last > FORGET_NODE_S]:
+            del self.nodes[node]
+        live = set()
+        for st in self.nodes.values():
+            st.jobs = {j: t for j, t in st.jobs.items() if now - t < 3600}
+            live.update(st.jobs)
+        self.stragglers.keep_only(live)
+        for key in [k for k in self.declared if k[1] not in live]:
+            del self.declared[key]
+
     def node_event(self, node: str, job: str, name: str, now: float, **body: Any) -> dict:
-        return {"v": 1, "kind": "event", "node": node, "job": job, "run": "controller",
+        return {"v": 1, "kind": "event", "node": node, "job": job, "run": CONTROLLER_RUN,
                 "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name, **body}
 
     # ---- the loop ----------------------------------------------------------------------------------------
@@ -173,7 +225,7 @@ class Controller:
             try:
                 if nc is None:
                     nc = await nats.connect(**opts)
-                sub = await self._subscribe(nc)
+                sub = await (Puller(nc, STREAM, DURABLE).start() if await self._subscribe(nc) else None)
             except Exception as err:
                 if self.stop_event.is_set():
                     return
@@ -227,8 +279,8 @@ class Controller:
         if msg.reply:
             await msg.respond(json.dumps(out).encode())
 
-    async def _subscribe(self, nc: Any) -> Any:
-        """The stream (made, or brought to this config) and the durable consumer on it."""
+    async def _subscribe(self, nc: Any) -> bool:
+        """The stream (made, or brought to this config) and the durable consumer on it (made when missing)."""
         from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
         from nats.js.errors import NotFoundError
         js = nc.jetstream()
@@ -239,41 +291,168 @@ class Controller:
             await js.update_stream(config)
         except NotFoundError:
             await js.add_stream(config)
-        return await js.pull_subscribe(SUBJECTS, durable=DURABLE, stream=STREAM,
-                                       config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
-                                                             max_ack_pending=20 * BATCH))
+        consumer = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                                  max_ack_pending=20 * BATCH, filter_subject=SUBJECTS)
+        try:
+            await js.consumer_info(STREAM, DURABLE)
+        except NotFoundError:
+            await js.add_consumer(STREAM, consumer)
+        return True
 
-    async def _consume(self, nc: Any, sub: Any) -> None:
-        import nats
+    async def _consume(self, nc: Any, pull: "Puller") -> None:
         next_sweep = time.time() + 60
         while not self.stop_event.is_set():
             try:
-                msgs = await sub.fetch(BATCH, timeout=0.5)
-            except (asyncio.TimeoutError, nats.errors.TimeoutError):
-                msgs = []
+                msgs = await pull.fetch(BATCH, FETCH_BYTES, timeout=0.5)
             except Exception as err:       # the server restarting: the client reconnects
                 log.warning("fetch: %s: %s", type(err).__name__, err)
                 await asyncio.sleep(0.5)
                 msgs = []
             now = time.time()
-            frames = self.take(msgs) if msgs else []
-            extra = self.seen(frames, now) + self.lost_nodes(now) + self.straggler_events(frames, now)
-            if frames or extra:
-                stored, dup = self.store.add(frames + extra, received=now)
-                self.counts["stored"] += stored
-                self.counts["duplicates"] += dup
-                if self.tsdb is not None and frames:
-                    self.tsdb.add(frames)      # a copy for dashboards: queued, never holds up the store
-                for f in frames:
-                    self.meter.add(f)
-            for m in msgs:                 # only now: what is acked is in the store
-                await m.ack()
+            try:
+                done = self.ingest(msgs, now)
+            except StoreDown as err:       # nothing acked: the server delivers them again
+                log.warning("the store refused a batch (%s); %d frames will be delivered again", err, len(msgs))
+                for m in msgs:
+                    await _quietly(m.nak(delay=1.0))
+                await asyncio.sleep(1.0)
+                continue
+            for m in done:                 # only now: what is acked is in the store, or refused for good
+                await _quietly(m.ack())
             if now > next_sweep:
-                self.store.forget_before(now - self.retention_s)
+                try:
+                    self.store.forget_before(now - self.retention_s)
+                except Exception as err:
+                    log.warning("retention: %s: %s", type(err).__name__, err)
+                self.forget(now)
                 next_sweep = now + 60
         await nc.close()          # everything taken was acked; what was not is delivered again next time
         if self.tsdb is not None:
             self.tsdb.close()
+
+    def ingest(self, msgs: list[Any], now: float) -> list[Any]:
+        """One fetched batch: checked, fed to every consumer — each behind its own error boundary, so that one
+        failing on a frame neither stops the loop nor the other consumers —, stored. Returns the messages to ack
+        (all of them: stored, or refused for good). Raises StoreDown when the store cannot take anything (a full
+        disk, a lock): then nothing is acked."""
+        taken = self._take(msgs)
+        frames = [f for _, f in taken]
+        extra = self._guard("freshness", lambda: self.seen(frames, now) + self.lost_nodes(now), [])
+        extra += self._guard("stragglers", lambda: self.straggler_events(frames, now), [])
+        refused = self.store_frames(taken, extra, now)
+        kept = [f for (m, f) in taken if id(m) not in refused]
+        if self.tsdb is not None and kept:
+            self._guard("tsdb", lambda: self.tsdb.add(kept), None)   # a copy for dashboards, queued
+        for f in kept:
+            self._guard("cost", lambda: self.meter.add(f), None, f)
+        return list(msgs)
+
+    def store_frames(self, taken: list[tuple[Any, dict]], extra: list[dict], now: float) -> set[int]:
+        """The batch in one transaction; when it fails on a value, one frame at a time, refusing those the store
+        will never take (ValueError, OverflowError, a constraint). Returns id()s of the refused messages."""
+        refused: set[int] = set()
+        try:
+            self._count(self.store.add([f for _, f in taken] + extra, received=now))
+            return refused
+        except sqlite3.OperationalError as err:     # the database, not a frame: a full disk, a lock held too long
+            raise StoreDown(str(err)) from err
+        except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+            log.warning("the store refused a batch (%s: %s): storing it frame by frame", type(err).__name__, err)
+        for m, f in taken:
+            try:
+                self._count(self.store.add([f], received=now))
+            except sqlite3.OperationalError as err:
+                raise StoreDown(str(err)) from err
+            except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+                refused.add(id(m))
+                self.refuse(m.subject, f.get("node"), f"the store: {type(err).__name__}: {err}", len(m.data))
+        for ev in extra:
+            try:
+                self._count(self.store.add([ev], received=now))
+            except sqlite3.OperationalError as err:
+                raise StoreDown(str(err)) from err
+            except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+                log.warning("controller event %s of job %s not stored: %s", ev.get("event"), ev.get("job"), err)
+        return refused
+
+    def _count(self, result: tuple[int, int]) -> None:
+        self.counts["stored"] += result[0]
+        self.counts["duplicates"] += result[1]
+
+    def _guard(self, consumer: str, fn: Any, default: Any, frame: dict | None = None) -> Any:
+        """fn() behind consumer's own error boundary: an exception is counted (consumer_errors), logged like a
+        refusal, and `default` returned; the other consumers and the loop go on."""
+        try:
+            return fn()
+        except Exception as err:
+            self.counts["consumer_errors"] += 1
+            self.consumer_errors[consumer] = self.consumer_errors.get(consumer, 0) + 1
+            subject = f"{FRAMES}.{_token_or_none(frame['node']) or '_'}" if frame else f"({consumer})"
+            self.refuse(subject, frame.get("node") if frame else None, f"{consumer}: {type(err).__name__}: {err}", 0)
+            return default
+
+
+class StoreDown(Exception):
+    """The store cannot take frames now (not the frames' fault): nothing is acked."""
+
+
+async def _quietly(coro: Any) -> None:
+    """An ack or nak: a connection lost meanwhile means the server delivers the message again (no loss)."""
+    try:
+        await coro
+    except Exception as err:
+        log.warning("ack: %s: %s", type(err).__name__, err)
+
+
+def _token_or_none(node: str) -> str | None:
+    try:
+        return token(node)
+    except ValueError:
+        return None
+
+
+class Puller:
+    """Fetches from the durable pull consumer bounded in bytes as well as messages: a JetStream pull request
+    ({"batch", "max_bytes", "expires"} on $JS.API.CONSUMER.MSG.NEXT) to an inbox of our own. nats-py's fetch asks
+    for a count only, so a batch of 512 messages near max_payload would hold half a GiB."""
+
+    def __init__(self, nc: Any, stream: str, durable: str):
+        self.nc, self.subject = nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = nc.new_inbox()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sub = None
+        self.n = 0
+
+    async def start(self) -> "Puller":
+        async def got(msg: Any) -> None:
+            self.queue.put_nowait(msg)
+        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=got)
+        return self
+
+    async def fetch(self, batch: int, max_bytes: int, timeout: float) -> list[Any]:
+        """Up to `batch` messages and about `max_bytes` (the server stops before passing it), waiting at most
+        `timeout` s. A message of an earlier request that came late is taken too (it is the consumer's next one)."""
+        self.n += 1
+        reply = f"{self.inbox}.{self.n}"
+        req = {"batch": batch, "max_bytes": max_bytes, "expires": int(timeout * 1e9)}
+        await self.nc.publish(self.subject, json.dumps(req).encode(), reply=reply)
+        out: list[Any] = []
+        end = time.monotonic() + timeout + 0.5
+        while len(out) < batch:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), left)
+            except asyncio.TimeoutError:
+                break
+            status = (msg.headers or {}).get("Status") if not msg.data else None
+            if status:
+                if msg.subject == reply and status != "100":   # 404 none, 408 expired, 409 limit reached: done
+                    break
+                continue
+            out.append(msg)
+        return out
 
 
 class MetricsCollector:

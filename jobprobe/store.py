@@ -19,6 +19,7 @@ Controller-made events (`node_lost`, `node_back`) are frames of run `controller`
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -52,7 +53,11 @@ class Store:
                 raise FileNotFoundError(f"no store at {self.path}")
             self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
         else:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            # frames hold other users' command lines and stacks: the store is its owner's alone (SQLite makes the
+            # -wal and -shm files with the database's own mode)
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            os.chmod(self.path, 0o600)
             self.db = sqlite3.connect(self.path, timeout=30)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
@@ -61,7 +66,8 @@ class Store:
 
     # ---- writing (the controller) --------------------------------------------------------------------------
     def add(self, frames: Iterable[dict], received: float | None = None) -> tuple[int, int]:
-        """Store frames in one transaction: (stored, duplicates). The caller acks them after this returns."""
+        """Store frames in one transaction: (stored, duplicates). The caller acks them after this returns. A value
+        JSON cannot hold (NaN, inf) raises ValueError and nothing of the batch is stored."""
         now = time.time() if received is None else received
         stored = dup = 0
         per_node: dict[str, list[float]] = {}
@@ -70,7 +76,7 @@ class Store:
                 cur = self.db.execute(
                     "INSERT OR IGNORE INTO frames VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (f["node"], f["job"], f.get("run", ""), f["seq"], f["kind"], float(f["t"]), float(f["dt"]), now,
-                     json.dumps(f, separators=(",", ":"), default=str)))
+                     json.dumps(f, separators=(",", ":"), default=str, allow_nan=False)))
                 n = per_node.setdefault(f["node"], [0, 0, 0.0])
                 if cur.rowcount:
                     stored += 1

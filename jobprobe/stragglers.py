@@ -245,6 +245,8 @@ class StragglerWatch:
         self.jobs: dict[str, JobTrack] = {}
         self.evaluations = 0
         self.named = 0
+        self.unreadable = 0          # frames whose figures could not be read (a hostile or broken node): skipped
+        self.last_unreadable = ""
 
     def feed(self, frames: list[dict]) -> list[tuple[str, str, str, dict[str, Any]]]:
         """Take sample frames; returns events to emit: (node, job, event name, body)."""
@@ -252,10 +254,15 @@ class StragglerWatch:
         for fr in frames:
             if fr.get("kind") != "sample" or not isinstance(fr.get("probes"), dict):
                 continue
+            try:
+                t, dt, figs = float(fr["t"]), float(fr.get("dt") or 0.0), figures(fr["probes"])
+            except (TypeError, ValueError, KeyError, AttributeError) as err:   # a frame it cannot read: skipped,
+                self.unreadable += 1                                              # counted; the others go on
+                self.last_unreadable = f"{type(err).__name__}: {err}"[:200]
+                continue
             job = self.jobs.setdefault(fr["job"], JobTrack())
             nt = job.nodes.setdefault(fr["node"], NodeTrack())
-            t = float(fr["t"])
-            nt.frames.append((t, float(fr.get("dt") or 0.0), figures(fr["probes"])))
+            nt.frames.append((t, dt, figs))
             nt.newest = max(nt.newest, t)
             while nt.frames and nt.frames[0][0] < nt.newest - KEEP_S:
                 nt.frames.popleft()
@@ -264,6 +271,11 @@ class StragglerWatch:
         for name in touched:
             out += self._maybe_compare(name, self.jobs[name])
         return out
+
+    def keep_only(self, jobs: set[str]) -> None:
+        """Forget the tracks of jobs not in `jobs` (the controller's jobs seen lately): bounded state."""
+        for name in [j for j in self.jobs if j not in jobs]:
+            del self.jobs[name]
 
     def open(self) -> list[tuple[str, str]]:
         """(job, node) of the stragglers named now."""

@@ -1,0 +1,334 @@
+"""Hostile frames: no body a node can publish stops the controller, grows it past a bound, or costs an honest
+frame.
+
+Three layers, each against the real code:
+- the named cases (each one stopped an earlier controller) and property-based bodies (`hypothesis`: any msgpack
+  value, and honest frames with one value swapped for a hostile one) through Controller.ingest into a real
+  store: ingest never raises, every body is either a valid frame that is stored or refused with a reason, and
+  `controller stats` and `query` answer afterwards;
+- the real path: a nats-server started here, `jobprobe controller` as a process, two honest nodes publishing
+  frames while a third publishes ≥ 10 000 hostile bodies on its own subject: the controller never exits, every
+  honest frame is stored, every hostile one is refused and acked (the consumer has nothing pending), and its
+  peak RSS (VmHWM) stays under HOSTILE_RSS_MIB.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from conftest import until
+
+from jobprobe.controller import CONTROLLER_RUN, Controller, stats
+from jobprobe.frame import FrameBuilder, encode
+from jobprobe.store import Store
+
+REPO = Path(__file__).resolve().parents[1]
+NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
+need_nats = pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")
+HOSTILE_RSS_MIB = 80       # the controller's peak RSS through the whole flood (docs/SECURITY.md)
+T0 = 1_790_000_000.0
+
+
+def sample(node: str = "n1", seq: int = 1, **probes) -> dict:
+    b = FrameBuilder(node, "j", run="r1")
+    b.seq = seq
+    p = {"cgroup": {"cpu_user_ns": 400_000_000, "cpu_system_ns": 1_000_000, "mem_bytes": 1 << 30},
+         "sched": {"runq_lat_ns": 1_000_000, "offcpu_lock_ns": 0, "offcpu_wait_ns": 0},
+         "net": {"tcp_tx_bytes": 1000, "tcp_rx_bytes": 1000, "tcp_retransmits": 0, "tcp_srtt_us": 50,
+                 "tcp_tx_packets": 10},
+         "energy": {"cpu_energy_j": 1.5}}
+    p.update(probes)
+    return b.sample(T0 + seq, 1.0, p, {k: "ok" for k in p})
+
+
+def nested(depth: int) -> dict:
+    d: dict = {}
+    for _ in range(depth):
+        d = {"a": d}
+    return d
+
+
+def named_cases() -> list[tuple[str, bytes]]:
+    """The bodies that stopped the controller once, by name."""
+    deep = b"\x81\xa1a" * 1000 + b"\x80"            # maps 1000 deep, packed by hand (msgpack's packer stops at 512)
+    cases = {
+        "seq 2**64-1": encode(sample(seq=(1 << 64) - 1)),
+        "seq negative": encode(sample(seq=-1)),
+        "probes.sched = 5": encode(sample(sched=5)),
+        "a counter that is a string": encode(sample(cgroup={"cpu_user_ns": "lots"})),
+        "a bytes map key": msgpack.packb({**sample(), b"\xff": 1}, use_bin_type=True),
+        "a bytes value": encode(sample(cgroup={"cpu_user_ns": b"\x00\x01"})),
+        "maps nested 1000 deep": deep,
+        "maps nested 100 deep in a probe": encode(sample(gpu=nested(100))),
+        "energy as text": encode(sample(energy="lots of joules")),
+        "a NaN": encode(sample(cgroup={"cpu_user_ns": float("nan")})),
+        "an inf": encode(sample(net={"tcp_srtt_us": float("inf")})),
+        "t NaN": encode({**sample(), "t": float("nan")}),
+        "a million empty maps, zlib": zlib.compress(msgpack.packb([{}] * 1_000_000), 9),
+        "a million empty lists in a probe": zlib.compress(encode(sample(x={"l": [[]] * 1_000_000})), 9),
+        "gpus records with a string util": encode(sample(gpu={"gpus": [{"util_gpu_pct": "hot"}]})),
+        "nics not a list": encode(sample(nic={"nics": {"eth0": 1}})),
+        "the controller's run": encode({**sample(), "run": CONTROLLER_RUN, "kind": "event", "event": "node_lost"}),
+        "a hello with a hostile schema": encode({**sample(), "kind": "hello", "schema": {"cgroup": 5}}),
+        "a hello with interval inf": encode({**sample(), "kind": "hello", "interval": float("inf")}),
+        "a node name 10 000 long": encode({**sample(), "node": "n" * 10_000}),
+        "labels not strings": encode({**sample(), "labels": {"user": 5}}),
+        "an ext type": msgpack.packb(msgpack.ExtType(5, b"x" * 100)),
+        "status not strings": encode({**sample(), "status": {"cgroup": [1]}}),
+    }
+    return list(cases.items())
+
+
+def msg(data: bytes, node: str = "n1") -> SimpleNamespace:
+    return SimpleNamespace(subject=f"jobprobe.frames.{node}", data=data)
+
+
+def answers(store_path: Path) -> None:
+    """`controller stats` and `query` still answer over the whole store."""
+    ro = Store(store_path, readonly=True)
+    try:
+        s = stats(ro)
+        json.dumps(s, allow_nan=False)
+        cols, rows = ro.field("j", "cgroup.cpu_user_ns")
+        assert all(isinstance(r[-1], (int, float, type(None))) for r in rows)
+        ro.sql("SELECT json_extract(body, '$.probes') FROM frames")
+    finally:
+        ro.close()
+
+
+def test_each_named_hostile_body_is_refused_with_its_reason_and_honest_frames_still_stored(tmp_path):
+    store = Store(tmp_path / "s.db")
+    ctl = Controller(store, "nats://unused")
+    cases = named_cases()
+    batch = [msg(encode(sample(seq=0)))] + [msg(data) for _, data in cases] + [msg(encode(sample(seq=2)))]
+    assert ctl.ingest(batch, now=T0) == batch                 # every message acked
+    reasons = [r[0] for r in store.sql("SELECT reason FROM rejects ORDER BY rowid")[1]]
+    assert len(reasons) == len(cases), list(zip([c for c, _ in cases], reasons))
+    assert store.sql("SELECT seq FROM frames WHERE run = 'r1' ORDER BY seq")[1] == [(0,), (2,)]
+    assert ctl.counts["rejected"] == len(cases) and ctl.counts["consumer_errors"] == 0
+    assert not store.sql("SELECT 1 FROM frames WHERE run = ? AND node = 'n1' AND kind != 'event'",
+                         (CONTROLLER_RUN,))[1]
+    answers(tmp_path / "s.db")
+
+
+hostile_scalar = st.one_of(
+    st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=50), st.binary(max_size=20), st.booleans(), st.none())
+any_value = st.recursive(hostile_scalar, lambda inner: st.one_of(
+    st.lists(inner, max_size=6), st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5), st.binary(max_size=4)),
+                                                 inner, max_size=6)), max_leaves=30)
+
+
+def _paths(f: dict, prefix: tuple = ()) -> list[tuple]:
+    out = []
+    for k, v in f.items():
+        out.append(prefix + (k,))
+        if isinstance(v, dict):
+            out += _paths(v, prefix + (k,))
+    return out
+
+
+@st.composite
+def mutated_frames(draw) -> bytes:
+    """An honest frame with one value (anywhere in it) replaced by any value, or one key added."""
+    f = sample(seq=draw(st.integers(0, 1000)))
+    path = draw(st.sampled_from(_paths(f)))
+    at = f
+    for k in path[:-1]:
+        at = at[k]
+    if draw(st.booleans()):
+        at[path[-1]] = draw(any_value)
+    else:
+        at[draw(st.one_of(st.text(max_size=8), st.integers(-5, 5), st.binary(max_size=4)))] = draw(any_value)
+    data = msgpack.packb(f, use_bin_type=True)
+    return zlib.compress(data) if draw(st.booleans()) else data
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(bodies=st.lists(st.one_of(mutated_frames(), any_value.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+                                 st.binary(max_size=64)), min_size=1, max_size=8))
+def test_any_body_is_stored_valid_or_refused_and_the_controller_goes_on(tmp_path_factory, bodies):
+    path = tmp_path_factory.mktemp("h") / "s.db"
+    store = Store(path)
+    ctl = Controller(store, "nats://unused")
+    honest = [msg(encode(sample(node="n2", seq=i)), "n2") for i in range(2)]
+    batch = [msg(b) for b in bodies] + honest
+    assert ctl.ingest(batch, now=T0) == batch
+    stored = store.sql("SELECT COUNT(*) FROM frames WHERE node = 'n1'")[1][0][0]
+    refused = store.sql("SELECT COUNT(*) FROM rejects")[1][0][0]
+    dup = ctl.counts["duplicates"]
+    assert stored + refused + dup == len(bodies), (stored, refused, dup)
+    assert store.sql("SELECT seq FROM frames WHERE node = 'n2' ORDER BY seq")[1] == [(0,), (1,)]
+    for (body,) in store.sql("SELECT body FROM frames")[1]:
+        json.loads(body, parse_constant=lambda c: pytest.fail(f"{c} stored"))
+    store.close()
+    answers(path)
+
+
+# ---- the real path ----------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hostile_bodies(n: int, seed: int = 11) -> list[bytes]:
+    """n bodies: the named cases, then random structures and mutated honest frames (seeded)."""
+    rng = random.Random(seed)
+    out = [data for _, data in named_cases()]
+    scalars = [lambda: rng.randrange(-(1 << 63), 1 << 64), lambda: rng.choice([math.nan, math.inf, -math.inf]),
+               lambda: "x" * rng.randrange(0, 300), lambda: os.urandom(rng.randrange(0, 16)), lambda: None,
+               lambda: rng.random() * 1e300, lambda: [], lambda: {}]
+
+    def anything(depth: int = 0):
+        r = rng.random()
+        if depth > 4 or r < 0.5:
+            return rng.choice(scalars)()
+        if r < 0.75:
+            return [anything(depth + 1) for _ in range(rng.randrange(0, 5))]
+        return {rng.choice(["probes", "cgroup", "sched", "gpus", "seq", "t", "node", "kind", 7, b"k"]):
+                anything(depth + 1) for _ in range(rng.randrange(0, 5))}
+    while len(out) < n:
+        f = sample(seq=rng.randrange(0, 1 << 20))
+        r = rng.random()
+        if r < 0.4:                                       # one value of an honest frame replaced
+            path = rng.choice(_paths(f))
+            at = f
+            for k in path[:-1]:
+                at = at[k]
+            at[path[-1]] = anything()
+            data = msgpack.packb(f, use_bin_type=True)
+        elif r < 0.6:
+            data = msgpack.packb(anything(), use_bin_type=True)
+        elif r < 0.7:
+            data = os.urandom(rng.randrange(1, 300))
+        elif r < 0.8:                                     # an object bomb, compressed small
+            data = zlib.compress(msgpack.packb({**f, "x": [[{}] * 1000] * rng.randrange(10, 1000)}), 9)
+        else:
+            f["probes"]["cgroup"]["cpu_user_ns"] = rng.choice(["1", 1e400, None, [1], {"a": 1}, True])
+            data = msgpack.packb(f, use_bin_type=True)
+        out.append(zlib.compress(data) if rng.random() < 0.3 and data[:1] != b"\x78" else data)
+    return out[:n]
+
+
+def vm_hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.integration
+@need_nats
+def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_honest_frame(tmp_path):
+    from jobprobe.exporters.natswire import Wire
+    from jobprobe.wire import frames_subject, msg_id
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 1048576\n'
+                    f'jetstream {{ store_dir: "{tmp_path / "js"}" }}\n')
+    server = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"nats://127.0.0.1:{port}"
+    log = tmp_path / "controller.log"
+    ctl = None
+    try:
+        until(lambda: _listening(port), 10, "nats-server")
+        ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store",
+                                str(tmp_path / "store.db")], cwd=REPO, stdout=subprocess.DEVNULL,
+                               stderr=open(log, "ab"))
+        until(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
+        honest = {n: Wire(url, name=n) for n in ("h1", "h2")}
+        hostile = Wire(url, name="n1")
+        for w in [*honest.values(), hostile]:
+            w.connect()
+        bodies = hostile_bodies(10_000)
+        sent_honest, peak = 0, 0.0
+        for i in range(0, len(bodies), 250):
+            hostile.publish([(frames_subject("n1"), f"hostile/{i + k}", b) for k, b in enumerate(bodies[i:i + 250])],
+                            timeout=30)
+            for node, w in honest.items():
+                fr = sample(node=node, seq=sent_honest)
+                w.publish([(frames_subject(node), msg_id(fr), zlib.compress(encode(fr)))], timeout=10)
+            sent_honest += 1
+            assert ctl.poll() is None, log.read_text()[-2000:]
+            peak = max(peak, vm_hwm_mib(ctl.pid))
+        db = tmp_path / "store.db"
+
+        def counted() -> bool:
+            c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                honest_n = c.execute("SELECT COUNT(*) FROM frames WHERE node IN ('h1', 'h2')").fetchone()[0]
+                n1 = c.execute("SELECT COUNT(*) FROM frames WHERE node = 'n1' AND run != 'controller'").fetchone()[0]
+                refused = c.execute("SELECT COUNT(*) FROM rejects").fetchone()[0]
+                return honest_n == 2 * sent_honest and n1 + refused >= len(bodies)
+            finally:
+                c.close()
+        until(counted, 300, "every honest frame stored and every hostile body stored or refused")
+        assert ctl.poll() is None, log.read_text()[-2000:]
+        peak = max(peak, vm_hwm_mib(ctl.pid))
+        assert peak <= HOSTILE_RSS_MIB, f"controller peak RSS {peak:.1f} MiB"
+        c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        refused = c.execute("SELECT COUNT(*) FROM rejects").fetchone()[0]
+        assert refused >= len(bodies) * 0.9          # a few random mutations are still valid frames: stored
+        c.close()
+        # every message acked: nothing pending on the durable consumer
+        out = subprocess.run([sys.executable, "-m", "jobprobe.cli", "controller", "stats", "--json", "--store", str(db)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["rejected_total"] == refused
+        q = subprocess.run([sys.executable, "-m", "jobprobe.cli", "query", "--store", str(db), "--job", "j",
+                            "--field", "cgroup.cpu_user_ns"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert q.returncode == 0, q.stderr
+        pending = _pending(url)
+        assert pending == (0, 0), f"(ack pending, not yet delivered) = {pending}"
+    finally:
+        if ctl is not None and ctl.poll() is None:
+            ctl.send_signal(signal.SIGTERM)
+            ctl.wait(timeout=30)
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _pending(url: str) -> tuple[int, int]:
+    import asyncio
+
+    import nats
+
+    async def ask() -> tuple[int, int]:
+        nc = await nats.connect(url)
+        try:
+            info = await nc.jetstream().consumer_info("JOBPROBE", "controller")
+            return info.num_ack_pending, info.num_pending
+        finally:
+            await nc.close()
+    end = time.monotonic() + 30
+    while True:
+        got = asyncio.run(ask())
+        if got == (0, 0) or time.monotonic() > end:
+            return got
+        time.sleep(0.5)
