@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("controller", help="frames of every node from NATS JetStream into the store; `stats`: "
                         "freshness and delivery per node")
-    co.add_argument("action", nargs="?", choices=["run", "stats"], default="run")
+    co.add_argument("action", nargs="?", choices=["run", "stats", "enroll"], default="run",
+                    help="run (default); stats; enroll NODE: write that node's NATS credentials (the path is the "
+                         "last line printed) and let the running server know")
+    co.add_argument("node", nargs="?", metavar="NODE", help="enroll: the node's name, as its agent's --node")
     co.add_argument("--nats", metavar="URL", help="the JetStream servers (default: start a nats-server here)")
     co.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:4222",
                     help="where the nats-server it starts listens (without --nats; default 127.0.0.1:4222)")
@@ -113,7 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="its nats-server's data and the default store (default /var/lib/jobprobe/controller)")
     co.add_argument("--store", metavar="PATH", help="the store (default DATA/store.db)")
     co.add_argument("--retention-days", type=float, default=7.0, metavar="D", help="frames older go (default 7)")
-    co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials (as the agent's --nats-creds)")
+    co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials (as the agent's --nats-creds; "
+                    "without --nats: DATA/auth/controller.nk, made at the first start)")
+    co.add_argument("--tls-cert", metavar="FILE", help="without --nats: the nats-server's TLS certificate (agents "
+                    "then take --nats-ca)")
+    co.add_argument("--tls-key", metavar="FILE", help="the key of --tls-cert")
+    co.add_argument("--insecure-plaintext", action="store_true", help="without --nats: listen on an address that "
+                    "is not loopback without TLS (refused otherwise)")
     co.add_argument("--ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
@@ -491,6 +500,10 @@ def cmd_controller(args) -> int:
     from jobprobe.controller import Controller, LocalNats, stats
     from jobprobe.store import Store
     path = args.store or os.path.join(args.data, "store.db")
+    if args.action == "enroll":
+        return controller_enroll(args)
+    if args.node:
+        raise BadInput(f"controller {args.action}: takes no node name (did you mean `controller enroll NODE`?)")
     if args.action == "stats":
         try:
             st = stats(Store(path, readonly=True))
@@ -517,12 +530,15 @@ def cmd_controller(args) -> int:
         load_prices(args.prices)         # a bad price file: one line, before anything starts
     local = None
     url = args.nats
+    creds = args.creds
     if url is None:
-        local = LocalNats(args.data, args.listen)
+        local = LocalNats(args.data, args.listen, args.tls_cert, args.tls_key, args.insecure_plaintext)
         local.wait()
-        url = local.url
+        url, creds = local.url, creds or local.creds
+    elif args.tls_cert or args.insecure_plaintext:
+        raise BadInput("--tls-cert and --insecure-plaintext are for the nats-server the controller starts (no --nats)")
     store = Store(path)
-    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=args.creds, ca=args.ca,
+    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices)
     server = None
     if args.metrics:
@@ -545,6 +561,25 @@ def cmd_controller(args) -> int:
         store.close()
         if local is not None:
             local.stop()
+    return 0
+
+
+def controller_enroll(args) -> int:
+    """A node's credentials: a new nkey (replacing any it had), its public half in the server's authorization, the
+    running server told (SIGHUP). The seed's path is the last line: copy the file to the node (0600) and give it
+    to `jobprobe agent --nats-creds`."""
+    from jobprobe.controller import write_auth
+    from jobprobe.natsauth import Auth, reload_server
+    if not args.node:
+        raise BadInput("controller enroll: give the node's name (its agent's --node)")
+    auth = Auth(args.data)
+    auth.controller_seed()
+    path = auth.enroll(args.node)
+    write_auth(args.data)
+    pid = reload_server(args.data)
+    print(f"enrolled {args.node}: " + (f"the running nats-server (pid {pid}) reloaded its users" if pid else
+                                       "no nats-server runs for this data directory; the next start admits it"))
+    print(path)
     return 0
 
 

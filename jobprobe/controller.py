@@ -5,8 +5,11 @@ subjects (JOBPROBE: file storage, a 2-minute duplicate window, frames kept until
 old) and reads it through a durable pull consumer, in batches: each frame is decoded and validated (the schema, and
 its `node` against the subject it came on), the batch is committed to the store, and only then acked. A controller
 killed at any moment loses nothing (what was not acked is delivered again) and stores nothing twice (the store's
-key is (node, job, run, seq)). A frame that is not valid is refused, counted and logged (`rejects`), and acked:
-it will never become valid.
+key is (node, job, run, seq)). Every message is hostile until checked (jobprobe/framecheck.py: decoding bounded in
+objects, every value against the declared types); a frame that is not valid is refused, counted and logged
+(`rejects`), and acked: it will never become valid. Each consumer of frames (freshness, stragglers, the cost meter,
+the TSDB writer, the store) has its own error boundary: one failing on a frame neither stops the loop nor the
+others (docs/SECURITY.md).
 
 Freshness: per node, the newest sample and when it arrived. A node silent for 3 of its intervals gets a `node_lost`
 event for each of its jobs; its next frame a `node_back`.
@@ -17,7 +20,9 @@ answered by that node's agent) to open a window at one common time — T, or 3 s
 node's reply. Each node writes its own file and announces it in a `trace` frame, which reaches the store.
 
 With no --nats the controller starts a `nats-server` with JetStream in its data directory, listening on --listen:
-one command for a small cluster.
+one command for a small cluster — authenticated (jobprobe/natsauth.py: the controller's nkey and one per node
+enrolled with `jobprobe controller enroll NODE`), TLS or loopback unless told otherwise, and gone with the
+controller.
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from jobprobe.exporters.nats import auth_options
 from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, token
 from jobprobe import framecheck
 from jobprobe.frame import MalformedFrame
+from jobprobe.retry import Backoff
 from jobprobe.store import Store
 from jobprobe.stragglers import StragglerWatch
 
@@ -221,6 +227,7 @@ class Controller:
                                 "error_cb": said}
         opts.update(auth_options(self.creds, self.ca))
         nc, sub = None, None
+        backoff = Backoff(initial=0.5, maximum=5.0)
         while sub is None:   # a server still starting, a JetStream cluster still electing its leader: wait
             try:
                 if nc is None:
@@ -229,8 +236,9 @@ class Controller:
             except Exception as err:
                 if self.stop_event.is_set():
                     return
-                log.warning("controller: %s: %s; trying again", type(err).__name__, err)
-                await asyncio.sleep(1.0)
+                wait = backoff.next()
+                log.warning("controller: %s: %s; trying again in %.1f s", type(err).__name__, err, wait)
+                await asyncio.sleep(wait)
         async def on_trace(msg: Any) -> None:
             await self._on_trace(nc, msg)
         await nc.subscribe(CLUSTER_TRACE, cb=on_trace)
@@ -470,6 +478,11 @@ class MetricsCollector:
             c = CounterMetricFamily(f"jobprobe_controller_frames_{key}", doc)
             c.add_metric([], ctl.counts[key])
             yield c
+        c = CounterMetricFamily("jobprobe_controller_consumer_errors", "frames a consumer (freshness, stragglers, "
+                                "cost, tsdb) could not take; the others took them", labels=["consumer"])
+        for consumer, n in list(ctl.consumer_errors.items()):
+            c.add_metric([consumer], n)
+        yield c
         g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
         g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost))
         g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))
@@ -516,37 +529,83 @@ def serve_metrics(ctl: Controller, listen: str):
 
 
 class LocalNats:
-    """A nats-server with JetStream, our child, its data under `data_dir` (the controller's one-command mode)."""
+    """A nats-server with JetStream, our child, its data under `data_dir` (the controller's one-command mode).
 
-    def __init__(self, data_dir: str | Path, listen: str = "127.0.0.1:4222"):
+    Authenticated always (natsauth: the controller's nkey and every enrolled node's, with their permissions); TLS
+    with `tls_cert`/`tls_key`; on an address that is not loopback, refused without TLS unless `insecure_plaintext`.
+    It dies with the controller (PR_SET_PDEATHSIG: a SIGKILLed controller leaves no server behind); a server of an
+    earlier controller of this data directory (its pid file) is stopped first, and anything else listening on the
+    port is refused, never used."""
+
+    def __init__(self, data_dir: str | Path, listen: str = "127.0.0.1:4222", tls_cert: str | None = None,
+                 tls_key: str | None = None, insecure_plaintext: bool = False):
+        from jobprobe.natsauth import Auth
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(exe):
             raise BadInput("nats-server is not installed (Debian package nats-server; scripts/setup.sh installs it)")
-        host, _, port = listen.rpartition(":")
-        if not port.isdigit():
-            raise BadInput(f"--listen {listen!r}: give HOST:PORT")
-        self.url = f"nats://{host or '127.0.0.1'}:{port}"
-        d = Path(data_dir, "nats")
-        d.mkdir(parents=True, exist_ok=True)
-        conf = Path(data_dir, "nats-server.conf")
-        conf.write_text(f'listen: "{host or "127.0.0.1"}:{port}"\nmax_payload: {MAX_FRAME}\n'
-                        f'jetstream {{\n  store_dir: "{d}"\n}}\n')
-        self.log = open(Path(data_dir, "nats-server.log"), "ab")
-        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        host, port = split_listen(listen)
+        if bool(tls_cert) != bool(tls_key):
+            raise BadInput("--tls-cert and --tls-key go together")
+        if not tls_cert and not insecure_plaintext and not is_loopback(host):
+            raise BadInput(f"--listen {listen}: not loopback, and no TLS: give --tls-cert/--tls-key (agents then "
+                           "take --nats-ca), or --insecure-plaintext on a network you trust")
+        for f in (tls_cert, tls_key):
+            if f and not os.path.exists(f):
+                raise BadInput(f"{f}: no such file")
+        self.url = f"{'tls' if tls_cert else 'nats'}://{'127.0.0.1' if host in ('', '0.0.0.0') else host}:{port}"
+        self.data = Path(data_dir)
+        self.data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.data, 0o700)
+        self.auth = Auth(self.data)
+        self.creds = str(self.auth.controller_seed())
+        self._stop_our_orphan()
+        if _listening(host or "127.0.0.1", port):
+            raise BadInput(f"--listen {listen}: something else listens there already; it is not this data "
+                           "directory's nats-server (stop it, or give another --listen / --nats URL)")
+        d = self.data / "nats"
+        d.mkdir(exist_ok=True, mode=0o700)
+        self.conf = self.data / "nats-server.conf"
+        tls = (f'tls {{\n  cert_file: "{os.path.abspath(tls_cert)}"\n  key_file: "{os.path.abspath(tls_key)}"\n}}\n'
+               if tls_cert else "")
+        listen_at = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
+        self.conf.write_text(f'listen: "{listen_at}"\nmax_payload: {MAX_FRAME}\n'
+                             f'pid_file: "{self.data / "nats-server.pid"}"\n'
+                             f'jetstream {{\n  store_dir: "{d}"\n}}\n{tls}include "auth.conf"\n')
+        self.write_auth()
+        os.chmod(self.conf, 0o600)
+        self.log = open(os.open(self.data / "nats-server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                0o600), "ab")
+        self.proc = subprocess.Popen([exe, "-c", str(self.conf)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        self.host, self.port = host or "127.0.0.1", port
+
+    def write_auth(self) -> None:
+        """auth.conf from the enrolled nodes (included by the server's config; enroll rewrites it and reloads)."""
+        write_auth(self.data)
+
+    def _stop_our_orphan(self) -> None:
+        """A nats-server left by an earlier controller of this data directory (its pid file, its config) goes."""
+        try:
+            pid = int((self.data / "nats-server.pid").read_text().strip())
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return
+        if cmd and cmd[0].endswith(b"nats-server") and str(self.data / "nats-server.conf").encode() in cmd:
+            log.warning("stopping the nats-server (pid %d) an earlier controller of %s left running", pid, self.data)
+            os.kill(pid, signal.SIGTERM)
+            end = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < end:
+                time.sleep(0.05)
 
     def wait(self, timeout: float = 10.0) -> None:
-        import socket
-        host, port = self.url[len("nats://"):].rsplit(":", 1)
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise BadInput(f"nats-server exited with code {self.proc.returncode} (see its log)")
-            try:
-                socket.create_connection((host, int(port)), timeout=0.5).close()
+                raise BadInput(f"nats-server exited with code {self.proc.returncode} (see "
+                               f"{self.data / 'nats-server.log'})")
+            if _listening(self.host if self.host not in ("0.0.0.0", "::") else "127.0.0.1", self.port):
                 return
-            except OSError:
-                time.sleep(0.05)
+            time.sleep(0.05)
         raise BadInput(f"nats-server did not listen on {self.url} within {timeout:.0f} s")
 
     def stop(self) -> None:
@@ -558,6 +617,48 @@ class LocalNats:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def write_auth(data_dir: str | Path) -> Path:
+    from jobprobe.natsauth import Auth, _write_secret
+    path = Path(data_dir, "auth.conf")
+    _write_secret(path, Auth(data_dir).server_config())
+    return path
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """HOST:PORT, [IPv6]:PORT or :PORT → (host, port); BadInput otherwise."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadInput(f"--listen {listen!r}: give HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _listening(host: str, port: int) -> bool:
+    import socket
+    try:
+        socket.create_connection((host, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the controller dies, however it dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def stats(store: Store, now: float | None = None) -> dict[str, Any]:
