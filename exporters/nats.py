@@ -1,7 +1,7 @@
 """nats://HOST:PORT — frames to a NATS JetStream stream, through a bounded on-disk spool.
 
 One NatsSink per agent, shared by its jobs (each job writes through its own `for_job()` handle, which keeps that
-job's counters). A frame goes to subject `jobprobe.frames.<node>` with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
+job's counters). A frame goes to subject `jobprobe.frames.<token>` (jobprobe/wire.py) with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
 its unique key: the server drops a resend inside its duplicate window, so publishing again after a lost ack stores
 nothing twice.
 
@@ -15,9 +15,15 @@ PubAck: the frame is in the stream). While the server cannot be reached, frames 
 order when it is back — also after the agent restarts (the spool and its cursor are on disk). When the spool passes
 `max_bytes` its oldest segment goes: the frames in it that were never acked are lost, counted per job (`dropped`
 in the self probe's sinks, and `jobprobe status`) and logged — never silent.
+
+A frame the server can never take — larger than its `max_payload`, or refused by JetStream for good (larger than
+the stream's maximum message size) — is counted lost the same way and skipped: it never holds up the frames behind
+it. After a failure the publisher waits a jittered backoff (jobprobe/retry.py: a cluster's agents do not all come
+back at one instant); when the server announces lame-duck mode it moves to the next server of its list at once.
 """
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import logging
@@ -32,46 +38,31 @@ from typing import Any, Callable
 import msgpack
 
 from jobprobe.exporters.natswire import Credentials, Wire
+from jobprobe.retry import Backoff
+from jobprobe.wire import frames_subject, inbox_prefix, msg_id
 
 log = logging.getLogger("jobprobe.nats")
 
-SUBJECT = "jobprobe.frames"          # .<node>
 SEGMENT_BYTES = 4 << 20
 WINDOW = 256                         # frames published before their acks are awaited
 COALESCE_S = 0.05                    # after a wake-up, the rest of the tick's frames are awaited this long
 
 
-def subject_for(node: str) -> str:
-    return f"{SUBJECT}.{safe_token(node)}"
-
-
-CLUSTER_TRACE = "jobprobe.ctl.trace"       # a person's request to the controller: trace a job on all its nodes
-
-
-def control_subject(node: str) -> str:
-    """Where the controller asks one node's agent (core NATS request/reply, not the stream)."""
-    return f"jobprobe.ctl.node.{safe_token(node)}"
-
-
-def safe_token(s: str) -> str:
-    """A NATS subject token: no dots, spaces or wildcards."""
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in s) or "_"
-
-
 def auth_options(creds: str | None = None, ca: str | None = None, cert: str | None = None,
                  key: str | None = None) -> dict[str, Any]:
     """nats-py connect options (the controller's client) for a credentials file and TLS; the file as the agent's
-    (natswire.Credentials: `*.creds`, `*.nk`, else one line `user:password`). Its contents never appear on a
-    command line (ps). nats-py signs nkey nonces with the `nkeys` package: asked for by name when missing."""
+    (natswire.Credentials: `*.creds`, `*.nk`, else one line `user:password`), read by the same code. Its contents
+    never appear on a command line (ps). The server's nonce is signed by the `nkeys` package on both sides: for a
+    `.creds` file through Credentials.sign, as the agent does; for a `.nk` seed by nats-py itself, given the seed
+    Credentials read and checked (nats-py sends the public key next to the signature only that way)."""
     opts: dict[str, Any] = {}
     if creds:
         c = Credentials(creds)
-        if c.seed:
-            import importlib.util
-            if importlib.util.find_spec("nkeys") is None:
-                raise ValueError(f"{creds}: the controller's nkey authentication needs the nkeys package "
-                                 "(pip install nkeys); or give it a user:password file")
-            opts["user_credentials" if c.jwt else "nkeys_seed"] = creds
+        if c.jwt:
+            opts["user_jwt_cb"] = lambda: bytearray(c.jwt.encode())
+            opts["signature_cb"] = lambda nonce: base64.b64encode(c.sign(nonce))
+        elif c.seed:
+            opts["nkeys_seed_str"] = c.seed
         else:
             opts["user"], opts["password"] = c.user, c.password
     if ca or cert:
@@ -81,10 +72,6 @@ def auth_options(creds: str | None = None, ca: str | None = None, cert: str | No
             ctx.load_cert_chain(cert, key)
         opts["tls"] = ctx
     return opts
-
-
-def msg_id(frame: dict) -> str:
-    return f"{frame['node']}/{frame['job']}/{frame.get('run', '')}/{frame['seq']}"
 
 
 class Spool:
@@ -186,13 +173,17 @@ class Spool:
         with self.lock:
             return list(itertools.islice(self.pending, n))
 
-    def acked(self, recs: list[tuple]) -> None:
-        """These records (the first ones pending, in order) are in the stream: move the cursor past them."""
+    def acked(self, recs: list[tuple], lost: list[tuple] = ()) -> None:
+        """These records (the first ones pending, in order) are settled — in the stream, or, those in `lost`, never
+        to be (the server cannot take them: counted lost, per job): move the cursor past them."""
+        lost_ids = {id(rec) for rec in lost}
         with self.lock:
             for rec in recs:
                 if self.pending and self.pending[0] is rec:
                     self.pending.popleft()
                     self.inflight = max(0, self.inflight - 1)
+                    if id(rec) in lost_ids:
+                        self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
             seg, off = self.pending[0][:2] if self.pending else (self.seg, self.size)
             tmp = self.dir / "cursor.tmp"
             tmp.write_text(f"{seg} {off}\n")
@@ -213,10 +204,16 @@ class Spool:
 class NatsSink:
     def __init__(self, url: str, spool_dir: str | Path, max_bytes: int = 256 << 20, creds: str | None = None,
                  tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 name: str | None = None, compress: bool = True):
+                 name: str | None = None, compress: bool = True, allow_plaintext_password: bool = False,
+                 node: str | None = None):
         self.url, self.name, self.compress = url, name or f"nats:{url}", compress
-        # the credentials read (and refused, when malformed) now, on the agent's command line, not in the thread
-        self.wire = Wire(url, creds, tls_ca, tls_cert, tls_key, name=f"jobprobe-agent {os.uname().nodename}")
+        # the credentials read (and refused, when malformed or sent in clear) now, on the agent's command line, not
+        # in the thread
+        self.wire = Wire(url, creds, tls_ca, tls_cert, tls_key, name=f"jobprobe-agent {node or os.uname().nodename}",
+                         allow_plaintext_password=allow_plaintext_password,
+                         inbox=inbox_prefix(node) if node else "_INBOX")
+        self.backoff = Backoff(0.5, 5.0)
+        self.ldm_said: str | None = None  # the lame-duck server already logged (one server: nowhere to move)
         self.spool = Spool(spool_dir, max_bytes)
         self.counts: dict[str, dict[str, int]] = {}      # job → queued, written (acked), errors
         self.state = "connecting"
@@ -245,7 +242,7 @@ class NatsSink:
         c["queued"] += 1
         if self.compress:    # ~2.1 KB of msgpack → ~1.1 KB: under 2 KiB/s per node at 1 s (docs/PERFORMANCE.md)
             data = zlib.compress(data, 6)
-        self.spool.append(msg_id(frame), subject_for(frame["node"]), job, data)
+        self.spool.append(msg_id(frame), frames_subject(frame["node"]), job, data)
         if not self.woken:   # once per burst: the publisher takes what came meanwhile
             self.woken = True
             self.wake.set()
@@ -277,9 +274,9 @@ class NatsSink:
     # ---- the publisher -----------------------------------------------------------------------------------
     def _run(self) -> None:
         """Connect (no reconnecting buffer of a client's own: the spool is the only buffer), send what the spool
-        holds a window at a time, move its cursor past what the server acked; on any failure close, wait, connect
-        again, and send from the spool's cursor."""
-        wire, connected, backoff, said = self.wire, False, 0.5, None
+        holds a window at a time, move its cursor past what the server acked (or can never take); on any failure
+        close, wait (a jittered backoff), connect again, and send from the spool's cursor."""
+        wire, connected, said = self.wire, False, None
         while not self.closing.is_set():
             try:
                 if not connected:
@@ -297,19 +294,17 @@ class NatsSink:
                     else:
                         wire.service()   # idle: the server's PINGs answered, a closed connection noticed
                     self._answer()
+                    connected = self._stay(connected)
                     continue
-                wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data in batch], timeout=5)
-                for rec in batch:
-                    c = self.counts.get(rec[5])
-                    if c is not None:
-                        c["written"] += 1
-                self.spool.acked(batch)
+                self._publish(batch)
                 if wire.subs:
                     wire.service()       # a request that came with the acks, read now rather than next tick
                     self._answer()
                 if said:
                     log.warning("nats %s: publishing again (%d frames waiting)", self.url, self.spool.depth())
-                self.state, said, backoff = "ok", None, 0.5
+                self.state, said = "ok", None
+                self.backoff.reset()
+                connected = self._stay(connected)
             except Exception as err:   # unreachable, no stream yet, a timeout: the frames wait in the spool
                 kind = f"{type(err).__name__}: {err}"[:300]
                 if wire.server_said and wire.server_said not in kind:
@@ -321,10 +316,51 @@ class NatsSink:
                 wire.close()
                 connected = False
                 self.last_try_failed = True
-                self.hurry.wait(backoff)
-                backoff = min(5.0, backoff * 2)
+                self.hurry.wait(self.backoff.next())
         wire.close()
 
+    def _publish(self, batch: list[tuple]) -> None:
+        """One window: the frames the server can take published and acked; those it never will (past its
+        max_payload, or refused by JetStream for good) settled as lost, so that they hold up nothing behind them."""
+        wire = self.wire
+        fits = [rec for rec in batch if wire.fits(rec[3], rec[6])]
+        acks = wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data in fits], timeout=5) if fits else []
+        refused = [(rec, ack["error"]) for rec, ack in zip(fits, acks) if "error" in ack]
+        settled = {id(rec) for rec in fits} - {id(rec) for rec, _ in refused}
+        lost = [rec for rec in batch if id(rec) not in settled]
+        for rec in batch:
+            c = self.counts.get(rec[5])
+            if c is not None and id(rec) in settled:
+                c["written"] += 1
+        self.spool.acked(batch, lost)
+        if lost:
+            why = []
+            if len(lost) > len(refused):
+                why.append(f"{len(lost) - len(refused)} larger than the server's max_payload ({wire.max_payload} B)")
+            if refused:
+                e = refused[0][1]
+                why.append(f"{len(refused)} refused by JetStream for good: "
+                           f"{e.get('description', e) if isinstance(e, dict) else e}")
+            log.warning("nats %s: %d frames the server cannot take were skipped (%s), %s first; counted lost "
+                        "(the jobs' self.sink_dropped)", self.url, len(lost), "; ".join(why), lost[0][3])
+
+    def _stay(self, connected: bool) -> bool:
+        """Whether to keep this connection: not when its server announced lame-duck mode and another server is
+        in the list — the publisher moves there now rather than when this one closes the connection. (With one
+        server there is nowhere to go: the frames go on to it until it closes.)"""
+        wire = self.wire
+        if not (connected and wire.lame_duck):
+            return connected
+        if len(wire.servers) < 2:
+            if wire.server_url != self.ldm_said:
+                log.warning("nats %s: the server is going away (lame-duck mode); no other server to move to",
+                            self.url)
+                self.ldm_said = wire.server_url
+            return connected
+        log.warning("nats %s: %s is going away (lame-duck mode): moving to the next server", self.url,
+                    wire.server_url)
+        wire.leave()
+        return False
 
     def _answer(self) -> None:
         reqs, self.wire.requests = self.wire.requests, []

@@ -11,21 +11,39 @@ general client cost it ~11 MiB and a loop wake-up per tick for that. This speaks
             HMSG … NATS/1.0 503                          — no stream listens on the subject (no responders)
             PING → PONG; -ERR '…' (a permission refused) noted and said with the failure it causes
 
+            INFO {json} at any time: a new `max_payload`, or `ldm` — the server is going away (lame duck)
+
 Authentication: user and password, a token, or an nkey (a `.nk` seed, or a `.creds` file's JWT and seed) — the
-server's nonce signed with Ed25519 (exporters/ed25519.py). TLS: upgraded after INFO, as the server expects, when
-the URL says tls:// or a CA/certificate is given or the server requires it.
+server's nonce signed with Ed25519 by the `nkeys` package (PyNaCl, libsodium: constant time), the library nats-py
+signs with for the controller, imported only when a seed is used. A password or token is never sent in clear to
+another host: without TLS it is refused unless the host is loopback or `allow_plaintext_password` says so (a
+signature of the server's nonce reveals nothing and may travel in clear). TLS: upgraded after INFO, as the server
+expects, when the URL says tls:// or a CA/certificate is given or the server requires it.
+
+The server's limits are honoured: a message larger than its `max_payload` would make it close the connection, so
+`fits()` tells the caller before it sends (the sink skips such a frame, counted lost). An INFO received later
+updates them; one saying `ldm` sets `lame_duck`, so that the caller moves to another server of its list now rather
+than when this one closes the connection. Servers an INFO names (`connect_urls`) are not added to the list: the
+credentials go only to servers the configuration names.
 """
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import os
 import socket
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 MAX_LINE = 64 << 10
+DEFAULT_MAX_PAYLOAD = 1 << 20        # the server's default, until its INFO says otherwise
+# JetStream refusals (PubAck err_code) that no retry can change for that message: it is skipped, not sent forever
+PERMANENT_REFUSALS = {
+    10054,     # message size exceeds the stream's maximum (max_msg_size)
+    10097,     # header size exceeds the maximum allowed
+}
 
 
 class NatsError(Exception):
@@ -36,11 +54,19 @@ class NoResponders(NatsError):
     pass
 
 
+class TooLarge(NatsError):
+    """A message larger than the server's max_payload: sending it would end the connection."""
+
+
+class PlaintextPassword(ValueError):
+    """A password or token would cross the network in clear (no TLS, a host that is not loopback)."""
+
+
 class Credentials:
     """What a file says: `*.creds` a JWT and an nkey seed, `*.nk` an nkey seed, else one line `user:password`."""
 
     def __init__(self, path: str | None = None):
-        self.user = self.password = self.token = self.jwt = self.seed = None
+        self.user = self.password = self.token = self.jwt = self.seed = self.public_key = None
         if not path:
             return
         text = Path(path).read_text()
@@ -56,25 +82,89 @@ class Credentials:
             if not sep or not user:
                 raise ValueError(f"{path}: expected one line user:password")
             self.user, self.password = user, password
-        if self.seed and not self.seed.startswith("SU"):
-            raise ValueError(f"{path}: not a user nkey seed (SU…)")
+        if self.seed:
+            if not self.seed.startswith("SU"):
+                raise ValueError(f"{path}: not a user nkey seed (SU…)")
+            try:
+                kp = _keypair(self.seed)
+                self.public_key = kp.public_key.decode()
+                kp.wipe()
+            except Exception as err:          # nkeys' or PyNaCl's own errors: not base32, a wrong length
+                raise ValueError(f"{path}: not a valid nkey seed ({err})") from None
+
+
+    @property
+    def secret_in_clear(self) -> bool:
+        """A password sent as it is (an nkey sends only a signature of the server's nonce)."""
+        return self.user is not None
+
+    def sign(self, nonce: str) -> bytes:
+        """The server's nonce signed with the seed (Ed25519, by nkeys): the raw 64-byte signature."""
+        kp = _keypair(self.seed)
+        try:
+            return kp.sign(nonce.encode())
+        finally:
+            kp.wipe()
 
     def connect_fields(self, nonce: str | None) -> dict:
         if self.seed:
-            from jobprobe.exporters import ed25519
-            seed, public = ed25519.nkey_from_seed(self.seed)
             if nonce is None:
                 raise NatsError("the server sent no nonce to sign (is nkey authentication configured?)")
-            sig = base64.urlsafe_b64encode(ed25519.sign(seed, nonce.encode())).rstrip(b"=").decode()
-            fields = {"sig": sig}
+            fields = {"sig": base64.urlsafe_b64encode(self.sign(nonce)).rstrip(b"=").decode()}
             if self.jwt:
                 fields["jwt"] = self.jwt
             else:
-                fields["nkey"] = public
+                fields["nkey"] = self.public_key
             return fields
         if self.user is not None:
             return {"user": self.user, "pass": self.password}
         return {}
+
+
+def _keypair(seed: str):
+    """nkeys' key pair of a seed, its checksum checked first (nkeys does not: a mistyped seed would be another
+    key, refused by the server with no word of why)."""
+    import nkeys       # PyNaCl behind it: loaded by an agent only when it authenticates with an nkey
+    raw = seed.encode()
+    try:
+        data = base64.b32decode(raw + b"=" * (-len(raw) % 8))
+    except ValueError:
+        raise ValueError("not base32") from None
+    if len(data) < 4 or nkeys.crc16_checksum(data[:-2]) != data[-2:]:
+        raise ValueError("its checksum does not match: mistyped or cut short")
+    return nkeys.from_seed(bytearray(raw))
+
+
+def new_user_nkey() -> tuple[str, str]:
+    """A new user nkey: (seed `SU…`, to the node's `.nk` file; public key `U…`, to the server's users)."""
+    import nkeys
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+    kp = nkeys.from_seed(bytearray(seed.encode()))
+    try:
+        return seed, kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or `localhost` — by the name as written, never by what a resolver answers."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def refuse_plaintext_password(url: SplitResult, creds: Credentials, tls: bool) -> None:
+    """PlaintextPassword when this connection would send a password or token in clear to another host."""
+    secret = creds.secret_in_clear or url.username is not None
+    host = url.hostname or "127.0.0.1"
+    if secret and not tls and not is_loopback(host):
+        raise PlaintextPassword(
+            f"{url.scheme}://{host}:{url.port or 4222}: a password or token would be sent in clear to a host that "
+            "is not loopback; use TLS (tls://, a CA), an nkey (.nk/.creds), or allow it explicitly "
+            "(allow_plaintext_password)")
 
 
 def _armored(text: str, what: str) -> str | None:
@@ -92,14 +182,24 @@ class Wire:
     """One connection to one of `servers` (tried in turn, from the one after the last that failed)."""
 
     def __init__(self, url: str, creds: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, name: str = "jobprobe", timeout: float = 2.0):
+                 tls_key: str | None = None, name: str = "jobprobe", timeout: float = 2.0,
+                 allow_plaintext_password: bool = False, inbox: str = "_INBOX"):
         self.servers = [u.strip() for u in url.split(",") if u.strip()]
         self.creds = Credentials(creds)
         self.tls_files = (tls_ca, tls_cert, tls_key)
+        if not allow_plaintext_password:     # refused now, on the command line, not at the first connection
+            for server in self.servers:
+                u = _split(server)
+                refuse_plaintext_password(u, self.creds, u.scheme == "tls" or any(self.tls_files))
+        self.max_payload = DEFAULT_MAX_PAYLOAD
+        self.lame_duck = False                   # the server said it is going away (INFO ldm)
+        self.server_url: str | None = None       # the one connected to
         self.name, self.timeout = name, timeout
         self.sock: socket.socket | None = None
         self.buf = bytearray()
-        self.inbox = f"_INBOX.{os.urandom(8).hex()}"
+        # replies (PubAcks, answers) come under `inbox`: a node's own prefix (jobprobe.wire.inbox_prefix), the only
+        # one its permissions let it read
+        self.inbox = f"{inbox}.{os.urandom(8).hex()}"
         self.batch_no = 0
         self.server_said: str | None = None      # the last -ERR: said with the failure it explains
         self._next = 0
@@ -122,16 +222,18 @@ class Wire:
         raise errors[-1] if len(errors) == 1 else ConnectionError("; ".join(f"{type(e).__name__}: {e}" for e in errors))
 
     def _connect(self, url: str) -> None:
-        u = urlsplit(url if "://" in url else f"nats://{url}")
+        u = _split(url)
         host, port = u.hostname or "127.0.0.1", u.port or 4222
         self.sock = socket.create_connection((host, port), timeout=self.timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf.clear()
+        self.lame_duck, self.server_url = False, url
         deadline = time.monotonic() + self.timeout
         op, rest = self._line(deadline).partition(b" ")[::2]
         if op != b"INFO":
             raise NatsError(f"{host}:{port} is not a NATS server (it said {op[:40]!r})")
         info = json.loads(rest)
+        self._info(info)
         tls = u.scheme == "tls" or any(self.tls_files) or info.get("tls_required", False)
         if tls:
             import ssl
@@ -158,6 +260,12 @@ class Wire:
                 self._send(b"PONG\r\n")
         self._send(f"SUB {self.inbox}.> 1\r\n".encode()
                    + b"".join(f"SUB {subj} {sid}\r\n".encode() for sid, subj in self.subs.items()))
+
+    def leave(self) -> None:
+        """Close, and connect next to the server after this one (this one is going away)."""
+        self.close()
+        if len(self.servers) > 1:
+            self._next = (self._next + 1) % len(self.servers)
 
     def subscribe(self, subject: str) -> None:
         """Messages on `subject` go to `requests` (from every connection from now on); answer with reply()."""
@@ -191,14 +299,24 @@ class Wire:
         self.sock = None
 
     # ---- publishing ---------------------------------------------------------------------------------------
+    def fits(self, mid: str, data: bytes) -> bool:
+        """Whether the server takes this message (its headers and payload within the server's max_payload)."""
+        return len(_headers(mid)) + len(data) <= self.max_payload
+
     def publish(self, msgs: list[tuple[str, str, bytes]], timeout: float = 5.0) -> list[dict]:
         """Publish (subject, msg id, payload)s to JetStream and wait for every ack; returns the PubAcks in order.
-        Raises on the first refusal, or when an ack is not back within `timeout`."""
+        A refusal that no retry can change (PERMANENT_REFUSALS: the message is too large for the stream) is
+        returned in its message's place as the PubAck it is ({"error": …}); any other refusal raises, as does an
+        ack not back within `timeout`. Every message must fit (fits()): a larger one would end the connection."""
+        big = [mid for _, mid, data in msgs if not self.fits(mid, data)]
+        if big:
+            raise TooLarge(f"{len(big)} messages exceed the server's max_payload ({self.max_payload}), {big[0]} "
+                             "first")
         self.batch_no += 1
         prefix = f"{self.inbox}.{self.batch_no}."
         out = bytearray()
         for i, (subject, mid, data) in enumerate(msgs):
-            hdr = f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n\r\n".encode()
+            hdr = _headers(mid)
             out += f"HPUB {subject} {prefix}{i} {len(hdr)} {len(hdr) + len(data)}\r\n".encode()
             out += hdr
             out += data
@@ -218,7 +336,7 @@ class Wire:
             if status == "503":
                 raise NoResponders(f"no stream takes {msgs[i][0]} (no responders)")
             ack = json.loads(payload) if payload else {}
-            if "error" in ack:
+            if "error" in ack and _err_code(ack) not in PERMANENT_REFUSALS:
                 e = ack["error"]
                 raise NatsError(f"JetStream: {e.get('description', e)} (code {e.get('err_code', e.get('code'))})")
             if acks[i] is None:
@@ -282,9 +400,17 @@ class Wire:
         del self.buf[:n + 2]
         return data
 
+    def _info(self, info: dict) -> None:
+        """What an INFO says that this client acts on: the largest message taken, and lame-duck mode."""
+        mp = info.get("max_payload")
+        if isinstance(mp, int) and not isinstance(mp, bool) and mp > 0:
+            self.max_payload = mp
+        if info.get("ldm") is True:
+            self.lame_duck = True
+
     def _message(self, deadline: float) -> tuple[str, str | None, bytes] | None:
         """One protocol message: a delivered message as (reply subject it was sent to, header status, payload);
-        None for anything else (PING answered, +OK, INFO, -ERR noted)."""
+        None for anything else (PING answered, +OK, INFO taken in, -ERR noted)."""
         line = self._line(deadline)
         op, _, rest = line.partition(b" ")
         if op == b"MSG":
@@ -303,11 +429,31 @@ class Wire:
             return parts[0].decode(), status, data[hlen:]
         if op == b"PING":
             self._send(b"PONG\r\n")
+        elif op == b"INFO":                       # sent at any time: a cluster's change, lame-duck mode
+            try:
+                info = json.loads(rest)
+            except ValueError:
+                raise NatsError(f"the server sent an INFO that is not JSON: {rest[:60]!r}") from None
+            if isinstance(info, dict):
+                self._info(info)
         elif op == b"-ERR":
             self.server_said = _err_text(line)
             if "ermission" not in self.server_said:      # anything but a refused publish ends the connection
                 raise NatsError(self.server_said)
         return None
+
+
+def _split(url: str) -> SplitResult:
+    return urlsplit(url if "://" in url else f"nats://{url}")
+
+
+def _headers(mid: str) -> bytes:
+    return f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n\r\n".encode()
+
+
+def _err_code(ack: dict) -> int | None:
+    e = ack.get("error")
+    return e.get("err_code") if isinstance(e, dict) else None
 
 
 def _err_text(line: bytes) -> str:

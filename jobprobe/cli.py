@@ -85,13 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--slurm", action="store_true", default=None,
                     help="a SLURM node: at start, attach the jobs running here (squeue) that no prolog attached")
     ag.add_argument("--slurm-node", metavar="NAME", help="this node's SLURM name (default: the short host name)")
-    ag.add_argument("--k8s", metavar="URL", help="the kubelet (https://NODE:10250): attach the pods annotated "
-                    "jobprobe.io/probe=true, detach them when they go")
+    ag.add_argument("--k8s", metavar="URL", help="where this node's pod list comes from: the API server "
+                    "(https://kubernetes.default.svc, with --k8s-node) or the node's kubelet (https://NODE:10250); "
+                    "attach the pods annotated jobprobe.io/probe=true, detach them when they go")
+    ag.add_argument("--k8s-node", metavar="NAME", help="this node's Kubernetes name (the downward API's "
+                    "spec.nodeName): --k8s is the API server, asked for this node's pods (RBAC: list pods)")
     ag.add_argument("--k8s-every", type=float, metavar="S", help="seconds between looks at the pod list (default 5)")
-    ag.add_argument("--k8s-token-file", metavar="FILE", help="bearer token for the kubelet (a service account's)")
-    ag.add_argument("--k8s-ca", metavar="FILE", help="CA of the kubelet's certificate")
+    ag.add_argument("--k8s-token-file", metavar="FILE", help="bearer token for --k8s (a service account's)")
+    ag.add_argument("--k8s-ca", metavar="FILE", help="CA of --k8s's certificate (default: the service account's "
+                    "ca.crt in a pod, else the system's)")
     ag.add_argument("--k8s-insecure", action="store_true", default=None,
-                    help="do not check the kubelet's certificate (kubelets often serve self-signed ones)")
+                    help="do not check --k8s's certificate; refused with --k8s-token-file (a token is never "
+                    "sent to an unverified peer)")
     ag.add_argument("--send", metavar="nats://HOST:PORT", help="every job's frames to the controller's NATS "
                     "JetStream (comma-separate several servers)")
     ag.add_argument("--spool", metavar="DIR", help="frames waiting for the NATS server (default /var/lib/jobprobe/spool)")
@@ -99,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--nats-creds", metavar="FILE", help="this node's NATS credentials: a .creds (JWT + nkey), a .nk "
                     "seed, or a file holding user:password")
     ag.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
+    ag.add_argument("--nats-insecure-plaintext", action="store_true", default=None,
+                    help="allow a password or token file to go in clear to a NATS server that is not loopback "
+                    "(refused otherwise: use an nkey from `jobprobe controller enroll`, or TLS)")
     ag.add_argument("--node", metavar="NAME", help="this node's name in frames (default: the short host name)")
     ag.add_argument("--prometheus", metavar="HOST:PORT", help="serve every job's metrics for Prometheus at "
                     "http://HOST:PORT/metrics (scrape with honor_labels: true)")
@@ -175,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--controller", metavar="URL", help="also send the result to the controller through NATS "
                     "(`jobprobe controller stats` lists the nodes that are not ready)")
     dr.add_argument("--nats-creds", metavar="FILE", help="NATS credentials for --controller")
+    dr.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
     dr.add_argument("--node", metavar="NAME", help="this node's name (default: the short host name)")
     tr = sub.add_parser("trace", help="open a deep-trace window for a job now: a Perfetto trace file of its Python "
                         "threads and what the kernel saw (docs/RULES.md)")
@@ -184,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: now; with --nats, 3 s from now on every node)")
     tr.add_argument("--nats", metavar="URL", help="through the controller: a window on EVERY node of the job, with "
                     "one common start")
-    tr.add_argument("--nats-creds", metavar="FILE", help="NATS credentials (.creds, .nk, or user:password)")
+    tr.add_argument("--nats-creds", metavar="FILE", help="NATS credentials (.creds, .nk, or user:password): the "
+                    "controller's key (DATA/auth/controller.nk), the one identity allowed to ask for traces")
+    tr.add_argument("--nats-ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
     tr.add_argument("--socket", metavar="PATH", default=None)
     st = sub.add_parser("status", help="the agent's jobs, each probe's status per job, the agent's own cost")
     st.add_argument("--json", action="store_true")
@@ -450,12 +461,17 @@ def cmd_agent(args, host: Host) -> int:
                        "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue,
                        "slurm": args.slurm, "slurm_node": args.slurm_node, "k8s": args.k8s,
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
-                       "k8s_insecure": args.k8s_insecure, "nats": args.send, "spool": args.spool,
+                       "k8s_insecure": args.k8s_insecure, "k8s_node": args.k8s_node, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
+                       "nats_insecure_plaintext": args.nats_insecure_plaintext,
                        "node": args.node, "prometheus": args.prometheus, "rules": args.rules,
                        "trace_dir": args.trace_dir, "trace_every": args.trace_every})
     from jobprobe.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
+    if cfg.k8s:     # a token for an unverified peer, or an unreadable CA: said now, exit 2
+        from jobprobe.k8s import pods_path, tls_context
+        tls_context(cfg.k8s, cfg.k8s_ca, cfg.k8s_insecure, cfg.k8s_token_file)
+        pods_path(cfg.k8s_node)
     try:
         agent = Agent(cfg, host)
     except (ValueError, OSError) as err:  # a credentials file unreadable or malformed, a spool or port not usable
@@ -484,7 +500,7 @@ def cmd_agent(args, host: Host) -> int:
         if cfg.k8s:
             from jobprobe.k8s import PodWatcher
             watcher = PodWatcher(agent, cfg.k8s, every=cfg.k8s_every, token_file=cfg.k8s_token_file,
-                                 ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure)
+                                 ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure, node=cfg.k8s_node)
             watcher.start()
         agent.run()
     finally:
@@ -706,11 +722,14 @@ def cmd_doctor(args) -> int:
 
 def send_doctor(args, node: str, result: dict) -> None:
     """The result as an `event` frame (job `node`, event `doctor`) into the frames' stream, as an agent sends."""
-    from jobprobe.wire import frames_subject, msg_id
+    from jobprobe.wire import frames_subject, inbox_prefix, msg_id
     from jobprobe.exporters.natswire import NatsError, Wire
     from jobprobe.frame import FrameBuilder, encode
     fr = FrameBuilder(node, "node", f"doctor-{int(time.time() * 1000)}").event(time.time(), "doctor", **result)
-    wire = Wire(args.controller, args.nats_creds, name="jobprobe-doctor")
+    try:
+        wire = Wire(args.controller, args.nats_creds, args.nats_ca, name="jobprobe-doctor", inbox=inbox_prefix(node))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"doctor: --nats-creds: {err}") from None
     try:
         wire.connect()
         wire.publish([(frames_subject(node), msg_id(fr), encode(fr))], timeout=10)
@@ -753,7 +772,10 @@ def cluster_trace(args, at: float | None) -> int:
     """Ask the controller for a window on every node of the job; print each node's answer."""
     from jobprobe.wire import CLUSTER_TRACE
     from jobprobe.exporters.natswire import NatsError, Wire
-    wire = Wire(args.nats, args.nats_creds, name="jobprobe-trace")
+    try:
+        wire = Wire(args.nats, args.nats_creds, args.nats_ca, name="jobprobe-trace")
+    except (OSError, ValueError) as err:
+        raise BadInput(f"trace: --nats-creds: {err}") from None
     try:
         wire.connect()
         data = wire.request(CLUSTER_TRACE, json.dumps({"job": args.job, "duration": args.duration,

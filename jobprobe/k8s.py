@@ -1,13 +1,23 @@
-"""Kubernetes: the agent's `--k8s URL` mode. A thread asks the kubelet of this node for its pods (GET URL/pods, the
-kubelet's own list: only this node's pods, no API server load) every few seconds, attaches every pod annotated
-`jobprobe.io/probe: "true"` (probes from `jobprobe.io/probes`, else the agent's default) and detaches it when it
-leaves the list, ends, or loses the annotation. Frames carry the pod's namespace, name, UID and containers as labels.
+"""Kubernetes: the agent's `--k8s URL` mode. A thread asks for this node's pods every few seconds, attaches every pod
+annotated `jobprobe.io/probe: "true"` (probes from `jobprobe.io/probes`, else the agent's default) and detaches it when
+it leaves the list, ends, or loses the annotation. Frames carry the pod's namespace, name, UID and containers as labels.
 
-The kubelet is a peer that may be slow, down or confused: a failed or garbled answer is logged (once per kind of
-failure, and again when it recovers), tried again with a backoff up to a minute, and changes nothing — attached pods
-keep being probed, and a pod is detached only on an answer that parses and no longer lists it. A probe name in the
-annotation that no probe has is refused; the pod is attached with the others, and `jobprobe status` says which was
-refused.
+Where the list comes from, least privilege first:
+- the API server (`--k8s https://kubernetes.default.svc --k8s-node NODE`): GET /api/v1/pods with the field selector
+  `spec.nodeName=NODE`, which RBAC authorizes as `list pods` and nothing more, on every Kubernetes version. It is
+  served from the API server's watch cache (resourceVersion=0), not from etcd. The manifest uses this.
+- the node's kubelet (`--k8s https://NODE:10250`): GET /pods. Kubelets before fine-grained authorization (KEP-2862,
+  beta in 1.33) authorize that as `nodes/proxy`, which also allows exec into every container of the node: kept for
+  clusters that want no API server traffic, not for the manifest.
+
+The peer's certificate is verified (`--k8s-ca`, else the service account's ca.crt in a pod, else the system's
+CAs); a bearer token is never sent to a peer that is not verified, nor in clear: `--k8s-insecure` with a token, or a
+token to an http:// URL, is refused before anything starts.
+
+The peer may be slow, down or confused: a failed or garbled answer is logged (once per kind of failure, and again
+when it recovers), tried again with a backoff up to a minute, and changes nothing — attached pods keep being probed,
+and a pod is detached only on an answer that parses and no longer lists it. A probe name in the annotation that no
+probe has is refused; the pod is attached with the others, and `jobprobe status` says which was refused.
 
 Sits above the agent (it drives it, as the SLURM prolog does); imports nothing below jobprobe.agent.
 """
@@ -15,10 +25,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
@@ -56,8 +68,8 @@ class Pod:
 
 
 def wanted_pods(doc: Any) -> dict[str, Pod]:
-    """The pods of a kubelet /pods answer (a v1 PodList) that ask to be probed and have not ended, by UID.
-    ValueError when the document is not a pod list."""
+    """The pods of a pod list (a v1 PodList: the kubelet's /pods or the API server's /api/v1/pods) that ask to be
+    probed and have not ended, by UID. ValueError when the document is not a pod list."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValueError("not a pod list (no items)")
     out = {}
@@ -95,24 +107,59 @@ def split_probes(spec: str | None, known: set[str]) -> tuple[str | None, list[st
     return (",".join(keep) if keep else None), refused
 
 
+def tls_context(url: str, ca_file: str | None = None, insecure: bool = False,
+                token_file: str | None = None) -> ssl.SSLContext | None:
+    """The TLS context for the peer at `url` (None for http://). The peer's certificate is checked against `ca_file`,
+    else the service account's ca.crt where it exists (the cluster CA, in a pod), else the system's CAs.
+    BadInput where a bearer token would go to a peer that is not verified or in clear: the token lets whoever
+    holds it act as the agent's service account, so it goes only where the peer has proven who it is."""
+    https = url.startswith("https:")
+    if not https and not url.startswith("http:"):
+        raise BadInput(f"--k8s {url}: not an http(s):// URL")
+    if token_file and not https:
+        raise BadInput(f"--k8s {url}: a token is never sent in clear; give an https:// URL")
+    if token_file and insecure:
+        raise BadInput("--k8s-insecure with --k8s-token-file: a token is never sent to an unverified peer; "
+                       f"give the cluster CA with --k8s-ca FILE (in a pod: {CA})")
+    if not https:
+        return None
+    if insecure:
+        return ssl._create_unverified_context()
+    cafile = ca_file or (CA if os.path.exists(CA) else None)
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as err:
+        raise BadInput(f"--k8s-ca {cafile}: {err}") from None
+
+
+def pods_path(node: str | None) -> str:
+    """The request for this node's pods: the API server's pod list narrowed to the node (RBAC: `list pods`, served
+    from its watch cache), or, without a node name, the kubelet's own list."""
+    if node is None:
+        return "/pods"
+    if not node.strip():
+        raise BadInput("--k8s-node: empty (in a pod: the downward API's spec.nodeName)")
+    return "/api/v1/pods?" + urllib.parse.urlencode({"fieldSelector": f"spec.nodeName={node}",
+                                                     "resourceVersion": "0"})
+
+
 class PodWatcher:
     def __init__(self, agent: Agent, url: str, every: float = 5.0, token_file: str | None = None,
-                 ca_file: str | None = None, insecure: bool = False, timeout: float = 5.0):
+                 ca_file: str | None = None, insecure: bool = False, timeout: float = 5.0, node: str | None = None):
         self.agent, self.url, self.every, self.timeout = agent, url.rstrip("/"), every, timeout
         self.token_file = token_file
-        self.context = None
-        if self.url.startswith("https:"):
-            self.context = ssl.create_default_context(cafile=ca_file) if not insecure else \
-                ssl._create_unverified_context()
+        self.context = tls_context(self.url, ca_file, insecure, token_file)
+        self.path = pods_path(node)
+        self.peer = "kubelet" if node is None else "API server"
         self.attached: dict[str, str] = {}      # pod UID → the job's name in the agent
         self.failing: str | None = None         # the kind of failure logged last (logged again when it changes)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
 
-    # ---- one look at the kubelet -------------------------------------------------------------------------
+    # ---- one look at the pod list -----------------------------------------------------------------------
     def fetch(self) -> dict[str, Pod]:
-        req = urllib.request.Request(self.url + "/pods", headers={"Accept": "application/json"})
-        if self.token_file:
+        req = urllib.request.Request(self.url + self.path, headers={"Accept": "application/json"})
+        if self.token_file:     # read each time: projected service account tokens are rotated
             with open(self.token_file) as f:
                 req.add_header("Authorization", f"Bearer {f.read().strip()}")
         with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
@@ -145,7 +192,7 @@ class PodWatcher:
         for uid in [u for u in self.attached if u not in pods]:
             name = self.attached.pop(uid)
             try:
-                self.agent.detach(name, why="the pod left the kubelet's list (ended, deleted, or no annotation)")
+                self.agent.detach(name, why=f"the pod left the {self.peer}'s list (ended, deleted, or no annotation)")
             except BadInput:
                 pass                            # it had already ended by itself
 
@@ -160,13 +207,13 @@ class PodWatcher:
             try:
                 self.poll()
                 if self.failing:
-                    log.warning("kubelet at %s answers again", self.url)
+                    log.warning("%s at %s answers again", self.peer, self.url)
                 self.failing, wait = None, self.every
             except (OSError, ValueError, urllib.error.URLError) as err:   # down, refused, garbage: try again later
                 kind = type(err).__name__
                 if kind != self.failing:
-                    log.warning("kubelet at %s: %s: %s; attached pods go on; trying again with backoff", self.url,
-                                kind, err)
+                    log.warning("%s at %s: %s: %s; attached pods go on; trying again with backoff", self.peer,
+                                self.url, kind, err)
                 self.failing, wait = kind, min(MAX_BACKOFF_S, max(self.every, wait * 2))
             except Exception:   # a bug must not stop the watching
                 log.exception("k8s watcher")

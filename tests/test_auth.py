@@ -171,7 +171,8 @@ class Agent:
 @pytest.mark.kernel
 def test_a_cluster_trace_works_under_the_generated_permissions_and_a_wrong_key_is_said(ctl, tmp_path):
     agents = [Agent(tmp_path, n, ctl.url, ctl.enroll(n)) for n in ("n1", "n2")]
-    old = ctl.enroll("n5")
+    old = tmp_path / "n5-old.nk"
+    shutil.copy(ctl.enroll("n5"), old)
     ctl.enroll("n5")                                   # enrolled again: a new key, the old one revoked
     revoked = Agent(tmp_path, "n5", ctl.url, old, job="other")
     wrong = Agent(tmp_path, "n3", ctl.url, ctl.enroll("n4"), job="other")   # another node's key
@@ -196,6 +197,17 @@ def test_a_cluster_trace_works_under_the_generated_permissions_and_a_wrong_key_i
     finally:
         for a in agents:
             a.close()
+
+
+def test_the_documented_permissions_are_the_generated_ones():
+    """docs/DEPLOY.md's block is what natsauth writes into the server's config (the cluster trace above ran under
+    the generated ones): the docs cannot drift from the code."""
+    import re
+    from jobprobe.natsauth import node_permissions
+    text = (REPO / "docs" / "DEPLOY.md").read_text()
+    m = re.search(r"<!-- node-permissions (\S+) -->\n```json\n(.*?)\n```", text, re.S)
+    assert m, "docs/DEPLOY.md has no node-permissions block"
+    assert json.loads(m.group(2)) == node_permissions(m.group(1))
 
 
 def test_not_loopback_without_tls_is_refused_and_a_killed_controller_takes_its_server(tmp_path):

@@ -40,7 +40,7 @@ def test_the_daemonset_manifest_runs_the_agent_with_what_it_needs():
     docs = {d["kind"]: d for d in yaml.safe_load_all((REPO / "scripts/k8s/jobprobe.yaml").read_text())}
     assert set(docs) == {"Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "DaemonSet"}
     rules = docs["ClusterRole"]["rules"]
-    assert any("nodes/proxy" in r["resources"] and r["verbs"] == ["get"] for r in rules)   # the kubelet's /pods
+    assert rules == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]     # the API server's pod list
     pod = docs["DaemonSet"]["spec"]["template"]["spec"]
     assert pod["hostPID"] is True and pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
     (c,) = pod["containers"]
@@ -54,5 +54,6 @@ def test_the_daemonset_manifest_runs_the_agent_with_what_it_needs():
     assert all(hostpaths[m["name"]] == m["mountPath"] for m in c["volumeMounts"])
     # every argument is one `jobprobe agent` takes (the manifest cannot drift from the command line)
     args = build_parser().parse_args(c["args"])
-    assert args.cmd == "agent" and args.k8s.startswith("https://$(NODE_IP):10250") and args.k8s_insecure
+    assert args.cmd == "agent" and args.k8s == "https://kubernetes.default.svc" and not args.k8s_insecure
+    assert args.k8s_node == "$(NODE_NAME)"
     assert args.k8s_token_file == "/var/run/secrets/kubernetes.io/serviceaccount/token"

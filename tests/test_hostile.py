@@ -283,6 +283,8 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
         until(counted, 300, "every honest frame stored and every hostile body stored or refused")
         assert ctl.poll() is None, log.read_text()[-2000:]
         peak = max(peak, vm_hwm_mib(ctl.pid))
+        print(f"controller peak RSS {peak:.1f} MiB over {len(bodies)} hostile bodies and {2 * sent_honest} honest "
+              "frames")
         assert peak <= HOSTILE_RSS_MIB, f"controller peak RSS {peak:.1f} MiB"
         c = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
         refused = c.execute("SELECT COUNT(*) FROM rejects").fetchone()[0]

@@ -1,11 +1,13 @@
 """--k8s-pod: a pod's cgroup2 group found by UID in the kubelet's two layouts (fixture trees), and a real group laid
 out as the kubelet's systemd driver makes it, with a burner in one of its containers, attached from the command line.
-(No kubelet runs here: the groups are made by the test, named as the kubelet names them.)"""
+(No kubelet runs here: the groups are made by the test, named as the kubelet names them.) And the DaemonSet
+manifest's privileges: `list pods` only (never `nodes/proxy` or a wildcard), never `--k8s-insecure`."""
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +115,67 @@ def test_cli_attaches_to_a_pod_and_counts_every_container(make_cgroup):
         for c in [*containers, pod, pod.parent, pod.parent.parent]:     # leaves first
             if c.exists():
                 c.rmdir()
+
+
+# ---- the manifest's privileges --------------------------------------------------------------------------------
+MANIFEST = Path(__file__).resolve().parents[1] / "scripts/k8s/jobprobe.yaml"
+SA = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def privilege_problems(docs: list[dict]) -> list[str]:
+    """What in a manifest grants more than listing pods, or lets the agent trust a peer it has not verified."""
+    problems = []
+    for d in docs:
+        if d.get("kind") not in ("Role", "ClusterRole"):
+            continue
+        if d.get("aggregationRule"):
+            problems.append(f"{d['metadata']['name']}: an aggregated role (it takes others' rules)")
+        for rule in d.get("rules") or []:
+            for key in ("apiGroups", "resources", "verbs", "nonResourceURLs"):
+                if "*" in (rule.get(key) or []):
+                    problems.append(f"{d['metadata']['name']}: wildcard {key}")
+            if "nodes/proxy" in (rule.get("resources") or []):
+                problems.append(f"{d['metadata']['name']}: nodes/proxy (exec into every container)")
+            if set(rule.get("resources") or []) - {"pods"} or set(rule.get("verbs") or []) - {"list"} \
+                    or rule.get("nonResourceURLs") or rule.get("apiGroups") != [""]:
+                problems.append(f"{d['metadata']['name']}: more than `list pods`: {rule}")
+    for d in docs:
+        if d.get("kind") == "DaemonSet":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                if any(str(a).split("=")[0] == "--k8s-insecure" for a in c.get("args") or []):
+                    problems.append(f"{c['name']}: --k8s-insecure (the token to an unverified peer)")
+    return problems
+
+
+def test_the_manifest_grants_only_listing_pods_and_verifies_the_api_server():
+    """RBAC: `list pods` and nothing else (no nodes/proxy, which allows exec into every container; no wildcard);
+    the agent asks the API server for its own node's pods, with the cluster CA, never --k8s-insecure. The checker
+    is also run on broken copies, to see that it would have said something."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML (the test extra) is not installed")
+    from jobprobe.cli import build_parser
+    docs = list(yaml.safe_load_all(MANIFEST.read_text()))
+    assert privilege_problems(docs) == []
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    assert [r["rules"] for r in roles] == [[{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]]
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (c,) = ds["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(c["args"])
+    assert args.k8s == "https://kubernetes.default.svc" and not args.k8s_insecure
+    assert args.k8s_node == "$(NODE_NAME)"
+    assert {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}["NODE_NAME"] == "spec.nodeName"
+    assert (args.k8s_token_file, args.k8s_ca) == (f"{SA}/token", f"{SA}/ca.crt")
+
+    def broken(edit) -> list[str]:
+        copy = list(yaml.safe_load_all(MANIFEST.read_text()))
+        edit(copy)
+        return privilege_problems(copy)
+
+    role = next(i for i, d in enumerate(docs) if d["kind"] == "ClusterRole")
+    daemonset = docs.index(ds)
+    assert "nodes/proxy" in " ".join(broken(lambda d: d[role]["rules"][0]["resources"].append("nodes/proxy")))
+    assert "wildcard verbs" in broken(lambda d: d[role]["rules"][0].update(verbs=["*"]))[0]
+    assert "wildcard resources" in broken(lambda d: d[role]["rules"].append(
+        {"apiGroups": [""], "resources": ["*"], "verbs": ["list"]}))[0]
+    assert "more than" in broken(lambda d: d[role]["rules"][0]["verbs"].append("get"))[0]
+    assert "--k8s-insecure" in broken(lambda d: d[daemonset]["spec"]["template"]["spec"]["containers"][0]["args"]
+                                      .append("--k8s-insecure"))[0]

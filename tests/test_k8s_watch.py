@@ -1,16 +1,22 @@
 """`jobprobe agent --k8s URL`: pods attached by annotation and detached when they go, against a kubelet `/pods`
 endpoint served by the test (the real PodList JSON shape; no kubelet runs here) and real cgroup2 groups laid out as
 the kubelet lays them: the systemd driver with containerd's and CRI-O's scope names, and the cgroupfs driver. The
-kubelet then answers garbage, fails, and goes away: attached pods keep being probed."""
+kubelet then answers garbage, fails, and goes away: attached pods keep being probed. The API server's list, as the
+manifest asks for it (this node's pods by field selector, over TLS verified against the cluster CA); a self-signed
+peer never receives the bearer token unless its CA is given, and `--k8s-insecure` with a token is refused."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,8 +24,10 @@ from pathlib import Path
 import pytest
 
 from conftest import workload, until as wait_for
+from jobprobe import k8s
+from jobprobe.errors import BadInput
 from jobprobe.frame import StreamReader
-from jobprobe.k8s import split_probes, wanted_pods
+from jobprobe.k8s import PodWatcher, split_probes, wanted_pods
 
 REPO = Path(__file__).resolve().parents[1]
 UIDS = {name: str(uuid.uuid4()) for name in "abcd"}   # fresh each run: no other group on the node has them
@@ -55,11 +63,15 @@ def test_wanted_pods_reads_the_annotation_and_skips_ended_pods():
 
 
 class Kubelet:
-    """GET /pods → whatever `answer` says: a dict (JSON), bytes (sent as they are), or an int (that HTTP status)."""
+    """GET /pods (or the API server's /api/v1/pods) → whatever `answer` says: a dict (JSON), bytes (sent as they
+    are), or an int (that HTTP status). Over TLS with `tls=(cert, key)`. `seen`: each request's path and
+    Authorization header, as the server received them."""
 
-    def __init__(self):
+    def __init__(self, tls: tuple[Path, Path] | None = None):
         self.answer: object = pod_list()
         self.port = 0
+        self.tls = tls
+        self.seen: list[tuple[str, str | None]] = []
         self.start()
 
     def start(self):
@@ -67,6 +79,7 @@ class Kubelet:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
+                kubelet.seen.append((self.path, self.headers.get("Authorization")))
                 a = kubelet.answer
                 if isinstance(a, int):
                     self.send_error(a)
@@ -83,7 +96,13 @@ class Kubelet:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)   # the same port when it comes back
         self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        scheme = "http"
+        if self.tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*map(str, self.tls))
+            self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+            scheme = "https"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self):
@@ -91,6 +110,106 @@ class Kubelet:
         self.server.server_close()
 
 
+def self_signed(d: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by its own key: the peer's certificate and its CA at once."""
+    d.mkdir(parents=True)
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """(the peer's cert, its key, a CA that did not sign it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test certificate")
+    base = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed(base / "peer")
+    other, _ = self_signed(base / "other")
+    return cert, key, other
+
+
+@pytest.fixture
+def token(tmp_path, monkeypatch):
+    """A bearer token file; and no service account CA (this is not a pod): the default is the system's CAs."""
+    monkeypatch.setattr(k8s, "CA", str(tmp_path / "no-serviceaccount" / "ca.crt"))
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return str(path)
+
+
+TOKEN = "s3cr3t-service-account-token"
+ON = {"jobprobe.io/probe": "true"}
+
+
+def test_a_token_is_never_sent_to_a_peer_that_is_not_verified(tls, token, monkeypatch):
+    """A self-signed peer: with a token and no CA, or the wrong CA, the handshake fails and no request (so no token)
+    reaches the server; with the right CA (given, or the service account's by default) the list comes back with
+    the token; --k8s-insecure with a token is refused before any connection, as is a token over http://."""
+    cert, key, other = tls
+    kubelet = Kubelet(tls=(cert, key))
+    kubelet.answer = pod_list(pod("a", ON))
+    try:
+        for ca in (None, str(other)):
+            with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+                PodWatcher(None, kubelet.url, token_file=token, ca_file=ca).fetch()
+        assert kubelet.seen == []                       # not a request, so never the token
+
+        assert list(PodWatcher(None, kubelet.url, token_file=token, ca_file=str(cert)).fetch()) == [UIDS["a"]]
+        assert kubelet.seen == [("/pods", f"Bearer {TOKEN}")]
+        monkeypatch.setattr(k8s, "CA", str(cert))       # in a pod: the service account's ca.crt, by default
+        assert list(PodWatcher(None, kubelet.url, token_file=token).fetch()) == [UIDS["a"]]
+        assert len(kubelet.seen) == 2
+
+        for url, needle in ((kubelet.url, "a token is never sent to an unverified peer"),
+                            (kubelet.url.replace("https:", "http:"), "a token is never sent in clear")):
+            with pytest.raises(BadInput, match=needle):
+                PodWatcher(None, url, token_file=token, ca_file=str(cert), insecure=url.startswith("https:"))
+        assert len(kubelet.seen) == 2                   # refused up front: nothing was asked
+        # unverified but anonymous (no token: nothing to give away) is allowed
+        assert list(PodWatcher(None, kubelet.url, insecure=True).fetch()) == [UIDS["a"]]
+        assert kubelet.seen[-1] == ("/pods", None)
+    finally:
+        kubelet.stop()
+
+
+def test_the_api_server_is_asked_for_this_nodes_pods_only(tls, token):
+    """With a node name the list is the API server's, narrowed by `spec.nodeName` (RBAC: `list pods`), served from
+    its watch cache; the node name is quoted, whatever it holds."""
+    cert, key, _ = tls
+    api = Kubelet(tls=(cert, key))
+    api.answer = pod_list(pod("a", ON))
+    try:
+        for node in ("node-1", "gpu node&x=1"):
+            w = PodWatcher(None, api.url, token_file=token, ca_file=str(cert), node=node)
+            assert list(w.fetch()) == [UIDS["a"]]
+            path, auth = api.seen[-1]
+            url = urllib.parse.urlsplit(path)
+            assert url.path == "/api/v1/pods" and auth == f"Bearer {TOKEN}"
+            assert urllib.parse.parse_qs(url.query) == {"fieldSelector": [f"spec.nodeName={node}"],
+                                                        "resourceVersion": ["0"]}
+        with pytest.raises(BadInput, match="--k8s-node: empty"):
+            PodWatcher(None, api.url, token_file=token, ca_file=str(cert), node=" ")
+    finally:
+        api.stop()
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("extra,needle", [
+    (["--k8s-insecure"], "a token is never sent to an unverified peer"),
+    (["--k8s=http://127.0.0.1:9"], "a token is never sent in clear")])
+def test_cli_refuses_a_token_for_an_unverified_peer(tmp_path, extra, needle):
+    """Said at start in one line, exit 2: no program loaded, no socket, nothing sent."""
+    (tmp_path / "token").write_text(TOKEN)
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(tmp_path / "agent.sock"),
+                          "--state", str(tmp_path / "jobs.json"), "--out", str(tmp_path / "out"), "--probes",
+                          "cgroup", "--k8s=https://127.0.0.1:9", "--k8s-node=node-1", "--k8s-token-file",
+                          str(tmp_path / "token"), *extra], cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res
+    assert res.stderr.count("\n") == 1 and needle in res.stderr, res.stderr
+    assert not (tmp_path / "agent.sock").exists()
 
 
 @pytest.mark.kernel
@@ -190,3 +309,54 @@ def test_pods_are_attached_by_annotation_and_let_go_when_they_leave(make_cgroup,
         for p in sleepers:
             p.kill()
             p.wait()
+
+
+@pytest.mark.kernel
+@pytest.mark.integration
+def test_the_agent_lists_its_nodes_pods_from_a_verified_api_server(make_cgroup, tmp_path, tls):
+    """The manifest's way, end to end: `--k8s URL --k8s-node NODE --k8s-ca CA --k8s-token-file FILE` against an
+    HTTPS API server served by the test: the pod is attached from the node's list, every request carried the token
+    to the verified peer and asked for this node only, and the pod is let go when it leaves the list."""
+    cert, key, _ = tls
+    root = make_cgroup().path
+    group = root / "kubepods.slice/kubepods-burstable.slice" / \
+        f"kubepods-burstable-pod{UIDS['a'].replace('-', '_')}.slice" / "cri-containerd-aaaa.scope"
+    group.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: (group / "cgroup.procs").write_text(
+        str(os.getpid())))
+    api = Kubelet(tls=(cert, key))
+    api.answer = pod_list(pod("a", ON))
+    (tmp_path / "token").write_text(TOKEN)
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(sock), "--state",
+                              str(tmp_path / "jobs.json"), "--out", str(tmp_path / "out"), "--interval", "0.5",
+                              "--probes", "cgroup", "--k8s", api.url, "--k8s-node", "node-1", "--k8s-ca", str(cert),
+                              "--k8s-token-file", str(tmp_path / "token"), "--k8s-every", "0.5"], cwd=REPO,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=open(tmp_path / "agent.log", "w"))
+    from jobprobe.control import call
+
+    def status():
+        try:
+            return call(str(sock), {"cmd": "status"})
+        except Exception:
+            return None
+
+    def jobs():
+        s = status()
+        return {j["job"] for j in s["jobs"]} if s else set()
+
+    try:
+        wait_for(lambda: "train/a" in jobs(), 60, "pod a to be attached from the API server's list")
+        api.answer = pod_list()
+        wait_for(lambda: "train/a" not in jobs(), 30, "pod a to be let go")
+        ended = next(r for r in status()["recent"] if r["job"] == "train/a")
+        assert "left the API server's list" in ended["why"], ended
+        query = urllib.parse.urlencode({"fieldSelector": "spec.nodeName=node-1", "resourceVersion": "0"})
+        assert api.seen and set(api.seen) == {(f"/api/v1/pods?{query}", f"Bearer {TOKEN}")}, api.seen
+    finally:
+        api.stop()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        sleeper.kill()
+        sleeper.wait()

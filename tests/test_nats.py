@@ -248,8 +248,8 @@ def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
 
 AUTH = """authorization {
   users = [
-    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.n1"], subscribe: ["_INBOX.>"]}}
-    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.n2"], subscribe: ["_INBOX.>"]}}
+    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.n1"], subscribe: ["_INBOX_JP.n1.>"]}}
+    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.n2"], subscribe: ["_INBOX_JP.n2.>"]}}
     {user: controller, password: s3cret-ctl}
   ]
 }
@@ -372,6 +372,113 @@ def test_tls_with_the_servers_ca_flows_and_without_it_frames_wait(tmp_path):
         assert "CERTIFICATE_VERIFY_FAILED" in (tmp_path / "n2" / "agent.log").read_text()
     finally:
         site.close()
+
+
+# ---- the publisher against the server's limits and its going away ------------------------------------------
+def stream_ids(url: str, make: dict | None = None) -> list[str]:
+    """The Nats-Msg-Id of every message in stream FRAMES, in order (nats-py, the controller's client: the two
+    clients checked against each other); with `make`, the stream is made first, with those settings."""
+    import asyncio
+
+    import nats
+
+    async def go():
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        try:
+            if make is not None:
+                await js.add_stream(name="FRAMES", subjects=["jobprobe.frames.>"], duplicate_window=60, **make)
+                return []
+            n = (await js.stream_info("FRAMES")).state.last_seq
+            return [(await js.get_msg("FRAMES", i)).headers["Nats-Msg-Id"] for i in range(1, n + 1)]
+        finally:
+            await nc.close()
+    return asyncio.run(go())
+
+
+def sink_frame(i: int) -> dict:
+    return {"node": "n1", "job": "j", "run": "r1", "seq": i}
+
+
+@pytest.mark.integration
+@need_nats
+def test_frames_the_server_cannot_take_are_counted_lost_and_never_block_the_ones_behind(tmp_path):
+    """The server takes messages up to 8 KiB (max_payload), the stream up to 3000 bytes (max_msg_size): frames
+    past the first are never sent, those past the second are refused by JetStream for good — both counted
+    dropped, skipped; every other frame arrives, in order, none held up behind them."""
+    from jobprobe.exporters.nats import NatsSink
+    server = NatsServer(tmp_path)
+    server.start("max_payload: 8192\n")
+    sink = None
+    try:
+        stream_ids(server.url, make={"max_msg_size": 3000})
+        sink = NatsSink(server.url, tmp_path / "spool", compress=False)
+        rng = random.Random(3)
+        sizes = [rng.choice([10, 500, 2500, 2500, 4000, 20_000]) for _ in range(300)]
+        sizes[0], sizes[-1] = 20_000, 4000                        # at the head of the spool, and last
+        for i, n in enumerate(sizes):
+            sink.write(sink_frame(i), os.urandom(n))
+            if i % 50 == 0:
+                time.sleep(0.1)                                   # several windows, some of them begun by a big one
+        wait_for(lambda: sink.spool.depth() == 0, 30, "the spool to empty")
+        st = sink.job_stats("j")
+        big = [i for i, n in enumerate(sizes) if n > 3000]
+        assert st["dropped"] == len(big) and st["written"] == len(sizes) - len(big) and st["depth"] == 0, st
+        assert stream_ids(server.url) == [f"n1/j/r1/{i}" for i, n in enumerate(sizes) if n <= 3000]
+        assert sink.state == "ok"
+    finally:
+        if sink is not None:
+            sink.close(timeout=2)
+        server.stop()
+
+
+def connz(http_port: int) -> list[str]:
+    """The names of the clients a nats-server has now (its monitoring endpoint)."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/connz", timeout=2) as r:
+        return [c.get("name", "") for c in json.load(r).get("connections") or []]
+
+
+@pytest.mark.integration
+@need_nats
+def test_a_server_in_lame_duck_mode_is_left_for_the_next_at_once(tmp_path):
+    """Two servers in the sink's list; the first is put in lame-duck mode (`nats-server --signal ldm`) with a 20 s
+    grace period before it closes anyone: the idle sink moves to the second within seconds, not when the first
+    closes the connection, and frames flow there."""
+    from jobprobe.exporters.nats import NatsSink
+    servers, ports = [], []
+    sink = None
+    try:
+        for name in ("s1", "s2"):
+            d = tmp_path / name
+            d.mkdir()
+            s = NatsServer(d)
+            ports.append(free_port())
+            s.start(f'http: "127.0.0.1:{ports[-1]}"\nlame_duck_duration: "60s"\nlame_duck_grace_period: "20s"\n')
+            stream_ids(s.url, make={})
+            servers.append(s)
+        sink = NatsSink(",".join(s.url for s in servers), tmp_path / "spool", compress=False)
+        for i in range(5):
+            sink.write(sink_frame(i), b"x" * 100)
+        wait_for(lambda: sink.spool.depth() == 0 and any("jobprobe-agent" in c for c in connz(ports[0])), 20,
+                 "the frames on the first server")
+        subprocess.run([NATS, "--signal", f"ldm={servers[0].proc.pid}"], check=True, timeout=10,
+                       capture_output=True)
+        t0 = time.monotonic()
+        wait_for(lambda: any("jobprobe-agent" in c for c in connz(ports[1])), 10, "the sink on the second server")
+        assert time.monotonic() - t0 < 5 and servers[0].proc.poll() is None     # well inside the grace period
+        for i in range(5, 10):
+            sink.write(sink_frame(i), b"x" * 100)
+        wait_for(lambda: sink.spool.depth() == 0, 10, "the frames on the second server")
+        assert stream_ids(servers[1].url) == [f"n1/j/r1/{i}" for i in range(5, 10)]
+        assert sink.job_stats("j")["dropped"] == 0
+    finally:
+        if sink is not None:
+            sink.close(timeout=2)
+        for s in servers:
+            if s.proc is not None and s.proc.poll() is None:
+                s.proc.kill()
+                s.proc.wait()
 
 
 # ---- unit: the controller's checks, the spool ---------------------------------------------------------------

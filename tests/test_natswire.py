@@ -1,53 +1,56 @@
-"""The agent's own NATS client (exporters/natswire.py) and its Ed25519/nkey signing (exporters/ed25519.py):
-signatures checked against RFC 8032's test vectors, and every path against a real nats-server started here —
-the server verifying the nonce signature is the independent judge of the nkey code."""
+"""The agent's own NATS client (exporters/natswire.py), its nkey signing (the `nkeys` package, as nats-py's) and
+its protocol manners: every path against a real nats-server started here — the server verifying the nonce
+signature is the independent judge of the nkey code —, async INFO against a socket that plays the server, and the
+refusal to send a password in clear."""
 from __future__ import annotations
 
+import base64
+import json
 import os
+import socket
 import time
 
+import nkeys
 import pytest
 
 from conftest import until as wait_for
 from test_nats import NatsServer, Site, need_nats
 
-from jobprobe.exporters import ed25519
-from jobprobe.exporters.natswire import Credentials, NatsError, NoResponders, Wire
-
-# RFC 8032 §7.1, TEST 1 and TEST 2: (secret key, public key, message, signature)
-RFC8032 = [
-    ("9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60",
-     "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a", "",
-     "e5564300c360ac729086e2cc806e828a84877f1eb8e5d974d873e065224901555fb8821590a33bacc61e39701cf9b46bd25bf5f0595bbe24"
-     "655141438e7a100b"),
-    ("4ccd089b28ff96da9db6c346ec114e0f5b8a319f35aba624da8cf6ed4fb8a6fb",
-     "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c", "72",
-     "92a009a9f0d4cab8720e820b5f642540a2b27b5416503f8fb3762223ebdb69da085ac1e43e15996e458f3613d0f11d8c387b2eaeb4302aeeb"
-     "00d291612bb0c00"),
-]
+from jobprobe.exporters.natswire import (Credentials, NatsError, NoResponders, PlaintextPassword, TooLarge, Wire,
+                                         new_user_nkey)
 
 
-@pytest.mark.parametrize("sk,pk,msg,sig", RFC8032)
-def test_ed25519_matches_rfc8032(sk, pk, msg, sig):
-    assert ed25519.public_key(bytes.fromhex(sk)).hex() == pk
-    assert ed25519.sign(bytes.fromhex(sk), bytes.fromhex(msg)).hex() == sig
+def test_a_new_user_nkey_is_one_that_nkeys_reads_back():
+    seed, public = new_user_nkey()
+    assert seed.startswith("SU") and len(seed) == 58 and public.startswith("U") and len(public) == 56
+    assert nkeys.from_seed(seed.encode()).public_key.decode() == public
+    assert new_user_nkey()[0] != seed                          # a new key each time
 
 
-def test_nkey_seed_round_trip_and_refusals():
-    seed = os.urandom(32)
-    text = ed25519.user_seed(seed)
-    assert text.startswith("SU") and len(text) == 58
-    got, public = ed25519.nkey_from_seed(text)
-    assert got == seed and public.startswith("U") and len(public) == 56
-    broken = text[:10] + ("A" if text[10] != "A" else "B") + text[11:]
+def test_an_nkey_signs_the_nonce_and_a_mistyped_seed_is_refused(tmp_path):
+    seed, public = new_user_nkey()
+    nk = tmp_path / "n1.nk"
+    nk.write_text(seed + "\n")
+    fields = Credentials(str(nk)).connect_fields("a-nonce")
+    assert fields["nkey"] == public and len(fields["sig"]) == 86
+    sig = base64.urlsafe_b64decode(fields["sig"] + "==")
+    assert nkeys.from_seed(seed.encode()).verify(b"a-nonce", sig)       # nkeys' own check of the signature
+    with pytest.raises(nkeys.ErrInvalidSignature):
+        nkeys.from_seed(seed.encode()).verify(b"another-nonce", sig)
+    broken = seed[:10] + ("A" if seed[10] != "A" else "B") + seed[11:]
+    nk.write_text(broken + "\n")
     with pytest.raises(ValueError, match="checksum"):
-        ed25519.nkey_from_seed(broken)
-    with pytest.raises(ValueError):
-        ed25519.nkey_from_seed("not base32 at all!")
+        Credentials(str(nk))
+    nk.write_text("SU not base32 at all!\n")
+    with pytest.raises(ValueError, match="nkey seed"):
+        Credentials(str(nk))
+    nk.write_text(public + "\n")                               # a public key where the seed goes
+    with pytest.raises(ValueError, match="SU"):
+        Credentials(str(nk))
 
 
 def test_credentials_files(tmp_path):
-    seed = ed25519.user_seed(os.urandom(32))
+    seed, public = new_user_nkey()
     creds = tmp_path / "n1.creds"
     creds.write_text("-----BEGIN NATS USER JWT-----\neyJhbGciOi.payload.sig\n------END NATS USER JWT------\n\n"
                      "************************* IMPORTANT *************************\n\n"
@@ -59,13 +62,88 @@ def test_credentials_files(tmp_path):
     nk = tmp_path / "n1.nk"
     nk.write_text(seed + "\n")
     fields = Credentials(str(nk)).connect_fields("a-nonce")
-    assert fields["nkey"] == ed25519.nkey_from_seed(seed)[1]
+    assert fields["nkey"] == public
     pw = tmp_path / "n1.pass"
     pw.write_text("n1:s3cret\n")
     assert Credentials(str(pw)).connect_fields(None) == {"user": "n1", "pass": "s3cret"}
     pw.write_text("no colon here\n")
     with pytest.raises(ValueError, match="user:password"):
         Credentials(str(pw))
+
+
+def test_a_password_is_never_sent_in_clear_to_another_host(tmp_path):
+    """user:password or a token, without TLS, to a host that is not loopback: refused when the Wire is made (the
+    agent's command line), unless allowed explicitly; TLS, loopback and nkeys pass."""
+    pw = tmp_path / "n1.pass"
+    pw.write_text("n1:s3cret\n")
+    nk = tmp_path / "n1.nk"
+    nk.write_text(new_user_nkey()[0] + "\n")
+    for url, creds in (("nats://10.0.0.5:4222", pw), ("nats-host:4222", pw), ("nats://u:p@10.0.0.5:4222", None),
+                       ("nats://s3cret-token@nats.example.org", None), ("nats://127.0.0.1:4222,10.0.0.5", pw),
+                       ("nats://[2001:db8::1]:4222", pw), ("nats://localhost.example.org:4222", pw)):
+        with pytest.raises(PlaintextPassword, match="in clear") as err:
+            Wire(url, str(creds) if creds else None)
+        assert "s3cret" not in str(err.value) and "allow_plaintext_password" in str(err.value)
+        Wire(url, str(creds) if creds else None, allow_plaintext_password=True)        # told: taken
+    for url, creds, tls in (("nats://127.0.0.1:4222", pw, {}), ("nats://127.8.9.1", pw, {}), ("localhost:4222", pw, {}),
+                            ("nats://[::1]:4222", pw, {}), ("nats://u:p@localhost", None, {}),
+                            ("tls://10.0.0.5:4222", pw, {}), ("nats://10.0.0.5:4222", pw, {"tls_ca": "/ca.pem"}),
+                            ("nats://10.0.0.5:4222", nk, {}), ("nats://10.0.0.5:4222", None, {})):
+        Wire(url, str(creds) if creds else None, **tls)
+    from jobprobe.exporters.nats import NatsSink
+    with pytest.raises(PlaintextPassword):
+        NatsSink("nats://10.0.0.5:4222", tmp_path / "spool", creds=str(pw))
+
+
+class FakeServer:
+    """One connection of a socket that plays a NATS server: INFO, then PONG to the client's PING; the test says
+    the rest."""
+
+    def __init__(self, info: dict):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"nats://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.info, self.conn = info, None
+
+    def accept(self) -> None:
+        self.conn, _ = self.listener.accept()
+        self.conn.sendall(b"INFO " + json.dumps(self.info).encode() + b"\r\n")
+        got = b""
+        while b"PING\r\n" not in got:
+            got += self.conn.recv(4096)
+        self.conn.sendall(b"PONG\r\n")
+
+    def close(self) -> None:
+        for s in (self.conn, self.listener):
+            if s is not None:
+                s.close()
+
+
+def test_an_info_at_any_time_updates_max_payload_and_says_lame_duck():
+    import threading
+    fake = FakeServer({"server_id": "fake", "max_payload": 4096, "headers": True})
+    t = threading.Thread(target=fake.accept)
+    t.start()
+    w = Wire(fake.url)
+    w.connect()
+    t.join()
+    try:
+        assert w.max_payload == 4096 and not w.lame_duck
+        assert w.fits("id-1", b"x" * 4000) and not w.fits("id-1", b"x" * 4096)
+        with pytest.raises(TooLarge):                        # never sent: the server would close the connection
+            w.publish([("t.1", "id-1", b"x" * 5000)])
+        fake.conn.sendall(b'INFO {"server_id":"fake","max_payload":65536,"connect_urls":["10.9.9.9:4222"]}\r\n')
+        wait_for(lambda: (w.service(), w.max_payload == 65536)[1], 5, "the new max_payload")
+        assert w.servers == [fake.url]                       # a server named by a server is not trusted with creds
+        assert w.fits("id-1", b"x" * 5000) and not w.lame_duck
+        fake.conn.sendall(b'PING\r\nINFO {"server_id":"fake","max_payload":65536,"ldm":true}\r\n')
+        wait_for(lambda: (w.service(), w.lame_duck)[1], 5, "lame-duck mode to be noticed")
+        assert fake.conn.recv(4096).endswith(b"PONG\r\n")   # (after the client's SUB)
+        fake.conn.sendall(b"INFO {not json\r\n")
+        with pytest.raises(NatsError, match="INFO"):
+            wait_for(lambda: w.service(), 5, "a broken INFO refused")
+    finally:
+        w.close()
+        fake.close()
 
 
 @pytest.fixture
@@ -129,17 +207,54 @@ def test_wire_says_when_the_server_is_gone_or_refuses(server, tmp_path):
 
 
 @pytest.mark.integration
+@need_nats
+def test_agent_and_controller_clients_sign_with_one_nkey_and_the_server_judges(server, tmp_path):
+    """The agent's Wire and the controller's nats-py (auth_options) take the same `.nk` file; the server verifies
+    both signatures. A key the server does not know, and no key at all, are refused."""
+    import asyncio
+
+    import nats
+
+    from jobprobe.exporters.nats import auth_options
+    (seed, public), (stranger, _) = new_user_nkey(), new_user_nkey()
+    server.start(f'authorization {{ users = [ {{nkey: {public}}} ] }}\n')
+    files = {}
+    for name, s in (("n1", seed), ("stranger", stranger)):
+        files[name] = tmp_path / f"{name}.nk"
+        files[name].write_text(s + "\n")
+    w = Wire(server.url, creds=str(files["n1"]))
+    w.connect()
+    w.service()
+    w.close()
+    for creds in (files["stranger"], None):
+        with pytest.raises(NatsError, match="uthorization"):
+            Wire(server.url, creds=str(creds) if creds else None).connect()
+
+    async def controller(creds) -> str:
+        nc = await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0,
+                                **auth_options(str(creds)))
+        try:
+            return (await nc.request("$JS.API.INFO", b"", timeout=2)).data.decode()
+        finally:
+            await nc.close()
+    assert "jetstream" in asyncio.run(controller(files["n1"]))
+    with pytest.raises(Exception, match="uthorization"):
+        asyncio.run(controller(files["stranger"]))
+
+
+@pytest.mark.integration
 @pytest.mark.kernel
 @need_nats
 def test_an_agent_with_an_nkey_flows_and_an_unknown_nkey_is_refused(tmp_path):
     """The server verifies the agent's Ed25519 signature of its nonce: n1's key (a `.nk` seed) is a user of the
     server, allowed its own subject only; another key is refused at connect; nothing of it is stored."""
-    seeds = {n: ed25519.user_seed(os.urandom(32)) for n in ("n1", "stranger")}
-    public = ed25519.nkey_from_seed(seeds["n1"])[1]
+    keys = {n: new_user_nkey() for n in ("n1", "stranger")}
+    seeds, public = {n: k[0] for n, k in keys.items()}, keys["n1"][1]
     site = Site(tmp_path)
     try:
         site.nats.start('authorization { users = [\n'
-                        f'  {{nkey: {public}, permissions: {{publish: ["jobprobe.frames.n1"], subscribe: ["_INBOX.>"]}}}}\n'
+                        f'  {{nkey: {public}, permissions: {{publish: ["jobprobe.frames.n1"], '
+                        f'subscribe: ["_INBOX_JP.n1.>"]}}}}\n'
                         '  {user: controller, password: s3cret-ctl}\n] }\n')
         files = {}
         for n, s in seeds.items():

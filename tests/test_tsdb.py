@@ -96,3 +96,52 @@ def test_the_controller_writes_every_sample_to_victoriametrics(tmp_path):
     finally:
         site.close()
         vm.close()
+
+
+@pytest.mark.integration
+@need_vm
+def test_hostile_names_and_labels_inject_no_series(tmp_path):
+    """A frame whose job, node and device label carry newlines and braces, and whose schema declares a field named
+    like a line of exposition text: no forged series appears in VictoriaMetrics; the honest series are there, their
+    label values exactly as the frame said; the field whose name is no metric name is skipped and counted."""
+    from jobprobe.tsdb import VictoriaMetrics
+    vm = Victoria(tmp_path)
+    try:
+        w = VictoriaMetrics(f"victoriametrics://127.0.0.1:{vm.port}")
+        job = 'j"} 1\nforged_job{a="b"} 666 1\n'
+        node = 'n1\n}forged_node 1\n'
+        gpu = '0"}\nforged_gpu 1\n#'
+        bad_field = 'x{a="b"} 1\nforged'
+        schema = {"cgroup": {"nprocs": {"kind": "gauge", "unit": ""}, bad_field: {"kind": "gauge", "unit": ""},
+                             "cpu_user_ns": {"kind": "counter", "unit": "ns"}},
+                  "gpu": {"gpus": {"kind": "list"}, "gpus[].util_gpu_pct": {"kind": "gauge", "unit": "%"}},
+                  'evil"}\nforged_probe': {"v": {"kind": "gauge", "unit": ""}}}
+        t0 = time.time() - 60
+        frames = [{"kind": "hello", "node": node, "job": job, "run": "r1", "seq": 0, "t": t0, "schema": schema}]
+        for i in range(1, 4):
+            frames.append({"kind": "sample", "node": node, "job": job, "run": "r1", "seq": i, "t": t0 + i,
+                           "probes": {"cgroup": {"nprocs": i, bad_field: 7,         # no JSON NaN, no overflow
+                                                 "cpu_user_ns": [float("nan"), 10**400, float("inf")][i - 1]},
+                                      "gpu": {"gpus": [{"index": gpu, "util_gpu_pct": 10 * i}]},
+                                      'evil"}\nforged_probe': {"v": 1}}})
+        w.add(frames)
+        w.close()
+        assert w.counts["errors"] == 0 and w.counts["skipped_names"] >= 2 and w.counts["skipped_values"] == 3, w.counts
+
+        def names():
+            urllib.request.urlopen(f"{vm.url}/internal/force_flush", timeout=10).read()
+            with urllib.request.urlopen(f"{vm.url}/api/v1/label/__name__/values", timeout=10) as r:
+                got = set(json.load(r)["data"])
+            return got if {"jobprobe_cgroup_nprocs", "jobprobe_gpu_util_gpu_pct"} <= got else None
+        assert until(names, 30, "the honest series") == {"jobprobe_cgroup_nprocs", "jobprobe_gpu_util_gpu_pct"}
+        (nprocs,) = vm.export('{__name__="jobprobe_cgroup_nprocs"}')
+        assert nprocs["metric"] == {"__name__": "jobprobe_cgroup_nprocs", "node": node, "job": job, "run": "r1"}
+        assert nprocs["values"] == [1, 2, 3] and nprocs["timestamps"] == [int((t0 + i) * 1000) for i in (1, 2, 3)]
+        (util,) = vm.export('{__name__="jobprobe_gpu_util_gpu_pct"}')
+        assert util["metric"]["gpu"] == gpu and util["values"] == [10, 20, 30]
+        q = urllib.parse.urlencode({"match[]": '{__name__=~".+"}'})
+        with urllib.request.urlopen(f"{vm.url}/api/v1/series?{q}", timeout=10) as r:
+            series = json.load(r)["data"]
+        assert len(series) == 2 and not any("forged" in k for s in series for k in s), series
+    finally:
+        vm.close()
