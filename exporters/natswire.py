@@ -31,12 +31,14 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 from urllib.parse import SplitResult, urlsplit
 
+log = logging.getLogger("jobprobe.nats")
 MAX_LINE = 64 << 10
 DEFAULT_MAX_PAYLOAD = 1 << 20        # the server's default, until its INFO says otherwise
 # JetStream refusals (PubAck err_code) that no retry can change for that message: it is skipped, not sent forever
@@ -202,6 +204,7 @@ class Wire:
         self.inbox = f"{inbox}.{os.urandom(8).hex()}"
         self.batch_no = 0
         self.server_said: str | None = None      # the last -ERR: said with the failure it explains
+        self.refused_subs: set[str] = set()      # subscriptions the server refused (said once each)
         self._next = 0
         self.subs: dict[str, str] = {}           # sid → subject: requests to this node (subscribe())
         self.requests: list[tuple[str, str | None, bytes]] = []   # (subject, reply to, payload) received
@@ -440,6 +443,11 @@ class Wire:
             self.server_said = _err_text(line)
             if "ermission" not in self.server_said:      # anything but a refused publish ends the connection
                 raise NatsError(self.server_said)
+            if "Subscription" in self.server_said and self.server_said not in self.refused_subs:
+                # a refused subscription fails nothing we wait for: said here, once per subject
+                # (the controller's trace requests to this node never arrive until the permissions allow it)
+                self.refused_subs.add(self.server_said)
+                log.warning("nats: the server refused a subscription: %s", self.server_said)
         return None
 
 

@@ -109,12 +109,14 @@ class Config:
     k8s_every: float = 5.0              # s between two looks at the kubelet's pod list
     k8s_token_file: str | None = None   # a bearer token for the kubelet (the service account's)
     k8s_ca: str | None = None           # the CA that signed the kubelet's certificate
-    k8s_insecure: bool = False          # do not check the kubelet's certificate (kubelets are often self-signed)
+    k8s_insecure: bool = False          # do not check the peer's certificate (refused with a token)
+    k8s_node: str | None = None         # this node's Kubernetes name: its pods from the API server's list
     nats: str | None = None             # nats://HOST:PORT[,…]: every job's frames to the controller's JetStream
     spool: str = "/var/lib/jobprobe/spool"   # frames waiting for the NATS server's ack, on disk
     spool_max_mb: float = 256.0         # past this the oldest unacked frames go (counted, logged)
     nats_creds: str | None = None       # this node's NATS credentials: .creds (JWT + nkey), .nk seed, or user:password
     nats_ca: str | None = None          # TLS: the CA of the NATS servers' certificates
+    nats_insecure_plaintext: bool = False   # allow a password or token in clear to a server that is not loopback
     node: str | None = None             # this node's name in frames (default: the short host name)
     prometheus: str | None = None       # HOST:PORT: serve every job's metrics at /metrics
     rules: str | None = None            # a rules file, or "default": `rule` events over each job's frames
@@ -177,6 +179,16 @@ class Job:
         self.released = False       # its probes and sinks are let go: nothing may sample it any more
 
 
+@dataclass(frozen=True)
+class Scheduled:
+    """A trace window asked for a later time: due on the monotonic clock (a step of the wall clock moves no window),
+    `at` the UNIX time asked for."""
+    due: float
+    at: float
+    duration: float
+    force_budget: bool
+
+
 class Agent:
     """The job table and the tick. Thread-safe: the control socket calls attach/detach/probes/status from its own
     thread while run() ticks."""
@@ -190,9 +202,13 @@ class Agent:
         self.nats = None
         if self.cfg.nats:
             from jobprobe.exporters.nats import NatsSink
-            from jobprobe.exporters.nats import control_subject
-            self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
-                                 creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca)
+            from jobprobe.wire import control_subject
+            try:
+                self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
+                                     creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca, node=self.host.node,
+                                     allow_plaintext_password=self.cfg.nats_insecure_plaintext)
+            except (OSError, ValueError) as err:     # credentials unreadable or malformed, a password in clear
+                raise BadInput(f"nats: {err}") from None
             self.nats.serve(control_subject(self.host.node), self.remote)   # the controller's cluster-wide traces
         self.prom = None
         if self.cfg.prometheus:
@@ -221,6 +237,11 @@ class Agent:
         self._t0 = clock()
         self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
         self.file_writer = SinkWorker("files")   # one thread writes every job's --out file
+        # Trace windows asked for a later time: at most one per job, opened by one thread for all of them (started
+        # with the first, gone when none is left) — a flood of requests makes no threads.
+        self.scheduled: dict[str, Scheduled] = {}
+        self.scheduled_cv = threading.Condition()
+        self.scheduler: threading.Thread | None = None
 
     # ---- sinks --------------------------------------------------------------------------------------------
     def _default_sinks(self, job: str) -> list:
@@ -324,9 +345,15 @@ class Agent:
         return {"job": name, "state": "detached", "why": why}
 
     def trace(self, name: str, duration: float = 25.0, at: float | None = None) -> dict[str, Any]:
-        """A deep-trace window for one job, on request (a person's: the rules' duty cap does not apply; one window
-        at a time still does); `at` (UNIX s, up to an hour ahead): opened then — the common start of a window on
-        every node of a job (the controller's request)."""
+        """A person's request on the control socket (root only, on this node): a deep-trace window for one job, not
+        held to the cooldown and the duty cap — whoever may ask here may trace the job anyway — but to one window at
+        a time, and to one scheduled window per job. `at` (UNIX s, up to an hour ahead): opened then. The
+        controller's requests come through remote(), under the whole budget."""
+        return self._trace(name, duration, at, force_budget=True)
+
+    def _trace(self, name: str, duration: float, at: float | None, force_budget: bool) -> dict[str, Any]:
+        """A window now, or one scheduled for `at` — the common start of a window on every node of a job. A
+        request the budget refuses (now, or surely at `at`) is answered {"ok": false, "state": "refused", "why"}."""
         if not isinstance(duration, (int, float)) or not 1 <= duration <= 600:
             raise BadInput(f"duration must be 1 to 600 s, got {duration!r}")
         now = time.time()
@@ -334,13 +361,30 @@ class Agent:
             raise BadInput(f"at must be a UNIX time within the next hour, got {at!r} (now {now:.1f})")
         job = self._find(name)
         if at is not None and at - now > 0.01:
-            t = threading.Timer(at - now, self._open_at, (name, float(duration), at))
-            t.daemon = True
-            t.start()
-            return {"job": name, "ok": True, "state": "scheduled", "at": at, "in_s": round(at - now, 3),
-                    "duration_s": float(duration)}
+            with self._held(job):
+                why = job.sampler.trace_refusal(float(duration), at, force_budget)
+            if why is not None:
+                return {"job": name, "ok": False, "state": "refused", "why": why}
+            return self._schedule(name, Scheduled(time.monotonic() + (at - now), at, float(duration), force_budget))
         with self._held(job):
-            return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=True)}
+            return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=force_budget)}
+
+    def _schedule(self, name: str, s: Scheduled) -> dict[str, Any]:
+        """Into the table of scheduled windows — refused if the job has one there already: a second request neither
+        replaces the first (the nodes of a job would disagree on their common start) nor waits beside it."""
+        with self.scheduled_cv:
+            had = self.scheduled.get(name)
+            if had is not None:
+                return {"job": name, "ok": False, "state": "refused",
+                        "why": f"a window is scheduled already for this job (at {had.at:.3f}, {had.duration:g} s); "
+                               "one at a time"}
+            self.scheduled[name] = s
+            if self.scheduler is None:
+                self.scheduler = threading.Thread(target=self._run_scheduled, name="trace-scheduler", daemon=True)
+                self.scheduler.start()
+            self.scheduled_cv.notify()
+        return {"job": name, "ok": True, "state": "scheduled", "at": s.at, "in_s": round(s.due - time.monotonic(), 3),
+                "duration_s": s.duration}
 
     def _find(self, name: str) -> Job:
         """The attached job `name` (BadInput if none)."""
@@ -359,24 +403,52 @@ class Agent:
                 raise BadInput(f"no job {job.name!r} is attached")
             yield job
 
-    def _open_at(self, name: str, duration: float, at: float) -> None:
+    def _run_scheduled(self) -> None:
+        """The one thread of scheduled windows: each opened when due, on the monotonic clock to the millisecond —
+        `at` is the common start of a job's windows on all its nodes, which a tick (up to `interval` late) would
+        blur. It ends when the table is empty; the next scheduled request starts it again."""
+        while True:
+            with self.scheduled_cv:
+                while True:
+                    now = time.monotonic()
+                    due = {k: s for k, s in self.scheduled.items() if s.due <= now}
+                    if due or not self.scheduled:
+                        break
+                    self.scheduled_cv.wait(min(s.due for s in self.scheduled.values()) - now)
+                for k in due:
+                    del self.scheduled[k]
+                if not due:
+                    self.scheduler = None
+                    return
+            for name, s in sorted(due.items(), key=lambda kv: kv[1].due):
+                self._open_at(name, s.duration, s.at, s.force_budget)
+
+    def _open_at(self, name: str, duration: float, at: float, force_budget: bool) -> None:
+        """A scheduled window, due now: under the budget as it stands now (its answer went out when it was asked for;
+        this one is logged)."""
         try:
             with self._held(self._find(name)) as job:
-                r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=True)
+                r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=force_budget)
         except BadInput:
             r = {"state": "refused", "why": "the job is gone"}
+        except Exception:                     # one job's window must not stop the others' scheduled ones
+            log.exception("job %s: scheduled trace window", name)
+            return
         log.warning("job %s: trace window due at %.3f (%+.3f s): %s", name, at, time.time() - at,
                     r.get("path") or r.get("why"))
 
     def remote(self, data: bytes) -> bytes:
         """A request from the controller over NATS (jobprobe.ctl.node.<node>): {"cmd": "trace", "job", "duration",
-        "at"}. Answered with the same JSON as the control socket's; bad input is said, never raised."""
+        "at"}. Answered with the same JSON as the control socket's; bad input is said, never raised. Held to the
+        whole budget, like a rule's window — the cooldown, the duty cap, one window at a time, one scheduled window
+        per job: whoever can publish on the control subject must not be able to trace a job back to back (nor make
+        a thread per request: a scheduled window waits in the table)."""
         try:
             req = json.loads(data)
             if not isinstance(req, dict) or req.get("cmd") != "trace":
                 raise BadInput(f"unknown request {str(req)[:80]!r}: only trace")
             out = {"ok": True, "node": self.host.node,
-                   **self.trace(str(req.get("job")), req.get("duration", 25.0), req.get("at"))}
+                   **self._trace(str(req.get("job")), req.get("duration", 25.0), req.get("at"), force_budget=False)}
         except (BadInput, ValueError) as err:
             out = {"ok": False, "node": self.host.node, "error": str(err)}
         return json.dumps(out).encode()
@@ -536,6 +608,9 @@ class Agent:
         with self.lock:
             names = list(self.jobs)
             persist, self.persist = self.persist, False   # stopping the agent is not detaching its jobs
+        with self.scheduled_cv:           # scheduled windows go with the agent (their thread ends)
+            self.scheduled.clear()
+            self.scheduled_cv.notify()
         for name in names:
             try:
                 self.detach(name, "agent stopped")

@@ -18,6 +18,9 @@ from jobprobe.target import Target
 log = logging.getLogger("jobprobe.sampler")
 
 
+NO_TRACE_DIR = "no trace directory (--trace-dir / trace_dir)"
+
+
 def _reason(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[-1][:300] if text else type(err).__name__
@@ -95,7 +98,7 @@ class Sampler:
                    force_budget: bool = False) -> dict:
         """A deep-trace window for this job (a rule's action, or a request): its state, or why it was refused."""
         if not self.trace_dir:
-            return {"ok": False, "state": "refused", "why": "no trace directory (--trace-dir / trace_dir)"}
+            return {"ok": False, "state": "refused", "why": NO_TRACE_DIR}
         if self.tracer is None:
             from jobprobe import tracewin
             from jobprobe.kernel import pyproc
@@ -104,6 +107,13 @@ class Sampler:
                                           lambda p: pyproc.role(proc, p), lambda p: pyproc.is_python(proc, p),
                                           pyproc.py_spy(), deep_begin=self._deep_begin, deep_end=self._deep_end)
         return self.tracer.open(reason, evidence, duration or 25.0, force_budget=force_budget)
+
+    def trace_refusal(self, duration: float, at: float | None = None, force_budget: bool = False) -> str | None:
+        """Why a window asked for now, or for `at` (UNIX s ahead), would be refused — as far as it is known now —
+        or None: a scheduled request is answered when it is made."""
+        if not self.trace_dir:
+            return NO_TRACE_DIR
+        return None if self.tracer is None else self.tracer.may_open(duration, at, force_budget)
 
     def _deep_begin(self) -> list[Probe]:
         """A window's first tick: every running probe with a deep mode records event by event; the window-only

@@ -21,7 +21,13 @@ Then the file is written under the trace directory and announced in a `trace` fr
 
 Budget: at most one window at a time per job; none within `cooldown` s of the last one's end; and none while the
 time already traced exceeds `duty` (30%) of the job's run so far — a rule that holds all the time traces about 30%
-of the run (at most one window more), not all of it. A refused request says why.
+of the run (at most one window more), not all of it. The controller's requests (jobprobe/agent.py: Agent.remote)
+are held to all of it like a rule; a person's request on the node's root-only control socket, and the agent's own
+`trace_every`, skip the cooldown and the duty cap (`force_budget`), never the one window at a time. A refused
+request says why.
+
+Files: the trace directory is made (or set) 0700 and every trace is written 0600 — a trace holds the job's command
+lines, stacks and function names, which other users of a shared node must not read.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 log = logging.getLogger("jobprobe.trace")
 
@@ -127,7 +133,7 @@ class Window:
         self.frames: list[dict] = []
         self.out_dir = Path(out_dir)
         self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.out_dir)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
         self.path = self.out_dir / f"{_safe(job)}-{stamp}.trace.json.gz"
         for pid in pids if py_spy else ():
@@ -216,7 +222,7 @@ class Window:
                              "monotonic_ns_at_0": self.kclock.mono0_ns, "kernel_events_us": self.deep_span,
                              "kernel_events_us_by_probe": spans}}
         tmp = self.path.with_suffix(".tmp")
-        with gzip.open(tmp, "wt") as f:
+        with private_file(tmp) as raw, gzip.open(raw, "wt") as f:
             json.dump(doc, f)
         os.replace(tmp, self.path)
         body = {"path": str(self.path), "reason": self.reason, "start": self.t0, "duration_s": self.duration,
@@ -253,6 +259,24 @@ def balanced(events: list[dict], end_ts: float) -> list[dict]:
     return out
 
 
+def private_dir(path: Path) -> None:
+    """`path` made if missing, and 0700 either way (one made earlier, by hand or by an older agent, included)."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+
+
+def private_file(path: Path) -> IO[bytes]:
+    """`path` opened for writing (binary), created 0600 — never briefly wider whatever the umask — and set 0600 if it
+    existed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "wb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80] or "job"
 
@@ -278,21 +302,34 @@ class Tracer:
         self.ready: list[dict] = []           # `trace` frame bodies to send with the next tick
         self.lock = threading.Lock()
 
-    def may_open(self, duration: float) -> str | None:
-        """Why a window cannot open now, or None."""
+    def may_open(self, duration: float, at: float | None = None, force_budget: bool = False) -> str | None:
+        """Why a window cannot open now, or None. With `at` (a time ahead, on this tracer's clock: UNIX s in the
+        agent): why it surely cannot open then, whatever happens meanwhile — another window opened meanwhile only
+        adds to what is traced — so that a scheduled request is refused when it is made, not silently when due.
+        `force_budget`: only the one window at a time holds."""
         now = self.clock()
-        if self.window is not None:
-            return "a window is open already"
-        if now - self.last_end < self.cooldown:
-            return f"cooling down ({self.cooldown - (now - self.last_end):.0f} s left)"
-        run = now - self.started
+        when = now if at is None else max(now, at)
+        last_end, w = self.last_end, self.window
+        if w is not None:
+            if at is None:
+                return "a window is open already"
+            if when < w.t0 + w.duration:
+                return f"a window is open already (until {w.t0 + w.duration - now:.0f} s from now)"
+            last_end = max(last_end, w.t0 + w.duration)     # it ends then at the earliest
+        if force_budget:
+            return None
+        then = "" if at is None else " at the time asked"
+        if when - last_end < self.cooldown:
+            return f"cooling down ({self.cooldown - (when - last_end):.0f} s left{then})"
+        run = when - self.started
         if self.traced_s > self.duty * run:     # the share so far: the run's traced share stays ≈ duty (+ a window)
-            return f"the duty cap: {self.traced_s:.0f} s of {run:.0f} s traced already (at most {self.duty:.0%})"
+            return (f"the duty cap: {self.traced_s:.0f} s of {run:.0f} s traced already{then} "
+                    f"(at most {self.duty:.0%})")
         return None
 
     def open(self, reason: str, evidence: dict | None = None, duration: float = DURATION_S,
              force_budget: bool = False) -> dict[str, Any]:
-        why = None if force_budget and self.window is None else self.may_open(duration)
+        why = self.may_open(duration, force_budget=force_budget)
         if why is not None:
             return {"ok": False, "state": "refused", "why": why}
         pids = [p for p in self.pids() if self.is_python(p)]    # a recorder per process (py-spy's --subprocesses

@@ -183,6 +183,9 @@ def test_a_cluster_trace_works_under_the_generated_permissions_and_a_wrong_key_i
         until(lambda: "Authorization Violation" in revoked.log.read_text(), 30, "n5 (a revoked key) to say it")
         # n3 runs with n4's key: the server refuses its frames and its control subject, and it says so
         until(lambda: "Permissions Violation" in wrong.log.read_text(), 30, "n3 (another node's key) to say it")
+        # …its control subject included: a node whose trace requests could never arrive says so
+        until(lambda: 'refused a subscription: Permissions Violation for Subscription to "jobprobe.ctl.node.n3"'
+              in wrong.log.read_text(), 30, "n3 to say its control subject is refused")
         assert ctl.stored("SELECT COUNT(*) FROM frames WHERE node IN ('n3', 'n5')")[0][0] == 0
         out = subprocess.run([*JOBPROBE, "trace", "--job", "train", "--duration", "2", "--nats", ctl.url,
                               "--nats-creds", str(ctl.data / "auth" / "controller.nk")], cwd=REPO,

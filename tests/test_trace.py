@@ -5,10 +5,12 @@ functions the job is known to run, the kernel's counters beside them, the rule's
 The budget — one window at a time, cooldown, the duty cap — on a clock driven by the test."""
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from bisect import bisect_right
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -214,6 +216,140 @@ def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
         loop.join(timeout=10)
         server.close()
         agent.close()
+
+
+def test_traces_are_written_0600_in_a_0700_directory(tmp_path):
+    """A trace holds the job's command lines, stacks and function names: other users of a shared node read none of
+    it, whatever the umask, and a trace directory made earlier with wider permissions is narrowed."""
+    tdir = tmp_path / "traces"
+    tdir.mkdir(mode=0o755)
+    os.chmod(tdir, 0o755)
+    old = os.umask(0o022)
+    try:
+        now = [0.0]
+        tr = Tracer("j", str(tdir), lambda: [], lambda p: "", lambda p: False, None, clock=lambda: now[0])
+        opened = tr.open("request", {}, 2.0)
+        assert opened["ok"], opened
+        assert stat.S_IMODE(os.stat(tdir).st_mode) == 0o700
+        now[0] = 3.0
+        bodies = tr.feed({"kind": "sample", "t": time.time(), "dt": 1.0, "probes": {}})   # (written in a thread)
+        (body,) = bodies + tr.close()
+    finally:
+        os.umask(old)
+    assert body["path"] == opened["path"]
+    assert stat.S_IMODE(os.stat(body["path"]).st_mode) == 0o600
+    assert [p.name for p in tdir.iterdir()] == [Path(body["path"]).name]      # no temporary file left
+    with gzip.open(body["path"], "rt") as f:
+        assert json.load(f)["otherData"]["job"] == "j"
+
+
+@contextlib.contextmanager
+def agent_tracing(tmp_path, make_cgroup, cooldown: float, duty: float):
+    """An agent ticking every 0.1 s with one job (`flood`: a sleep in a cgroup) whose tracer has the given budget
+    and records no Python and no kernel events (the budget is what is tested, not the window's contents)."""
+    from jobprobe.agent import Agent, Config, JobSpec
+    cfg = Config(interval=0.1, probes="self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"))
+    agent = Agent(cfg)
+    cg = make_cgroup()
+    proc = cg.spawn(["sleep", "300"])
+    loop = threading.Thread(target=agent.run, daemon=True)
+    try:
+        assert agent.attach(JobSpec(cgroup=str(cg.path), job="flood", probes="self"))["state"] == "attached"
+        s = agent.jobs["flood"].sampler
+        s.tracer = Tracer("flood", cfg.trace_dir, s.target.pids, lambda p: "", lambda p: False, None,
+                          cooldown=cooldown, duty=duty)
+        loop.start()
+        yield agent
+    finally:
+        agent.stop_event.set()
+        if loop.is_alive():
+            loop.join(timeout=10)
+        agent.close()
+        proc.kill()
+        proc.wait()
+
+
+def ask(agent, **req) -> dict:
+    """A request as the controller sends it (over NATS: Agent.remote), and the agent's answer."""
+    return json.loads(agent.remote(json.dumps({"cmd": "trace", "job": "flood", **req}).encode()))
+
+
+@pytest.mark.kernel
+def test_a_remote_trace_flood_opens_windows_only_within_the_budget_and_makes_no_threads(tmp_path, make_cgroup):
+    """1000 controller requests in 10 s for one job, every other one scheduled 0.5 s ahead (1 s windows, 1 s
+    cooldown, 30% duty): the windows opened keep the budget — each one the cooldown after the previous one's end,
+    each opened while what was traced before it is within 30% of the run so far, so about 0.3·run/1 s + 1 of them —
+    every other request is refused with its reason, and the agent's threads stay bounded (at most the one thread
+    of scheduled windows, a window's writer and its thread-id lookup beside the agent's own)."""
+    d, cooldown, duty = 1.0, 1.0, 0.30
+    with agent_tracing(tmp_path, make_cgroup, cooldown, duty) as agent:
+        started = agent.jobs["flood"].sampler.tracer.started
+        before = most = threading.active_count()
+        replies = []
+        t0 = time.monotonic()
+        for i in range(1000):
+            replies.append(ask(agent, duration=d) if i % 2 == 0 else ask(agent, duration=d, at=time.time() + 0.5))
+            most = max(most, threading.active_count())
+            time.sleep(max(0.0, t0 + (i + 1) * 0.01 - time.monotonic()))
+        flood_s = time.monotonic() - t0
+        time.sleep(d + 0.5)                   # the last scheduled one due, any open window past its end
+        run = time.time() - started
+    with open(tmp_path / "out" / "flood.mpk", "rb") as f:
+        starts = sorted(fr["start"] for fr in StreamReader(f) if fr["kind"] == "trace")
+    n = len(starts)
+    states = {st: sum(r.get("state") == st for r in replies) for st in ("tracing", "scheduled", "refused")}
+    print(f"remote trace flood: {len(replies)} requests in {flood_s:.1f} s: {states}; {n} windows in {run:.1f} s; "
+          f"threads {before} → at most {most}")
+    assert sum(states.values()) == 1000, [r for r in replies if r.get("state") not in states][:3]
+    for i in range(1, n):                  # the previous window ended at its start + d at the earliest
+        assert starts[i] - starts[i - 1] >= d + cooldown - 0.01, starts
+    for i, start in enumerate(starts):     # opened only while what was traced before it is within the duty cap
+        assert i * d <= duty * (start - started) + 1e-6, (i, start - started)
+    assert 2 <= n <= duty * run / d + 1, (n, run)
+    assert states["tracing"] <= n and states["scheduled"] <= flood_s / 0.5 + 2, states
+    refused = [r for r in replies if r.get("state") == "refused"]
+    assert len(refused) >= 1000 - n - (flood_s / 0.5 + 2) and all(r["ok"] is False and r["why"] for r in refused)
+    reasons = ("a window is open already", "cooling down", "the duty cap", "a window is scheduled already")
+    assert all(any(r["why"].startswith(k) for k in reasons) for r in refused), \
+        {r["why"] for r in refused if not any(r["why"].startswith(k) for k in reasons)}
+    assert all(any(r["why"].startswith(k) for r in refused) for k in reasons), {r["why"][:20] for r in refused}
+    assert most <= before + 3, (before, most)
+
+
+@pytest.mark.kernel
+def test_one_scheduled_window_per_job_opened_on_time_and_a_persons_request_skips_the_cooldown(tmp_path,
+                                                                                                make_cgroup):
+    """A job's scheduled window: a second one, from the controller or a person, is refused while it waits; it
+    opens within 0.1 s of its time, from the one thread of scheduled windows, which ends once none is left. The
+    controller's requests are then refused during the window and the cooldown — a scheduled one at once, when it
+    would surely be refused at its time; a person's request on the node's control socket skips the cooldown."""
+    with agent_tracing(tmp_path, make_cgroup, cooldown=60.0, duty=0.30) as agent:
+        tracer = agent.jobs["flood"].sampler.tracer
+
+        def schedulers() -> int:
+            return sum(t.name == "trace-scheduler" for t in threading.enumerate())
+        at = time.time() + 1.5
+        first = ask(agent, duration=3, at=at)
+        assert first["ok"] and first["state"] == "scheduled" and first["at"] == at, first
+        second = ask(agent, duration=3, at=at + 1)
+        assert second["ok"] is False and second["state"] == "refused", second
+        assert second["why"].startswith("a window is scheduled already") and f"{at:.3f}" in second["why"]
+        local = agent.trace("flood", 3, at + 1)
+        assert local["ok"] is False and local["why"].startswith("a window is scheduled already"), local
+        assert schedulers() == 1
+        w = until(lambda: tracer.window, 5, "the scheduled window")
+        print(f"scheduled window opened {w.t0 - at:+.4f} s from its time")
+        assert abs(w.t0 - at) < 0.1 and w.duration == 3
+        until(lambda: schedulers() == 0, 2, "the scheduler's thread to end with the table empty")
+        during = [ask(agent, duration=1), ask(agent, duration=1, at=time.time() + 0.5)]
+        assert all(r["state"] == "refused" and r["why"].startswith("a window is open already") for r in during), \
+            during
+        until(lambda: tracer.window is None, 10, "the window's end")
+        after = [ask(agent, duration=1), ask(agent, duration=1, at=time.time() + 5)]
+        assert all(r["state"] == "refused" and r["why"].startswith("cooling down") for r in after), after
+        assert schedulers() == 0
+        mine = agent.trace("flood", 1)
+        assert mine["ok"] and mine["state"] == "tracing", mine
 
 
 @pytest.mark.kernel
