@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from jobprobe.exporters.file import FileExporter
+from jobprobe.exporters.file import FileExporter, job_path
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe import tickmemo
@@ -247,13 +247,14 @@ class Agent:
     def _default_sinks(self, job: str) -> list:
         out: list = []
         if self.cfg.out:
-            os.makedirs(self.cfg.out, exist_ok=True)
-            path = os.path.join(self.cfg.out, f"{safe_name(job)}.mpk")
             try:
+                path = job_path(self.cfg.out, job)       # one file per job (an injective name), 0700 directory
                 out.append(QueuedSink(FileExporter(path, self.cfg.out_max_mb), f"file:{path}", self.cfg.queue,
                                       self.file_writer))
+            except ValueError as err:
+                raise BadInput(f"job {job!r}: {err}") from None
             except OSError as err:
-                raise BadInput(f"cannot write {path}: {err.strerror}") from err
+                raise BadInput(f"cannot write {self.cfg.out} for job {job!r}: {err.strerror}") from err
         if self.cfg.stdout:
             out.append(QueuedSink(StdoutExporter(self.cfg.stdout), "stdout", self.cfg.queue))
         if self.nats is not None:
@@ -693,10 +694,6 @@ def spec_key(spec: JobSpec) -> str:
     if spec.k8s_pod is not None:
         return f"pod-{str(spec.k8s_pod).lower().replace('_', '-')}"
     return f"pid-{spec.pid}" if spec.pid is not None else str(spec.cgroup)
-
-
-def safe_name(job: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.@" else "_" for c in job) or "job"
 
 
 def rss_bytes(proc: str = "/proc") -> int:

@@ -861,7 +861,7 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
     if args.bench == "peers":
         from pathlib import Path
         from jobprobe.bench import peers
-        res = peers.run_peers(command, args.interval, Path(f"/tmp/jobprobe-bench-{os.getpid()}"))
+        res = peers.run_peers(command, args.interval)      # its own mkdtemp scratch directory
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(peers.markdown(res))

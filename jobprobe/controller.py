@@ -42,6 +42,7 @@ from typing import Any
 
 from jobprobe.errors import BadInput
 from jobprobe.exporters.nats import auth_options
+from jobprobe.exporters.natswire import is_loopback
 from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, token
 from jobprobe import framecheck
 from jobprobe.frame import MalformedFrame
@@ -634,16 +635,6 @@ def split_listen(listen: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     return host, int(port)
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _listening(host: str, port: int) -> bool:

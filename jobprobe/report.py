@@ -9,6 +9,10 @@ waiting for a CPU, time asleep waiting — with the events on them (straggler pe
 events marked), off-CPU time by reason per node, and the collector's cost. Plots are matplotlib SVG, inline: the
 page needs no network and no script. Long runs are averaged into at most MAX_POINTS points per line, so a page of
 an hour of 8 nodes stays small (docs/PERFORMANCE.md).
+
+Every name on the page comes from frames — node and job names a node chose — so none is ever markup: HTML-escaped in
+the page, and in the plots drawn as it is, never as mathtext or TeX (a node `n$\frac{1}{0}$1` is a label, not a
+formula that fails to parse).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from typing import Any, Iterable
 
 MAX_POINTS = 600
 OFFCPU = ("preempt", "io", "lock", "sleep", "wait")
+# Text in the plots is literal: `$…$` is not mathtext, nothing goes through LaTeX (whatever a matplotlibrc says).
+PLAIN_TEXT = {"text.usetex": False, "text.parse_math": False}
 
 
 class Series:
@@ -221,8 +227,16 @@ def _svg(fig) -> str:
 
 
 def timelines(job: Job) -> list[tuple[str, str]]:
+    """The plots, as (title, SVG). Drawn with PLAIN_TEXT: node names become legend entries and tick labels, and
+    matplotlib makes (and lays out) those texts when it draws, inside savefig — so the setting holds for the whole
+    drawing, not only for the texts made here."""
     import matplotlib
     matplotlib.use("Agg")
+    with matplotlib.rc_context(PLAIN_TEXT):
+        return _timelines(job)
+
+
+def _timelines(job: Job) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
     t0, _ = job.span
     periods = straggler_periods(job)
@@ -232,19 +246,21 @@ def timelines(job: Job) -> list[tuple[str, str]]:
         if not any(x is not None for s in job.nodes.values() for x in s.v.get(key, [])):
             continue
         fig, ax = plt.subplots(figsize=(10, 2.4))
-        colour = {}
+        colour, lines = {}, []
         for node in sorted(job.nodes):
             s = job.nodes[node]
             xs, ys = _downsample(s.t, s.v.get(key, []))
-            (line,) = ax.plot([x - t0 for x in xs], ys, label=node, linewidth=1.2)
+            (line,) = ax.plot([x - t0 for x in xs], ys, linewidth=1.2)
             colour[node] = line.get_color()
+            lines.append(line)
         for p in periods:       # shaded in the straggler's own colour
             ax.axvspan(p["start"] - t0, p["end"] - t0, color=colour.get(p["node"], "tab:red"), alpha=0.13)
         for e in marks:
             ax.axvline(float(e.get("t", t0)) - t0, color="tab:gray", linestyle=":", linewidth=1)
         ax.set_xlabel("seconds since the first frame", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right", ncol=min(4, len(job.nodes)))
+        # handles and labels given: a node named `_x` is still listed (a label of ours starting with `_` is not)
+        ax.legend(lines, sorted(job.nodes), fontsize=7, loc="upper right", ncol=min(4, len(job.nodes)))
         out.append((title, _svg(fig)))
     # off-CPU time by reason, per node, over the run
     if any(s.v.get("off_lock") for s in job.nodes.values()):
@@ -260,13 +276,14 @@ def timelines(job: Job) -> list[tuple[str, str]]:
         out.append(("off-CPU by reason", _svg(fig)))
     if any(x is not None for s in job.nodes.values() for x in s.v.get("self_cpu", [])):
         fig, ax = plt.subplots(figsize=(10, 2.0))
+        lines = []
         for node in sorted(job.nodes):
             s = job.nodes[node]
             xs, ys = _downsample(s.t, s.v.get("self_cpu", []))
-            ax.plot([x - t0 for x in xs], ys, label=node, linewidth=1)
+            lines += ax.plot([x - t0 for x in xs], ys, linewidth=1)
         ax.set_title("the collector's own CPU (cores, per job)", loc="left", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(lines, sorted(job.nodes), fontsize=7, loc="upper right")
         out.append(("collector cost", _svg(fig)))
     return out
 

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from jobprobe.exporters.file import job_filename
+
 log = logging.getLogger("jobprobe.trace")
 
 DURATION_S = 25.0
@@ -278,7 +280,8 @@ def private_file(path: Path) -> IO[bytes]:
 
 
 def _safe(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:80] or "job"
+    """The job's part of a trace file's name: injective (exporters/file.py), so two jobs never share a name."""
+    return job_filename(name)
 
 
 class Tracer:

@@ -2,13 +2,14 @@
 builder, shaped like standard collection's, with one straggler period), written to one file per node; then the
 report generated from them. Prints the time and the page's size.
 
-    python scripts/report_cost.py [--nodes 8] [--seconds 3600] [--dir /tmp/report-cost]
+    python scripts/report_cost.py [--nodes 8] [--seconds 3600] [--dir DIR]
 """
 from __future__ import annotations
 
 import argparse
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,8 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--seconds", type=int, default=3600)
-    ap.add_argument("--dir", default="/tmp/report-cost")
+    ap.add_argument("--dir", default=None, help="where the frames and the report go (default: a new private "
+                    "directory, printed)")
     a = ap.parse_args()
+    if a.dir is None:
+        a.dir = tempfile.mkdtemp(prefix="jobprobe-report-cost-")
+        print(f"frames and report in {a.dir}")
     paths = make(Path(a.dir), a.nodes, a.seconds)
     t = time.monotonic()
     size = report.write(report.from_files(paths), str(Path(a.dir) / "report.html"))

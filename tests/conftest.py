@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,62 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "kernel" in item.keywords and not IS_ROOT:
             item.add_marker(skip_root)
+
+
+# ---- the temp directory is left as it was found --------------------------------------------------------------------
+# A run may leave no empty directory in the temp directory (what a host accumulates when every BPF load or bench
+# run leaves one: hundreds a day). The entries there at the start are noted; at the end, a directory that is new and
+# empty — still, after a short settle, so that another process's scratch directory of the moment is not counted —
+# fails the session, named. pytest's own tmp_path directories (pytest-of-USER) are not empty: not counted.
+TEMP_SETTLE_S = 0.5
+_temp_start: set[str] | None = None
+_temp_left: list[str] = []
+
+
+def _temp_entries() -> set[str]:
+    try:
+        return set(os.listdir(tempfile.gettempdir()))
+    except OSError:
+        return set()
+
+
+def _new_empty_dirs(before: set[str]) -> list[str]:
+    root = tempfile.gettempdir()
+    out = []
+    for name in sorted(_temp_entries() - before):
+        path = os.path.join(root, name)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+                out.append(path)
+        except OSError:
+            continue                     # gone, or not ours to read: not a directory this run left
+    return out
+
+
+def pytest_sessionstart(session):
+    global _temp_start
+    if not hasattr(session.config, "workerinput"):       # once per run (a pytest-xdist worker is not the run)
+        _temp_start = _temp_entries()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _temp_start is None or exitstatus == pytest.ExitCode.INTERRUPTED:
+        return
+    left = _new_empty_dirs(_temp_start)
+    if left:
+        time.sleep(TEMP_SETTLE_S)
+        left = [p for p in _new_empty_dirs(_temp_start) if p in left]
+    _temp_left[:] = left
+    if left and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _temp_left:
+        terminalreporter.write_sep("=", f"{len(_temp_left)} empty director{'y' if len(_temp_left) == 1 else 'ies'} "
+                                        f"left in the temp directory by this run", red=True)
+        for path in _temp_left:
+            terminalreporter.write_line(f"left behind: {path}")
 
 
 class Cgroup:

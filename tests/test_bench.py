@@ -1,10 +1,14 @@
 """The overhead kit: statistics on synthetic series with known answers, and end to end on a tiny job."""
+import contextlib
 import io
 import json
 import math
+import os
 import random
+import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -176,3 +180,63 @@ def test_the_kit_measures_a_run_traced_on_a_schedule(tmp_path):
     r = bench.run()["configs"]["cgroup@every=1"]
     assert r["options"][:2] == ["--trace-every", "1"] and 0.45 < r["traced_share"] < 0.95, r
     assert list((tmp_path / "traces").glob("*.trace.json.gz"))
+
+
+# ---- scratch files: a private directory of the kit's own, removed at the end ---------------------------------------
+BENCH = Path(__file__).resolve().parents[1] / "jobprobe" / "bench"
+
+
+@pytest.fixture
+def temp_dir(tmp_path, monkeypatch):
+    """The temp directory for this test alone (another process's scratch at the same moment is not counted), with
+    a umask that would make anything readable to all."""
+    import tempfile
+    where = tmp_path / "tmp"
+    where.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(where))
+    old = os.umask(0)
+    yield where
+    os.umask(old)
+
+
+def test_scratch_is_private_unguessable_and_removed_whatever_the_end(temp_dir, tmp_path):
+    from jobprobe.bench.overhead import scratch
+    names = []
+    for fail in (False, True):
+        with contextlib.suppress(RuntimeError), scratch(None, "jobprobe-bench-") as work:
+            names.append(work.name)
+            assert work.parent == temp_dir and stat.S_IMODE(work.stat().st_mode) == 0o700
+            (work / "sub").mkdir()
+            (work / "sub" / "run-0.mpk").write_bytes(b"x")
+            if fail:
+                raise RuntimeError("the kit failed half-way")
+        assert list(temp_dir.iterdir()) == []
+    assert names[0] != names[1] and not any(str(os.getpid()) in n for n in names)
+    given = tmp_path / "mine"
+    with scratch(given, "jobprobe-bench-") as work:           # the caller's directory: used, and left
+        assert work == given and given.is_dir()
+    assert given.is_dir()
+
+
+def test_no_bench_module_builds_a_predictable_temp_path():
+    """The kit runs as root: a fixed or pid-named path in a world-writable directory is a link another user
+    plants first."""
+    for src in sorted(BENCH.glob("*.py")):
+        text = src.read_text()
+        assert '"/tmp/' not in text and "f\"/tmp" not in text and "gettempdir()" not in text, src.name
+
+
+@pytest.mark.kernel
+def test_the_kit_leaves_nothing_in_the_temp_directory(temp_dir):
+    """Without --workdir the kit's frames, logs and rule files live in a scratch directory, gone when it ends —
+    after a run that worked and after a job that failed (whose output is then in the error itself)."""
+    from jobprobe.errors import BadInput
+    bench = OverheadBench(workload("burn", 0.2), ["cgroup@fire"], interval=0.2, max_runs=2, warmup=0, seed=1,
+                          progress=None)
+    assert bench.run()["configs"]["cgroup@fire"]["pairs"] == 1
+    assert list(temp_dir.iterdir()) == []
+    bad = OverheadBench([sys.executable, "-c", "import sys; print('the job broke'); sys.exit(3)"], ["cgroup"],
+                        max_runs=2, warmup=1, progress=None)
+    with pytest.raises(BadInput, match="exited with code 3.*the job broke"):
+        bad.run()
+    assert list(temp_dir.iterdir()) == []

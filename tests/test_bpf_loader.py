@@ -410,3 +410,46 @@ def test_the_loader_takes_struct_offsets_from_the_kernels_btf():
     cfs, _ = Btf(vmlinux.read_bytes()).offset("task_struct", "se")
     inner, _ = Btf(vmlinux.read_bytes()).offset("sched_entity", "exec_start")
     assert btf_flag("-DX=@btf?:task_struct.se.exec_start:8") == f"-DX={cfs + inner}"
+
+
+PINNED_C = r"""
+BPF_TABLE_PINNED("hash", u32, u64, shared, 1024, JOB_PIN_DIR "/shared");
+"""
+
+
+def pin_dirs(where: Path) -> list[str]:
+    return sorted(p.name for p in where.iterdir() if p.name.startswith("jobprobe-pins-"))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("how", ["loaded", "compile-error", "timeout"])
+def test_a_load_that_pins_leaves_no_directory_behind(how, tmp_path, monkeypatch):
+    """The loader pins the shared maps in a bpffs mounted on a fresh directory of the temp directory (in its own
+    mount namespace): that directory goes when the loader does, whether the load worked, failed or was cut short.
+    The temp directory is the test's own, so another process's loads at the same moment are not counted."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert tempfile.gettempdir() == str(tmp_path)
+    seen: list[str] = []
+    real = _bpf.run_loader
+
+    def run_loader(*args, **kwargs):                      # the directory exists while the loader runs
+        seen.extend(pin_dirs(tmp_path))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(_bpf, "run_loader", run_loader)
+    with load_test() as owner:
+        mine = owner.maps["counts"]
+        mine.typed(ct.c_uint32, ct.c_uint64)
+        mine.update(7, 49)
+        text = PINNED_C + ("this is not C;" if how == "compile-error" else "")
+        if how == "loaded":
+            with _bpf.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd}) as loaded:
+                got = loaded.maps["shared"]
+                assert _bpf.map_info(got.fd).id == _bpf.map_info(mine.fd).id      # the very map, by its pin
+                assert got.typed(ct.c_uint32, ct.c_uint64).lookup(7) == 49
+        else:
+            with pytest.raises(ProbeUnavailable):
+                _bpf.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd},
+                          timeout=0.05 if how == "timeout" else 120.0)
+    assert len(seen) == 1 and seen[0].startswith("jobprobe-pins-")
+    assert pin_dirs(tmp_path) == []

@@ -1,8 +1,14 @@
-"""Unit tier: the file exporter (append-safe, rotation with a hello at the top of each file) and stdout lines."""
+"""Unit tier: the file exporter (append-safe, rotation with a hello at the top of each file, private modes, one file
+per job) and stdout lines."""
 import io
 import json
+import os
+import stat
 
-from jobprobe.exporters.file import FileExporter
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from jobprobe.exporters.file import MAX_NAME, FileExporter, job_filename, job_path
 from jobprobe.exporters.stdout import StdoutExporter, human_line
 from jobprobe.frame import FrameBuilder, StreamReader, encode
 
@@ -66,3 +72,71 @@ def test_stdout_human_and_json():
     from jobprobe.exporters.stdout import human_value
     assert [human_value("x_ns", v) for v in (7, 858_000, 12_340_000, 1_500_000_000)] == ["7ns", "858us", "12.3ms",
                                                                                           "1.50s"]
+
+
+# ---- files and directories: private, and one file per job ---------------------------------------------------------
+def mode(p):
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+@pytest.fixture
+def open_umask():
+    old = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_frames_are_0600_in_0700_dirs_whatever_the_umask(tmp_path, open_umask):
+    """Frames hold other users' command lines and stacks: a permissive umask must not make them readable."""
+    out = tmp_path / "a" / "b" / "frames"               # --out DIR, three levels missing
+    path = job_path(str(out), "slurm/42")
+    assert os.path.dirname(path) == str(out)
+    assert [mode(d) for d in (tmp_path / "a", tmp_path / "a" / "b", out)] == [0o700] * 3
+    exp = FileExporter(path, max_mb=0.002, keep=2)      # rotation makes new files: they are private too
+    for f in stream(60):
+        exp.write(f, encode(f))
+    exp.close()
+    files = sorted(os.listdir(out))
+    assert len(files) == 3 and all(mode(out / name) == 0o600 for name in files)
+
+
+def test_an_existing_file_is_narrowed_an_existing_dir_left_alone(tmp_path, open_umask):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    old = shared / "f.mpk"
+    old.write_bytes(b"")
+    os.chmod(old, 0o644)                                # written by an older version
+    job_path(str(shared), "j")                          # --out /tmp is not ours to close
+    FileExporter(str(old)).close()
+    assert mode(shared) == 0o755 and mode(old) == 0o600
+
+
+def test_distinct_jobs_named_alike_write_distinct_files():
+    names = ["a/b", "a_b", "a.b", "a-b", "a b", "a\x00b", "a_2fb", ".", "..", ".x", "_2ex", "é", "_c3_a9"]
+    assert len({job_filename(n) for n in names}) == len(names)
+    assert job_filename("a/b") == "a_2fb" and job_filename("a_b") == "a_5fb" and job_filename("1234.0") == "1234.0"
+    with pytest.raises(ValueError):
+        job_filename("")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text(min_size=1, max_size=300), st.text(min_size=1, max_size=300))
+def test_job_filename_is_injective_and_safe(a, b):
+    fa, fb = job_filename(a), job_filename(b)
+    if a != b:
+        assert fa != fb
+    for f in (fa, fb):
+        assert "/" not in f and "\x00" not in f and not f.startswith(".") and f not in (".", "..")
+        assert len(f) <= MAX_NAME and f.isascii()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", "_", "/", ".", "2", "f", "e", "5"]), min_size=1, max_size=12), st.data())
+def test_job_filename_injective_on_near_misses(chars, data):
+    """Names drawn from the escape's own alphabet: the pairs a random text almost never hits (`a_2f` vs `a/`)."""
+    a = "".join(chars)
+    b = "".join(data.draw(st.lists(st.sampled_from(["a", "_", "/", ".", "2", "f", "e", "5"]), min_size=1,
+                                   max_size=12)))
+    assert (job_filename(a) == job_filename(b)) == (a == b)

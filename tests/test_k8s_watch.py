@@ -26,6 +26,7 @@ import pytest
 from conftest import workload, until as wait_for
 from jobprobe import k8s
 from jobprobe.errors import BadInput
+from jobprobe.exporters.file import job_path
 from jobprobe.frame import StreamReader
 from jobprobe.k8s import PodWatcher, split_probes, wanted_pods
 

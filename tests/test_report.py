@@ -83,3 +83,87 @@ def test_the_report_of_a_real_job_opens_in_a_browser_with_its_plots(tmp_path):
     blue = np.all(np.abs(img - np.array([31, 119, 180])) <= 12, axis=2).sum()     # matplotlib's first line colour
     print(f"report: screenshot {shot}: {not_white:.1%} not white, {len(colours)} colours, {blue} plot-blue pixels")
     assert not_white > 0.03 and len(colours) > 50 and blue > 300
+
+
+# mathtext that does not parse (`\\` then letters; `^` with nothing after), one that does (drawn as a formula, not
+# as the name), a lone `$`, a leading `_` (what matplotlib's legend leaves out), markup and comment ends
+HOSTILE_NODES = [r"n$\\frac{1}{0}$1", "$x^$", r"m$\frac{1}{0}$1", "a$b", "_hidden", "</svg><script>alert(1)</script>",
+                 "x-->y<!--z"]
+HOSTILE_JOB = "$x^$"
+
+
+def hostile_frames(seconds: int = 20) -> list[dict]:
+    """A short job on the HOSTILE_NODES, each node's samples filling every plot of the page."""
+    from jobprobe.frame import FrameBuilder
+    from jobprobe.report import OFFCPU
+    frames = []
+    t0 = 1_700_000_000.0
+    for i, node in enumerate(HOSTILE_NODES):
+        fb = FrameBuilder(node=node, job=HOSTILE_JOB, run=f"r{i}")
+        for s in range(seconds):
+            probes = {"cgroup": {"cpu_user_ns": int(1e9 + i * 1e8), "mem_bytes": 1 << 30},
+                      "sched": {"runq_lat_ns": int(1e7), **{f"offcpu_{r}_ns": int(1e8) for r in OFFCPU}},
+                      "self": {"cpu_cores": 0.004, "rss_bytes": 30 << 20}}
+            frames.append(fb.sample(t0 + s, 1.0, probes, {p: "ok" for p in probes}))
+    fb = FrameBuilder(node=HOSTILE_NODES[0], job=HOSTILE_JOB, run="r0")
+    frames.append(fb.event(t0 + 5, "straggler", straggler=HOSTILE_NODES[0], causes=["cpu_throttled"], since=t0 + 4,
+                           reason="$\\frac{1}{0}$", evidence={}))
+    frames.append(fb.event(t0 + 9, "straggler_end", straggler=HOSTILE_NODES[0]))
+    return frames
+
+
+def check_hostile_page(page: str) -> None:
+    """Every name is in the page as text, escaped, and never as markup."""
+    import html
+    for name in HOSTILE_NODES + [HOSTILE_JOB]:
+        assert html.escape(name) in page, name
+    assert "<script>" not in page and "</svg><script>" not in page
+    assert "x-->y" not in page                                     # the SVG's comments stay comments
+    assert f"<h1>{html.escape(HOSTILE_JOB)}</h1>" in page
+    assert page.count("<svg") == page.count("</svg>") >= 4          # every plot drawn, none cut open
+
+
+def test_names_from_frames_are_text_never_mathtext_or_markup(tmp_path):
+    """A node `n$\\\\frac{1}{0}$1` (mathtext that does not parse) and a job `$x^$`: the page is made, from frame
+    files through the CLI and from the controller's store, and every name in it is escaped text."""
+    from jobprobe.frame import encode
+    from jobprobe.store import Store
+    frames = hostile_frames()
+    path = tmp_path / "job.mpk"
+    path.write_bytes(b"".join(encode(f) for f in frames))
+    r = jobprobe("report", str(path), "-o", str(tmp_path / "files.html"))
+    assert r.returncode == 0, r.stderr
+    check_hostile_page((tmp_path / "files.html").read_text())
+    st = Store(tmp_path / "store.db")
+    st.add(frames)
+    st.close()
+    r = jobprobe("report", "--store", str(tmp_path / "store.db"), "--job", HOSTILE_JOB, "-o",
+                 str(tmp_path / "store.html"))
+    assert r.returncode == 0, r.stderr
+    check_hostile_page((tmp_path / "store.html").read_text())
+
+
+def test_the_plots_draw_names_as_they_are_whatever_the_rc(tmp_path, monkeypatch):
+    """The legend lists every node, `_hidden` included, each drawn as its literal name — even with a matplotlibrc
+    that asks for TeX (no LaTeX is installed on a node: that would fail too)."""
+    import matplotlib
+    from jobprobe import report
+    job = report.Job()
+    job.take(hostile_frames())
+    job.sort()
+    seen: list[str] = []
+    real = report._svg
+
+    def svg(fig):                                  # each figure's texts, as matplotlib will draw them
+        fig.canvas.draw()
+        for text in fig.findobj(matplotlib.text.Text):
+            assert not text.get_usetex() and not text.get_parse_math(), text.get_text()
+            seen.append(text.get_text())
+        return real(fig)
+    monkeypatch.setattr(report, "_svg", svg)
+    monkeypatch.setitem(matplotlib.rcParams, "text.usetex", True)
+    plots = report.timelines(job)
+    assert len(plots) >= 4
+    for name in HOSTILE_NODES:
+        assert seen.count(name) >= len(plots), name          # in every legend (and the off-CPU plot's ticks)
+    assert matplotlib.rcParams["text.usetex"] is True         # the caller's settings are left as they were

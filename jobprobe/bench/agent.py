@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from jobprobe.bench.events import program_stats, run_workload
-from jobprobe.bench.overhead import _rmdir
+from jobprobe.bench.overhead import _rmdir, scratch
 from jobprobe.control import call
 from jobprobe.errors import BadInput
 from jobprobe.frame import StreamReader
@@ -106,12 +106,17 @@ def per_program(pids: list[int], group: Path, n: int) -> dict[str, dict]:
 def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: float = 30.0, cycles: int = 1000,
                 probes: str = "std", peer: bool = True, progress=None, nats: bool = False) -> dict:
     """`nats`: the agent also sends every frame to a local nats-server, consumed by a real controller (its CPU and
-    RSS then include the NATS sink and its spool)."""
+    RSS then include the NATS sink and its spool). Its files (frames, spool, store) go to a scratch directory,
+    removed at the end."""
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted")
-    work = Path(f"/tmp/jobprobe-bench-agent-{os.getpid()}")
-    work.mkdir(parents=True, exist_ok=True)
+    with scratch(None, "jobprobe-bench-agent-") as work:
+        return _bench_agent(counts, n, idle_s, cycles, probes, peer, progress, nats, work, Path(mount))
+
+
+def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, probes: str, peer: bool, progress,
+                 nats: bool, work: Path, mount: Path) -> dict:
     base = Path(mount, "jobprobe-bench", f"agent-{os.getpid()}")
     base.mkdir(parents=True, exist_ok=True)
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
@@ -217,7 +222,6 @@ def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: 
         for g in groups:
             _rmdir(g)
         _rmdir(base)
-        shutil.rmtree(work, ignore_errors=True)
     return result
 
 

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
+from jobprobe.bench.overhead import scratch
 from jobprobe.frame import FrameBuilder, encode
 
 # A standard-collection sample as this machine's agent writes it (cgroup, sched, perf, blockio, net, pressure, self;
@@ -124,9 +123,14 @@ def stored(store: Path) -> int:
 
 
 def bench_controller(nodes: int = 2000, seconds: float = 30.0, burst_frames: int = 60_000, progress=None) -> dict:
+    """Its nats-server's data and the controller's store go to a scratch directory, removed at the end."""
+    with scratch(None, "jobprobe-bench-ctl-") as work:
+        return _bench_controller(nodes, seconds, burst_frames, progress, work)
+
+
+def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, work: Path) -> dict:
     from jobprobe.controller import LocalNats
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
-    work = Path(tempfile.mkdtemp(prefix="jobprobe-bench-ctl-"))
     root = str(Path(__file__).resolve().parents[2])
     nats_srv = LocalNats(work, f"127.0.0.1:{free_port()}")
     nats_srv.wait()
@@ -191,7 +195,6 @@ def bench_controller(nodes: int = 2000, seconds: float = 30.0, burst_frames: int
             except subprocess.TimeoutExpired:
                 ctl.kill()
         nats_srv.stop()
-        shutil.rmtree(work, ignore_errors=True)
     return res
 
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobprobe.bench.overhead import _rmdir, _wait_for_hello
+from jobprobe.bench.overhead import _rmdir, _wait_for_hello, scratch
 from jobprobe.bench.stats import estimate, median
 from jobprobe.errors import BadInput
 from jobprobe.host import find_cgroup2_mount
@@ -119,14 +119,19 @@ def run_workload(workload: str, n: int, group: Path) -> dict:
 
 def bench_events(probe: str = "sched", rounds: int = 15, n: int = 100_000, peer: bool = True,
                  seed: int | None = None, workdir: Path | None = None, progress=None) -> dict:
+    """`workdir`: where the collector's frames go (default: a scratch directory, removed at the end)."""
     if probe not in CASES:
         raise BadInput(f"no per-event benchmark for probe {probe!r}; there is one for: {', '.join(CASES)}")
-    workload, peer_argv = CASES[probe]
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted")
-    workdir = workdir or Path(f"/tmp/jobprobe-bench-{os.getpid()}")
-    workdir.mkdir(parents=True, exist_ok=True)
+    with scratch(workdir, "jobprobe-bench-events-") as work:
+        return _bench_events(probe, rounds, n, peer, seed, work, Path(mount), progress)
+
+
+def _bench_events(probe: str, rounds: int, n: int, peer: bool, seed: int | None, workdir: Path, mount: Path,
+                  progress) -> dict:
+    workload, peer_argv = CASES[probe]
     group = Path(mount, "jobprobe-bench", f"events-{os.getpid()}")
     group.mkdir(parents=True, exist_ok=True)
     other = Path(mount, "jobprobe-bench", f"events-other-{os.getpid()}")

@@ -5,20 +5,26 @@ start the job the same way — the kit itself spawns it into a fresh cgroup2 gro
 so the only difference is a `jobprobe run --cgroup` attached to that group (started, with its probes attached,
 before the job starts). The job's peak RSS comes from wait4(); the collector's CPU, memory and bytes written come
 from its own `self` probe frames.
+
+The kit runs as root: its scratch files go to a directory of its own (mkdtemp: 0700, a name nobody can guess or
+make first), removed with everything in it when the kit ends (`scratch`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Iterator
 
 from jobprobe.bench.stats import Series, median
 from jobprobe.errors import BadInput
@@ -104,8 +110,8 @@ class OverheadBench:
         self.mount = find_cgroup2_mount()
         if self.mount is None:
             raise BadInput("no cgroup2 hierarchy mounted: the overhead kit runs each job in a cgroup2 group")
-        self.workdir = Path(workdir or f"/tmp/jobprobe-bench-{os.getpid()}")
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.given_workdir = workdir
+        self.workdir: Path | None = None     # the scratch directory, there while run() runs
         self.jobprobe = jobprobe or [sys.executable, "-m", "jobprobe.cli"]
         self.progress = progress if progress is not None else sys.stderr
         self.clock = clock
@@ -132,8 +138,8 @@ class OverheadBench:
         seconds = time.monotonic() - t
         child.returncode = os.waitstatus_to_exitcode(status)
         if child.returncode != 0:
-            raise BadInput(f"the job exited with code {child.returncode}: {' '.join(self.cmd)} "
-                           f"(its output: {self.workdir / 'job.log'})")
+            raise BadInput(f"the job exited with code {child.returncode}: {' '.join(self.cmd)}; its output ends: "
+                           f"{tail(self.workdir / 'job.log')!r}")
         return Run(seconds, ru.ru_maxrss * 1024)
 
     def run_plain(self) -> Run:
@@ -196,6 +202,13 @@ class OverheadBench:
         self._report()
 
     def run(self) -> dict:
+        with scratch(self.given_workdir, "jobprobe-bench-") as self.workdir:
+            try:
+                return self._run()
+            finally:
+                self.workdir = None
+
+    def _run(self) -> dict:
         for _ in range(self.warmup):       # the first runs of a job are the slowest (caches, page cache)
             self.run_plain()
         while self.budget_left():
@@ -285,6 +298,33 @@ def traced_share(frames: list[dict]) -> float:
     traced = sum(max(0.0, min(f["start"] + f["duration_s"], t1) - max(f["start"], t0))
                  for f in frames if f["kind"] == "trace" and isinstance(f.get("start"), (int, float)))
     return traced / (t1 - t0) if t1 > t0 else 0.0
+
+
+@contextlib.contextmanager
+def scratch(workdir: str | Path | None, prefix: str) -> Iterator[Path]:
+    """The kit's working directory: `workdir` when one is given (made if missing, and left as it is after: the
+    caller's), else a fresh one from mkdtemp in the temp directory — 0700, with a name no other user can guess and
+    plant a link at first — removed with everything in it at the end, whatever the end."""
+    if workdir:
+        path = Path(workdir)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def tail(path: Path, size: int = 2000) -> str:
+    """The end of a log, for an error message: the scratch directory holding it is gone by the time it is read."""
+    try:
+        with open(path, "rb") as fp:
+            fp.seek(max(0, os.fstat(fp.fileno()).st_size - size))
+            return fp.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _rmdir(g: Path) -> None:

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from jobprobe.kernel import procfs
-from jobprobe.bench.overhead import _wait_for_hello, collector_stats
+from jobprobe.bench.overhead import _wait_for_hello, collector_stats, scratch
 from jobprobe.errors import BadInput
 
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
@@ -65,11 +65,17 @@ class Scraper(threading.Thread):
             self.stop_event.wait(max(0.0, nxt - time.monotonic()))
 
 
-def run_peers(cmd: list[str], interval: float, workdir: Path, jobprobe: list[str] | None = None) -> dict:
+def run_peers(cmd: list[str], interval: float, workdir: Path | None = None,
+              jobprobe: list[str] | None = None) -> dict:
+    """`workdir`: where jobprobe's frames go (default: a scratch directory, removed at the end)."""
     exe = next((shutil.which(n) for n in NODE_EXPORTER if shutil.which(n)), None)
     if exe is None:
         raise BadInput("node_exporter not found: install Debian's prometheus-node-exporter (scripts/setup.sh --bench)")
-    workdir.mkdir(parents=True, exist_ok=True)
+    with scratch(workdir, "jobprobe-bench-peers-") as work:
+        return _run_peers(cmd, interval, work, exe, jobprobe)
+
+
+def _run_peers(cmd: list[str], interval: float, workdir: Path, exe: str, jobprobe: list[str] | None) -> dict:
     port = free_port()
     peer = subprocess.Popen([exe, f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -633,14 +633,49 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
     ProbeUnavailable with the compiler's or verifier's last lines; then no fd is left open here and nothing stays
     attached (the loader's own fds die with it). `pinned`: maps the caller holds ({name: fd}: the node's membership
     maps) that the module declares with BPF_TABLE_PINNED; the loader inherits the fds and pins them where only it
-    can see them."""
+    can see them (pin_dir)."""
     text = bpf.source(name) if text is None else text
     for _, _, hook in cgroups:
         if hook not in CGROUP_HOOKS:
             raise ValueError(f"unknown cgroup hook {hook!r}; known: {', '.join(CGROUP_HOOKS)}")
-    request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints],
-                          "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes),
-                          "pinned": dict(pinned or {})})
+    with pin_dir(bool(pinned)) as where:
+        request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints],
+                              "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes),
+                              "pinned": dict(pinned or {}), "pin_dir": where})
+        meta, fds, pid, why = run_loader(name, request, timeout, tuple((pinned or {}).values()))
+    what = f"cannot load bpf/{name}.c"
+    if "error" in meta:
+        close_all(fds)
+        raise ProbeUnavailable(f"{what}: {meta['error']}" + (f": {why}" if why else ""))
+    try:
+        return build(name, meta, fds, possible_cpus(sys_root), pid)
+    except (KeyError, IndexError, OSError, ValueError) as err:
+        close_all(fds)
+        raise ProbeUnavailable(f"{what}: bad loader reply: {err}") from err
+
+
+@contextlib.contextmanager
+def pin_dir(wanted: bool) -> Iterator[str | None]:
+    """A fresh empty directory (mkdtemp: 0700, a name nobody can guess) for the loader to mount its private bpffs on
+    and pin the shared maps in, removed once the loader has exited — however it ended (an error, a timeout, a
+    kill). It is made and removed here, not in the loader: a loader killed mid-compile cleans up nothing, and a load
+    per probe start would leave one directory in the temp directory each time. The mount lived in the loader's own
+    mount namespace only, so the directory is empty again on this side. None when nothing is pinned."""
+    if not wanted:
+        yield None
+        return
+    where = tempfile.mkdtemp(prefix="jobprobe-pins-")
+    try:
+        yield where
+    finally:
+        with contextlib.suppress(OSError):   # a directory left over must not fail a load that worked
+            os.rmdir(where)
+
+
+def run_loader(name: str, request: str, timeout: float,
+               inherited: tuple[int, ...]) -> tuple[dict[str, Any], list[int], int, str]:
+    """Run the loader on `request` (it inherits the fds `inherited`) and wait for it to exit; returns its reply's
+    metadata, the fds it sent, its pid and the last lines of its log."""
     what = f"cannot load bpf/{name}.c"
     root = str(Path(__file__).resolve().parents[2])   # the checkout: `-m jobprobe.kernel.bpf_loader` imports from any cwd
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
@@ -651,7 +686,7 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
             with theirs:
                 proc = subprocess.Popen([sys.executable, "-m", "jobprobe.kernel.bpf_loader", str(theirs.fileno())],
                                         stdin=subprocess.PIPE, stdout=log, stderr=log, env=env,
-                                        pass_fds=(theirs.fileno(), *(pinned or {}).values()))
+                                        pass_fds=(theirs.fileno(), *inherited))
             try:
                 proc.communicate(request.encode(), timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -669,11 +704,4 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
         except (OSError, ValueError) as err:
             raise ProbeUnavailable(f"{what}: loader exit {proc.returncode}: {err}"
                                    + (f": {why}" if why else "")) from err
-    if "error" in meta:
-        close_all(fds)
-        raise ProbeUnavailable(f"{what}: {meta['error']}" + (f": {why}" if why else ""))
-    try:
-        return build(name, meta, fds, possible_cpus(sys_root), proc.pid)
-    except (KeyError, IndexError, OSError, ValueError) as err:
-        close_all(fds)
-        raise ProbeUnavailable(f"{what}: bad loader reply: {err}") from err
+    return meta, fds, proc.pid, why

@@ -2,12 +2,14 @@
 
 Run by jobprobe.kernel.bpf.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
-"cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…}};
-with "pinned" (maps the agent already holds, passed as inherited fds: the node's membership maps), it first moves to
-a mount namespace of its own, mounts a bpffs there, pins each fd under its name and compiles with
--DJOB_PIN_DIR="<that dir>", so that the module's BPF_TABLE_PINNED declarations (bpf/common.h) open those very maps;
-the namespace, the mount and the pins vanish with this process, and nothing stays in the kernel but what the agent
-holds by fd. Then it compiles with bcc,
+"cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…},
+"pin_dir": "/tmp/jobprobe-pins-XXXX"}; with "pinned" (maps the agent already holds, passed as inherited fds: the
+node's membership maps), it first moves to a mount namespace of its own, mounts a bpffs on "pin_dir" there, pins each
+fd under its name and compiles with -DJOB_PIN_DIR="<pin_dir>", so that the module's BPF_TABLE_PINNED declarations
+(bpf/common.h) open those very maps; the namespace, the mount and the pins vanish with this process, and nothing
+stays in the kernel but what the agent holds by fd. The empty directory itself is the agent's, made before this
+process starts and removed after it exits (jobprobe.kernel.bpf.pin_dir), so that no way of ending here leaves it
+behind. Then it compiles with bcc,
 attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
 detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
@@ -62,10 +64,9 @@ CLONE_NEWNS = 0x00020000
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 
 
-def pin_shared(pinned: dict[str, int]) -> str:
-    """Pin the inherited map fds in a bpffs of this process's own mount namespace; returns the directory."""
-    import tempfile
-
+def pin_shared(pinned: dict[str, int], where: str) -> None:
+    """Pin the inherited map fds in a bpffs mounted on the empty directory `where` in this process's own mount
+    namespace."""
     from jobprobe.kernel.bpf import obj_pin
     libc = ct.CDLL(None, use_errno=True)
 
@@ -76,11 +77,9 @@ def pin_shared(pinned: dict[str, int]) -> str:
     check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     # Private propagation first, so that the bpffs mounted below is never seen in the host's namespace.
     check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-    where = tempfile.mkdtemp(prefix="jobprobe-pins-")
     check(libc.mount(b"bpf", where.encode(), b"bpf", 0, None), f"mount bpffs on {where}")
     for name, fd in pinned.items():
         obj_pin(fd, f"{where}/{name}")
-    return where
 
 
 _btf = None   # the running kernel's BTF, read at its first use
@@ -136,7 +135,10 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
 
     cflags = [btf_flag(f) for f in req["cflags"]]
     if req.get("pinned"):
-        cflags.append(f'-DJOB_PIN_DIR="{pin_shared(req["pinned"])}"')
+        if not req.get("pin_dir"):
+            raise Exception("maps to pin but no pin_dir to pin them in")
+        pin_shared(req["pinned"], req["pin_dir"])
+        cflags.append(f'-DJOB_PIN_DIR="{req["pin_dir"]}"')
     # Compiles and creates the maps; loads no program yet (none has an auto-attach name).
     b = BPF(text=req["text"].encode(), cflags=cflags)
     fds: list[int] = []
