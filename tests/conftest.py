@@ -166,6 +166,28 @@ def net():
         pair.close()
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_certs(d: Path) -> Path:
+    """A CA and a server certificate for 127.0.0.1 signed by it (openssl) in `d`: ca.pem, server.pem, server.key;
+    the CA's path."""
+    def ssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=jobprobe-test-ca")
+    ssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
+    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.pem", "-days", "2", "-extfile", "ext.cnf")
+    return d / "ca.pem"
+
+
 def until(cond, timeout: float, what: str, every: float = 0.05):
     """cond()'s first truthy value within `timeout` s; else AssertionError naming `what`."""
     deadline = time.monotonic() + timeout

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import until
+from conftest import free_port, make_certs, until
 
 REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
@@ -25,21 +25,15 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Controller:
     """`jobprobe controller --data D` (one-command mode: it starts its own nats-server) as a process."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, listen: str = "127.0.0.1", extra: tuple = (), scheme: str = "nats"):
         self.data, self.port = tmp / "ctl", free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.log = tmp / "controller.log"
         self.proc = subprocess.Popen([*JOBPROBE, "controller", "--data", str(self.data), "--listen",
-                                      f"127.0.0.1:{self.port}"], cwd=REPO, stdout=subprocess.DEVNULL,
+                                      f"{listen}:{self.port}", *extra], cwd=REPO, stdout=subprocess.DEVNULL,
                                      stderr=open(self.log, "ab"))
         until(lambda: "consuming" in self.log.read_text() or self.proc.poll() is not None, 30, "the controller")
         assert self.proc.poll() is None, self.log.read_text()
@@ -139,7 +133,7 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
 
 
 class Agent:
-    def __init__(self, tmp: Path, node: str, url: str, creds: Path, job: str = "train"):
+    def __init__(self, tmp: Path, node: str, url: str, creds: Path, job: str = "train", ca: Path | None = None):
         from jobprobe.control import call
         self.dir = tmp / node
         self.dir.mkdir()
@@ -147,7 +141,8 @@ class Agent:
         self.proc = subprocess.Popen(
             [*JOBPROBE, "agent", "--node", node, "--send", url, "--nats-creds", str(creds), "--spool",
              str(self.dir / "spool"), "--socket", str(self.dir / "agent.sock"), "--state", str(self.dir / "jobs.json"),
-             "--probes", "cgroup,self", "--interval", "0.5"], cwd=REPO, stdout=subprocess.DEVNULL,
+             "--probes", "cgroup,self", "--interval", "0.5"] + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,
+            stdout=subprocess.DEVNULL,
             stderr=open(self.log, "ab"))
 
         def up():
@@ -231,3 +226,36 @@ def test_not_loopback_without_tls_is_refused_and_a_killed_controller_takes_its_s
         out = subprocess.run([*JOBPROBE, "controller", "--data", str(c.data), "--listen", f"127.0.0.1:{c.port}"],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "something else listens" in out.stderr, out.stderr
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make test certificates")
+def test_on_every_address_with_tls_an_enrolled_agent_with_the_ca_flows_and_plaintext_is_refused(tmp_path):
+    """The documented path (docs/DEPLOY.md §6): --listen 0.0.0.0 with --tls-cert/--tls-key, the controller checking
+    its own server against --ca, an agent with its enrolled key and --nats-ca; a client without TLS is refused."""
+    ca = make_certs(tmp_path)
+    c = Controller(tmp_path, listen="0.0.0.0", scheme="tls", extra=(
+        "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key"), "--ca", str(ca)))
+    agent = None
+    try:
+        agent = Agent(tmp_path, "n1", c.url, c.enroll("n1"), ca=ca)
+        until(lambda: c.stored("SELECT COUNT(*) FROM frames WHERE node = 'n1'")[0][0] > 0, 30, "n1's frames, TLS")
+        with socket.create_connection(("127.0.0.1", c.port), timeout=5) as sock:   # a plaintext client
+            info = json.loads(sock.recv(4096).split(b" ", 1)[1])
+            assert info["tls_required"] is True and info["auth_required"] is True
+            sock.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+            sock.settimeout(5)
+            said = b""
+            while True:                          # the server refuses it and hangs up; it is never answered PONG
+                try:
+                    chunk = sock.recv(4096)
+                except (ConnectionResetError, socket.timeout):
+                    break
+                if not chunk:
+                    break
+                said += chunk
+            assert b"PONG" not in said, said
+    finally:
+        if agent is not None:
+            agent.close()
+        c.close()

@@ -32,7 +32,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import until
+from conftest import free_port, until
 
 from jobprobe.controller import CONTROLLER_RUN, Controller, stats
 from jobprobe.frame import FrameBuilder, encode
@@ -183,12 +183,6 @@ def test_any_body_is_stored_valid_or_refused_and_the_controller_goes_on(tmp_path
 
 
 # ---- the real path ----------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def hostile_bodies(n: int, seed: int = 11) -> list[bytes]:
     """n bodies: the named cases, then random structures and mutated honest frames (seeded)."""
     rng = random.Random(seed)

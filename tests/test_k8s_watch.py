@@ -251,7 +251,7 @@ def test_pods_are_attached_by_annotation_and_let_go_when_they_leave(make_cgroup,
         return {j["job"]: j for j in s["jobs"]} if s else {}
 
     def frames(job):
-        with open(out / f"{job.replace('/', '_')}.mpk", "rb") as f:
+        with open(job_path(str(out), job), "rb") as f:
             return list(StreamReader(f))
 
     burner = None

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from conftest import until as wait_for
+from conftest import free_port, make_certs, until as wait_for
 
 from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 
@@ -29,12 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
 need_nats = pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -331,19 +325,6 @@ def test_a_three_server_jetstream_cluster_loses_nothing_when_a_server_dies(tmp_p
             if s.poll() is None:
                 s.terminate()
                 s.wait(timeout=10)
-
-
-def make_certs(d: Path) -> Path:
-    """A CA and a server certificate for 127.0.0.1 signed by it (openssl); the CA's path."""
-    def ssl(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    ssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=jobprobe-test-ca")
-    ssl("req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n")
-    ssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
-        "server.pem", "-days", "2", "-extfile", "ext.cnf")
-    return d / "ca.pem"
 
 
 @pytest.mark.integration

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import until
-from test_nats import free_port
+from conftest import free_port, until
 
 from jobprobe.frame import StreamReader
 

@@ -39,7 +39,7 @@ def rate(ddp: DdpJob, since: int) -> float:
 def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(cgroup2_mount, tmp_path):
     import importlib.util
     assert importlib.util.find_spec("torch"), "PyTorch is not installed: `make test` installs it (scripts/setup.sh)"
-    from test_prometheus import free_port
+    from conftest import free_port
     ddp = DdpJob(cgroup2_mount, seconds=400)
     metrics = free_port()
     cluster = Cluster(tmp_path, ddp, controller_args=("--metrics", f"127.0.0.1:{metrics}"))

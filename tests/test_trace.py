@@ -504,8 +504,18 @@ def voluntary_switches(pid: int) -> int:
 
 
 def stopped(pid: int) -> None:
-    os.kill(pid, 19)                                          # SIGSTOP: a fixed point to count from
+    """SIGSTOP, and wait until the stop's own switch-out is done: a fixed point to count from. /proc says `T` as soon
+    as the task's state is set, before it has left the CPU (do_signal_stop → schedule()); its count of voluntary
+    switches moves once more then. Read in that gap, the count ran one ahead of the records (seen once under load:
+    23 531 counted, 23 530 recorded) — so the count must hold still for 50 ms first."""
+    os.kill(pid, 19)
     until(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "T", 5, "the job stopped")
+
+    def still() -> bool:
+        before = voluntary_switches(pid)
+        time.sleep(0.05)
+        return voluntary_switches(pid) == before
+    until(still, 10, "the stopped job's switch-out")
 
 
 @pytest.mark.kernel

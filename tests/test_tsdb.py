@@ -12,9 +12,8 @@ import urllib.request
 
 import pytest
 
-from conftest import until
+from conftest import free_port, until
 from test_nats import JOBPROBE, REPO, Site, need_nats
-from test_prometheus import free_port
 
 from jobprobe.frame import StreamReader
 
