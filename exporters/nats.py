@@ -38,6 +38,7 @@ from typing import Any, Callable
 import msgpack
 
 from jobprobe.exporters.natswire import Credentials, Wire
+from jobprobe.frame import encode
 from jobprobe.retry import Backoff
 from jobprobe.wire import frames_subject, inbox_prefix, msg_id
 
@@ -75,15 +76,17 @@ def auth_options(creds: str | None = None, ca: str | None = None, cert: str | No
 
 
 class Spool:
-    """Records (msg id, subject, job, data) appended to segment files seg-<n>; `cursor` holds the first record not
-    yet acked (segment, offset). Thread-safe."""
+    """Records (msg id, subject, job, data, keep) appended to segment files seg-<n>; `cursor` holds the first record
+    not yet acked (segment, offset). Thread-safe. A record marked `keep` (a run's hello: its schema and interval,
+    without which the store cannot read the run) survives the bound: when its segment goes it is written again at
+    the end, never counted lost."""
 
     def __init__(self, path: str | Path, max_bytes: int = 256 << 20, segment_bytes: int = SEGMENT_BYTES):
         self.dir = Path(path)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_bytes, self.segment_bytes = max_bytes, min(segment_bytes, max(4096, max_bytes // 4))
         self.lock = threading.Lock()
-        self.pending: deque[tuple] = deque()   # (seg, start, end, msg id, subject, job, data), in order
+        self.pending: deque[tuple] = deque()   # (seg, start, end, msg id, subject, job, data, keep), in order
         self.lost: dict[str, int] = {}
         self.inflight = 0         # the first `inflight` pending records were handed to the server, not yet acked
         self.segments: list[int] = sorted(int(p.name[4:]) for p in self.dir.glob("seg-*") if p.name[4:].isdigit())
@@ -109,8 +112,8 @@ class Spool:
             try:
                 for rec in unpacker:
                     end = unpacker.tell()
-                    if (seg, pos) >= (seg0, off0) and isinstance(rec, list) and len(rec) == 4:
-                        self.pending.append((seg, pos, end, *rec))
+                    if (seg, pos) >= (seg0, off0) and isinstance(rec, list) and len(rec) in (4, 5):
+                        self.pending.append((seg, pos, end, *rec[:4], bool(rec[4]) if len(rec) == 5 else False))
                     pos = end
             except (ValueError, msgpack.UnpackException):
                 log.warning("spool %s: segment %d damaged after byte %d; the rest of it is skipped", self.dir, seg,
@@ -119,21 +122,25 @@ class Spool:
             (self.dir / f"seg-{seg}").unlink(missing_ok=True)
         self.segments = [s for s in self.segments if s >= seg0]
 
-    def append(self, mid: str, subject: str, job: str, data: bytes) -> None:
-        rec = msgpack.packb([mid, subject, job, data], use_bin_type=True)
+    def append(self, mid: str, subject: str, job: str, data: bytes, keep: bool = False) -> None:
         with self.lock:
-            if self.size and self.size + len(rec) > self.segment_bytes:
-                os.close(self.fd)
-                self.seg += 1
-                self.segments.append(self.seg)
-                self.fd = os.open(self.dir / f"seg-{self.seg}", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                                  0o600)
-                self.size = 0
-            os.write(self.fd, rec)
-            self.pending.append((self.seg, self.size, self.size + len(rec), mid, subject, job, data))
-            self.size += len(rec)
+            self._write(mid, subject, job, data, keep)
             while len(self.segments) > 1 and self._bytes() > self.max_bytes and self._drop_oldest():
                 pass
+
+    def _write(self, mid: str, subject: str, job: str, data: bytes, keep: bool) -> None:
+        """One record at the end of the current segment (a new one past segment_bytes). Under the lock."""
+        rec = msgpack.packb([mid, subject, job, data, keep], use_bin_type=True)
+        if self.size and self.size + len(rec) > self.segment_bytes:
+            os.close(self.fd)
+            self.seg += 1
+            self.segments.append(self.seg)
+            self.fd = os.open(self.dir / f"seg-{self.seg}", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                              0o600)
+            self.size = 0
+        os.write(self.fd, rec)
+        self.pending.append((self.seg, self.size, self.size + len(rec), mid, subject, job, data, keep))
+        self.size += len(rec)
 
     def _bytes(self) -> int:
         return (len(self.segments) - 1) * self.segment_bytes + self.size
@@ -147,15 +154,19 @@ class Spool:
         if seg is None:
             return False
         self.segments.remove(seg)
-        keep, n = deque(), 0
+        rest, again, n = deque(), [], 0
         for rec in self.pending:
-            if rec[0] == seg:
+            if rec[0] != seg:
+                rest.append(rec)
+            elif rec[7]:
+                again.append(rec)               # a hello: written again at the end, not lost
+            else:
                 self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
                 n += 1
-            else:
-                keep.append(rec)
-        self.pending = keep
+        self.pending = rest
         (self.dir / f"seg-{seg}").unlink(missing_ok=True)
+        for rec in again:
+            self._write(*rec[3:8])
         if n:
             log.warning("spool %s is full (%d KiB): %d frames never sent were dropped, the oldest (counted in the "
                         "jobs' self.sink_dropped)", self.dir, self.max_bytes >> 10, n)
@@ -223,6 +234,7 @@ class NatsSink:
         self.hurry = threading.Event()   # closing: the publisher tries now rather than after its backoff
         self.last_try_failed = False
         self.handler: Callable[[bytes], bytes] | None = None
+        self.heartbeats_skipped = 0      # heartbeats not spooled: frames were waiting (heartbeat())
         self.thread = threading.Thread(target=self._run, name="nats", daemon=True)
         self.thread.start()
 
@@ -242,10 +254,28 @@ class NatsSink:
         c["queued"] += 1
         if self.compress:    # ~2.1 KB of msgpack → ~1.1 KB: under 2 KiB/s per node at 1 s (docs/PERFORMANCE.md)
             data = zlib.compress(data, 6)
-        self.spool.append(msg_id(frame), frames_subject(frame["node"]), job, data)
+        self.spool.append(msg_id(frame), frames_subject(frame["node"]), job, data,
+                          keep=frame.get("kind") == "hello")
         if not self.woken:   # once per burst: the publisher takes what came meanwhile
             self.woken = True
             self.wake.set()
+
+    def heartbeat(self, frame: dict) -> bool:
+        """The node's heartbeat (kind `heartbeat`): worth something only fresh, so one behind frames still waiting
+        in the spool (an outage, a backlog) is skipped, not spooled — those frames show the node alive when they
+        arrive, and a pile of stale heartbeats would only delay them: at most one waits. A `stopping` heartbeat is
+        always spooled, after the jobs' last frames. Not in any job's counters. Returns whether it was spooled."""
+        if not frame.get("stopping") and self.spool.depth():
+            self.heartbeats_skipped += 1
+            return False
+        data = encode(frame)
+        if self.compress:
+            data = zlib.compress(data, 6)
+        self.spool.append(msg_id(frame), frames_subject(frame["node"]), frame["job"], data)
+        if not self.woken:
+            self.woken = True
+            self.wake.set()
+        return True
 
     def job_stats(self, job: str) -> dict:
         c = self.counts.get(job, {"queued": 0, "written": 0, "errors": 0})
@@ -324,7 +354,7 @@ class NatsSink:
         max_payload, or refused by JetStream for good) settled as lost, so that they hold up nothing behind them."""
         wire = self.wire
         fits = [rec for rec in batch if wire.fits(rec[3], rec[6])]
-        acks = wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data in fits], timeout=5) if fits else []
+        acks = wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data, _ in fits], timeout=5) if fits else []
         refused = [(rec, ack["error"]) for rec, ack in zip(fits, acks) if "error" in ack]
         settled = {id(rec) for rec in fits} - {id(rec) for rec, _ in refused}
         lost = [rec for rec in batch if id(rec) not in settled]

@@ -6,6 +6,8 @@ node). A tick samples every job at once and sends one frame per job. Jobs arrive
 attach(spec), detach(job), probes(job, "+x,-y"); a job whose processes have all exited is detached by itself after
 its last frame. `jobprobe run` is this agent with one job; `jobprobe agent` adds the control socket
 (jobprobe/control.py) and the state file from which a restarted agent attaches the jobs still running.
+With a NATS sink, an agent with no job attached sends the node's `heartbeat` each tick (the controller's liveness
+does not depend on jobs), and one marked `stopping` when it stops cleanly, after its jobs' last frames.
 
 Nothing of a dead agent stays in the kernel: every program, link and map is held by the agent's file descriptors (the
 loaders pin maps only inside a mount namespace that dies with them), so SIGKILL releases everything.
@@ -30,7 +32,7 @@ from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
 from jobprobe import tickmemo
 from jobprobe.errors import BadInput, TargetGone
-from jobprobe.frame import new_run_id
+from jobprobe.frame import NODE_JOB, FrameBuilder, new_run_id
 from jobprobe.host import Host
 from jobprobe.probe import Probe
 from jobprobe.registry import all_probes, parse_probes
@@ -223,6 +225,8 @@ class Agent:
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
+        # the node's heartbeats: a run id of their own (a job may be named "node": its frames' keys stay apart)
+        self.beat = FrameBuilder(self.host.node, NODE_JOB) if self.nats is not None else None
         self.jobs: dict[str, Job] = {}
         self.starting: set[str] = set()
         self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
@@ -522,6 +526,7 @@ class Agent:
         finally:
             tickmemo.end()
         self._retry_pending()
+        self._heartbeat()
 
     def _tick_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -536,6 +541,10 @@ class Agent:
                 has = bool(job.target.pids())
                 if job.had_procs and not has:
                     job.ended = f"every process of {job.name} has exited"
+                elif not job.had_procs and not has and time.time() - job.attached_at > self.cfg.attach_wait:
+                    # empty since it was attached (a group whose processes exited while no agent watched, restored
+                    # from the state file; a group nothing ever ran in): no process will come to end it
+                    job.ended = f"no process in {job.name} for the {self.cfg.attach_wait:g} s since it was attached"
                 job.had_procs |= has
         except TargetGone as err:
             job.ended = str(err)
@@ -545,6 +554,20 @@ class Agent:
             log.exception("tick of %s", job.name)
         if job.ended or job.sampler.end_reason:
             self._end(job, job.ended or job.sampler.end_reason or "ended")
+
+    def _heartbeat(self, stopping: bool = False, jobs: int = 0) -> None:
+        """The node's liveness to the controller, while no job is attached (a job's frames show it alive
+        otherwise): a heartbeat frame each tick; `stopping`, once, at a clean stop (then no more)."""
+        with self.lock:
+            if self.beat is None or (self.jobs and not stopping):
+                return
+            beat = self.beat.heartbeat(time.time(), self.cfg.interval, jobs, stopping)
+            if stopping:
+                self.beat = None
+        try:
+            self.nats.heartbeat(beat)
+        except Exception as err:     # the spool's disk: the next tick tries again
+            log.warning("heartbeat: %s: %s", type(err).__name__, err)
 
     def _end(self, job: Job, why: str) -> None:
         """A job that ended by itself, after its last frame."""
@@ -617,6 +640,7 @@ class Agent:
                 self.detach(name, "agent stopped")
             except BadInput:
                 pass
+        self._heartbeat(stopping=True, jobs=len(names))   # after the jobs' last frames: a stop, not a loss
         self.node.close()
         if self.nats is not None:
             self.nats.close()

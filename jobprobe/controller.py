@@ -11,8 +11,10 @@ objects, every value against the declared types); a frame that is not valid is r
 the TSDB writer, the store) has its own error boundary: one failing on a frame neither stops the loop nor the
 others (docs/SECURITY.md).
 
-Freshness: per node, the newest sample and when it arrived. A node silent for 3 of its intervals gets a `node_lost`
-event for each of its jobs; its next frame a `node_back`.
+Freshness: per node, when its newest frame arrived. An agent with no job attached sends a `heartbeat` each tick
+(used for freshness only, never stored), and one marked `stopping` when it stops cleanly: liveness does not depend on
+having jobs, and a stopped node is not lost. A node silent for 3 of its intervals (and not stopped) gets a `node_lost`
+event for each job live when it went silent — or one of job `node` when none was; its next frame a `node_back`.
 
 Cluster-wide deep traces: `jobprobe trace --job ID --nats URL [--at T]` asks the controller (core NATS request on
 jobprobe.ctl.trace); it asks every node that sent frames of the job in the last 30 s (jobprobe.ctl.node.<node>,
@@ -45,7 +47,7 @@ from jobprobe.exporters.nats import auth_options
 from jobprobe.exporters.natswire import is_loopback
 from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, token
 from jobprobe import framecheck
-from jobprobe.frame import MalformedFrame
+from jobprobe.frame import NODE_JOB, MalformedFrame
 from jobprobe.retry import Backoff
 from jobprobe.store import Store
 from jobprobe.stragglers import StragglerWatch
@@ -57,6 +59,7 @@ SUBJECTS = "jobprobe.frames.>"
 DURABLE = "controller"
 BATCH = 512
 LOST_AFTER = 3          # intervals of silence before a node is lost
+LIVE_JOB_INTERVALS = 3  # a lost node's jobs named in node_lost: those seen this many intervals before its silence
 MAX_FRAME = 1 << 20     # bytes; the server's max_payload too
 MAX_INFLATED = 1 << 20  # bytes of msgpack a compressed frame may inflate to
 FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
@@ -74,7 +77,11 @@ class NodeState:
     interval: float = 1.0
     last: float = 0.0                     # when its last frame arrived (controller clock, UNIX s)
     lost: bool = False
+    stopped: bool = False                 # its agent announced a clean stop (a heartbeat `stopping`): never lost
+    heartbeats: int = 0                   # heartbeats received (not stored)
     jobs: dict[str, float] = field(default_factory=dict)   # job → when last seen
+    live: set[str] = field(default_factory=set)            # jobs whose frames came since its last heartbeat
+    lost_jobs: list[str] = field(default_factory=list)     # the jobs its node_lost named (its node_back names them)
 
 
 class Controller:
@@ -163,33 +170,49 @@ class Controller:
             log.warning("refused a frame on %s: %s", subject[:200], why)
 
     def seen(self, frames: list[dict], now: float) -> list[dict]:
-        """Freshness upkeep; returns the node_back events the frames call for."""
+        """Freshness upkeep: any frame, a heartbeat included, says its node is alive; a heartbeat says that no job
+        of it is attached (or, `stopping`, that its agent stopped cleanly: the node is then never lost, and its next
+        frame ends the stop without a node_back). Returns the node_back events the frames call for."""
         out = []
         for f in frames:
             st = self.nodes.setdefault(f["node"], NodeState())
-            if f["kind"] == "hello" and isinstance(f.get("interval"), (int, float)) and f["interval"] > 0:
+            beat = f["kind"] == "heartbeat"
+            if f["kind"] in ("hello", "heartbeat") and isinstance(f.get("interval"), (int, float)) \
+                    and f["interval"] > 0:
                 st.interval = float(f["interval"])
             if st.lost:
                 st.lost = False
                 out += [self.node_event(f["node"], job, "node_back", now, silent_s=round(now - st.last, 3))
-                        for job in st.jobs]
+                        for job in st.lost_jobs]
+                st.lost_jobs = []
                 log.warning("node %s is back", f["node"])
             st.last = now
+            st.stopped = beat and f.get("stopping") is True
+            if beat:
+                st.heartbeats += 1
+                st.live.clear()         # its agent has no job attached: what it had ended
+                continue
             st.jobs.pop(f["job"], None)
             st.jobs[f["job"]] = now
+            st.live.add(f["job"])
             while len(st.jobs) > MAX_JOBS_PER_NODE:     # the least recently seen job goes first
                 st.jobs.pop(next(iter(st.jobs)))
+            if len(st.live) > len(st.jobs):             # jobs forgotten (forget(), the bound): not live either
+                st.live &= st.jobs.keys()
         return out
 
     def lost_nodes(self, now: float) -> list[dict]:
+        """node_lost for each node silent LOST_AFTER of its intervals (not one that announced its stop), once,
+        per job live when it went silent (its frames came since its last heartbeat, within LIVE_JOB_INTERVALS of
+        its last frame) — or, when none was, for the node itself (job "node")."""
         out = []
         for node, st in self.nodes.items():
-            if not st.lost and st.last and now - st.last > LOST_AFTER * st.interval:
+            if not st.lost and not st.stopped and st.last and now - st.last > LOST_AFTER * st.interval:
                 st.lost = True
-                # its jobs of the last hour
-                st.jobs = {j: t for j, t in st.jobs.items() if now - t < 3600}
+                since = st.last - LIVE_JOB_INTERVALS * st.interval
+                st.lost_jobs = [j for j in st.live if st.jobs.get(j, 0.0) >= since] or [NODE_JOB]
                 out += [self.node_event(node, job, "node_lost", now, silent_s=round(now - st.last, 3))
-                        for job in st.jobs]
+                        for job in st.lost_jobs]
                 log.warning("node %s lost: silent for %.1f s", node, now - st.last)
         return out
 
@@ -347,6 +370,8 @@ class Controller:
         taken = self._take(msgs)
         frames = [f for _, f in taken]
         extra = self._guard("freshness", lambda: self.seen(frames, now) + self.lost_nodes(now), [])
+        taken = [(m, f) for m, f in taken if f["kind"] != "heartbeat"]   # liveness only: not stored, acked
+        frames = [f for _, f in taken]
         extra += self._guard("stragglers", lambda: self.straggler_events(frames, now), [])
         refused = self.store_frames(taken, extra, now)
         kept = [f for (m, f) in taken if id(m) not in refused]
@@ -485,8 +510,9 @@ class MetricsCollector:
             c.add_metric([consumer], n)
         yield c
         g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
-        g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost))
+        g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost and not st.stopped))
         g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))
+        g.add_metric(["stopped"], sum(1 for _, st in nodes if st.stopped and not st.lost))
         yield g
         age = GaugeMetricFamily("jobprobe_node_last_frame_age_seconds", "seconds since the node's newest frame "
                                 "arrived", labels=["node"])
@@ -655,8 +681,8 @@ def _die_with_parent() -> None:
 def stats(store: Store, now: float | None = None) -> dict[str, Any]:
     """Freshness and delivery, per node, from the store: the newest sample's age now, how late samples arrived
     (received − t: median and p99 over the last 10 minutes), the longest gap between two samples of one job's run
-    (from their own times), frames stored / duplicates / rejected, and frames dropped at the source (the agents'
-    self.sink_dropped)."""
+    (from their own times, and a run's start: frames missing before its first stored one), frames missing (from seq),
+    frames stored / duplicates / rejected, and frames dropped at the source (each run's self.sink_dropped_total)."""
     now = time.time() if now is None else now
     nodes: dict[str, dict[str, Any]] = {}
     _, rows = store.sql("SELECT node, frames, duplicates, rejected, newest_t, last_received FROM delivery")
@@ -677,10 +703,24 @@ def stats(store: Store, now: float | None = None) -> dict[str, Any]:
                         "ORDER BY seq) AS gap FROM samples) GROUP BY node")
     for node, gap in rows:
         nodes.setdefault(node, {})["longest_gap_s"] = round(gap, 3) if gap is not None else None
-    _, rows = store.sql("SELECT node, SUM(COALESCE(json_extract(body, '$.probes.self.sink_dropped'), 0)) FROM samples "
-                        "GROUP BY node")
-    for node, dropped in rows:
-        nodes.setdefault(node, {})["dropped_at_source"] = int(dropped or 0)
+    # what is missing, from seq alone (a run's frames are numbered from 0, +1 each, the hello first): a run whose
+    # first stored frame is seq k lost k frames at its start — a gap LAG cannot see — worth k of its intervals
+    _, rows = store.sql("SELECT node, job, run, MIN(seq), MAX(seq), COUNT(*), "
+                        "AVG(CASE WHEN kind = 'sample' AND dt > 0 THEN dt END) FROM frames WHERE run != ? "
+                        "GROUP BY node, job, run", (CONTROLLER_RUN,))
+    for node, _job, _run, first, last, n, dt in rows:
+        v = nodes.setdefault(node, {})
+        v["missing_frames"] = v.get("missing_frames", 0) + (last + 1 - n)
+        if first and dt:
+            v["longest_gap_s"] = max(v.get("longest_gap_s") or 0.0, round(first * dt, 3))
+    # frames dropped at the source: each run's running total (self.sink_dropped_total, in every frame: the newest
+    # that arrived has it all), else — frames of agents before it — the sum of the per-interval counts that arrived
+    _, rows = store.sql("SELECT node, job, run, MAX(json_extract(body, '$.probes.self.sink_dropped_total')), "
+                        "SUM(COALESCE(json_extract(body, '$.probes.self.sink_dropped'), 0)) FROM samples "
+                        "GROUP BY node, job, run")
+    for node, _job, _run, total, summed in rows:
+        v = nodes.setdefault(node, {})
+        v["dropped_at_source"] = v.get("dropped_at_source", 0) + int(total if total is not None else summed or 0)
     # each node's latest `jobprobe doctor --controller` verdict: a node whose worst check fails is not ready
     _, rows = store.sql("SELECT node, t, json_extract(body, '$.worst'), json_extract(body, '$.checks') FROM events "
                         "WHERE event = 'doctor' AND job = 'node' ORDER BY t")

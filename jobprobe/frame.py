@@ -14,8 +14,9 @@ import msgpack
 from jobprobe.errors import JobprobeError
 
 SCHEMA_VERSION = 1
-KINDS = ("hello", "sample", "event", "stacks", "trace")
+KINDS = ("hello", "sample", "event", "stacks", "trace", "heartbeat")
 REQUIRED = {"v": int, "kind": str, "node": str, "job": str, "seq": int, "t": (int, float), "dt": (int, float)}
+NODE_JOB = "node"   # the job of a node's own frames (its heartbeats), not one of its jobs
 OPTIONAL = {"run": str, "labels": dict}   # absent in files written before the run id: such frames are valid, just not keyed by run
 
 
@@ -62,6 +63,11 @@ class FrameBuilder:
 
     def event(self, t: float, name: str, **body: Any) -> dict:
         return self._frame("event", t, 0.0, event=name, **body)
+
+    def heartbeat(self, t: float, interval: float, jobs: int, stopping: bool = False) -> dict:
+        """The node's own liveness (job "node"): sent while no job's frames show it alive, and once at a clean
+        stop (`stopping`), so that neither an idle node nor a stopped one is taken for lost."""
+        return self._frame("heartbeat", t, 0.0, interval=interval, jobs=jobs, stopping=stopping)
 
 
 def encode(frame: dict) -> bytes:

@@ -16,7 +16,8 @@ What a frame that passes is, whatever bytes it came from:
   own probes declare (jobprobe/registry.py) of the declared type (an `int` field an integer, a `list[map]` a list of
   maps, …); a field it does not know (a newer agent's) of the type the run's `hello` declared, when that hello is
   known, else of any checked value;
-- a `hello`'s `schema` well formed (types and kinds from the known lists), `interval` a positive number ≤ 1 h.
+- a `hello`'s `schema` well formed (types and kinds from the known lists), `interval` a positive number ≤ 1 h;
+- a `heartbeat`'s `interval` a positive number ≤ 1 h, `jobs` an integer ≥ 0, `stopping` (when present) a bool.
 
 `check(obj, declared)` raises MalformedFrame with the first reason; it never raises anything else.
 """
@@ -183,7 +184,19 @@ def _check(f: Any, declared: dict | None) -> dict:
         _hello(f)
     elif kind == "event":
         _name(f.get("event"), "event frame field 'event'", 64)
+    elif kind == "heartbeat":
+        _heartbeat(f)
     return f
+
+
+def _heartbeat(f: dict) -> None:
+    interval, jobs, stopping = f.get("interval"), f.get("jobs"), f.get("stopping", False)
+    if not _is_num(interval) or not 0 < interval <= 3600:
+        raise MalformedFrame("heartbeat field 'interval': expected seconds, more than 0 and at most 3600")
+    if not _is_int(jobs) or jobs < 0:
+        raise MalformedFrame("heartbeat field 'jobs': expected an integer ≥ 0")
+    if not isinstance(stopping, bool):
+        raise MalformedFrame("heartbeat field 'stopping': expected a bool")
 
 
 def _sample(f: dict, declared: dict | None) -> None:

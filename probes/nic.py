@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -43,6 +44,38 @@ RAIL_SLOW = 0.5            # a rail under this share of the median is slow
 
 _sockets: dict[int, Any] = {}      # netns inode → its rtnetlink socket (shared by the jobs in it)
 _pause: dict[int, ethtool.PauseReader] = {}   # netns inode → its ethtool reader (an AF_INET socket made in it)
+# netns inode → the probes reading it. A socket made in a namespace holds the namespace (and its interfaces) alive:
+# when the last probe of a namespace lets go, its sockets are closed, or a long-lived agent would keep every pod's
+# namespace and veths it ever saw.
+_users: dict[int, set[int]] = {}
+_users_lock = threading.Lock()
+
+
+def _use(ino: int | None, who: int) -> None:
+    if ino is not None:
+        with _users_lock:
+            _users.setdefault(ino, set()).add(who)
+
+
+def _release(ino: int | None, who: int) -> None:
+    """`who` no longer reads namespace `ino`: the last one out closes its sockets."""
+    if ino is None:
+        return
+    with _users_lock:
+        users = _users.get(ino)
+        if users is None:
+            return
+        users.discard(who)
+        if users:
+            return
+        del _users[ino]
+        sock, pause = _sockets.pop(ino, None), _pause.pop(ino, None)
+    for s in (sock, pause.sock if pause is not None else None):
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
 
 
 def fields() -> dict[str, Field]:
@@ -177,6 +210,8 @@ class NicProbe(Probe):
             self.prev = self._counters(reading(self.host.proc, self.pid, self.ino, self.own))
             self.prev_seen = None
         except OSError as err:
+            _release(self.ino, id(self))      # a start that fails lets go of what it took
+            self.ino = None
             raise ProbeUnavailable(f"rtnetlink in the job's network namespace: {err}") from err
         self.t_prev = time.monotonic()
 
@@ -192,7 +227,9 @@ class NicProbe(Probe):
             raise TargetGone("the job has no processes")
         self.pid = pids[0]
         ino = netns_inode(self.host.proc, self.pid)
-        if ino is not None:
+        if ino is not None and ino != self.ino:
+            _use(ino, id(self))
+            _release(self.ino, id(self))      # the job moved to another namespace: the old one may go
             self.ino = ino
         env = procfs.environ(self.host.proc, self.pid, ENV_KEYS)
         key = next((k for k in ENV_KEYS if env.get(k)), None)
@@ -260,3 +297,5 @@ class NicProbe(Probe):
     def stop(self) -> None:
         self.target = None
         self.files.close()
+        _release(self.ino, id(self))
+        self.ino = None

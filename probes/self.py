@@ -40,6 +40,10 @@ class SelfProbe(Probe):
         "written_bytes": Field("int", "bytes", "bytes jobprobe wrote this interval, to files, pipes and sockets"),
         "sink_dropped": Field("int", "count", "frames the sinks dropped this interval, summed over sinks: queue full "
                               "(oldest dropped), sink dead (EPIPE...) or closing. Absent when not given the sinks"),
+        "sink_dropped_total": Field("int", "count", "frames the sinks dropped since the job was attached (this run), "
+                                    "summed over sinks: the whole count in every frame, so a reader that lost "
+                                    "frames (the ones that carried some of the per-interval counts) still has it. "
+                                    "Absent when not given the sinks", kind="gauge"),
         "sink_errors": Field("int", "count", "frames lost this interval because a sink's write raised (ENOSPC...), "
                              "summed over sinks; the sink goes on. Absent when not given the sinks"),
         "sink_queue_max": Field("int", "count", "frames waiting in the fullest sink queue now (of its maxsize, 1024 "
@@ -47,6 +51,7 @@ class SelfProbe(Probe):
         "sinks": Field("list[map]", "—", "one record per sink (fields sinks[].*). Absent when not given the sinks"),
         "sinks[].name": Field("str", "—", "the sink (file, stdout, ...)"),
         "sinks[].dropped": Field("int", "count", "frames it dropped this interval"),
+        "sinks[].dropped_total": Field("int", "count", "frames it dropped since the job was attached", kind="gauge"),
         "sinks[].errors": Field("int", "count", "frames lost this interval to its write raising"),
         "sinks[].depth": Field("int", "count", "frames waiting in its queue now", kind="gauge"),
         "sinks[].state": Field("str", "—", "ok; `stopped: WHY` (dead, e.g. a broken pipe: its frames are dropped); "
@@ -94,8 +99,10 @@ class SelfProbe(Probe):
         for name, st in stats.items():
             before = self._sink_prev.get(name, {})
             per.append({"name": name, "dropped": st["dropped"] - before.get("dropped", 0),
-                        "errors": st["errors"] - before.get("errors", 0), "depth": st["depth"],
+                        "dropped_total": st["dropped"], "errors": st["errors"] - before.get("errors", 0),
+                        "depth": st["depth"],
                         "state": st.get("state", "ok")})
         self._sink_prev = {name: dict(st) for name, st in stats.items()}
         return {"sink_dropped": sum(p["dropped"] for p in per), "sink_errors": sum(p["errors"] for p in per),
+                "sink_dropped_total": sum(p["dropped_total"] for p in per),
                 "sink_queue_max": max((p["depth"] for p in per), default=0), "sinks": per}

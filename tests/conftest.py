@@ -57,9 +57,38 @@ def _new_empty_dirs(before: set[str]) -> list[str]:
 
 
 def pytest_sessionstart(session):
-    global _temp_start
+    global _temp_start, _groups_start
     if not hasattr(session.config, "workerinput"):       # once per run (a pytest-xdist worker is not the run)
         _temp_start = _temp_entries()
+        _groups_start = _test_groups()
+
+
+# ---- and the cgroup tree too: every group a test or a bench made is gone, their parents with them ----------------
+_groups_start: set[str] = set()
+_groups_left: list[str] = []
+
+
+def _test_groups() -> set[str]:
+    """The groups under jobprobe-test/ and jobprobe-bench/ of the cgroup2 hierarchy, as paths."""
+    mount = find_cgroup2_mount()
+    out: set[str] = set()
+    for parent in ("jobprobe-test", "jobprobe-bench"):
+        root = Path(mount or "/nonexistent", parent)
+        if root.is_dir():
+            out |= {str(p) for p in root.iterdir() if p.is_dir()}
+    return out
+
+
+def _tidy_groups() -> list[str]:
+    """The groups this run left (named), after the empty parents are removed."""
+    left = sorted(_test_groups() - _groups_start)
+    mount = find_cgroup2_mount()
+    for parent in ("jobprobe-test", "jobprobe-bench"):
+        try:
+            Path(mount or "/nonexistent", parent).rmdir()      # only when empty: a group inside keeps it (EBUSY)
+        except OSError:
+            pass
+    return left
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -70,7 +99,8 @@ def pytest_sessionfinish(session, exitstatus):
         time.sleep(TEMP_SETTLE_S)
         left = [p for p in _new_empty_dirs(_temp_start) if p in left]
     _temp_left[:] = left
-    if left and session.exitstatus == pytest.ExitCode.OK:
+    _groups_left[:] = _tidy_groups()
+    if (left or _groups_left) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -79,6 +109,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("=", f"{len(_temp_left)} empty director{'y' if len(_temp_left) == 1 else 'ies'} "
                                         f"left in the temp directory by this run", red=True)
         for path in _temp_left:
+            terminalreporter.write_line(f"left behind: {path}")
+    if _groups_left:
+        terminalreporter.write_sep("=", f"{len(_groups_left)} cgroup(s) left by this run", red=True)
+        for path in _groups_left:
             terminalreporter.write_line(f"left behind: {path}")
 
 

@@ -139,6 +139,24 @@ def test_jobs_attached_and_detached_at_run_time_each_count_their_own_cpu(agent, 
     assert ours(kernel_progs()) == one_set, (ours(kernel_progs()), one_set)
 
 
+def test_a_group_no_process_ever_enters_is_let_go_after_attach_wait_with_a_last_frame(agent, make_cgroup):
+    """An empty group attached (a job whose processes exited while no agent watched, restored from the state file,
+    looks just so): no process will come to end it. It is kept for attach_wait (5 s here) — a prolog attaches
+    before the processes start — then let go with a last frame and its reason, not sampled forever."""
+    cg = make_cgroup("empty")
+    t0 = time.monotonic()
+    assert ctl(agent, cmd="attach", cgroup=str(cg.path), job="empty")["ok"]
+    time.sleep(2)
+    assert "empty" in agent.jobs                                 # within attach_wait: still waiting for processes
+    assert wait_for(lambda: "empty" not in agent.jobs, timeout=15)
+    assert time.monotonic() - t0 >= agent.cfg.attach_wait
+    why = next(r["why"] for r in ctl(agent, cmd="status")["recent"] if r["job"] == "empty")
+    assert "no process" in why, why
+    frames = frames_of(agent, "empty")
+    assert frames[0]["kind"] == "hello" and frames[-1]["kind"] == "sample"
+    assert [f["seq"] for f in frames] == list(range(len(frames)))
+
+
 def test_per_job_toggle_leaves_the_other_jobs_alone(agent, make_cgroup):
     a, b = make_cgroup("tog-a"), make_cgroup("tog-b")
     pa, pb = a.spawn(workload("burn", 15)), b.spawn(workload("burn", 15))   # outlive a slow CI's test; killed

@@ -238,6 +238,15 @@ def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
     assert len(missing) == dropped, (len(missing), dropped)
     log = (site.tmp / "n1" / "agent.log").read_text()
     assert "spool" in log and "dropped" in log
+    # the controller's own figures agree to the frame: the running total survives the frames that carried the
+    # per-interval counts being dropped, seq says what is missing, and the run's hello was kept through the bound
+    res = subprocess.run([*JOBPROBE, "controller", "stats", "--store", str(site.store), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    n1 = json.loads(res.stdout)["nodes"]["n1"]
+    assert n1["dropped_at_source"] == dropped and n1["missing_frames"] == dropped, (n1, dropped)
+    db = sqlite3.connect(f"file:{site.store}?mode=ro", uri=True)
+    assert db.execute("SELECT COUNT(*) FROM frames WHERE node = 'n1' AND kind = 'hello'").fetchone()[0] == 1
+    db.close()
 
 
 AUTH = """authorization {
@@ -550,6 +559,39 @@ def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bo
     assert sp.peek(3) == sent and sp.inflight == 3
     sp.acked(sent)
     assert sp.inflight == 0 and sent[0] not in sp.peek(10)
+
+
+def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_the_start_included(tmp_path):
+    """A run whose first 5 frames never arrived, and whose frames that carried 50 of its 150 dropped frames' counts
+    were dropped too: the running total says 150, seq says 5 missing, the start's gap is 5 intervals."""
+    from jobprobe.controller import stats
+    from jobprobe.store import Store
+    store = Store(tmp_path / "s.db")
+    frames = []
+    for seq in range(5, 10):
+        f = frame(seq=seq, t=1000.0 + seq, dt=2.0)
+        f["probes"]["self"] = {"sink_dropped": 20, "sink_dropped_total": 100 + 10 * (seq - 5)}
+        frames.append(f)
+    frames[-1]["probes"]["self"]["sink_dropped_total"] = 150
+    store.add(frames)
+    n1 = stats(store, now=2000.0)["nodes"]["n1"]
+    assert n1["dropped_at_source"] == 150 and n1["missing_frames"] == 5 and n1["longest_gap_s"] == 10.0, n1
+
+
+def test_a_runs_hello_outlives_the_spools_bound_and_is_never_counted_lost(tmp_path):
+    """The hello holds the run's schema and interval: when its segment goes, it is written again at the end (kept
+    across a restart too); every other frame of that segment is counted lost — the count equals what is missing."""
+    from jobprobe.exporters.nats import Spool
+    sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)
+    sp.append("hello-a", "s", "a", b"h" * 100, keep=True)
+    for i in range(2000):
+        sp.append(f"a{i}", "s", "a", b"x" * 100)
+    ids = [r[3] for r in sp.peek(10_000)]
+    assert "hello-a" in ids and ids.count("hello-a") == 1
+    assert len(ids) - 1 + sp.lost["a"] == 2000                            # the hello is neither lost nor doubled
+    sp.close()
+    sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)
+    assert [r[3] for r in sp.peek(10_000)].count("hello-a") == 1 and sp.peek(10_000)[ids.index("hello-a")][7]
 
 
 def test_query_reads_the_store_as_sql_as_a_field_over_time_and_in_three_formats(tmp_path):

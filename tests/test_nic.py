@@ -294,3 +294,42 @@ def test_the_ethtool_reader_reads_a_drivers_statistics(net):
         assert ethtool.PauseReader(sock).read(net.va) is None
     finally:
         sock.close()
+
+
+@pytest.mark.kernel
+def test_a_namespace_is_let_go_when_its_last_job_is(make_cgroup):
+    """The probe's sockets in a job's namespace hold it alive. Two jobs in one namespace: while one is probed the
+    namespace lives; when the last probe stops and the namespace is deleted, the kernel frees it — seen from the
+    host: the veth peer the namespace held goes with it (a veth pair is destroyed with its namespace)."""
+    from conftest import until
+    tag = f"{os.getpid() % 100000}"
+    ns, inside, outside = f"jpn{tag}", f"jvn{tag}", f"jhn{tag}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    procs = []
+    try:
+        subprocess.run(["ip", "link", "add", outside, "type", "veth", "peer", "name", inside, "netns", ns], check=True)
+        groups = [make_cgroup(f"nicns{i}") for i in range(2)]
+        procs = [g.spawn(["ip", "netns", "exec", ns, "sleep", "60"]) for g in groups]
+        until(lambda: all(g.pids() for g in groups), 5, "the jobs in the namespace")
+        time.sleep(0.2)
+        probes = [NicProbe() for _ in groups]
+        for p, g in zip(probes, groups):
+            p.start(CgroupTarget(str(g.path)))
+            assert p.sample()["netns"].startswith("netns:")
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["ip", "netns", "del", ns], check=True)
+        probes[0].stop()
+        time.sleep(0.5)                       # the other probe's sockets still hold the namespace, and its veth
+        assert os.path.exists(f"/sys/class/net/{outside}")
+        probes[1].stop()
+        until(lambda: not os.path.exists(f"/sys/class/net/{outside}"), 5,
+              "the namespace (and its veth) to be freed once no probe reads it")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", outside], capture_output=True)

@@ -44,15 +44,18 @@ def test_sink_fields_are_per_interval_deltas_of_the_injected_counters():
     p.start(None)
     s = p.sample()                                       # the first interval counts from the sink's making
     assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (2, 0, 0)
-    assert s["sinks"] == [{"name": "file", "dropped": 2, "errors": 0, "depth": 0, "state": "ok"}]
+    assert s["sinks"] == [{"name": "file", "dropped": 2, "dropped_total": 2, "errors": 0, "depth": 0, "state": "ok"}]
+    assert s["sink_dropped_total"] == 2
     stats["file"].update(dropped=9, errors=4, depth=7)
     stats["nats"] = {"queued": 1, "written": 0, "dropped": 1, "errors": 1, "depth": 30, "in_flight": 0,
                      "state": "stopped: broken pipe"}    # a sink seen for the first time: from zero
     s = p.sample()
     assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (7 + 1, 4 + 1, 30)
-    assert s["sinks"][1] == {"name": "nats", "dropped": 1, "errors": 1, "depth": 30, "state": "stopped: broken pipe"}
+    assert s["sinks"][1] == {"name": "nats", "dropped": 1, "dropped_total": 1, "errors": 1, "depth": 30,
+                             "state": "stopped: broken pipe"}
     s = p.sample()                                       # nothing new happened: 0, while the queues stay deep
     assert (s["sink_dropped"], s["sink_errors"], s["sink_queue_max"]) == (0, 0, 30)
+    assert s["sink_dropped_total"] == 9 + 1              # the running total stays whole in every frame
 
 
 def test_without_sinks_the_sink_fields_are_absent_not_zero():

@@ -328,14 +328,21 @@ def tail(path: Path, size: int = 2000) -> str:
 
 
 def _rmdir(g: Path) -> None:
+    """A bench's group, gone (its processes may take a moment to leave); then its parent `jobprobe-bench` too when
+    nothing else is in it (another bench's group keeps it: EBUSY, left)."""
     for _ in range(100):
         try:
             g.rmdir()
-            return
+            break
         except FileNotFoundError:
-            return
+            break
         except OSError:
             time.sleep(0.02)
+    if g.parent.name == "jobprobe-bench":
+        try:
+            g.parent.rmdir()
+        except OSError:
+            pass
 
 
 # ---- reporting ----------------------------------------------------------------------------------------------
