@@ -274,8 +274,8 @@ def test_self_probe_reports_what_real_sinks_dropped_per_interval(tmp_path):
     wait_for(lambda: good.stats()["written"] == 10)
     s1 = probe.sample()
     assert (s1["sink_dropped"], s1["sink_errors"], s1["sink_queue_max"]) == (5, 0, 4)
-    assert s1["sinks"] == [{"name": "file", "dropped": 0, "errors": 0, "depth": 0, "state": "ok"},
-                           {"name": "slow", "dropped": 5, "errors": 0, "depth": 4, "state": "ok"}]
+    assert s1["sinks"] == [{"name": "file", "dropped": 0, "dropped_total": 0, "errors": 0, "depth": 0, "state": "ok"},
+                           {"name": "slow", "dropped": 5, "dropped_total": 5, "errors": 0, "depth": 4, "state": "ok"}]
     s2 = probe.sample()                                # nothing new: deltas are 0, the queue is still deep
     assert (s2["sink_dropped"], s2["sink_queue_max"]) == (0, 4)
     for f in fs[10:]:
@@ -284,6 +284,7 @@ def test_self_probe_reports_what_real_sinks_dropped_per_interval(tmp_path):
     wait_for(lambda: good.stats()["written"] == 21)
     s3 = probe.sample()
     assert (s3["sink_dropped"], s3["sink_queue_max"]) == (11, 4)
+    assert s3["sink_dropped_total"] == 5 + 11             # the running total: whole in every frame
     stuck_inner.gate.set()
     for s in sinks:
         s.close(timeout=10)
