@@ -598,7 +598,7 @@ class LocalNats:
         self.conf.write_text(f'listen: "{listen_at}"\nmax_payload: {MAX_FRAME}\n'
                              f'pid_file: "{self.data / "nats-server.pid"}"\n'
                              f'jetstream {{\n  store_dir: "{d}"\n}}\n{tls}include "auth.conf"\n')
-        self.write_auth()
+        write_auth(self.data)
         os.chmod(self.conf, 0o600)
         self.log = open(os.open(self.data / "nats-server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                                 0o600), "ab")
@@ -606,18 +606,11 @@ class LocalNats:
                                      stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
         self.host, self.port = host or "127.0.0.1", port
 
-    def write_auth(self) -> None:
-        """auth.conf from the enrolled nodes (included by the server's config; enroll rewrites it and reloads)."""
-        write_auth(self.data)
-
     def _stop_our_orphan(self) -> None:
         """A nats-server left by an earlier controller of this data directory (its pid file, its config) goes."""
-        try:
-            pid = int((self.data / "nats-server.pid").read_text().strip())
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            return
-        if cmd and cmd[0].endswith(b"nats-server") and str(self.data / "nats-server.conf").encode() in cmd:
+        from jobprobe.natsauth import server_pid
+        pid = server_pid(self.data, self.data / "nats-server.conf")
+        if pid is not None:
             log.warning("stopping the nats-server (pid %d) an earlier controller of %s left running", pid, self.data)
             os.kill(pid, signal.SIGTERM)
             end = time.monotonic() + 10
@@ -647,6 +640,7 @@ class LocalNats:
 
 
 def write_auth(data_dir: str | Path) -> Path:
+    """auth.conf from the enrolled nodes (included by the server's config; enroll rewrites it and reloads)."""
     from jobprobe.natsauth import Auth, _write_secret
     path = Path(data_dir, "auth.conf")
     _write_secret(path, Auth(data_dir).server_config())

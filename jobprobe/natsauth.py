@@ -108,16 +108,25 @@ def node_permissions(node: str) -> dict:
             "allow_responses": {"max": 1, "expires": "1m"}}
 
 
-def reload_server(data_dir: str | Path) -> int | None:
-    """SIGHUP to the data directory's running nats-server (its pid file), so that it reads its new config; the
-    pid, or None when none runs. A pid file naming another program is not signalled."""
-    pid_file = Path(data_dir, "nats-server.pid")
+def server_pid(data_dir: str | Path, conf: str | Path | None = None) -> int | None:
+    """The pid in the data directory's pid file when it is a running nats-server (started with `conf`, when given);
+    else None — a stale pid file naming another program is never taken for ours."""
     try:
-        pid = int(pid_file.read_text().strip())
+        pid = int(Path(data_dir, "nats-server.pid").read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except (OSError, ValueError):
         return None
     if not cmdline or not cmdline[0].endswith(b"nats-server"):
         return None
-    os.kill(pid, signal.SIGHUP)
+    if conf is not None and str(conf).encode() not in cmdline:
+        return None
+    return pid
+
+
+def reload_server(data_dir: str | Path) -> int | None:
+    """SIGHUP to the data directory's running nats-server, so that it reads its new config; the pid, or None when
+    none runs."""
+    pid = server_pid(data_dir)
+    if pid is not None:
+        os.kill(pid, signal.SIGHUP)
     return pid
