@@ -62,6 +62,11 @@ class Target:
         their final CPU and I/O totals, so a probe can count their last interval."""
         return []
 
+    def launched_pids(self) -> list[int]:
+        """Processes this target started itself (`-- CMD`'s child): the job's even when they are born and gone
+        before any tick reads the group, so a probe can claim their exit records (a job shorter than a tick)."""
+        return []
+
     def cpu_stat(self) -> dict[str, int] | None:
         """The job's group's cpu.stat ({key: int}; usage_usec, user_usec, system_usec, and nr_periods … with the
         cpu controller); None without a group, or once it is gone."""
@@ -469,6 +474,9 @@ class CommandTarget(CgroupTarget):
             kind = CommandNotFound if err.errno == errno.ENOENT else CommandNotExecutable
             raise kind(f"cannot run {self.argv[0]}: {err.strerror}") from err
         return self.proc_handle
+
+    def launched_pids(self) -> list[int]:
+        return [self.proc_handle.pid] if self.proc_handle is not None else []
 
     def refresh(self) -> None:
         if self.proc_handle is not None and self.proc_handle.poll() is not None and not self.pids():

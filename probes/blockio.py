@@ -20,7 +20,12 @@ Classic programs ran 140-280 ns each, but that excludes the kernel filling the t
 rwbs string, the command), which raw programs do not need.
 sample(): one per-CPU map lookup (~125 µs of Python); every SWEEP_NS a walk of the in-flight map (~45 µs when empty)
 drops entries older than STALE_NS (requests that never complete, e.g. on a removed device), counted in
-inflight_expired. Start: ~70 ms more to index the kernel's BTF.
+inflight_expired with their bytes in *_lost_bytes; while the job has no process the walk is made each tick and
+gives up every entry left (a completion the kernel did not report: bpf/blockio.c), so a job's last frame counts
+them. Start: ~70 ms more to index the kernel's BTF.
+What can be short, and where it is counted: requests whose completion is not seen (inflight_expired,
+*_lost_bytes); runs the kernel skipped (bpf_missed). A job's bio merged into another task's request (contiguous
+sectors: rare) counts for that request's owner — not counted.
 Not the job's, by design: buffered writes flushed later by writeback kworkers, the filesystem journal (jbd2),
 I/O on bio-based devices (dm, md, zram: no requests) — only their lower devices' requests are seen.
 bpf_missed can still be nonzero: with classic programs (no raw tracepoints or BTF); with raw ones only when a
@@ -185,11 +190,14 @@ def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         out[f"{d}_lat_p50_us"] = log2_percentile(hist, 0.50)
         out[f"{d}_lat_p99_us"] = log2_percentile(hist, 0.99)
     out["inflight_expired"] = now["expired"] - before["expired"]
+    for i, d in enumerate(DIRS):
+        out[f"{d}_lost_bytes"] = now["lost_bytes"][i] - before["lost_bytes"][i]
     return out
 
 
 def zero_reading() -> dict[str, Any]:
-    return {**{d: {**{k: 0 for k in COUNTERS}, "hist": [0] * NBUCKETS} for d in DIRS}, "expired": 0}
+    return {**{d: {**{k: 0 for k in COUNTERS}, "hist": [0] * NBUCKETS} for d in DIRS}, "expired": 0,
+            "lost_bytes": [0, 0]}
 
 
 def _dir_fields(d: str) -> dict[str, Field]:
@@ -205,6 +213,8 @@ def _dir_fields(d: str) -> dict[str, Field]:
         f"{d}_lat_p50_us": Field("float", "us", f"median {d} latency (from the histogram; None if no requests)"),
         f"{d}_lat_p99_us": Field("float", "us", f"99th percentile {d} latency (from the histogram; None if no "
                                  f"requests)"),
+        f"{d}_lost_bytes": Field("int", "bytes", f"bytes of the job's {d} requests given up this interval "
+                                 f"(inflight_expired): not in {d}_bytes, the shortfall counted"),
     }
 
 
@@ -214,9 +224,12 @@ class BlockioProbe(BpfProbe):
     needs_root = True
     summary = "block I/O requests, bytes and device latency the job submitted, reads and writes apart (eBPF)"
     fields = {**_dir_fields("read"), **_dir_fields("write"),
-              "inflight_expired": Field("int", "count", f"requests of the job still not completed {STALE_NS // 10**9}"
-                                        f" s after submission, given up (device gone; or I/O on a bio-based "
-                                        f"device such as dm, which makes no requests)")}
+              "inflight_expired": Field("int", "count", f"requests of the job whose completion was never seen, given"
+                                        f" up this interval: not completed {STALE_NS // 10**9} s after submission "
+                                        f"(device gone; I/O on a bio-based device such as dm, which makes no "
+                                        f"requests; a completion the kernel did not report), or still pending when "
+                                        f"the job had no process left; their bytes are in *_lost_bytes, not in "
+                                        f"*_bytes or *_requests")}
 
     bpf_name = "blockio"
     # One load for every job of the node: sample() reads and sweeps its own slot only; in-flight records carry their
@@ -230,6 +243,7 @@ class BlockioProbe(BpfProbe):
         self.clock = clock                               # CLOCK_MONOTONIC, the clock of bpf_ktime_get_ns()
         self.sweep_every_ns = SWEEP_NS
         self._expired = 0
+        self._lost_bytes = [0, 0]    # per DIRS: bytes of the requests given up
         self._swept = 0
         self.raw = raw              # raw tracepoint programs? None: decided once, by raw_plan(); tests force False
         self.classic_why: str | None = None   # why the classic programs are used, when they are
@@ -268,31 +282,36 @@ class BlockioProbe(BpfProbe):
         return plan(host.sys, self.mode)[1]
 
     def start(self, target: Target) -> None:
-        self._expired, self._swept = 0, self.clock()
+        self._expired, self._lost_bytes, self._swept = 0, [0, 0], self.clock()
         why = plan(self.host.sys, self.mode)[1]
         if why:
             raise ProbeUnavailable(why)
         super().start(target)
 
-    def sweep(self) -> int:
-        """Drop this slot's in-flight entries older than STALE_NS; how many. The LRU bounds the map anyway, but an
-        entry that nothing will consume should not wait for memory pressure to go."""
+    def sweep(self, everything: bool = False) -> int:
+        """Give up this slot's in-flight entries older than STALE_NS (`everything`: all of them — the job has no
+        process left, so none of its requests can still be in flight); how many, their bytes added to
+        _lost_bytes. The LRU bounds the map anyway, but an entry that nothing will consume should not wait for
+        memory pressure to go, and its request must be counted."""
         table = self.loaded.maps["inflight"]
         now, gone = self.clock(), 0
         for key, val in table.items():
-            if val.slot == self.slot and now - val.born_ns > STALE_NS and table.delete(key):
+            if val.slot == self.slot and (everything or now - val.born_ns > STALE_NS) and table.delete(key):
                 gone += 1
+                self._lost_bytes[1 if val.op == 1 else 0] += val.left
         self._swept = now
         return gone
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs, and the entries given up so far."""
-        if self.clock() - self._swept >= self.sweep_every_ns:
+        if self.target is not None and not self.target.pids():
+            self._expired += self.sweep(everything=True)     # its last frame, or a group empty for now
+        elif self.clock() - self._swept >= self.sweep_every_ns:
             self._expired += self.sweep()
         # Summed as flat u64 columns (DirStats: the COUNTERS, then hist, per direction): reading ctypes fields one
         # by one costs ~0.1 ms a job a tick.
         tot = self.slot_sums()
-        out: dict[str, Any] = {"expired": self._expired}
+        out: dict[str, Any] = {"expired": self._expired, "lost_bytes": list(self._lost_bytes)}
         width = len(COUNTERS) + NBUCKETS
         for i, d in enumerate(DIRS):
             cols = tot[i * width:(i + 1) * width]

@@ -171,21 +171,26 @@ class ThreadAcct:
         self.listener = listener
         self.last: dict[int, tuple[int, tuple[int, ...]]] = {}   # tid → (tgid, KEYS values) at its last read
         self.finished: set[int] = set()                          # tids whose exit record was counted (zombies)
+        self.claimed: set[int] = set()                           # launched pids whose exit record was counted
         self.primed = from_zero
 
     def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
-               cpu: bool = True, quiet: bool = False) -> dict[str, int]:
+               cpu: bool = True, quiet: bool = False, launched: list[int] = ()) -> dict[str, int]:
         """This interval's KEYS summed over the job's threads (CPU 0 when `cpu` is off).
 
         `quiet`: the caller knows that none of the job's threads ran since the last update (its group's CPU usage
         did not move, its processes are the same): a thread's counters only grow while it runs (I/O bytes are
         charged to the task that submits or dirties), so /proc is not walked and nothing is counted — unless an
         exit record of the job came (then the walk is done as usual). What a thread did in less than the usage
-        counter's 1 µs is not lost: it is in the next walk's difference, or in its exit record."""
+        counter's 1 µs is not lost: it is in the next walk's difference, or in its exit record.
+
+        `launched`: processes the target started itself (Target.launched_pids): their records, and those of their
+        descendants, are the job's even if no walk ever saw them (a job born and gone within its first tick). Each
+        is claimed once: a pid reused after its reaping is someone else."""
         records = self.listener.drain() if self.listener is not None else []
         out = [0, 0, 0, 0]
         if self.primed:
-            mine = self.job_records(records, pids)
+            mine = self.job_records(records, pids, [p for p in launched if p not in self.claimed])
             if quiet and not mine:
                 return dict.fromkeys(KEYS, 0)
             for r in mine:
@@ -211,10 +216,12 @@ class ThreadAcct:
         self.primed = True
         return dict(zip(KEYS, out))
 
-    def job_records(self, records: list[ExitRecord], pids: list[int]) -> list[ExitRecord]:
-        """The records of the job's threads: read before, or of a job process, or of a process whose parent is
-        one (a fixed point over the records, for a chain of processes that came and went between ticks)."""
-        procs = set(pids) | {tgid for tgid, _ in self.last.values()}
+    def job_records(self, records: list[ExitRecord], pids: list[int],
+                    launched: list[int] = ()) -> list[ExitRecord]:
+        """The records of the job's threads: read before, or of a job process (or one the target launched), or of
+        a process whose parent is one (a fixed point over the records, for a chain of processes that came and went
+        between ticks)."""
+        procs = set(pids) | {tgid for tgid, _ in self.last.values()} | set(launched)
         out, rest = [], []
         for r in records:
             (out if r.tid in self.last else rest).append(r)
@@ -224,6 +231,8 @@ class ThreadAcct:
             for r in list(rest):
                 if (r.tgid and r.tgid in procs) or r.ppid in procs or r.tid in procs:
                     procs.add(r.tgid or r.tid)
+                    if r.tid in launched:
+                        self.claimed.add(r.tid)
                     out.append(r)
                     rest.remove(r)
                     grew = True
@@ -422,7 +431,8 @@ class CgroupProbe(Probe):
             # threads' /proc counters cannot have moved (ThreadAcct.update).
             quiet = cur.get("usage", -1) >= 0 and cur["usage"] == self.prev.get("usage") and members == self.members
             self.members = members
-            d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None, quiet=quiet)
+            d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None, quiet=quiet,
+                            launched=self.target.launched_pids())
             if per_cpu:
                 d.update(self.perpid.update(per, ("user", "system")))
             if "mem" not in cur:

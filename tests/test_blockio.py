@@ -417,6 +417,26 @@ def test_entries_that_never_complete_are_dropped(probe):
 
 
 @pytest.mark.kernel
+def test_entries_left_when_the_job_has_no_process_are_counted_lost(probe):
+    """A completion the kernel never reported leaves its entry issued. Once the job has no process, none of its
+    requests can be in flight: the next reading gives up every entry of its slot — counted in inflight_expired,
+    its bytes in *_lost_bytes — so the job's last frame says what its figures are short of."""
+    probe.start(PidTreeTarget([os.getpid()]))
+    table = probe.loaded.maps["inflight"]
+    now = time.monotonic_ns()
+    table.update(RqKey(sector=123, dev=7 << 20), RqVal(born_ns=now, issue_ns=now, left=65536, slot=probe.slot, op=0))
+    table.update(RqKey(sector=789, dev=7 << 20), RqVal(born_ns=now, left=4096, slot=probe.slot, op=1))
+    table.update(RqKey(sector=456, dev=7 << 20), RqVal(born_ns=now, left=512, slot=probe.slot + 1, op=0))
+    s = probe.sample()                 # the job has a process: in flight, not lost
+    assert (s["inflight_expired"], s["read_lost_bytes"], s["write_lost_bytes"]) == (0, 0, 0)
+    probe.target.pids = lambda: []
+    s = probe.sample()
+    assert (s["inflight_expired"], s["read_lost_bytes"], s["write_lost_bytes"]) == (2, 65536, 4096)
+    assert {k.sector for k in table.keys()} == {456}       # another job's entry is left alone
+    assert probe.sample()["inflight_expired"] == 0
+
+
+@pytest.mark.kernel
 def test_stop_leaves_no_bpf_program_fd(probe):
     before, maps, perf, links = bpf_fds("prog"), bpf_fds("map"), bpf_fds("perf"), bpf_fds("link")
     probe.start(PidTreeTarget([os.getpid()]))

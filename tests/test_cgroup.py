@@ -3,6 +3,7 @@ kernel's own cpu.stat read by the test."""
 import contextlib
 import json
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -144,6 +145,20 @@ def test_thread_acct_adds_what_threads_did_up_to_their_exit(tmp_path):
     assert io(plain.update(str(proc), [30])) == (0, 0)
     write_thread_io(proc, 30, 30, 15)
     assert io(plain.update(str(proc), [30])) == (5, 0)
+
+
+def test_thread_acct_counts_a_launched_process_never_read(tmp_path):
+    """A job shorter than its first tick: the process the target launched (and a child of it) were born and gone
+    before any walk read them. Their exit records are the job's (Target.launched_pids), each claimed once: the same
+    pid reused later by a stranger counts for nothing."""
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    tio = ThreadAcct(FakeListener())
+    assert io(tio.update(str(proc), [])) == (0, 0)                                    # baseline: nothing yet
+    tio.listener.queue = [rec(41, 41, 40, 5000, 7), rec(42, 42, 41, 300), rec(99, 99, 1, 1 << 20)]
+    assert io(tio.update(str(proc), [], launched=[41])) == (5300, 7)
+    tio.listener.queue = [rec(41, 41, 1, 123456)]                                     # pid 41 reused
+    assert io(tio.update(str(proc), [], launched=[41])) == (0, 0)
 
 
 def test_thread_acct_quiet_skips_the_walk_and_loses_nothing(tmp_path):
@@ -434,6 +449,31 @@ def test_a_job_idle_between_io_bursts_is_counted_whole(make_cgroup, tmp_path, mo
 
 
 @pytest.mark.kernel
+@pytest.mark.kernel
+@pytest.mark.parametrize("mib", [4, 16])
+def test_a_job_shorter_than_a_tick_has_its_io_counted(tmp_path, mib):
+    """`jobprobe run -- dd` that reads and exits before the first tick (interval 5 s): its one frame holds dd's own
+    count of bytes read, in the cgroup probe (on a host whose io controller is on v1: the exit records of the
+    process the command target launched) and in blockio (completed bytes, plus any it counted as lost)."""
+    data = tmp_path / "dd.dat"
+    with open(data, "wb") as f:
+        f.write(os.urandom(mib << 20))
+    os.sync()
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,blockio", "--interval",
+                          "5", "--stdout", "json", "--", "dd", f"if={data}", "of=/dev/null", "bs=64k",
+                          "iflag=direct"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    copied = int(re.search(r"^(\d+) bytes", res.stderr, re.M).group(1))     # dd's own report
+    samples = [f for f in map(json.loads, res.stdout.splitlines()) if f["kind"] == "sample"]
+    assert copied == mib << 20 and len(samples) == 1, (copied, len(samples))
+    cg, bio = samples[0]["probes"]["cgroup"], samples[0]["probes"]["blockio"]
+    print(f"dd {copied} B; cgroup {cg['io_read_bytes']} B; blockio {bio['read_bytes']} B + lost "
+          f"{bio['read_lost_bytes']} B ({bio['inflight_expired']} requests)")
+    # dd's binary may be paged in (a cold cache): read_bytes counts that too, a few pages at most
+    assert copied <= cg["io_read_bytes"] <= copied + (1 << 20)
+    assert copied <= bio["read_bytes"] + bio["read_lost_bytes"] <= copied + (1 << 20)
+
+
 def test_fio_reads_counted_to_the_last_interval_on_the_command_line(tmp_path):
     """`jobprobe run --probes cgroup -- fio` with O_DIRECT random reads (here io.stat is on cgroup v1, so the
     cgroup probe reads /proc): the sum of io_read_bytes matches fio's own report, the last frame included."""
