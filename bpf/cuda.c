@@ -39,7 +39,9 @@
 #define NDIRS 4                /* HtoD, DtoH, DtoD, other */
 #define DIR_OTHER 3
 #define NCOLL 7                /* allreduce allgather reducescatter broadcast reduce send recv */
-#define MAX_CALL_THREADS 16384  /* member threads inside a call at once, node-wide */
+#ifndef MAX_CALL_THREADS
+#define MAX_CALL_THREADS 16384  /* member threads with a call record, node-wide (a test makes it smaller) */
+#endif
 
 #define L_RT 0                 /* layers: CUDA runtime, CUDA driver, NCCL */
 #define L_DRV 1
@@ -77,6 +79,7 @@ struct cuda_stats {
     u64 nccl_bytes[NCOLL];
     u64 nccl_ns[NCOLL];
     u64 nccl_unknown_dtype;
+    u64 untracked;             /* calls that needed a per-thread record when `calls` was full: not counted */
     u64 sync_hist[NBUCKETS];
 };
 
@@ -166,8 +169,13 @@ static inline struct call_rec *enter(struct pt_regs *ctx, u32 layer)
     u64 sp = PT_REGS_SP(ctx);
     struct thread_calls zero = {};
     struct thread_calls *t = calls.lookup_or_try_init(&tid, &zero);
-    if (!t)
-        return 0;              /* map full: this call goes uncounted rather than unguarded */
+    if (!t) {                  /* map full: this call goes uncounted rather than unguarded — and says so */
+        u32 key = slot;
+        struct cuda_stats *s = stats.lookup(&key);
+        if (s)
+            s->untracked++;
+        return 0;
+    }
     if (layer == L_DRV && inside(t, L_RT, sp))
         return 0;              /* the runtime call above counts it */
     struct call_rec *r = &t->layer[layer];

@@ -172,6 +172,7 @@ class ThreadAcct:
         self.last: dict[int, tuple[int, tuple[int, ...]]] = {}   # tid → (tgid, KEYS values) at its last read
         self.finished: set[int] = set()                          # tids whose exit record was counted (zombies)
         self.claimed: set[int] = set()                           # launched pids whose exit record was counted
+        self.uncounted = 0       # threads gone without an exit record: their last interval is missing (counted)
         self.primed = from_zero
 
     def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
@@ -212,7 +213,9 @@ class ThreadAcct:
                     for i in range(4):
                         out[i] += max(0, vals[i] - before[i])
         self.finished &= listed         # a zombie reaped: its tid may come back as someone else
-        self.last = now                 # threads gone without a record (lost, or no listener): their tail is lost
+        # threads gone without a record (no listener, or records the kernel dropped): their tail is lost — counted
+        self.uncounted += sum(1 for tid in self.last if tid not in listed)
+        self.last = now
         self.primed = True
         return dict(zip(KEYS, out))
 
@@ -344,6 +347,10 @@ class CgroupProbe(Probe):
         "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else the "
                                 "job's threads' /proc/PID/task/TID/io and, as root, their exit records)"),
         "nprocs": Field("int", "count", "processes in the job now"),
+        "exits_uncounted": Field("int", "count", "threads of the job that exited this interval without an exit "
+                                 "record (not root: no taskstats; or records the kernel dropped in a burst), where "
+                                 "CPU or I/O come from /proc: what each did since the last tick is missing from "
+                                 "those figures. 0 where the group's own files count everything"),
         "cpu_periods": Field("int", "count", "CFS bandwidth periods in which the job's group ran with a CPU limit "
                              "this interval (cpu.stat nr_periods; 0 without a limit)"),
         "cpu_throttled_periods": Field("int", "count", "of those, periods in which the group used up its limit and "
@@ -365,6 +372,7 @@ class CgroupProbe(Probe):
         self.members: list[int] = []      # the processes read last time (with pids that ended)
         self.from_zero = False
         self.peak = 0
+        self._uncounted = 0               # ThreadAcct.uncounted at the last sample
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
         self.throttle = Throttle(self.files)
 
@@ -379,6 +387,7 @@ class CgroupProbe(Probe):
         self.threadacct = None
         self.members = []
         self.peak = 0
+        self._uncounted = 0
         self.throttle = Throttle(self.files, self.host, from_zero=bool(getattr(target, "from_start", False)))
         # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
         # did before it, up to the processes' and the group's own totals. Else the first frame reports its interval.
@@ -465,10 +474,12 @@ class CgroupProbe(Probe):
             return delta(cur[k], prev.get(k, cur[k]))
 
         self.peak = max(self.peak, cur.get("peak", 0), cur["mem"])
+        uncounted = self.threadacct.uncounted if self.threadacct is not None else 0
+        uncounted, self._uncounted = uncounted - self._uncounted, uncounted
         return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
                 "mem_peak_bytes": self.peak, "mem_anon_bytes": cur["anon"], "mem_file_bytes": cur["file"],
                 "io_read_bytes": d("rd"), "io_write_bytes": d("wr"),
-                "nprocs": cur["nprocs"], **self.throttle.take()}
+                "nprocs": cur["nprocs"], "exits_uncounted": uncounted, **self.throttle.take()}
 
     def stop(self) -> None:
         self.target = None

@@ -68,7 +68,7 @@ SYMBOLS: dict[str, tuple[str, str | None]] = {
        for c in NCCL_CALLS},
 }
 PROGRAMS = tuple(sorted({p for pair in SYMBOLS.values() for p in pair if p}))
-SCALARS = ("launches", "sync_calls", "sync_ns", "nccl_unknown_dtype")
+SCALARS = ("launches", "sync_calls", "sync_ns", "nccl_unknown_dtype", "untracked")
 
 
 class CudaStats(ct.Structure):
@@ -76,7 +76,7 @@ class CudaStats(ct.Structure):
     _fields_ = [("launches", ct.c_uint64), ("memcpy_calls", ct.c_uint64 * 4), ("memcpy_bytes", ct.c_uint64 * 4),
                 ("sync_calls", ct.c_uint64), ("sync_ns", ct.c_uint64), ("nccl_calls", ct.c_uint64 * 7),
                 ("nccl_bytes", ct.c_uint64 * 7), ("nccl_ns", ct.c_uint64 * 7), ("nccl_unknown_dtype", ct.c_uint64),
-                ("sync_hist", ct.c_uint64 * NBUCKETS)]
+                ("untracked", ct.c_uint64), ("sync_hist", ct.c_uint64 * NBUCKETS)]
 
 
 ARRAYS = tuple(n for n, t in CudaStats._fields_ if n not in SCALARS)
@@ -132,6 +132,7 @@ def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         out[f"nccl_{c}_bytes"] = a["nccl_bytes"][i]
         out[f"nccl_{c}_ns"] = a["nccl_ns"][i]
     out["nccl_unknown_dtype_calls"] = d["nccl_unknown_dtype"]
+    out["untracked_calls"] = d["untracked"]
     out["libraries_probed"] = now["libraries"]
     return out
 
@@ -173,6 +174,9 @@ def _fields() -> dict[str, Field]:
                                     "itself runs on the GPU afterwards)")
     out["nccl_unknown_dtype_calls"] = Field("int", "count", "NCCL calls whose ncclDataType_t this probe does not "
                                             "know (a newer NCCL's type): counted, their bytes not")
+    out["untracked_calls"] = Field("int", "count", "calls of the job not counted because the per-thread call "
+                                   "table was full (more threads inside probed calls at once than it holds): the "
+                                   "figures above are short by these calls")
     out["libraries_probed"] = Field("int", "count", "library files (libcuda, libcudart, libnccl) with uprobes "
                                     "attached now, node-wide", kind="gauge")
     return out

@@ -145,6 +145,10 @@ def test_thread_acct_adds_what_threads_did_up_to_their_exit(tmp_path):
     assert io(plain.update(str(proc), [30])) == (0, 0)
     write_thread_io(proc, 30, 30, 15)
     assert io(plain.update(str(proc), [30])) == (5, 0)
+    assert tio.uncounted == 0 and plain.uncounted == 0      # every exit so far came with its record
+    # ... and says so: a thread gone without a record is counted in `uncounted` (exits_uncounted)
+    shutil.rmtree(proc / "30")
+    assert io(plain.update(str(proc), [30])) == (0, 0) and plain.uncounted == 1
 
 
 def test_thread_acct_counts_a_launched_process_never_read(tmp_path):
