@@ -22,7 +22,9 @@
  *   stall of a job thread. Measured numbers: probes/memory.py.
  */
 #define NBUCKETS 27            /* log2 µs: bucket i holds [2^i, 2^(i+1)) µs, bucket 0 [0, 2); the last ≥ 2^26 */
-#define MAX_STALLED 10240      /* threads in a reclaim/compaction stall at once, node-wide */
+#ifndef MAX_STALLED
+#define MAX_STALLED 10240      /* threads in a reclaim/compaction stall at once, node-wide (a test makes it smaller) */
+#endif
 #define MAX_OOM 256            /* OOM victims between two ticks */
 #define SLOT_PENDING -2        /* victim's job not known yet: decided at its exit, or by user space */
 #define SLOT_NONE -1           /* victim belonged to no watched job */
@@ -40,6 +42,7 @@ struct slot_stats {
     u64 reclaimed_pages;
     u64 compaction;
     u64 compaction_ns;
+    u64 untracked_stalls;      /* stalls begun while `stalls` was full: not timed, not counted above */
     u64 reclaim_hist[NBUCKETS];
 };
 
@@ -152,7 +155,12 @@ static inline void stall_begin(u32 kind)
         return;
     u64 key = ((u64)kind << 32) | (u32)bpf_get_current_pid_tgid();
     struct stall st = {.begin_ns = bpf_ktime_get_ns(), .slot = slot};
-    stalls.update(&key, &st);
+    if (stalls.update(&key, &st)) {    /* the table is full: this stall goes untimed — and is counted */
+        u32 k = slot;
+        struct slot_stats *s = stats.lookup(&k);
+        if (s)
+            s->untracked_stalls++;
+    }
 }
 
 /* Returns the stall's ns and its slot's stats, or 0 when no begin was seen (attached mid-stall). User space

@@ -28,7 +28,9 @@
 #define NCLASSES 8             /* probes/syscalls.py CLASSES; class 0 is "other", the default of class_of */
 #define NR_MAX 1024            /* numbers at or above it (x32's bit 30, -1) are all counted as NR_MAX */
 #define MAX_NR_KEYS 4096       /* (slot, nr) pairs: 64 syscalls per slot on average, far more than jobs use */
-#define MAX_INFLIGHT 65536
+#ifndef MAX_INFLIGHT
+#define MAX_INFLIGHT 65536      /* member threads, node-wide (a test makes it smaller) */
+#endif
 
 
 struct inflight_rec {
@@ -46,6 +48,7 @@ struct slot_stats {
     u64 calls[NCLASSES];
     u64 ns[NCLASSES];
     u64 untracked;
+    u64 unrecorded;            /* calls entered while `inflight` was full: not timed, in no count above */
     u64 hist[NCLASSES][NBUCKETS];
 };
 
@@ -119,7 +122,12 @@ static inline int entered(long id)
         return 0;
     }
     struct inflight_rec fresh = {.ts = now, .slot = slot, .nr = nr};
-    inflight.update(&tid, &fresh);
+    if (inflight.update(&tid, &fresh)) {     /* the table is full: this call goes unrecorded — and is counted */
+        u32 key = slot;
+        struct slot_stats *s = stats.lookup(&key);
+        if (s)
+            s->unrecorded++;
+    }
     return 0;
 }
 

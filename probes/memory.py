@@ -39,7 +39,7 @@ from jobprobe.kernel.membership import Node, proc_gone
 NBUCKETS = 27       # bpf/memory.c NBUCKETS
 SLOT_PENDING, SLOT_NONE = -2, -1
 COUNTERS = ("faults", "acct_faults", "major_faults", "direct_reclaim", "direct_reclaim_ns", "memcg_reclaim",
-            "memcg_reclaim_ns", "reclaimed_pages", "compaction", "compaction_ns")
+            "memcg_reclaim_ns", "reclaimed_pages", "compaction", "compaction_ns", "untracked_stalls")
 
 # part → (tracepoints and handlers in attach order, fields it gives). Ends are attached before their begins, so a
 # begin seen is always followed by its end and no stall entry is left behind.
@@ -171,6 +171,7 @@ def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         "reclaim_us_log2": [delta(a, b) for a, b in zip(now["hist"], before["hist"])],
         "compaction_stalls": d["compaction"],
         "compaction_ns": d["compaction_ns"],
+        "untracked_stalls": d["untracked_stalls"],
     }
 
 
@@ -221,6 +222,9 @@ class MemoryProbe(BpfProbe):
                                    "for an allocation (once per zone tried), or a write to compact_memory"),
         "compaction_ns": Field("int", "ns", "time the job's threads spent compacting memory"),
         "oom_kills": Field("int", "count", "job processes chosen by the OOM killer (each also an oom_kill event)"),
+        "untracked_stalls": Field("int", "count", "reclaim or compaction stalls of the job begun while the node's "
+                                  "stall table (10 240 threads at once) was full: not in the stall counts and "
+                                  "times above — the shortfall counted"),
     }
 
     bpf_name = "memory"

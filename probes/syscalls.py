@@ -156,7 +156,8 @@ def class_index(name: str) -> int:
 class SlotStats(ct.Structure):
     """bpf/syscalls.c struct slot_stats, one per job slot and CPU (the map checks the size at start)."""
     _fields_ = [("calls", ct.c_uint64 * len(CLASSES)), ("ns", ct.c_uint64 * len(CLASSES)),
-                ("untracked", ct.c_uint64), ("hist", (ct.c_uint64 * NBUCKETS) * len(CLASSES))]
+                ("untracked", ct.c_uint64), ("unrecorded", ct.c_uint64),
+                ("hist", (ct.c_uint64 * NBUCKETS) * len(CLASSES))]
 
 
 class NrTotal(ct.Structure):
@@ -169,7 +170,7 @@ class InflightRec(ct.Structure):
 
 def zero_reading() -> dict[str, Any]:
     n = len(CLASSES)
-    return {"calls": [0] * n, "ns": [0] * n, "untracked": 0, "hist": [[0] * NBUCKETS for _ in range(n)],
+    return {"calls": [0] * n, "ns": [0] * n, "untracked": 0, "unrecorded": 0, "hist": [[0] * NBUCKETS for _ in range(n)],
             "by_nr": {}}
 
 
@@ -178,7 +179,8 @@ def interval(now: dict[str, Any], before: dict[str, Any], table: dict[int, str])
     calls = [delta(a, b) for a, b in zip(now["calls"], before["calls"])]
     ns = [delta(a, b) for a, b in zip(now["ns"], before["ns"])]
     out: dict[str, Any] = {"syscalls": sum(calls), "syscall_ns": sum(ns),
-                           "untracked_calls": delta(now["untracked"], before["untracked"])}
+                           "untracked_calls": delta(now["untracked"], before["untracked"]),
+                           "unrecorded_calls": delta(now["unrecorded"], before["unrecorded"])}
     for i, cls in enumerate(CLASSES):
         out[f"{cls}_calls"], out[f"{cls}_ns"] = calls[i], ns[i]
     # The slowest class: most time, ties to the most calls; None when no call returned.
@@ -247,6 +249,8 @@ class SyscallsProbe(BpfProbe):
         "slowest_lat_p99_us": Field("float", "us", "99th percentile latency of the slowest class (histogram)"),
         "untracked_calls": Field("int", "count", "calls counted in their class but missing from `top` (the "
                                  "per-syscall table of the node was full)"),
+        "unrecorded_calls": Field("int", "count", "calls of the job entered while the node's per-thread table "
+                                  "(65 536 threads) was full: in no count or time above — the shortfall counted"),
     }
 
     bpf_name = "syscalls"
@@ -292,8 +296,8 @@ class SyscallsProbe(BpfProbe):
         # Summed as flat u64 columns: reading 233 ctypes attributes per CPU one by one costs ~1 ms a tick.
         tot = [sum(col) for col in zip(*(array.array("Q", bytes(s)) for s in per_cpu))]
         n = len(CLASSES)
-        hist = tot[2 * n + 1:]
-        out = {"calls": tot[:n], "ns": tot[n:2 * n], "untracked": tot[2 * n],
+        hist = tot[2 * n + 2:]
+        out = {"calls": tot[:n], "ns": tot[n:2 * n], "untracked": tot[2 * n], "unrecorded": tot[2 * n + 1],
                "hist": [hist[i * NBUCKETS:(i + 1) * NBUCKETS] for i in range(n)], "by_nr": {}}
         for key, vals in self.loaded.maps["by_nr"].items():
             if key >> 16 == self.slot:

@@ -342,6 +342,34 @@ def test_memcg_reclaim_of_a_job_in_a_small_memory_cgroup(probe, make_cgroup, mak
 
 
 @pytest.mark.kernel
+def test_stalls_the_full_table_cannot_time_are_counted(make_cgroup, make_memcg, cold_file):
+    """The stall table made to hold two threads and filled by others: the job's reclaim stalls cannot be timed —
+    none is counted as a stall, and every one is in untracked_stalls (as many as the memcg's failed charges)."""
+    class SmallTable(MemoryProbe):
+        def configure(self) -> None:
+            super().configure()
+            self.cflags += ("-DMAX_STALLED=2",)
+    probe = SmallTable()
+    try:
+        path = cold_file(64)
+        mem, cg = make_memcg(16), make_cgroup()
+        probe.start(CgroupTarget(str(cg.path)))
+        table = probe.loaded.maps["stalls"]
+        for key in ((99 << 32) | 1, (99 << 32) | 2):       # another kind's stalls hold every entry
+            table.update(key, bytes(table.value_size))
+        reader = spawn(memwork("readfile", path), [mem / "cgroup.procs", cg.path / "cgroup.procs"])
+        fails = []
+        _, (s,) = window([reader], [probe], before=lambda: fails.append(failcnt(mem)))
+        fails.append(failcnt(mem))
+        print(f"memory, a stall table of two, full: {s['memcg_reclaim_stalls']} timed, {s['untracked_stalls']} "
+              f"untracked, failcnt +{fails[1] - fails[0]}")
+        assert s["memcg_reclaim_stalls"] == 0 and s["memcg_reclaim_ns"] == 0
+        assert 0 < s["untracked_stalls"] <= fails[1] - fails[0]
+    finally:
+        probe.stop()
+
+
+@pytest.mark.kernel
 def test_compaction_run_by_the_job_counts_each_zone_once(probe, make_cgroup):
     cg = make_cgroup()
     probe.start(CgroupTarget(str(cg.path)))

@@ -137,7 +137,7 @@ def test_python_and_c_agree_on_layout():
     body = body[body.index("{") + 1:body.index("};")]
     members = re.findall(r"^\s*u64 (\w+)((?:\[\w+\])*);", body, re.M)
     assert [n for n, _ in members] == [n for n, _ in SlotStats._fields_]
-    assert ct.sizeof(SlotStats) == 8 * (2 * len(CLASSES) + 1 + len(CLASSES) * NBUCKETS)
+    assert ct.sizeof(SlotStats) == 8 * (2 * len(CLASSES) + 2 + len(CLASSES) * NBUCKETS)   # + untracked, unrecorded
     for _, fn in (*SyscallsProbe().all_handlers(), *SyscallsProbe.handlers, *SyscallsProbe.raw_handlers):
         assert re.search(rf"^int {fn}\(struct (tracepoint__|bpf_raw_tracepoint_args)", src, re.M), fn
     assert [fn for _, fn in SyscallsProbe(Host(kernel="4.16.0")).handlers] == ["on_enter", "on_exit"]
@@ -228,6 +228,27 @@ def test_cgroup_exact_counts_and_agreement_with_perf(probe, make_cgroup, cgroup2
     assert s["syscalls"] == sum(s[f"{c}_calls"] for c in CLASSES) and s["untracked_calls"] == 0
     assert s["rw_calls"] >= N and s["futex_calls"] >= N and s["other_calls"] >= N
     assert {t["name"] for t in s["top"]} & {"getppid", "read", "futex"}
+
+
+@pytest.mark.kernel
+def test_calls_the_full_thread_table_cannot_hold_are_counted(make_cgroup):
+    """The per-thread table made to hold two threads and filled by others: the job's calls cannot be timed — none
+    is counted, and every one is in unrecorded_calls (at least the N getppid calls the workload made)."""
+    probe = SyscallsProbe()
+    probe.cflags = (*probe.cflags, "-DMAX_INFLIGHT=2")
+    try:
+        cg = make_cgroup()
+        probe.start(CgroupTarget(str(cg.path)))
+        table = probe.loaded.maps["inflight"]
+        for tid in (1 << 30, (1 << 30) + 1):            # no such threads: they hold every entry
+            table.update(tid, bytes(table.value_size))
+        probe.sample()
+        run_in(cg, exact(N))
+        s = probe.sample()
+        print(f"syscalls, a table of two, full: {s['syscalls']} counted, {s['unrecorded_calls']} unrecorded")
+        assert s["syscalls"] == 0 and N <= s["unrecorded_calls"] <= 20 * N
+    finally:
+        probe.stop()
 
 
 @pytest.mark.kernel
