@@ -242,7 +242,10 @@ class Controller:
 
     # ---- the loop ----------------------------------------------------------------------------------------
     async def run(self) -> None:
-        import nats
+        try:
+            import nats
+        except ImportError:
+            raise BadInput("the controller needs nats-py: pip install 'jobprobe[controller]'") from None
 
         async def said(err: Exception) -> None:   # the client's own reports: one line, not a traceback
             log.warning("nats: %s: %s", type(err).__name__, err)

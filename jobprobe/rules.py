@@ -319,9 +319,6 @@ class RuleSet:
         self.cost_s = 0.0
         self.evaluations = 0
 
-    def set_schema(self, schema: dict) -> None:
-        self.win.schema = schema
-
     def feed(self, frame: dict) -> list[dict]:
         if frame.get("kind") != "sample" or not isinstance(frame.get("probes"), dict):
             return []

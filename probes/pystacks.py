@@ -83,10 +83,6 @@ class PyStacksProbe(Probe):
             return "py-spy is not installed (pip install py-spy; scripts/setup.sh does)"
         return super().check(host)
 
-    def set_rate(self, hz: float) -> None:
-        """A deep-trace window raises the rate for its duration, then lowers it again."""
-        self.hz = max(0.1, float(hz))
-
     def start(self, target: Target) -> None:
         if self.exe is None:
             raise ProbeUnavailable("py-spy is not installed")

@@ -34,10 +34,6 @@ class Function:
     def is_gpu(self) -> bool:
         return self.vendor == 0x10DE and self.cls >> 16 == 0x03
 
-    @property
-    def is_bridge(self) -> bool:
-        return self.cls >> 8 == 0x0604
-
 
 def _int(path: str, base: int = 16) -> int | None:
     try:
