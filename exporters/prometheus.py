@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any
 
+from jobprobe.wire import host_port
+
 KEEP_ENDED_S = 60.0      # a detached job's series stay this long, so that scrapes see its last frame
 
 SCALE = (("_ns", "_seconds", 1e-9), ("_us", "_seconds", 1e-6), ("_mj", "_joules", 1e-3), ("_mw", "_watts", 1e-3))
@@ -104,9 +106,7 @@ class PromSink:
     def __init__(self, listen: str, max_jobs: int = 256):
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
-        host, _, port = listen.rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"--prometheus {listen!r}: expected HOST:PORT")
+        host, port = host_port(listen, "--prometheus")
         self.name, self.max_jobs = f"prometheus:{listen}", max_jobs
         self.jobs: dict[str, JobState] = {}
         self.over_cap: set[str] = set()
@@ -114,7 +114,7 @@ class PromSink:
         self.help: dict[str, tuple[str, str]] = {}          # metric → (kind, help)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
-        self.server, self.thread = start_http_server(int(port), host or "0.0.0.0", registry=self.registry)
+        self.server, self.thread = start_http_server(port, host or "0.0.0.0", registry=self.registry)
 
     # ---- the agent's side --------------------------------------------------------------------------------
     def for_job(self, job: str) -> "PromHandle":

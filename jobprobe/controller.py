@@ -45,7 +45,7 @@ from typing import Any
 from jobprobe.errors import BadInput
 from jobprobe.exporters.nats import auth_options
 from jobprobe.exporters.natswire import is_loopback
-from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, token
+from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, host_port, token
 from jobprobe import framecheck
 from jobprobe.frame import NODE_JOB, MalformedFrame
 from jobprobe.retry import Backoff
@@ -549,12 +549,10 @@ def serve_metrics(ctl: Controller, listen: str):
     """An HTTP /metrics for the controller in a thread of its own; returns the server (shutdown() to stop)."""
     from prometheus_client import start_http_server
     from prometheus_client.registry import CollectorRegistry
-    host, _, port = listen.rpartition(":")
-    if not port.isdigit():
-        raise ValueError("expected HOST:PORT")
+    host, port = host_port(listen, "--metrics")
     reg = CollectorRegistry(auto_describe=False)
     reg.register(MetricsCollector(ctl))
-    server, _ = start_http_server(int(port), host or "0.0.0.0", registry=reg)
+    server, _ = start_http_server(port, host or "0.0.0.0", registry=reg)
     return server
 
 
@@ -573,7 +571,7 @@ class LocalNats:
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(exe):
             raise BadInput("nats-server is not installed (Debian package nats-server; scripts/setup.sh installs it)")
-        host, port = split_listen(listen)
+        host, port = host_port(listen, "--listen")
         if bool(tls_cert) != bool(tls_key):
             raise BadInput("--tls-cert and --tls-key go together")
         if not tls_cert and not insecure_plaintext and not is_loopback(host):
@@ -648,16 +646,6 @@ def write_auth(data_dir: str | Path) -> Path:
     path = Path(data_dir, "auth.conf")
     _write_secret(path, Auth(data_dir).server_config())
     return path
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """HOST:PORT, [IPv6]:PORT or :PORT → (host, port); BadInput otherwise."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadInput(f"--listen {listen!r}: give HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, int(port)
 
 
 def _listening(host: str, port: int) -> bool:

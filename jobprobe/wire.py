@@ -78,3 +78,18 @@ def inbox_prefix(node: str) -> str:
 def msg_id(frame: dict) -> str:
     """The frame's unique key as JetStream's Nats-Msg-Id (a resend inside the duplicate window is dropped)."""
     return f"{frame['node']}/{frame['job']}/{frame.get('run', '')}/{frame['seq']}"
+
+
+def host_port(text: str, what: str = "address") -> tuple[str, int]:
+    """HOST:PORT, [IPv6]:PORT or :PORT (every address) → (host, port), the brackets taken off; a clear BadInput
+    (`what` names the option) otherwise. The one parser of listen addresses (controller, its /metrics, the agent's
+    Prometheus endpoint)."""
+    from jobprobe.errors import BadInput
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        raise BadInput(f"{what} {text!r}: give HOST:PORT ([::1]:PORT for IPv6)")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise BadInput(f"{what} {text!r}: an IPv6 address goes in brackets, [{host}]:{port}")
+    return host, int(port)

@@ -35,6 +35,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import free_port, until
 
 from jobprobe.controller import CONTROLLER_RUN, Controller, stats
+from jobprobe.errors import BadInput
+from jobprobe.wire import host_port
 from jobprobe.frame import FrameBuilder, encode
 from jobprobe.store import Store
 
@@ -328,3 +330,23 @@ def _pending(url: str) -> tuple[int, int]:
         if got == (0, 0) or time.monotonic() > end:
             return got
         time.sleep(0.5)
+
+
+@given(st.text(max_size=40))
+def test_listen_addresses_parse_or_say_why(text):
+    """Every listen address (controller, its /metrics, the agent's Prometheus) goes through one parser: any text
+    gives (host, port) with 0 < port < 65536 or a one-line BadInput, never another exception."""
+    try:
+        host, port = host_port(text, "--listen")
+    except BadInput as err:
+        assert "\n" not in str(err) and "--listen" in str(err)
+        return
+    assert 0 < port < 65536 and text.endswith(f":{port}") and text.startswith(host if ":" not in host else "[")
+
+
+def test_listen_addresses_with_ipv6():
+    assert host_port("[::1]:9100") == ("::1", 9100)
+    assert host_port(":9100") == ("", 9100) and host_port("0.0.0.0:1") == ("0.0.0.0", 1)
+    for bad in ("::1:9100", "host", "host:0", "host:65536", "host:-1", "[::1]", "h:９"):
+        with pytest.raises(BadInput):
+            host_port(bad)
