@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from jobprobe.exporters.natswire import Credentials, Wire
+from jobprobe.exporters.natswire import Credentials, Wire, client_tls
 from jobprobe.frame import encode
 from jobprobe.retry import Backoff
 from jobprobe.wire import frames_subject, inbox_prefix, msg_id
@@ -67,11 +67,7 @@ def auth_options(creds: str | None = None, ca: str | None = None, cert: str | No
         else:
             opts["user"], opts["password"] = c.user, c.password
     if ca or cert:
-        import ssl
-        ctx = ssl.create_default_context(cafile=ca)
-        if cert:
-            ctx.load_cert_chain(cert, key)
-        opts["tls"] = ctx
+        opts["tls"] = client_tls(ca, cert, key)
     return opts
 
 

@@ -148,6 +148,16 @@ def new_user_nkey() -> tuple[str, str]:
         kp.wipe()
 
 
+def client_tls(ca: str | None, cert: str | None = None, key: str | None = None):
+    """The TLS context of a client of the NATS server (the agent's publisher, the controller's nats-py): the server
+    verified against `ca` (else the system's roots), and our certificate when the server asks for one."""
+    import ssl
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 or `localhost` — by the name as written, never by what a resolver answers."""
     if host.lower().rstrip(".") == "localhost":
@@ -239,12 +249,7 @@ class Wire:
         self._info(info)
         tls = u.scheme == "tls" or any(self.tls_files) or info.get("tls_required", False)
         if tls:
-            import ssl
-            ca, cert, key = self.tls_files
-            ctx = ssl.create_default_context(cafile=ca)
-            if cert:
-                ctx.load_cert_chain(cert, key)
-            self.sock = ctx.wrap_socket(self.sock, server_hostname=host)
+            self.sock = client_tls(*self.tls_files).wrap_socket(self.sock, server_hostname=host)
         fields = {"verbose": False, "pedantic": False, "tls_required": bool(tls), "name": self.name,
                   "lang": "python-jobprobe", "version": "1", "protocol": 1, "headers": True, "no_responders": True,
                   "echo": False}
