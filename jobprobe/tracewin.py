@@ -137,9 +137,9 @@ class Window:
         self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
         private_dir(self.out_dir)
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
-        self.path = self.out_dir / f"{_safe(job)}-{stamp}.trace.json.gz"
+        self.path = self.out_dir / f"{job_filename(job)}-{stamp}.trace.json.gz"   # injective: two jobs never share a name
         for pid in pids if py_spy else ():
-            tmp = self.out_dir / f".{_safe(job)}-{pid}-{os.getpid()}.pyspy.json"
+            tmp = self.out_dir / f".{job_filename(job)}-{pid}-{os.getpid()}.pyspy.json"
             proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--format", "chrometrace", "--rate",
                                      str(TRACE_HZ), "--duration", str(max(1, int(round(duration)))), "--nonblocking",
                                      "--idle", "--output", str(tmp)],
@@ -277,11 +277,6 @@ def private_file(path: Path) -> IO[bytes]:
     except BaseException:
         os.close(fd)
         raise
-
-
-def _safe(name: str) -> str:
-    """The job's part of a trace file's name: injective (exporters/file.py), so two jobs never share a name."""
-    return job_filename(name)
 
 
 class Tracer:
