@@ -387,30 +387,32 @@ class Controller:
     def store_frames(self, taken: list[tuple[Any, dict]], extra: list[dict], now: float) -> set[int]:
         """The batch in one transaction; when it fails on a value, one frame at a time, refusing those the store
         will never take (ValueError, OverflowError, a constraint). Returns id()s of the refused messages."""
+        if self._store_one([f for _, f in taken] + extra, now) is None:
+            return set()
+        log.warning("the store refused a batch: storing it frame by frame")
         refused: set[int] = set()
-        try:
-            self._count(self.store.add([f for _, f in taken] + extra, received=now))
-            return refused
-        except sqlite3.OperationalError as err:     # the database, not a frame: a full disk, a lock held too long
-            raise StoreDown(str(err)) from err
-        except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
-            log.warning("the store refused a batch (%s: %s): storing it frame by frame", type(err).__name__, err)
         for m, f in taken:
-            try:
-                self._count(self.store.add([f], received=now))
-            except sqlite3.OperationalError as err:
-                raise StoreDown(str(err)) from err
-            except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+            err = self._store_one([f], now)
+            if err is not None:
                 refused.add(id(m))
                 self.refuse(m.subject, f.get("node"), f"the store: {type(err).__name__}: {err}", len(m.data))
         for ev in extra:
-            try:
-                self._count(self.store.add([ev], received=now))
-            except sqlite3.OperationalError as err:
-                raise StoreDown(str(err)) from err
-            except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+            err = self._store_one([ev], now)
+            if err is not None:
                 log.warning("controller event %s of job %s not stored: %s", ev.get("event"), ev.get("job"), err)
         return refused
+
+    def _store_one(self, frames: list[dict], now: float) -> Exception | None:
+        """Store frames in one transaction: None, or the error of a value the store will not take. A database
+        that cannot write at all (sqlite3.OperationalError: a full disk, a lock held too long) is not a frame's
+        fault: StoreDown, and nothing is acked."""
+        try:
+            self._count(self.store.add(frames, received=now))
+            return None
+        except sqlite3.OperationalError as err:
+            raise StoreDown(str(err)) from err
+        except (ValueError, TypeError, OverflowError, sqlite3.Error) as err:
+            return err
 
     def _count(self, result: tuple[int, int]) -> None:
         self.counts["stored"] += result[0]
