@@ -18,7 +18,12 @@
  *   holds done_ns + open_n * t - open_ns (every open period counted up to t), summed over CPUs modulo 2^64 (a
  *   period opened on one CPU may close on another: one CPU's open_n goes up, another's down). A sleep's blocked
  *   part closes at its wakeup, where its `wakeup` part opens. The interval's value is the difference of that sum
- *   between two ticks; a period's parts always sum to its whole (switch-out to switch-in).
+ *   between two ticks; a period's parts always sum to its whole (switch-out to switch-in). Every write of
+ *   these arrays is bracketed by a per-CPU seqcount (seq_begun, the struct's last word, before; seq_done, its
+ *   first, after: write_begin): user space takes a copy again while a CPU's two differ, and a slot still torn is
+ *   not read that tick (the interval reads 0, counted as `torn_reads` by probes/sched.py; the next one has it).
+ *   What can read short: such a held interval, and a period whose switch-in or wakeup the kernel skipped
+ *   (bpf_missed).
  * Hooks: tracepoints sched:sched_switch (on_switch), sched:sched_wakeup (on_wakeup), sched:sched_wakeup_new
  *   (on_wakeup_new) — or, with -DRAW_SCHED (5.18+), the same as raw tracepoint programs (*_raw), or with
  *   -DBTF_SCHED too (the kernel's BTF) as BTF tracepoint programs (*_btf, tp_btf) whose records are task storage —
@@ -110,6 +115,7 @@ typedef u32 task_key;
 #define NTIMES 8               /* 7 used; a power of two so that an index can be masked for the verifier */
 
 struct slot_stats {
+    u64 seq_done;              /* writes of the time arrays finished: the FIRST member (see write_begin) */
     u64 voluntary;
     u64 involuntary;
     u64 runq_events;
@@ -118,6 +124,7 @@ struct slot_stats {
     u64 open_n[NTIMES];        /* periods open now (this CPU's share: opened here minus closed here) */
     u64 open_ns[NTIMES];       /* the sum of their start times (same share) */
     u64 runq_hist[NBUCKETS];
+    u64 seq_begun;             /* writes begun: the LAST member */
 };
 
 BPF_PERCPU_ARRAY(stats, struct slot_stats, 64);   /* 64 == MAX_SLOTS, checked below */
@@ -306,7 +313,36 @@ static inline u32 offcpu_reason(long state, u32 tid, task_key task)
     return R_WAIT;
 }
 
-/* A period of category t opens at `since`. */
+/* A seqcount per CPU and slot, so that user space can tell a consistent copy of the time arrays. A period's
+ * open_n and open_ns (and done_ns at its close) are separate words: a copy taken between them is torn, and
+ * open_n * t - open_ns is then off by a whole start time (a reading held the machine's uptime, ~10^13 ns, in a 1 s
+ * interval). The kernel copies a per-CPU value word by word in increasing address order (bpf_long_memcpy, in
+ * bpf_percpu_array_copy for lookups and batch lookups alike): seq_done, the first word, is read before anything
+ * else, seq_begun, the last, after. Every write bumps seq_begun before its first store and seq_done after its last,
+ * so a write that overlapped the copy leaves seq_done < seq_begun in it; a copy with the two equal saw no write
+ * half done. The compiler barriers keep clang's stores in that order; the CPU keeps them there on x86 (stores are
+ * seen in program order, and the copy's loads are not reordered with each other). On arm64 neither is promised and
+ * a tear can escape the count: user space's bound on an interval (probes/sched.py settle) is the net there.
+ * Only the CPU's own programs write its copy, and none of them interrupts another mid-write: sched_switch runs in
+ * __schedule with the run queue locked and irqs off; sched_wakeup (try_to_wake_up, also from irqs) and
+ * sched_wakeup_new (wake_up_new_task) run with a run queue locked, irqs off as well; the exit hook (forget, classic
+ * tracepoints only: raw programs write no stats there) runs with irqs on, but a classic program that would run
+ * inside it on its CPU is skipped by the kernel (bpf_prog_active, counted in bpf_missed), and every program of this
+ * file is then classic. The scalar counters and the histogram are written outside the brackets too: each is one
+ * word that only grows, a copy can at worst miss an increment that the next reading has. */
+static inline void write_begin(struct slot_stats *s)
+{
+    s->seq_begun++;
+    asm volatile("" ::: "memory");
+}
+
+static inline void write_end(struct slot_stats *s)
+{
+    asm volatile("" ::: "memory");
+    s->seq_done++;
+}
+
+/* A period of category t opens at `since` (between write_begin and write_end). */
 static inline void open_time(struct slot_stats *s, u32 t, u64 since)
 {
     t &= NTIMES - 1;
@@ -314,7 +350,8 @@ static inline void open_time(struct slot_stats *s, u32 t, u64 since)
     s->open_ns[t] += since;
 }
 
-/* The period of category t opened at `since` closes at `until` (>= since): its time moves to done_ns. */
+/* The period of category t opened at `since` closes at `until` (>= since): its time moves to done_ns (between
+ * write_begin and write_end). */
 static inline void close_time(struct slot_stats *s, u32 t, u64 since, u64 until)
 {
     t &= NTIMES - 1;
@@ -335,6 +372,7 @@ static inline void finish(struct off_rec *rec, u64 now)
     struct slot_stats *s = rec->epoch == epoch_of(key) ? stats.lookup(&key) : 0;
     if (s) {
         u64 end = now;
+        write_begin(s);
         if (rec->out_ns) {
             if (rec->reason == R_PREEMPT || rec->enq_ns == 0) {   /* preempted, or a sleep not seen woken */
                 if (end < rec->out_ns)
@@ -362,6 +400,7 @@ static inline void finish(struct off_rec *rec, u64 now)
             s->runq_events++;
             s->runq_hist[b]++;
         }
+        write_end(s);
     }
     rec->out_ns = 0;   /* consumed: kept for the next switch-out, deleted when the thread exits */
     rec->enq_ns = 0;
@@ -521,9 +560,11 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                 } else if (rec_put(prev, &rec)) {
                     goto next;          /* the map is full: this period is not counted, and nothing is opened */
                 }
+                write_begin(s);
                 open_time(s, rec.reason, out);
                 if (state == 0)
                     open_time(s, T_RUNQ, out);
+                write_end(s);
             }
         }
         if (state & STATE_EXITING) {
@@ -575,9 +616,11 @@ static inline void woken(task_key task)
     if (!s)
         return;
     rec->enq_ns = now;
+    write_begin(s);
     close_time(s, rec->reason, rec->out_ns, now);   /* the sleep itself ends here */
     open_time(s, T_WAKEUP, now);
     open_time(s, T_RUNQ, now);
+    write_end(s);
 }
 
 /* A new task has never been switched out; it joins its creator's job (current is the parent in
@@ -594,8 +637,11 @@ static inline void woken_new(task_key task, u32 tid)
     struct off_rec *old = rec_get(task);
     if (old)
         finish(old, rec.enq_ns);   /* a reused key whose owner's end was missed: close what it held open */
-    if (s && rec_put(task, &rec) == 0)
+    if (s && rec_put(task, &rec) == 0) {
+        write_begin(s);
         open_time(s, T_RUNQ, rec.enq_ns);
+        write_end(s);
+    }
 }
 
 #ifndef RAW_SCHED

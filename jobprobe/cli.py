@@ -252,6 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--burst-frames", type=int, default=60_000)
     bc.add_argument("--json", metavar="FILE")
 
+    acc = bsub.add_parser("accuracy", help="each figure summed over a job's frames beside the workload's own count "
+                          "(dd's bytes, getrusage, its calls), N runs per case beside a neighbour load "
+                          "(docs/ACCURACY.md); exit 1 if a row fails")
+    acc.add_argument("--runs", type=int, default=20, metavar="N", help="runs per case (default 20)")
+    acc.add_argument("--load", choices=["none", "cpu", "cpu+io", "net"], default="none",
+                     help="neighbour load outside the job: stress-ng --cpu NCPU (cpu), plus --hdd 1 with O_DIRECT "
+                     "(cpu+io), an iperf3 pair on loopback (net)")
+    acc.add_argument("--interval", type=float, default=0.5, metavar="S")
+    acc.add_argument("--only", action="append", metavar="CASES", help="only these cases, separated by commas "
+                     "(dd-read-short, dd-read-long, dd-write-short, dd-write-long, cpu-burn, syscall-getppid, "
+                     "fork-exit); repeat")
+    acc.add_argument("--json", metavar="FILE")
+
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",
@@ -856,6 +869,14 @@ def cmd_bench(args, command: list[str], host: Host) -> int:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(ctl_bench.markdown(res))
         return 0
+    if args.bench == "accuracy":
+        from pathlib import Path
+        from jobprobe.bench import accuracy
+        res = accuracy.bench_accuracy(args.runs, args.load, args.interval, args.only, progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(accuracy.markdown(res))
+        return 0 if res["pass"] else 1
     if not command:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
     if args.bench == "peers":

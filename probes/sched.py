@@ -30,6 +30,14 @@ Times are per interval where they happened: each interval's off-CPU time (total 
 wait time is the part spent within that interval, threads still off CPU at the tick included (the kernel keeps, per
 category, finished time plus the count and summed start times of periods still open; a reading at time t counts
 every open period up to t), so per thread it never exceeds dt and the sum over intervals is the sum of the periods.
+What can read short, and where it is counted: the kernel's per-CPU words are copied while CPUs write them, so
+bpf/sched.c brackets every write of the time arrays with a per-CPU seqcount (struct slot_stats' first and last
+words); a copy in which any CPU's two halves differ is taken again (READ_TRIES), and one still torn is not read:
+the interval reads 0 and counts `torn_reads`, the next interval has its figures. A reading whose time in any
+category no interval can hold (over dt per thread alive on the node, or below 0, past the copy's own skew: settle)
+is held the same way and counted in `impossible` (a bug: never emitted, never clamped). A reading a hair below the
+last (a period crossing CPUs during the copy, at most the copy's duration) keeps the last one's time: 0 then, the
+next interval has the rest. Programs the kernel skipped (bpf_missed) lose their periods.
 Counts (`*_events`, `runq_events`, the latency histogram) count periods that ended in the interval. A thread
 already asleep when the probe starts is not counted for that sleep; with the syscall hook, one already inside a
 futex wait or nanosleep then (a call it entered before the hook) is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
@@ -40,8 +48,10 @@ from __future__ import annotations
 import ctypes as ct
 import os
 import platform
+import time
 from typing import Any
 
+from jobprobe import tickmemo
 from jobprobe.host import Host
 from jobprobe.probe import Field, delta, log2_percentile
 from jobprobe.bpfprobe import BpfProbe
@@ -135,14 +145,81 @@ def btf_sched(host: Host) -> tuple[tuple[str, ...], str | None]:
 
 
 class SlotStats(ct.Structure):
-    """bpf/sched.c struct slot_stats, one per job slot and CPU (the map checks the size at start)."""
-    _fields_ = [(name, ct.c_uint64) for name in COUNTERS] + [(name, ct.c_uint64 * NTIMES) for name in ARRAYS] + \
-        [("runq_hist", ct.c_uint64 * NBUCKETS)]
+    """bpf/sched.c struct slot_stats, one per job slot and CPU (the map checks the size at start): its seqcount's
+    two halves first and last (the order the kernel copies the words in matters, see bpf/sched.c write_begin)."""
+    _fields_ = [("seq_done", ct.c_uint64)] + [(name, ct.c_uint64) for name in COUNTERS] + \
+        [(name, ct.c_uint64 * NTIMES) for name in ARRAYS] + [("runq_hist", ct.c_uint64 * NBUCKETS)] + \
+        [("seq_begun", ct.c_uint64)]
+
+
+WORDS = ct.sizeof(SlotStats) // 8
+READ_TRIES = 4           # copies of a slot taken before a torn one is given up on for the tick
+# How far one period's stamps may sit from user space's clock: the run queue's clock turned into CLOCK_MONOTONIC
+# drifts ≤ 5 µs over an offset's epoch, and a wakeup on another CPU uses that CPU's offset (bpf/sched.c stamp_ns).
+STAMP_SKEW_NS = 100_000
+HELD = ("torn_reads", "impossible")   # readings not emitted, counted (cumulative in a reading, like COUNTERS)
 
 
 def signed64(x: int) -> int:
     x &= MASK
     return x - (1 << 64) if x >> 63 else x
+
+
+def torn_cpus(raw: bytes, ncpus: int) -> list[int]:
+    """The CPUs whose copy in `raw` (one slot's per-CPU values, as the kernel copied them) a write overlapped:
+    seq_done (its first word, copied first) below seq_begun (its last, copied last)."""
+    words = memoryview(raw).cast("Q")
+    per = len(words) // ncpus
+    return [c for c in range(ncpus) if words[c * per] != words[c * per + WORDS - 1]]
+
+
+def slot_columns(raw: bytes, ncpus: int) -> dict[str, Any]:
+    """One slot's per-CPU copies summed over CPUs, by struct member ({name: int or list}); the seqcount left out."""
+    words = memoryview(raw).cast("Q")
+    per = len(words) // ncpus
+    cols = [sum(words[c * per + i] for c in range(ncpus)) for i in range(1, WORDS - 1)]
+    out, i = {}, 0
+    for name, typ in SlotStats._fields_[1:-1]:
+        n = ct.sizeof(typ) // 8
+        out[name] = cols[i] if n == 1 and not hasattr(typ, "_length_") else cols[i:i + n]
+        i += n
+    return out
+
+
+def node_threads(proc: str = "/proc") -> tuple[int, int] | None:
+    """(threads on the node now, forks since boot): every thread of a job in an interval was alive at its start
+    or forked in it, so their sum bounds the threads whose time an interval can hold. None where unreadable."""
+    try:
+        with open(f"{proc}/loadavg") as f:
+            threads = int(f.read().split()[3].split("/")[1])
+        with open(f"{proc}/stat") as f:
+            forks = next(int(ln.split()[1]) for ln in f if ln.startswith("processes "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return threads, forks
+
+
+def settle(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """The reading to keep after `before`, given a consistent copy `now`: now itself, or before again (held, its
+    `impossible` count up one) where a category's time would be one no interval can hold. A thread is in at most
+    one period of a category at a time, so an interval of dt holds at most dt per thread alive in it (at most
+    the node's threads at its start plus its forks: node_threads); each reading's error is at most its copy's
+    duration (`lag`: one CPU's words are copied at another instant than the next CPU's, and `t` is taken after
+    the copy) plus the stamps' skew, per period open then. Anything past that is a bug, caught here and never
+    emitted: the held reading's time lands in the next interval that is not. A time a hair (within that error)
+    below the last reading's keeps the last one's: it reads 0 in this interval and the next one has it, nothing
+    is lost or counted twice."""
+    times = [max(a, b) for a, b in zip(now["times"], before["times"])]
+    if now.get("node") and before.get("node"):
+        threads = before["node"][0] + max(0, now["node"][1] - before["node"][1])
+        dt = now["t"] - before["t"]
+        slack = threads * (now["lag"] + before["lag"] + 2 * STAMP_SKEW_NS)
+        bad = any(a - b > dt * threads + slack or a - b < -slack for a, b in zip(now["times"], before["times"]))
+    else:   # the bound's inputs unknown (no /proc/loadavg): only what no skew explains, a negative past 1 s
+        bad = any(a - b < -1_000_000_000 for a, b in zip(now["times"], before["times"]))
+    if bad:
+        return {**before, "impossible": before["impossible"] + 1}
+    return {**now, "times": times, **{k: before[k] for k in HELD}}
 
 
 def time_totals(totals: dict[str, Any], t_ns: int) -> list[int]:
@@ -159,9 +236,9 @@ def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool 
     spent off CPU within the interval, whether or not the period has ended. Without the syscall hook, lock and
     sleep are unknown (None): their time is in wait."""
     d = {k: delta(now[k], before[k]) for k in COUNTERS}
-    # Both readings are exact at their instants, but the per-CPU copy is not one atomic snapshot: a period that
-    # opens and closes while the map is read can leave a few µs of skew. Never a negative time.
-    times = {name: max(0, a - b) for name, a, b in zip(TIMES, now["times"], before["times"])}
+    # settle() made the readings' times monotonic and held any that no interval can hold: the differences are
+    # emitted as they are, nothing clamped here.
+    times = {name: a - b for name, a, b in zip(TIMES, now["times"], before["times"])}
     events = {name: delta(a, b) for name, a, b in zip(TIMES, now["events"], before["events"])}
     hist = [delta(a, b) for a, b in zip(now["hist"], before["hist"])]
     out = {
@@ -174,6 +251,7 @@ def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool 
         "runq_lat_p50_us": log2_percentile(hist, 0.50),
         "runq_lat_p99_us": log2_percentile(hist, 0.99),
         "offcpu_wakeup_ns": times["wakeup"],
+        **{k: now.get(k, 0) - before.get(k, 0) for k in HELD},
     }
     for r in REASONS:
         known = syscall_reasons or r not in SYSCALL_REASONS
@@ -183,7 +261,8 @@ def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool 
 
 
 def zero_reading() -> dict[str, Any]:
-    return {**{k: 0 for k in COUNTERS}, "events": [0] * NTIMES, "times": [0] * NTIMES, "hist": [0] * NBUCKETS}
+    return {**{k: 0 for k in COUNTERS}, "events": [0] * NTIMES, "times": [0] * NTIMES, "hist": [0] * NBUCKETS,
+            **{k: 0 for k in HELD}, "t": 0, "lag": 0, "node": None}
 
 
 def syscall_cflags(machine: str) -> list[str] | None:
@@ -241,6 +320,13 @@ def _fields() -> dict[str, Field]:
         "runq_events": Field("int", "count", "times a job thread went from runnable to running (waits that ended)"),
         "offcpu_wakeup_ns": Field("int", "ns", "off-CPU time from the wakeup of a sleep (io, lock, sleep, wait) to "
                                   "running again: waiting for a CPU after sleeping (within the interval)"),
+        "torn_reads": Field("int", "count", "ticks whose copy of the kernel's counters stayed torn (a CPU wrote "
+                            "them while they were copied) after several tries: the interval reads 0 everywhere and "
+                            "its figures land in the next interval; 0: every tick was read whole",
+                            kind="counter"),
+        "impossible": Field("int", "count", "ticks whose reading held a time no interval can (over dt per thread "
+                            "on the node, or negative): a bug, not emitted; the interval reads 0 everywhere and the "
+                            "next interval has its figures", kind="counter"),
     }
     for r, meaning in _REASON_MEANING.items():
         out[f"offcpu_{r}_ns"] = Field("int", "ns", f"off-CPU time of the job's threads within the interval (still "
@@ -350,12 +436,49 @@ class SchedProbe(BpfProbe):
             epoch.update(self.slot, ((epoch.lookup(self.slot) or 0) + 1) & 0xFFFFFFFF)
         super().release()
 
+    def slot_copy(self, again: bool) -> tuple[bytes, int, int]:
+        """This slot's per-CPU copies as the kernel made them, with the monotonic instants just before and just
+        after the copy. In an agent tick the first is the tick's one read of every slot (shared by the node's
+        jobs, as slot_sums); `again`, a copy of this slot alone."""
+        table = self.loaded.maps["stats"]
+        if tickmemo.active() and not again:
+            def whole() -> tuple[bytes, int, int]:
+                t0 = time.monotonic_ns()
+                raw = table.array_raw()
+                return raw, t0, time.monotonic_ns()
+            raw, t0, t1 = tickmemo.get(("sched-slots", id(table)), whole)
+            size = WORDS * 8 * table.ncpus
+            return raw[self.slot * size:(self.slot + 1) * size], t0, t1
+        t0 = time.monotonic_ns()
+        per_cpu = table.lookup(self.slot)
+        t1 = time.monotonic_ns()
+        return b"".join(bytes(v) for v in per_cpu), t0, t1
+
     def reading(self) -> dict[str, Any]:
-        """Cumulative counters of our slot, summed over CPUs; times up to the instant after the map read."""
-        out = self.slot_totals()
-        out["times"] = time_totals(out, self.read_ns)      # open periods counted up to the map's read
+        """Cumulative counters of our slot, summed over CPUs, from a copy in which no CPU's words were being
+        written (bpf/sched.c write_begin); times up to the instant after the copy. A slot still torn after
+        READ_TRIES copies is not read this tick: the last reading is kept (`torn_reads` up one), and so is one
+        that settle() finds impossible."""
+        ncpus = self.loaded.maps["stats"].ncpus
+        # the node's threads just before the copy: every thread alive at the instant the reading stands for was
+        # alive then or forked since (counted in the next reading's forks)
+        node = tickmemo.get(("node-threads", self.host.proc), lambda: node_threads(self.host.proc))
+        for attempt in range(READ_TRIES if self._last is not None else 10 * READ_TRIES):
+            raw, t0, t1 = self.slot_copy(again=attempt > 0)
+            if not torn_cpus(raw, ncpus):
+                break
+        else:
+            if self._last is None:   # no baseline to keep: start() says so (ProbeUnavailable)
+                raise ValueError(f"the sched counters of slot {self.slot} stayed torn over {10 * READ_TRIES} copies")
+            return {**self._last, "torn_reads": self._last["torn_reads"] + 1}
+        self.read_ns = t1
+        out = slot_columns(raw, ncpus)
+        out["times"] = time_totals(out, t1)      # open periods counted up to the instant after the copy
         out["hist"] = out.pop("runq_hist")
-        return out
+        out.update(t=t1, lag=t1 - t0, node=node)
+        if self._last is None:
+            return {**out, **{k: 0 for k in HELD}}
+        return settle(out, self._last)
 
     def interval(self, now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         return interval(now, before, self.syscall_reasons)

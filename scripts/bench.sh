@@ -25,6 +25,9 @@ $jp bench agent --jobs 64 --idle-seconds 30 --cycles 20 --no-peer --nats --json 
 echo "== one controller: 2000 simulated nodes, its ceiling, a node's bytes on the wire"
 $jp bench controller --nodes 2000 --json out/bench/controller.json | tee out/bench/controller.md
 
+echo "== accuracy: each figure against the workload's own count, 20 runs per case beside a CPU and O_DIRECT load"
+$jp bench accuracy --load cpu+io --json out/bench/accuracy.json | tee out/bench/accuracy.md
+
 echo "== the SLURM prolog and epilog: how long they hold a job up"
 .venv/bin/python scripts/prolog_time.py 30 | tee out/bench/prolog.md
 
