@@ -55,6 +55,7 @@ BPF_ARRAY(slots_on, u64, 1);   /* bit s: this probe counts for the job in slot s
 #endif
 BPF_ARRAY(slots_traced, u64, 2);
 BPF_RINGBUF_OUTPUT(trace_ring, JOB_TRACE_PAGES);
+BPF_ARRAY(trace_refused, u64, MAX_SLOTS);   /* per slot: records the ring refused (full, or its lock not taken) */
 
 struct trace_head {
     u32 kind;                  /* the module's record kind */
@@ -67,6 +68,17 @@ static inline int job_traced(u32 slot)
     u32 zero = 0;
     u64 *bits = slots_traced.lookup(&zero);
     return bits && slot < MAX_SLOTS && ((*bits >> slot) & 1);
+}
+
+/* One record of a traced job into the ring; one the ring refuses is counted in trace_refused (user space adds it
+ * to the window's records not kept): a window's shortfall is zero or counted. */
+static inline void job_trace_output(u32 slot, void *ev, u32 size)
+{
+    if (trace_ring.ringbuf_output(ev, size, 0) != 0) {
+        u64 *n = trace_refused.lookup(&slot);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+    }
 }
 
 /* The module's threshold (ns): shorter intervals are not recorded one by one. */

@@ -124,7 +124,7 @@ static inline void trace_call(u32 slot, u64 start, u64 end, u64 bytes, u16 op, u
     u64 id = bpf_get_current_pid_tgid();
     struct cuda_event ev = {.h = {.kind = TRACE_CUDA, .slot = slot}, .tid = (u32)id, .tgid = id >> 32,
                             .start_ns = start, .end_ns = end, .bytes = bytes, .op = op, .sub = sub};
-    trace_ring.ringbuf_output(&ev, sizeof(ev), 0);
+    job_trace_output(ev.h.slot, &ev, sizeof(ev));
 }
 #endif
 

@@ -145,7 +145,7 @@ static inline int exited(void)
         u64 id = bpf_get_current_pid_tgid();
         struct syscall_event ev = {.h = {.kind = TRACE_SYSCALL, .slot = slot}, .tid = (u32)id, .tgid = id >> 32,
                                    .enter_ns = rec->ts, .exit_ns = now, .nr = nr};
-        trace_ring.ringbuf_output(&ev, sizeof(ev), 0);
+        job_trace_output(ev.h.slot, &ev, sizeof(ev));
     }
 #endif
     rec->ts = 0;

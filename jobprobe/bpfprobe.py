@@ -69,6 +69,7 @@ class BpfProbe(Probe):
         self._last: Any = None
         self._still: dict[str, Any] | None = None   # the interval of a reading equal to the one before
         self._missed = 0
+        self._refused0 = 0        # trace_refused of the job's slot when its window opened
         self.read_ns = 0          # when the slot's counters were last read (slot_sums)
 
     # ---- what a probe provides ---------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class BpfProbe(Probe):
             self.shared.extra["traced"] = traced
             if on:
                 ring["records"][self.slot], ring["dropped"][self.slot] = [], 0
+                self._refused0 = self._refused()
             table = self.loaded.maps["slots_traced"]
             table.update(ct.c_uint32(1), ct.c_uint64(self.trace_min_ns))
             table.update(ct.c_uint32(0), ct.c_uint64(traced))
@@ -189,15 +191,22 @@ class BpfProbe(Probe):
                 else:
                     dropped[slot] += 1
 
+    def _refused(self) -> int:
+        """Records of this slot the kernel's ring refused since the load (bpf/common.h trace_refused)."""
+        table = self.loaded.maps.get("trace_refused")
+        raw = table.lookup(ct.c_uint32(self.slot)) if table is not None else None
+        return int.from_bytes(bytes(raw)[:8], "little") if raw is not None else 0
+
     def trace_take(self) -> tuple[list[Any], int]:
-        """This job's records since trace_on (decoded by kind), and how many were not kept (over TRACE_KEEP)."""
+        """This job's records since trace_on (decoded by kind), and how many were lost: not kept (over
+        TRACE_KEEP), or refused by the kernel's ring (full, or its lock not taken: counted in the kernel)."""
         if not self.deep:
             return [], 0
         self.trace_poll()
         with self.shared.lock:
             ring = self._ring()
             raw = ring["records"].pop(self.slot, [])
-            dropped = ring["dropped"].pop(self.slot, 0)
+            dropped = ring["dropped"].pop(self.slot, 0) + self._refused() - self._refused0
         out = []
         for rec in raw:
             t = self.trace_kinds.get(int.from_bytes(rec[:4], "little"))

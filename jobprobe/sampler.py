@@ -75,6 +75,13 @@ class Sampler:
         return why
 
     def start(self) -> dict:
+        # The target's members as of now, not as of its making: a PID tree scanned before the agent got ready (a
+        # membership load compiling, seconds under load) would miss the children forked since, and a probe whose
+        # baseline did not see them counts them from zero at the first tick — their CPU before the baseline too.
+        try:
+            self.target.refresh()
+        except TargetGone:
+            pass                     # said at the first tick, with the job's last frame
         # Probes start side by side: an eBPF probe spends its start waiting for its loader to compile (a process
         # of its own), so N of them take about as long as the slowest, not the sum (on N cores).
         with ThreadPoolExecutor(max_workers=max(1, len(self.probes)), thread_name_prefix="start") as pool:

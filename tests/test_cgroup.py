@@ -244,6 +244,50 @@ def test_cpu_time_of_a_burner_matches_cpu_stat(make_cgroup):
     assert abs(got - want) / want < 0.02, (got, want)
 
 
+FORK_AND_BURN = r"""
+import os, sys, time
+sys.stdin.readline()
+if os.fork() == 0:
+    end = time.process_time() + 0.5
+    while time.process_time() < end:
+        pass
+    print("burnt", flush=True)
+    time.sleep(60)
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_a_child_forked_before_the_start_is_in_the_baseline():
+    """A PID tree made, then a child forked and 0.5 s burnt before the sampler starts (an agent slow to get ready):
+    the probes' baseline includes the child (the sampler refreshes the target first), so the first frame holds
+    none of that CPU. Before, the child was first seen at the first tick and counted from zero: +0.5 s."""
+    from jobprobe.sampler import Sampler
+    root = subprocess.Popen([sys.executable, "-c", FORK_AND_BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        target = PidTreeTarget([root.pid])
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        assert root.stdout.readline().strip() == "burnt"
+        sampler = Sampler(target, [CgroupProbe()], [], interval=0.2)
+        sampler.start()
+        time.sleep(0.3)
+        target.refresh()                    # as the agent's tick does before sampling
+        frame = sampler.tick()
+        sampler.stop()
+        cg = frame["probes"]["cgroup"]
+        print(f"first frame after a child burnt 0.5 s before the start: {cg['cpu_user_ns'] + cg['cpu_system_ns']} ns, "
+              f"{cg['nprocs']} processes")
+        assert cg["nprocs"] == 2 and cg["cpu_user_ns"] + cg["cpu_system_ns"] < 100_000_000
+    finally:
+        root.kill()
+        with contextlib.suppress(ProcessLookupError):
+            for pid in target.pids():
+                os.kill(pid, 9)
+        root.wait()
+
+
 @pytest.mark.kernel
 def test_pid_tree_cpu_time_includes_children_forked_later(make_cgroup):
     """Independent source: the same processes also run in a cgroup2 group whose cpu.stat the kernel keeps."""
