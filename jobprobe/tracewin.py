@@ -204,7 +204,8 @@ class Window:
             events += deep
             counts[probe.name] = len(deep)
             if dropped:
-                said.append(f"{probe.name}: {dropped} events over the window's limit not kept")
+                said.append(f"{probe.name}: {dropped} events not kept (over the window's limit, or refused by the "
+                                f"kernel's ring)")
         pids = sorted({e["pid"] for e in events if "pid" in e})
         meta = [{"ph": "M", "name": "process_name", "pid": p, "tid": 0,
                  "args": {"name": f"{roles.get(p, 'python')} (pid {p})"}} for p in pids]

@@ -351,9 +351,9 @@ def test_stop_detaches_every_uprobe_and_leaves_no_fd(probe, fakes, progs):
     # prog: job_exit_probe, the uprobe programs (loaded unattached, attached per library), the membership handlers
     assert bpf_fds("prog") == before["prog"] + len(probe.all_handlers()) + len(PROGRAMS) + len(MEMBERSHIP)
     # the module's fds of the node's three membership maps (pinned for its loader), its slots_on, calls, stats; with
-    # a deep mode (5.8+) slots_traced and trace_ring
+    # a deep mode (5.8+) slots_traced, trace_ring and trace_refused
     assert set(probe.loaded.maps) == {"job_of_cgroup", "job_of_tgid", "job_kinds", "slots_on", "calls", "stats"} | \
-        ({"slots_traced", "trace_ring"} if probe.deep else set())
+        ({"slots_traced", "trace_ring", "trace_refused"} if probe.deep else set())
     # those, and the node's own fds of its three membership maps
     assert bpf_fds("map") == before["map"] + len(probe.loaded.maps) + 3
     assert job.probed() == (37, 37) and len(probe.libraries) == 3

@@ -16,7 +16,7 @@ class FakeTarget(Target):
 
     def __init__(self, ticks_alive=None):
         self.ticks_alive = ticks_alive
-        self.refreshes = 0
+        self.refreshes = -1          # the sampler's start refreshes once (its probes' baseline), before any tick
 
     def pids(self):
         return [1]

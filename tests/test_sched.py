@@ -514,9 +514,9 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
     # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
     # with BTF ones instead), and cpu_clock with BTF ones where the kernel's BTF has the run queue's clock; with a
-    # deep mode (5.8+) slots_traced, trace_ring and trace_stacks
+    # deep mode (5.8+) slots_traced, trace_ring, trace_refused and trace_stacks
     rq_clock = probe.btf and "cpu_clock" in probe.loaded.maps
-    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + 3 * probe.deep
+    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + 4 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()
