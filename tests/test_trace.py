@@ -532,13 +532,9 @@ def resume(job: subprocess.Popen) -> None:
     job.stdin.flush()
 
 
-@pytest.mark.kernel
-def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
-    """sched's deep mode on its own, with no threshold: a job that naps 200 µs ~3,500 times a second puts ~20k
-    records (~1.2 MiB with their headers) through the 1 MiB ring in 6 s, drained each 0.5 s tick, so the ring wraps. Between two
-    points where the job is paused (blocked on its pipe), its thread's voluntary off-CPU periods in the records equal the
-    kernel's own count of its voluntary switches (/proc/PID/task/PID/status), and each `sleep` lies inside a nap
-    the job timed itself (its start; its end too for 99%)."""
+def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
+    """The napper traced by sched's deep mode (no threshold) between two pauses: (records, dropped, voluntary
+    switches the kernel counted between the pauses, their instants t1 and t2, what `during(probe)` returned)."""
     from probes.sched import SchedProbe
     from jobprobe.target import PidTreeTarget
     (tmp_path / "napper.py").write_text(NAPPER)
@@ -546,6 +542,7 @@ def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
     job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "60", str(tmp_path / "naps")],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     probe = SchedProbe()
+    probe.cflags = (*probe.cflags, *cflags)
     try:
         probe.start(PidTreeTarget([job.pid]))
         assert probe.deep, "sched has no deep mode here (Linux 5.8+ ring buffers)"
@@ -554,14 +551,11 @@ def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
         paused(job)
         v1, t1 = voluntary_switches(job.pid), time.monotonic_ns()
         resume(job)
-        missed = 0
-        for _ in range(13):
-            time.sleep(0.5)
-            missed += probe.sample()["bpf_missed"]
+        got = during(probe)
         paused(job)
         v2, t2 = voluntary_switches(job.pid), time.monotonic_ns()
         resume(job)
-        time.sleep(0.2)                                       # its pause's period ends (and is recorded) now
+        time.sleep(0.2)                                       # its pause's period ends (recorded or refused) now
         records, dropped = probe.trace_take()
         probe.trace_on(False)
     finally:
@@ -572,14 +566,32 @@ def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
                 job.stdin.flush()
         job.wait(timeout=30)
     mine = [r for r in records if r.tid == job.pid and t1 < r.out_ns < t2]
+    return records, dropped, mine, v2 - v1, got
+
+
+@pytest.mark.kernel
+def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
+    """sched's deep mode on its own, with no threshold: a job that naps 200 µs ~3,500 times a second puts ~20k
+    records (~1.2 MiB with their headers) through the 1 MiB ring in 6 s, drained each 0.5 s tick, so the ring
+    wraps. Between two points where the job is paused (blocked on its pipe), its thread's voluntary off-CPU periods
+    in the records, with those the ring refused (counted), make the kernel's own count of its voluntary switches
+    (/proc/PID/task/PID/status), and each `sleep` lies inside a nap the job timed itself (its start; its end too
+    for 99%)."""
+    def ticks(probe) -> int:
+        missed = 0
+        for _ in range(13):
+            time.sleep(0.5)
+            missed += probe.sample()["bpf_missed"]
+        return missed
+    records, dropped, mine, switches, missed = napper_window(tmp_path, ticks)
     voluntary = [r for r in mine if r.reason != 1]
     print(f"ring: {len(records)} records ({len(records) * 64 / 2**20:.2f} MiB), {dropped} lost; the job's "
-          f"voluntary switches {v2 - v1} (/proc), its voluntary periods recorded {len(voluntary)}")
+          f"voluntary switches {switches} (/proc), its voluntary periods recorded {len(voluntary)}")
     # 56-byte records, each with its 8-byte header: the ring wrapped. Every voluntary switch is recorded, or counted
     # lost: a record the kernel's ring refuses is counted (bpf/common.h trace_refused; seen once in ~7 runs here,
     # the ring far from full) and comes back in `dropped` — never more than a few
     assert len(records) * 64 > 1 << 20 and dropped <= len(records) // 1000, dropped
-    assert 0 <= (v2 - v1) - len(voluntary) <= dropped, (v2 - v1, len(voluntary), dropped)
+    assert 0 <= switches - len(voluntary) <= dropped, (switches, len(voluntary), dropped)
     naps = sorted(tuple(map(int, ln.split())) for ln in (tmp_path / "naps").read_text().splitlines())
     starts = [a for a, _ in naps]
     late = []
@@ -600,39 +612,13 @@ def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
 def test_records_a_full_ring_refuses_are_counted(tmp_path):
     """The ring made one page (4 KiB: 64 records) and not drained for a second of naps: the kernel refuses most
     records, and counts each (trace_refused), so the window's `dropped` covers every voluntary switch not recorded."""
-    from probes.sched import SchedProbe
-    from jobprobe.target import PidTreeTarget
-    (tmp_path / "napper.py").write_text(NAPPER)
-    job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "60", str(tmp_path / "naps")],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    probe = SchedProbe()
-    probe.cflags = (*probe.cflags, "-DJOB_TRACE_PAGES=1")
-    try:
-        probe.start(PidTreeTarget([job.pid]))
-        probe.trace_min_ns = 0
-        probe.trace_on(True)
-        paused(job)
-        v1, t1 = voluntary_switches(job.pid), time.monotonic_ns()
-        resume(job)
-        time.sleep(1.0)
-        paused(job)
-        v2, t2 = voluntary_switches(job.pid), time.monotonic_ns()
-        resume(job)
-        time.sleep(0.2)                                       # its pause's period ends (refused or recorded) now
-        records, dropped = probe.trace_take()
-        probe.trace_on(False)
-    finally:
-        probe.stop()
-        if job.poll() is None:
-            with contextlib.suppress(OSError):
-                job.stdin.write("stop\n")
-                job.stdin.flush()
-        job.wait(timeout=30)
-    voluntary = [r for r in records if r.tid == job.pid and t1 < r.out_ns < t2 and r.reason != 1]
+    records, dropped, mine, switches, _ = napper_window(tmp_path, lambda probe: time.sleep(1.0),
+                                                       ("-DJOB_TRACE_PAGES=1",))
+    voluntary = [r for r in mine if r.reason != 1]
     print(f"a one-page ring: {len(records)} records kept, {dropped} refused and counted; voluntary switches "
-          f"{v2 - v1}, recorded {len(voluntary)}")
+          f"{switches}, recorded {len(voluntary)}")
     assert len(records) <= 64 and dropped > 1000
-    assert len(voluntary) + dropped >= v2 - v1
+    assert len(voluntary) + dropped >= switches
 
 
 @pytest.mark.integration
