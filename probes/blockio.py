@@ -179,9 +179,9 @@ def raw_cflags(btf_path: str | Path, events: list[str]) -> tuple[list[str], str 
 
 def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     """This interval's fields from two cumulative readings {"read": {counter: int, "hist": [...]}, "write": ...,
-    "expired": int}."""
+    "expired": int, "lost_bytes": [read, write]}."""
     out: dict[str, Any] = {}
-    for d in DIRS:
+    for i, d in enumerate(DIRS):
         a, b = now[d], before[d]
         for k in COUNTERS:
             out[f"{d}_{k}"] = delta(a[k], b[k])
@@ -189,9 +189,8 @@ def interval(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
         out[f"{d}_lat_us_log2"] = hist
         out[f"{d}_lat_p50_us"] = log2_percentile(hist, 0.50)
         out[f"{d}_lat_p99_us"] = log2_percentile(hist, 0.99)
-    out["inflight_expired"] = now["expired"] - before["expired"]
-    for i, d in enumerate(DIRS):
         out[f"{d}_lost_bytes"] = now["lost_bytes"][i] - before["lost_bytes"][i]
+    out["inflight_expired"] = now["expired"] - before["expired"]
     return out
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from jobprobe.bench.overhead import scratch
+from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.bench.stats import median
 from jobprobe.errors import BadInput
 
@@ -299,7 +299,7 @@ class Load:
                     else []
                 self._spawn(["stress-ng", "--cpu", str(ncpu), *io, "--quiet"])
             elif self.kind == "net":
-                port = str(_free_port())
+                port = str(free_port())
                 self._spawn(["iperf3", "-s", "-p", port, "-B", "127.0.0.1"])
                 time.sleep(0.5)
                 self._spawn(["iperf3", "-c", "127.0.0.1", "-p", port, "-t", "86400"])
@@ -328,13 +328,6 @@ class Load:
                 os.killpg(p.pid, 9)
                 p.wait()
         self.procs = []
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the harness -------------------------------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
     extra: list[str] = []
     local = controller = None
     if nats:
-        from jobprobe.bench.controller import free_port
+        from jobprobe.bench.overhead import free_port
         from jobprobe.controller import LocalNats
         local = LocalNats(work / "nats", f"127.0.0.1:{free_port()}")
         local.wait()

@@ -21,7 +21,7 @@ import time
 import zlib
 from pathlib import Path
 
-from jobprobe.bench.overhead import scratch
+from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.frame import FrameBuilder, encode
 
 # A standard-collection sample as this machine's agent writes it (cgroup, sched, perf, blockio, net, pressure, self;
@@ -196,13 +196,6 @@ def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, w
                 ctl.kill()
         nats_srv.stop()
     return res
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(res: dict) -> str:

@@ -300,6 +300,14 @@ def traced_share(frames: list[dict]) -> float:
     return traced / (t1 - t0) if t1 > t0 else 0.0
 
 
+def free_port() -> int:
+    """A loopback TCP port free now (the kit's servers: nats-server, a peer's endpoint, iperf3)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def scratch(workdir: str | Path | None, prefix: str) -> Iterator[Path]:
     """The kit's working directory: `workdir` when one is given (made if missing, and left as it is after: the

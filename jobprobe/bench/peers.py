@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from jobprobe.kernel import procfs
-from jobprobe.bench.overhead import _wait_for_hello, collector_stats, scratch
+from jobprobe.bench.overhead import _wait_for_hello, collector_stats, free_port, scratch
 from jobprobe.errors import BadInput
 
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
@@ -36,12 +35,6 @@ def proc_mem(pid: int) -> tuple[int, int]:
         elif line.startswith("VmHWM:"):
             hwm = int(line.split()[1]) * 1024
     return rss, hwm
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Scraper(threading.Thread):
