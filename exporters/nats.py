@@ -1,7 +1,7 @@
 """nats://HOST:PORT — frames to a NATS JetStream stream, through a bounded on-disk spool.
 
 One NatsSink per agent, shared by its jobs (each job writes through its own `for_job()` handle, which keeps that
-job's counters). A frame goes to subject `jobprobe.frames.<token>` (jobprobe/wire.py) with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
+job's counters). A frame goes to subject `jobprobe.frames.<token>` (jobprobe/core/wire.py) with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
 its unique key: the server drops a resend inside its duplicate window, so publishing again after a lost ack stores
 nothing twice.
 
@@ -18,12 +18,11 @@ in the self probe's sinks, and `jobprobe status`) and logged — never silent.
 
 A frame the server can never take — larger than its `max_payload`, or refused by JetStream for good (larger than
 the stream's maximum message size) — is counted lost the same way and skipped: it never holds up the frames behind
-it. After a failure the publisher waits a jittered backoff (jobprobe/retry.py: a cluster's agents do not all come
+it. After a failure the publisher waits a jittered backoff (jobprobe/core/retry.py: a cluster's agents do not all come
 back at one instant); when the server announces lame-duck mode it moves to the next server of its list at once.
 """
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import logging
@@ -33,42 +32,20 @@ import time
 import zlib
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import msgpack
 
-from jobprobe.exporters.natswire import Credentials, Wire, client_tls
-from jobprobe.frame import encode
-from jobprobe.retry import Backoff
-from jobprobe.wire import frames_subject, inbox_prefix, msg_id
+from jobprobe.transport.natswire import Wire
+from jobprobe.core.frame import encode
+from jobprobe.core.retry import Backoff
+from jobprobe.core.wire import frames_subject, inbox_prefix, msg_id
 
 log = logging.getLogger("jobprobe.nats")
 
 SEGMENT_BYTES = 4 << 20
 WINDOW = 256                         # frames published before their acks are awaited
 COALESCE_S = 0.05                    # after a wake-up, the rest of the tick's frames are awaited this long
-
-
-def auth_options(creds: str | None = None, ca: str | None = None, cert: str | None = None,
-                 key: str | None = None) -> dict[str, Any]:
-    """nats-py connect options (the controller's client) for a credentials file and TLS; the file as the agent's
-    (natswire.Credentials: `*.creds`, `*.nk`, else one line `user:password`), read by the same code. Its contents
-    never appear on a command line (ps). The server's nonce is signed by the `nkeys` package on both sides: for a
-    `.creds` file through Credentials.sign, as the agent does; for a `.nk` seed by nats-py itself, given the seed
-    Credentials read and checked (nats-py sends the public key next to the signature only that way)."""
-    opts: dict[str, Any] = {}
-    if creds:
-        c = Credentials(creds)
-        if c.jwt:
-            opts["user_jwt_cb"] = lambda: bytearray(c.jwt.encode())
-            opts["signature_cb"] = lambda nonce: base64.b64encode(c.sign(nonce))
-        elif c.seed:
-            opts["nkeys_seed_str"] = c.seed
-        else:
-            opts["user"], opts["password"] = c.user, c.password
-    if ca or cert:
-        opts["tls"] = client_tls(ca, cert, key)
-    return opts
 
 
 class Spool:

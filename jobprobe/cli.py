@@ -16,9 +16,9 @@ import threading
 import time
 
 from jobprobe import __version__
-from jobprobe.errors import BadInput, JobprobeError
-from jobprobe.frame import MalformedFrame, StreamReader
-from jobprobe.host import Host
+from jobprobe.core.errors import BadInput, JobprobeError
+from jobprobe.core.frame import MalformedFrame, StreamReader
+from jobprobe.kernel.host import Host
 
 EXIT_BAD_INPUT = 2
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
-    co.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cost.py): jobprobe_job_cost_total in "
+    co.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): jobprobe_job_cost_total in "
                     "--metrics")
     co.add_argument("--tsdb", metavar="URL", help="also write every sample to VictoriaMetrics: "
                     "victoriametrics://HOST:8428 (a single node) or …://VMINSERT:8480/insert/0/prometheus")
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
     qu.add_argument("--summary", action="store_true", help="with --job: the job's cost block (node-hours, GPU-hours, "
                     "energy, waste; money with --prices)")
-    qu.add_argument("--prices", metavar="FILE", help="a price file (TOML; see jobprobe/cost.py)")
+    qu.add_argument("--prices", metavar="FILE", help="a price file (TOML; see jobprobe/cluster/cost.py)")
 
     at = sub.add_parser("attach", help="ask the agent to attach a job",
                         usage="jobprobe attach (--cgroup PATH | --pid PID | --slurm-job ID | --k8s-pod UID) "
@@ -275,13 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
     rp.add_argument("--job", metavar="ID", help="the job, in the store")
     rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
-    rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cost.py): the job's cost at the top")
+    rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
     return p
 
 
 # ---- probes ------------------------------------------------------------------------------------------------
 def cmd_probes(args, host: Host) -> int:
-    from jobprobe.registry import all_probes
+    from jobprobe.node.registry import all_probes
     reg = all_probes()
     rows = []
     for name, cls in reg.items():
@@ -375,7 +375,7 @@ def cmd_read(args) -> int:
 
 # ---- run ---------------------------------------------------------------------------------------------------
 def make_target(args, command: list[str]):
-    from jobprobe.target import CgroupTarget, CommandTarget, PidTreeTarget, k8s_pod_target, slurm_target
+    from jobprobe.node.target import CgroupTarget, CommandTarget, PidTreeTarget, k8s_pod_target, slurm_target
     given = [x for x in (args.cgroup, args.pid, args.slurm_job, args.k8s_pod) if x is not None]
     if command and given:
         raise BadInput("give either a target option (--cgroup/--pid/--slurm-job/--k8s-pod) or -- CMD, not both")
@@ -397,9 +397,9 @@ def cmd_run(args, command: list[str], host: Host) -> int:
     from jobprobe.exporters.file import FileExporter
     from jobprobe.exporters.queued import QueuedSink
     from jobprobe.exporters.stdout import StdoutExporter
-    from jobprobe.agent import Agent, Config
-    from jobprobe.registry import all_probes, parse_probes
-    from jobprobe.target import CommandTarget
+    from jobprobe.node.agent import Agent, Config
+    from jobprobe.node.registry import all_probes, parse_probes
+    from jobprobe.node.target import CommandTarget
 
     if args.interval <= 0:
         raise BadInput(f"--interval must be positive, got {args.interval}")
@@ -459,13 +459,13 @@ def cmd_run(args, command: list[str], host: Host) -> int:
 
 # ---- the agent and its clients ------------------------------------------------------------------------------
 def socket_path(args) -> str:
-    from jobprobe.agent import Config
+    from jobprobe.node.agent import Config
     return args.socket or os.environ.get("JOBPROBE_SOCKET") or Config.socket
 
 
 def cmd_agent(args, host: Host) -> int:
-    from jobprobe.agent import DEFAULT_CONFIG, Agent, Config
-    from jobprobe.control import ControlServer
+    from jobprobe.node.agent import DEFAULT_CONFIG, Agent, Config
+    from jobprobe.node.control import ControlServer
     if not host.is_root:
         raise BadInput("not root: the agent loads eBPF programs and serves a root-only socket; run it as root")
     cfg = Config.load(args.config or DEFAULT_CONFIG,
@@ -479,10 +479,10 @@ def cmd_agent(args, host: Host) -> int:
                        "nats_insecure_plaintext": args.nats_insecure_plaintext,
                        "node": args.node, "prometheus": args.prometheus, "rules": args.rules,
                        "trace_dir": args.trace_dir, "trace_every": args.trace_every})
-    from jobprobe.registry import all_probes, parse_probes
+    from jobprobe.node.registry import all_probes, parse_probes
     parse_probes(cfg.probes, all_probes())       # an unknown probe in the config: said now, exit 2
     if cfg.k8s:     # a token for an unverified peer, or an unreadable CA: said now, exit 2
-        from jobprobe.k8s import pods_path, tls_context
+        from jobprobe.node.k8s import pods_path, tls_context
         tls_context(cfg.k8s, cfg.k8s_ca, cfg.k8s_insecure, cfg.k8s_token_file)
         pods_path(cfg.k8s_node)
     try:
@@ -511,7 +511,7 @@ def cmd_agent(args, host: Host) -> int:
         agent.ready.set()
         logging.getLogger("jobprobe").warning("agent ready on %s (run %s)", cfg.socket, agent.run_id)
         if cfg.k8s:
-            from jobprobe.k8s import PodWatcher
+            from jobprobe.node.k8s import PodWatcher
             watcher = PodWatcher(agent, cfg.k8s, every=cfg.k8s_every, token_file=cfg.k8s_token_file,
                                  ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure, node=cfg.k8s_node)
             watcher.start()
@@ -526,8 +526,8 @@ def cmd_agent(args, host: Host) -> int:
 
 def cmd_controller(args) -> int:
     import asyncio
-    from jobprobe.controller import Controller, LocalNats, stats
-    from jobprobe.store import Store
+    from jobprobe.cluster.controller import Controller, LocalNats, stats
+    from jobprobe.cluster.store import Store
     path = args.store or os.path.join(args.data, "store.db")
     if args.action == "enroll":
         return controller_enroll(args)
@@ -555,7 +555,7 @@ def cmd_controller(args) -> int:
                                                           else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
         return 0
     if args.prices:
-        from jobprobe.cost import load as load_prices
+        from jobprobe.cluster.cost import load as load_prices
         load_prices(args.prices)         # a bad price file: one line, before anything starts
     local = None
     url = args.nats
@@ -571,7 +571,7 @@ def cmd_controller(args) -> int:
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices)
     server = None
     if args.metrics:
-        from jobprobe.controller import serve_metrics
+        from jobprobe.cluster.controller import serve_metrics
         try:
             server = serve_metrics(ctl, args.metrics)
         except (ValueError, OSError) as err:
@@ -597,8 +597,8 @@ def controller_enroll(args) -> int:
     """A node's credentials: a new nkey (replacing any it had), its public half in the server's authorization, the
     running server told (SIGHUP). The seed's path is the last line: copy the file to the node (0600) and give it
     to `jobprobe agent --nats-creds`."""
-    from jobprobe.controller import write_auth
-    from jobprobe.natsauth import Auth, reload_server
+    from jobprobe.cluster.controller import write_auth
+    from jobprobe.transport.natsauth import Auth, reload_server
     if not args.node:
         raise BadInput("controller enroll: give the node's name (its agent's --node)")
     auth = Auth(args.data)
@@ -614,7 +614,7 @@ def controller_enroll(args) -> int:
 
 def cmd_report(args) -> int:
     import importlib.util
-    from jobprobe import report
+    from jobprobe.cluster import report
     if importlib.util.find_spec("matplotlib") is None:
         raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
     if bool(args.files) == bool(args.store):
@@ -632,7 +632,7 @@ def cmd_report(args) -> int:
         job = report.from_files(args.files)
     cost = None
     if args.prices:
-        from jobprobe import cost as _cost
+        from jobprobe.cluster import cost as _cost
         prices = _cost.load(args.prices)
         cost = _cost.summary(_store_of(args.store, args.files), job.name, prices)
     size = report.write(job, args.out, cost)
@@ -642,7 +642,7 @@ def cmd_report(args) -> int:
 
 def _store_of(path: str | None, files: list[str]):
     """The controller's store, or an in-memory one made of frame files."""
-    from jobprobe.store import Store
+    from jobprobe.cluster.store import Store
     if path:
         return Store(path, readonly=True)
     st = Store(":memory:")
@@ -655,13 +655,13 @@ def _store_of(path: str | None, files: list[str]):
 def cmd_query(args) -> int:
     import csv
     import sqlite3
-    from jobprobe.store import Store
+    from jobprobe.cluster.store import Store
     try:
         store = Store(args.store, readonly=True)
     except FileNotFoundError as err:
         raise BadInput(str(err)) from None
     if args.summary or args.prices:
-        from jobprobe import cost
+        from jobprobe.cluster import cost
         if not args.job:
             raise BadInput("--summary needs --job ID")
         s = cost.summary(store, args.job, cost.load(args.prices) if args.prices else None)
@@ -692,7 +692,7 @@ def cmd_query(args) -> int:
 
 
 def client_call(args, req: dict) -> dict:
-    from jobprobe.control import call
+    from jobprobe.node.control import call
     reply = call(socket_path(args), req)
     if not reply.get("ok"):
         raise BadInput(reply.get("error") or "the agent refused")
@@ -718,7 +718,7 @@ def cmd_attach(args) -> int:
 
 def cmd_doctor(args) -> int:
     import dataclasses
-    from jobprobe import doctor
+    from jobprobe.node import doctor
     host = Host()
     if args.root:
         if not os.path.isdir(args.root):
@@ -735,9 +735,10 @@ def cmd_doctor(args) -> int:
 
 def send_doctor(args, node: str, result: dict) -> None:
     """The result as an `event` frame (job `node`, event `doctor`) into the frames' stream, as an agent sends."""
-    from jobprobe.wire import frames_subject, inbox_prefix, msg_id
-    from jobprobe.exporters.natswire import NatsError, Wire
-    from jobprobe.frame import FrameBuilder, encode
+    from jobprobe.core.wire import frames_subject, inbox_prefix, msg_id
+    from jobprobe.transport.credentials import NatsError
+    from jobprobe.transport.natswire import Wire
+    from jobprobe.core.frame import FrameBuilder, encode
     fr = FrameBuilder(node, "node", f"doctor-{int(time.time() * 1000)}").event(time.time(), "doctor", **result)
     try:
         wire = Wire(args.controller, args.nats_creds, args.nats_ca, name="jobprobe-doctor", inbox=inbox_prefix(node))
@@ -783,8 +784,9 @@ def cmd_trace(args) -> int:
 
 def cluster_trace(args, at: float | None) -> int:
     """Ask the controller for a window on every node of the job; print each node's answer."""
-    from jobprobe.wire import CLUSTER_TRACE
-    from jobprobe.exporters.natswire import NatsError, Wire
+    from jobprobe.core.wire import CLUSTER_TRACE
+    from jobprobe.transport.credentials import NatsError
+    from jobprobe.transport.natswire import Wire
     try:
         wire = Wire(args.nats, args.nats_creds, args.nats_ca, name="jobprobe-trace")
     except (OSError, ValueError) as err:
@@ -901,7 +903,7 @@ def _check_config(config: str) -> None:
     import tempfile
     from pathlib import Path
     from jobprobe.bench.overhead import config_options, config_probes
-    from jobprobe.registry import all_probes, parse_probes
+    from jobprobe.node.registry import all_probes, parse_probes
     with tempfile.TemporaryDirectory() as d:
         base, _ = config_options(config, Path(d))       # raises BadInput naming an unknown @option
     parse_probes(config_probes(base), all_probes())   # raises BadInput naming an unknown probe

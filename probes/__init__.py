@@ -1,1 +1,1 @@
-"""One module per probe (found by jobprobe.registry); modules starting with '_' are shared helpers."""
+"""One module per probe (found by jobprobe.node.registry); modules starting with '_' are shared helpers."""

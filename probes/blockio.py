@@ -42,12 +42,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import Field, delta, log2_percentile
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.core.counters import delta, log2_percentile
+from jobprobe.node.probe import Field
+from jobprobe.node.target import Target
 from jobprobe.kernel.bpf import RAW
-from jobprobe.bpfprobe import BpfProbe
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.btf import Btf
 from jobprobe.kernel.membership import Node

@@ -26,10 +26,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from jobprobe import tickmemo
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.probe import Field, Probe, delta
-from jobprobe.target import Target
+from jobprobe.node import tickmemo
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.core.counters import delta
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.target import Target
 from jobprobe.kernel import procfs
 from jobprobe.kernel.taskstats import ExitFeed, ExitRecord, Subscription
 
@@ -289,7 +290,7 @@ class Throttle:
     def v1(self, pids: list[int]) -> None:
         self.limit = None
         if self.mount is False:
-            from jobprobe.host import find_cgroup_v1_mount
+            from jobprobe.kernel.host import find_cgroup_v1_mount
             self.mount = find_cgroup_v1_mount(self.host.mountinfo, "cpu") if self.host else None
         if not self.mount:
             return

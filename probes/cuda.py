@@ -33,13 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, Field, delta, log2_percentile
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.core.counters import delta, log2_percentile
+from jobprobe.node.probe import EVENTS_KEY, Field
+from jobprobe.node.target import Target
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import elf as _elf
-from jobprobe.bpfprobe import BpfProbe
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.membership import Node
 from jobprobe.kernel.uprobe import UprobePmu
 

@@ -22,11 +22,11 @@ import os
 import re
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
-from jobprobe.probe import Field, Probe
-from jobprobe.target import Target
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.target import Target
 
 ZONE = re.compile(r"^(intel|amd)-rapl:(\d+)$")
 

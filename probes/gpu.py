@@ -11,7 +11,7 @@ On a GPU in MIG mode the same holds per MIG device (process: on that device's li
 is the job's when one of its MIG devices is, and `mig` lists those devices with their own memory and processes.
 A GPU is `shared` when NVML lists processes on it that are not the job's.
 
-Hooks: nvidia-ml-py (`pynvml`, the real binding; jobprobe/kernel/nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
+Hooks: nvidia-ml-py (`pynvml`, the real binding; jobprobe/devices/nvml.py), /proc/PID/{environ,cgroup}, the v1 devices
 hierarchy found in mountinfo, or bpf(2) PROG_QUERY on the job's cgroup2 groups. Needs: libnvidia-ml.so.1 (the
 NVIDIA driver), root to read other users' environ and the device programs.
 Cost: 2–3 process-list calls per GPU of the node, ~15 NVML calls per job GPU and two small reads per job process
@@ -22,13 +22,13 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host, find_cgroup_v1_mount
-from jobprobe.probe import EVENTS_KEY, Field, Probe
-from jobprobe.target import Target, cgroup2_path_of
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host, find_cgroup_v1_mount
+from jobprobe.node.probe import EVENTS_KEY, Field, Probe
+from jobprobe.node.target import Target, cgroup2_path_of
 from jobprobe.kernel import procfs
 from jobprobe.kernel.devcg import DeviceRules
-from jobprobe.kernel.nvml import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig, Nvml  # noqa: F401
+from jobprobe.devices.nvml import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig, Nvml  # noqa: F401
 
 ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 NVIDIA_MAJOR = "195"

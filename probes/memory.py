@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, Field, delta
-from jobprobe.bpfprobe import MEMBERSHIP, BpfProbe
+from jobprobe.kernel.host import Host
+from jobprobe.core.counters import delta
+from jobprobe.node.probe import EVENTS_KEY, Field
+from jobprobe.node.bpfprobe import MEMBERSHIP, BpfProbe
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.btf import enum_values
 from jobprobe.kernel.membership import Node, proc_gone

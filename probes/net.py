@@ -24,15 +24,16 @@ import ctypes as ct
 import ipaddress
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, Field, delta
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.core.counters import delta
+from jobprobe.node.probe import EVENTS_KEY, Field
+from jobprobe.node.target import Target
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import BpfProbe
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.membership import Node
-from jobprobe import tickmemo
+from jobprobe.node import tickmemo
 
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",

@@ -16,7 +16,7 @@ the agent's own namespace (absent for another namespace's interfaces). Kernel: a
 Rails: with two or more interfaces chosen, each interval compares their traffic (bytes sent + received): when the
 median of them carries at least RAIL_BUSY_BPS, a rail under RAIL_SLOW (half) of that median is slow
 (`rails_slow`, `nics[].rail_share`) — one NIC of four at 20% of its peers holds a whole collective back. The
-`rail_imbalance` rule (jobprobe/default_rules.toml) fires when it lasts.
+`rail_imbalance` rule (jobprobe/node/default_rules.toml) fires when it lasts.
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ import threading
 import time
 from typing import Any
 
-from jobprobe import tickmemo
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
+from jobprobe.node import tickmemo
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
 from jobprobe.kernel import ethtool, procfs, rtnl
-from jobprobe.probe import Field, Probe, delta
-from jobprobe.target import Target
+from jobprobe.core.counters import delta
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.target import Target
 
 RECHECK_S = 10.0           # the job's namespace and environment looked at again
 ENV_KEYS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

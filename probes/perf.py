@@ -29,10 +29,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import ProbeFailed, ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import Field, Probe
-from jobprobe.target import Target, read_ppid
+from jobprobe.core.errors import ProbeFailed, ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.target import Target, read_ppid
 from jobprobe.kernel import perf as _perf
 
 # _perf event name → field name (task-clock is a time, so it carries its unit in the name).

@@ -24,11 +24,11 @@ import time
 from collections import Counter
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.kernel.pyproc import is_python, py_spy, role
-from jobprobe.probe import STACKS_KEY, Field, Probe
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.devices.pyproc import is_python, py_spy, role
+from jobprobe.node.probe import STACKS_KEY, Field, Probe
+from jobprobe.node.target import Target
 
 TOP = 20
 RECHECK_S = 2.0                # the job's Python processes looked for again

@@ -21,9 +21,9 @@ Health, per port (NVIDIA NVSentinel's thresholds: the IBTA bit-error-rate bound 
 hour at HDR): `fatal` — the link went down (link_downed rose, or the port left ACTIVE) or more than 120 symbol
 errors in the last hour; `degraded` — symbol errors, link error recoveries or RoCE slow restarts in the last hour;
 else `ok`. A change of verdict is an `rdma_health` event with its reasons; `ports_fatal` / `ports_degraded` feed
-the rules (rdma_port_fatal, rdma_port_degraded in jobprobe/default_rules.toml).
+the rules (rdma_port_fatal, rdma_port_degraded in jobprobe/node/default_rules.toml).
 
-Hooks: sysfs (jobprobe/kernel/rdma.py); RDMA netlink for the job's QP counters (5.3+, a driver with counter binding:
+Hooks: sysfs (jobprobe/devices/rdma.py); RDMA netlink for the job's QP counters (5.3+, a driver with counter binding:
 mlx5). Kernel: any with the IB core. Root: to read another user's environment and to set a port's counter mode.
 A RoCE port's pause / PFC frames come from its Ethernet driver's statistics (SIOCETHTOOL, jobprobe/kernel/ethtool.py).
 Cost: ~40-60 small file reads per port per tick, two ioctls per RoCE port. Limits: counters a driver does not keep
@@ -37,12 +37,14 @@ import socket
 import time
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe import tickmemo
-from jobprobe.kernel import ethtool, procfs, rdma, rdmanl
-from jobprobe.probe import EVENTS_KEY, Field, Probe, delta
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
+from jobprobe.node import tickmemo
+from jobprobe.kernel import ethtool, procfs, rdmanl
+from jobprobe.devices import rdma
+from jobprobe.core.counters import delta
+from jobprobe.node.probe import EVENTS_KEY, Field, Probe
+from jobprobe.node.target import Target
 
 RECHECK_S = 10.0
 SYMBOL_FATAL_PER_H = 120

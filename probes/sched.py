@@ -51,10 +51,11 @@ import platform
 import time
 from typing import Any
 
-from jobprobe import tickmemo
-from jobprobe.host import Host
-from jobprobe.probe import Field, delta, log2_percentile
-from jobprobe.bpfprobe import BpfProbe
+from jobprobe.node import tickmemo
+from jobprobe.kernel.host import Host
+from jobprobe.core.counters import delta, log2_percentile
+from jobprobe.node.probe import Field
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.membership import Node
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
 

@@ -15,10 +15,10 @@ import resource
 import time
 from typing import Callable
 
-from jobprobe.host import Host
+from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
-from jobprobe import tickmemo
-from jobprobe.probe import Field, Probe
+from jobprobe.node import tickmemo
+from jobprobe.node.probe import Field, Probe
 
 
 def status_kib(text: str, key: str) -> int:

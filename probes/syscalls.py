@@ -28,9 +28,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jobprobe.probe import Field, delta, log2_percentile
-from jobprobe.bpfprobe import BpfProbe
-from jobprobe.host import Host
+from jobprobe.core.counters import delta, log2_percentile
+
+from jobprobe.node.probe import Field
+from jobprobe.node.bpfprobe import BpfProbe
+from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
 
 NBUCKETS = 27     # bpf/syscalls.c NBUCKETS

@@ -17,7 +17,7 @@ echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/
 echo
 echo "== the node agent: two jobs attached at run time, one set of kernel programs for both;"
 echo "   frames also sent over NATS JetStream to a controller (it starts its own nats-server) and its store"
-cg2=$(.venv/bin/python -c 'from jobprobe.host import find_cgroup2_mount; print(find_cgroup2_mount())')
+cg2=$(.venv/bin/python -c 'from jobprobe.kernel.host import find_cgroup2_mount; print(find_cgroup2_mount())')
 sock=out/agent.sock
 nats=nats://127.0.0.1:${DEMO_NATS_PORT:-14222}
 rm -rf out/agent out/jobs.json out/controller out/spool

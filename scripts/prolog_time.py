@@ -41,7 +41,7 @@ def main() -> None:
                               str(work / "jobs.json"), "--probes", "cgroup", "--attach-wait", "60"], cwd=REPO,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        from jobprobe.control import call
+        from jobprobe.node.control import call
         end = time.monotonic() + 60
         while True:
             try:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobprobe import report  # noqa: E402
-from jobprobe.frame import FrameBuilder, encode  # noqa: E402
+from jobprobe.cluster import report  # noqa: E402
+from jobprobe.core.frame import FrameBuilder, encode  # noqa: E402
 
 
 def make(dir_: Path, nodes: int, seconds: int) -> list[str]:

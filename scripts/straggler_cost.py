@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobprobe.stragglers import StragglerWatch  # noqa: E402
+from jobprobe.cluster.stragglers import StragglerWatch  # noqa: E402
 
 
 def frame(node: str, t: float, rng: random.Random) -> dict:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobprobe.host import Host  # noqa: E402
-from jobprobe.target import PidTreeTarget  # noqa: E402
+from jobprobe.kernel.host import Host  # noqa: E402
+from jobprobe.node.target import PidTreeTarget  # noqa: E402
 from jobprobe.probes.sched import SchedProbe  # noqa: E402
 from jobprobe.probes.syscalls import SyscallsProbe  # noqa: E402
 

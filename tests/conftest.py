@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.kernel.host import find_cgroup2_mount
 
 TESTS = Path(__file__).resolve().parent
 IS_ROOT = os.geteuid() == 0

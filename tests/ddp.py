@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobprobe.host import find_cgroup_v1_mount
+from jobprobe.kernel.host import find_cgroup_v1_mount
 
 REPO = Path(__file__).resolve().parents[1]
 _tags = itertools.count()
@@ -157,7 +157,7 @@ class Cluster:
 
     def attach(self) -> None:
         from conftest import until
-        from jobprobe.control import call
+        from jobprobe.node.control import call
 
         for i, node in enumerate(self.nodes):
             sock = str(self.tmp / node / "agent.sock")

@@ -10,7 +10,7 @@ import pytest
 
 from jobprobe.bench import accuracy
 from jobprobe.bench.accuracy import Figure, Obs, RunResult, observe, row, sum_frames
-from jobprobe.errors import BadInput
+from jobprobe.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
 READ = Figure("blockio.read_bytes", "blockio", ("read_bytes",), "bytes", 0.01, lost=("read_lost_bytes",))

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, TESTS, wait_for, workload
-from jobprobe.agent import Agent, Config, JobSpec
-from jobprobe.control import ControlServer, call
-from jobprobe.errors import BadInput
-from jobprobe.frame import StreamReader
+from jobprobe.node.agent import Agent, Config, JobSpec
+from jobprobe.node.control import ControlServer, call
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import StreamReader
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import procfs
 
@@ -493,7 +493,7 @@ def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_on
     each would count the same interval, and a probe's state is not made for two threads. A probe that holds the
     tick inside its sample() shows it: the detach waits for that tick, takes its last frame after it, and nothing
     samples the job after its release. (A probe toggle and a trace request take the same per-job lock.)"""
-    from jobprobe.probe import Field, Probe
+    from jobprobe.node.probe import Field, Probe
     entered, go = threading.Event(), threading.Event()
     seen = {"inside": 0, "most": 0, "calls": 0, "after_stop": 0, "stopped": False}
     guard = threading.Lock()

@@ -81,7 +81,8 @@ async def _client(url: str, seed: Path | None, inbox: str = "_INBOX", errors: li
 
 
 def test_anonymous_and_unknown_keys_are_refused(ctl, tmp_path):
-    from jobprobe.exporters.natswire import NatsError, Wire, new_user_nkey
+    from jobprobe.transport.credentials import NatsError, new_user_nkey
+    from jobprobe.transport.natswire import Wire
     with pytest.raises(NatsError, match="Authorization Violation"):
         Wire(ctl.url, name="anonymous").connect()
     stranger = tmp_path / "stranger.nk"
@@ -93,7 +94,7 @@ def test_anonymous_and_unknown_keys_are_refused(ctl, tmp_path):
 
 
 def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
-    from jobprobe.frame import FrameBuilder, encode
+    from jobprobe.core.frame import FrameBuilder, encode
     seeds = {n: ctl.enroll(n) for n in ("n1", "n2")}
 
     async def as_n1() -> tuple[list[str], bool]:
@@ -134,7 +135,7 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
 
 class Agent:
     def __init__(self, tmp: Path, node: str, url: str, creds: Path, job: str = "train", ca: Path | None = None):
-        from jobprobe.control import call
+        from jobprobe.node.control import call
         self.dir = tmp / node
         self.dir.mkdir()
         self.log = self.dir / "agent.log"
@@ -201,7 +202,7 @@ def test_the_documented_permissions_are_the_generated_ones():
     """docs/DEPLOY.md's block is what natsauth writes into the server's config (the cluster trace above ran under
     the generated ones): the docs cannot drift from the code."""
     import re
-    from jobprobe.natsauth import node_permissions
+    from jobprobe.transport.natsauth import node_permissions
     text = (REPO / "docs" / "DEPLOY.md").read_text()
     m = re.search(r"<!-- node-permissions (\S+) -->\n```json\n(.*?)\n```", text, re.S)
     assert m, "docs/DEPLOY.md has no node-permissions block"

@@ -156,7 +156,7 @@ def test_events_bench_end_to_end_with_the_peer(tmp_path):
 
 def test_deep_trace_configs_and_the_traced_share(tmp_path):
     from jobprobe.bench.overhead import config_options, traced_share
-    from jobprobe.errors import BadInput
+    from jobprobe.core.errors import BadInput
     assert config_options("std", tmp_path) == ("std", [])
     assert config_options("std@rules", tmp_path) == ("std", ["--rules", "default", "--trace-dir",
                                                              str(tmp_path / "traces")])
@@ -230,7 +230,7 @@ def test_no_bench_module_builds_a_predictable_temp_path():
 def test_the_kit_leaves_nothing_in_the_temp_directory(temp_dir):
     """Without --workdir the kit's frames, logs and rule files live in a scratch directory, gone when it ends —
     after a run that worked and after a job that failed (whose output is then in the error itself)."""
-    from jobprobe.errors import BadInput
+    from jobprobe.core.errors import BadInput
     bench = OverheadBench(workload("burn", 0.2), ["cgroup@fire"], interval=0.2, max_runs=2, warmup=0, seed=1,
                           progress=None)
     assert bench.run()["configs"]["cgroup@fire"]["pairs"] == 1

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import MISSED
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.kernel.membership import MEMBERSHIP
 from jobprobe.kernel.btf import Btf
 from jobprobe.probes.blockio import (COUNTERS, DIRS, NBUCKETS, RAW_OFFSETS, RAW_PROTOS, STALE_NS, BlockioProbe, DirStats,

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.target import CgroupTarget
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.node.target import CgroupTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.probes.sched import SchedProbe
 from tests.conftest import TESTS, prog_exists, workload
@@ -272,7 +272,7 @@ def test_programs_stay_attached_after_the_loader_exits(make_cgroup):
 
 AGENT = r"""
 import json, os, sys, time
-from jobprobe.target import PidTreeTarget
+from jobprobe.node.target import PidTreeTarget
 from jobprobe.probes.sched import SchedProbe
 p = SchedProbe()
 p.start(PidTreeTarget([os.getpid()]))

@@ -1,4 +1,4 @@
-"""What every eBPF probe shares (jobprobe/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
+"""What every eBPF probe shares (jobprobe/node/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
 is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess
 import sys
@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from jobprobe import registry
-from jobprobe.probe import Field
-from jobprobe.target import PidTreeTarget
+from jobprobe.node import registry
+from jobprobe.node.probe import Field
+from jobprobe.node.target import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
+from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.probes.sched import SchedProbe
 
 EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(3); "
@@ -87,11 +87,11 @@ def test_in_an_agent_tick_every_jobs_slot_comes_from_one_read_equal_to_its_own_l
     """The agent reads a module's per-slot array once per tick (one batch lookup) for all its jobs: each job's
     summed counters from that read equal a lookup of its own slot, for sched, blockio and net, and two jobs of one
     node read through one shared load."""
-    from jobprobe import tickmemo
+    from jobprobe.node import tickmemo
     from jobprobe.kernel.membership import Node
     from jobprobe.probes.blockio import BlockioProbe
     from jobprobe.probes.net import NetProbe
-    from jobprobe.target import CgroupTarget
+    from jobprobe.node.target import CgroupTarget
     node = Node()
     groups = [make_cgroup(), make_cgroup()]
     busy = [g.spawn(["sleep", "60"]) for g in groups]

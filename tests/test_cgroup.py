@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import workload
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel.taskstats import ExitRecord
 from jobprobe.probes import cgroup as cgroup_mod
 from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadAcct, io_stat_bytes, proc_counters, read_kv
@@ -262,7 +262,7 @@ def test_a_child_forked_before_the_start_is_in_the_baseline():
     """A PID tree made, then a child forked and 0.5 s burnt before the sampler starts (an agent slow to get ready):
     the probes' baseline includes the child (the sampler refreshes the target first), so the first frame holds
     none of that CPU. Before, the child was first seen at the first tick and counted from zero: +0.5 s."""
-    from jobprobe.sampler import Sampler
+    from jobprobe.node.sampler import Sampler
     root = subprocess.Popen([sys.executable, "-c", FORK_AND_BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -577,7 +577,7 @@ def test_throttling_from_a_cgroup2_cpu_stat_fixture(tmp_path):
 
 
 def v1_cpu_group(name: str) -> Path | None:
-    from jobprobe.host import find_cgroup_v1_mount
+    from jobprobe.kernel.host import find_cgroup_v1_mount
     m = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
     if m is None:
         return None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, workload
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.kernel.host import find_cgroup2_mount
 
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 
@@ -225,7 +225,7 @@ def test_a_reply_sent_before_the_request_was_read_still_reaches_the_client(tmp_p
     big for the socket's buffer makes the client's write outlast the server's close every time."""
     import socket
     import threading
-    from jobprobe.control import call
+    from jobprobe.node.control import call
     path = str(tmp_path / "s.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)

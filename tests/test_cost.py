@@ -1,4 +1,4 @@
-"""A job's cost from the controller's store and a price file (jobprobe/cost.py): frames of a job made here on four
+"""A job's cost from the controller's store and a price file (jobprobe/cluster/cost.py): frames of a job made here on four
 simulated nodes — one revoked mid-run (the controller's node_lost, then the job restarting on another node), one
 GPU idle for 10 s, a waiting rule on another — stored in a real store; the summary equals the figures computed by
 hand from those frames; a price file with an error is refused with its line."""
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe import cost
-from jobprobe.errors import BadInput
-from jobprobe.store import Store
+from jobprobe.cluster import cost
+from jobprobe.core.errors import BadInput
+from jobprobe.cluster.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 PRICES = """currency = "EUR"
@@ -135,7 +135,7 @@ def test_query_summary_and_the_report_show_the_cost(store, tmp_path):
 def test_the_controllers_metrics_carry_each_jobs_cost_and_energy(store, tmp_path):
     pytest.importorskip("prometheus_client", reason="installed by make test")
     from prometheus_client import CollectorRegistry, generate_latest
-    from jobprobe.controller import Controller, MetricsCollector
+    from jobprobe.cluster.controller import Controller, MetricsCollector
     (tmp_path / "p.toml").write_text(PRICES)
     ctl = Controller(Store(tmp_path / "ctl.db"), "nats://127.0.0.1:1", prices=str(tmp_path / "p.toml"))
     _, rows = store.sql("SELECT body FROM frames ORDER BY t")

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import elf as _elf
-from jobprobe.bpfprobe import MISSED
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.kernel.membership import MEMBERSHIP
 from jobprobe.kernel.uprobe import UprobePmu
 from jobprobe.probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, interval,

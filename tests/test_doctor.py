@@ -16,7 +16,7 @@ import pytest
 from fixtures_rdma import IB_COUNTERS, RdmaTree
 from fake_nvml.state import FakeState, build as build_nvml
 
-from jobprobe import doctor
+from jobprobe.node import doctor
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_CLS, NV = 0x030200, 0x10DE

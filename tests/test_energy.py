@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.host import Host
+from jobprobe.kernel.host import Host
 from jobprobe.probes.energy import EnergyProbe, busy_ticks, wrapped
-from jobprobe.target import CgroupTarget
+from jobprobe.node.target import CgroupTarget
 
 TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from jobprobe.exporters.file import MAX_NAME, FileExporter, job_filename, job_path
 from jobprobe.exporters.stdout import StdoutExporter, human_line
-from jobprobe.frame import FrameBuilder, StreamReader, encode
+from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 
 
 def stream(n):

@@ -4,7 +4,7 @@ import io
 import msgpack
 import pytest
 
-from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, decode, encode, validate
+from jobprobe.core.frame import FrameBuilder, MalformedFrame, StreamReader, decode, encode, validate
 
 
 def frames(n=5):

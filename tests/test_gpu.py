@@ -16,12 +16,12 @@ from conftest import IS_ROOT
 from fake_nvml.spies import Frames, Spy
 from tests.devcg_progs import DEV_CHAR, allow_list, attach_device_program
 from fake_nvml.state import HERE as FAKE_DIR, FakeState, build
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.sampler import Sampler
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.sampler import Sampler
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.kernel.nvml import decode_reasons
+from jobprobe.devices.nvml import decode_reasons
 from jobprobe.probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -420,7 +420,7 @@ def test_no_driver_probe_unavailable_agent_goes_on(spawn):
     found = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.CDLL('libnvidia-ml.so.1')"], env=env)
     if found.returncode == 0:
         pytest.skip("a real NVIDIA driver is installed here")
-    code = ("import pynvml\nfrom jobprobe.host import Host\nfrom probes.gpu import GpuProbe\n"
+    code = ("import pynvml\nfrom jobprobe.kernel.host import Host\nfrom probes.gpu import GpuProbe\n"
             "try:\n    pynvml.nvmlInit()\nexcept pynvml.NVMLError_LibraryNotFound:\n    print('LibraryNotFound')\n"
             "print(GpuProbe().check(Host()))\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)

@@ -34,11 +34,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import free_port, until
 
-from jobprobe.controller import CONTROLLER_RUN, Controller, stats
-from jobprobe.errors import BadInput
-from jobprobe.wire import host_port
-from jobprobe.frame import FrameBuilder, encode
-from jobprobe.store import Store
+from jobprobe.cluster.controller import CONTROLLER_RUN, Controller, stats
+from jobprobe.core.errors import BadInput
+from jobprobe.core.wire import host_port
+from jobprobe.core.frame import FrameBuilder, encode
+from jobprobe.cluster.store import Store
 
 REPO = Path(__file__).resolve().parents[1]
 NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
@@ -234,8 +234,8 @@ def vm_hwm_mib(pid: int) -> float:
 @pytest.mark.integration
 @need_nats
 def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_honest_frame(tmp_path):
-    from jobprobe.exporters.natswire import Wire
-    from jobprobe.wire import frames_subject, msg_id
+    from jobprobe.transport.natswire import Wire
+    from jobprobe.core.wire import frames_subject, msg_id
     port = free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 1048576\n'

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from conftest import workload, until as wait_for
-from jobprobe import k8s
-from jobprobe.errors import BadInput
+from jobprobe.node import k8s
+from jobprobe.core.errors import BadInput
 from jobprobe.exporters.file import job_path
-from jobprobe.frame import StreamReader
-from jobprobe.k8s import PodWatcher, split_probes, wanted_pods
+from jobprobe.core.frame import StreamReader
+from jobprobe.node.k8s import PodWatcher, split_probes, wanted_pods
 
 REPO = Path(__file__).resolve().parents[1]
 UIDS = {name: str(uuid.uuid4()) for name in "abcd"}   # fresh each run: no other group on the node has them
@@ -238,7 +238,7 @@ def test_pods_are_attached_by_annotation_and_let_go_when_they_leave(make_cgroup,
                               str(tmp_path / "jobs.json"), "--out", str(out), "--interval", "0.5", "--probes",
                               "cgroup", "--k8s", kubelet.url, "--k8s-every", "0.5"], cwd=REPO,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    from jobprobe.control import call
+    from jobprobe.node.control import call
 
     def status():
         try:
@@ -335,7 +335,7 @@ def test_the_agent_lists_its_nodes_pods_from_a_verified_api_server(make_cgroup, 
                               "--k8s-token-file", str(tmp_path / "token"), "--k8s-every", "0.5"], cwd=REPO,
                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                              stderr=open(tmp_path / "agent.log", "w"))
-    from jobprobe.control import call
+    from jobprobe.node.control import call
 
     def status():
         try:

@@ -13,12 +13,12 @@ import msgpack
 import pytest
 
 from conftest import until as wait_for
-from jobprobe.frame import FrameBuilder, MalformedFrame, encode
+from jobprobe.core.frame import FrameBuilder, MalformedFrame, encode
 
 
 def ctl_for(tmp_path):
-    from jobprobe.controller import Controller
-    from jobprobe.store import Store
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.store import Store
     return Controller(Store(tmp_path / "s.db"), "nats://unused")
 
 
@@ -127,12 +127,12 @@ def test_a_heartbeats_fields_are_checked(tmp_path):
 # ---- the agent's side ----------------------------------------------------------------------------------------
 def spooled(spool) -> list[dict]:
     import zlib
-    from jobprobe.frame import decode
+    from jobprobe.core.frame import decode
     return [decode(zlib.decompress(rec[6])) for rec in spool.peek(1000)]
 
 
 def test_an_idle_agent_spools_one_heartbeat_per_tick_only_when_nothing_waits_and_announces_its_stop(tmp_path):
-    from jobprobe.agent import Agent, Config
+    from jobprobe.node.agent import Agent, Config
     cfg = Config(nats="nats://127.0.0.1:1", spool=str(tmp_path / "spool"), node="n1", interval=0.5,
                  state=str(tmp_path / "jobs.json"), socket=str(tmp_path / "agent.sock"))
     agent = Agent(cfg)
@@ -161,7 +161,7 @@ def test_an_idle_agent_spools_one_heartbeat_per_tick_only_when_nothing_waits_and
 @pytest.mark.kernel
 def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_path):
     from test_nats import JOBPROBE, NATS, REPO, Site
-    from jobprobe.control import call
+    from jobprobe.node.control import call
     if not os.path.exists(NATS):
         pytest.skip("nats-server is not installed (scripts/setup.sh)")
     site = Site(tmp_path)

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from jobprobe.bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 
 from jobprobe import bpf
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import EVENTS_KEY
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.btf import enum_values as btf_enum_values
 from jobprobe.probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import free_port, make_certs, until as wait_for
 
-from jobprobe.frame import FrameBuilder, MalformedFrame, StreamReader, encode
+from jobprobe.core.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 
 REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
@@ -84,7 +84,7 @@ class Site:
              "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"]
             + (["--nats-creds", str(creds)] if creds else []) + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,
             stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
-        from jobprobe.control import call
+        from jobprobe.node.control import call
 
         def up():
             try:
@@ -98,7 +98,7 @@ class Site:
         assert r["ok"], r
 
     def status(self, node: str) -> dict:
-        from jobprobe.control import call
+        from jobprobe.node.control import call
         return call(str(self.tmp / node / "agent.sock"), {"cmd": "status"})
 
     def stop_agents(self) -> None:
@@ -478,8 +478,8 @@ def frame(node="n1", job="j", seq=0, **extra) -> dict:
 
 
 def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_stored(tmp_path):
-    from jobprobe.controller import Controller
-    from jobprobe.store import Store
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.store import Store
     store = Store(tmp_path / "s.db")
     ctl = Controller(store, "nats://unused")
     rng = random.Random(7)
@@ -524,8 +524,8 @@ def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_sto
 
 
 def test_node_lost_after_three_silent_intervals_and_back(tmp_path):
-    from jobprobe.controller import Controller
-    from jobprobe.store import Store
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.store import Store
     ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
     hello = {**frame(), "kind": "hello", "interval": 2.0}
     assert ctl.seen([hello, frame(seq=1)], now=100.0) == []
@@ -564,8 +564,8 @@ def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bo
 def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_the_start_included(tmp_path):
     """A run whose first 5 frames never arrived, and whose frames that carried 50 of its 150 dropped frames' counts
     were dropped too: the running total says 150, seq says 5 missing, the start's gap is 5 intervals."""
-    from jobprobe.controller import stats
-    from jobprobe.store import Store
+    from jobprobe.cluster.controller import stats
+    from jobprobe.cluster.store import Store
     store = Store(tmp_path / "s.db")
     frames = []
     for seq in range(5, 10):
@@ -595,7 +595,7 @@ def test_a_runs_hello_outlives_the_spools_bound_and_is_never_counted_lost(tmp_pa
 
 
 def test_query_reads_the_store_as_sql_as_a_field_over_time_and_in_three_formats(tmp_path):
-    from jobprobe.store import Store
+    from jobprobe.cluster.store import Store
     store = Store(tmp_path / "s.db")
     frames = [frame(node=n, seq=i, t=1000.0 + i) for n in ("n1", "n2") for i in range(3)]
     for i, f in enumerate(frames):

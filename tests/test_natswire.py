@@ -1,4 +1,4 @@
-"""The agent's own NATS client (exporters/natswire.py), its nkey signing (the `nkeys` package, as nats-py's) and
+"""The agent's own NATS client (jobprobe/transport/natswire.py), its nkey signing (the `nkeys` package, as nats-py's) and
 its protocol manners: every path against a real nats-server started here — the server verifying the nonce
 signature is the independent judge of the nkey code —, async INFO against a socket that plays the server, and the
 refusal to send a password in clear."""
@@ -16,8 +16,8 @@ import pytest
 from conftest import until as wait_for
 from test_nats import NatsServer, Site, need_nats
 
-from jobprobe.exporters.natswire import (Credentials, NatsError, NoResponders, PlaintextPassword, TooLarge, Wire,
-                                         new_user_nkey)
+from jobprobe.transport.credentials import Credentials, NatsError, PlaintextPassword, new_user_nkey
+from jobprobe.transport.natswire import NoResponders, TooLarge, Wire
 
 
 def test_a_new_user_nkey_is_one_that_nkeys_reads_back():
@@ -215,7 +215,7 @@ def test_agent_and_controller_clients_sign_with_one_nkey_and_the_server_judges(s
 
     import nats
 
-    from jobprobe.exporters.nats import auth_options
+    from jobprobe.transport.credentials import auth_options
     (seed, public), (stranger, _) = new_user_nkey(), new_user_nkey()
     server.start(f'authorization {{ users = [ {{nkey: {public}}} ] }}\n')
     files = {}

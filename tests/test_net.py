@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import EVENTS_KEY
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
 from tests.conftest import bpf_fds, prog_exists

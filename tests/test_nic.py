@@ -15,7 +15,7 @@ import pytest
 from workloads_net import ADDR_B, result
 
 from jobprobe.probes.nic import NicProbe, wanted
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 
 
 def test_interface_selection_follows_nccl_rules():
@@ -82,11 +82,11 @@ def test_a_job_in_its_own_namespace_sees_its_veth_and_the_queue_in_front_of_it(m
 
 @pytest.mark.kernel
 def test_jobs_of_one_namespace_in_one_agent_tick_share_the_work_and_each_count_is_exact(make_cgroup, net):
-    """Jobs in namespace A sampled in the same agent ticks (jobprobe.tickmemo, as the agent does): two attached
+    """Jobs in namespace A sampled in the same agent ticks (jobprobe.node.tickmemo, as the agent does): two attached
     together get the very same interval (worked out once); a third, attached between two transfers, gets its own
     first interval and then shares too; each one's summed bytes and packets equal the veth's own counters over its
     own time."""
-    from jobprobe import tickmemo
+    from jobprobe.node import tickmemo
     cg = make_cgroup()
     holder = net.start(net.a, "tcp_sink", 5398, 0, spawn=cg.spawn)
     time.sleep(0.3)
@@ -212,8 +212,8 @@ def test_two_rails_a_shaped_one_is_flagged_and_an_even_pair_is_not(make_cgroup, 
     the slow rail in every busy interval, and the default rule rail_imbalance fires over those frames; with both
     unshaped, no rail is slow and the rule stays quiet. Per rail, the bytes sent over the run equal what B's end of
     that veth received (its own counters), exactly."""
-    from jobprobe.probe import schema_of
-    from jobprobe.rules import RuleSet, load
+    from jobprobe.node.probe import schema_of
+    from jobprobe.node.rules import RuleSet, load
     va2, vb2 = f"{net.va}r", f"{net.vb}r"
     add_rail(net, va2, vb2, "10.214.0.1", "10.214.0.2")
     rule = [r for r in load("default") if r.name == "rail_imbalance"]

@@ -32,10 +32,10 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for, workload
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe.probe import Field
-from jobprobe.target import CgroupTarget, PidTreeTarget, Target
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import Field
+from jobprobe.node.target import CgroupTarget, PidTreeTarget, Target
 from jobprobe.kernel import perf as _perf
 from jobprobe.probes.perf import PerfProbe
 
@@ -245,7 +245,7 @@ for _ in range(4):                     # 0.3 s on the CPU, then 0.9 s asleep
 def test_a_job_idle_between_bursts_is_not_read_while_quiet_and_loses_nothing(make_cgroup, monkeypatch):
     """Sampled every 0.2 s in agent ticks (tickmemo): in a tick where the group used no CPU (Target.quiet) its
     events are not read — fewer reads than samples × CPUs — and the sum of task_clock_ns still matches cpu.stat."""
-    from jobprobe import tickmemo
+    from jobprobe.node import tickmemo
     reads = []
     real = _perf.Source.delta
     monkeypatch.setattr(_perf.Source, "delta", lambda self: reads.append(1) or real(self))

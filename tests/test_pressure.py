@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.probes.pressure import PressureProbe, read_pressure
 from tests.conftest import TESTS
 from tests.test_memory import cold_file, make_memcg  # noqa: F401 (fixtures)

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import free_port, until
 
-from jobprobe.frame import StreamReader
+from jobprobe.core.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
@@ -95,7 +95,7 @@ def test_prometheus_scrapes_a_real_jobs_values_and_every_dashboard_query_has_dat
     cg = make_cgroup()
     job = cg.spawn([sys.executable, "-c", JOB, "20"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
     try:
-        from jobprobe.control import call
+        from jobprobe.node.control import call
 
         def up():
             try:
@@ -153,7 +153,8 @@ def test_metrics_follow_the_declared_fields_and_cardinality_is_capped():
     over the cap counted, not exposed."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jobprobe.exporters.prometheus import PromSink, metric_name
+    from jobprobe.core.metrics import metric_name
+    from jobprobe.exporters.prometheus import PromSink
     assert metric_name("sched", "runq_lat_us_log2", "histogram") == ("jobprobe_sched_runq_lat_seconds", 1e-6)
     assert metric_name("gpu", "gpus[].energy_mj", "counter") == ("jobprobe_gpu_energy_joules_total", 1e-3)
     port = free_port()

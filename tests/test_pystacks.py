@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.kernel.pyproc import py_spy
+from jobprobe.devices.pyproc import py_spy
 from jobprobe.probes.pystacks import fold
 
 REPO = Path(__file__).resolve().parents[1]

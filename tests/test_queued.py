@@ -10,7 +10,7 @@ import time
 from jobprobe.exporters.file import FileExporter
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
-from jobprobe.frame import FrameBuilder, StreamReader, encode
+from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 from jobprobe.probes.self import SelfProbe
 
 

@@ -15,11 +15,11 @@ import pytest
 
 from fixtures_rdma import cluster_node
 
-from jobprobe.host import Host
-from jobprobe.kernel import rdma
-from jobprobe.probe import EVENTS_KEY
+from jobprobe.kernel.host import Host
+from jobprobe.devices import rdma
+from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.probes.rdma import RdmaProbe, selected
-from jobprobe.target import PidTreeTarget
+from jobprobe.node.target import PidTreeTarget
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,8 +120,8 @@ def test_health_verdicts_and_their_events(node, job):
 
 
 def test_the_default_rules_turn_verdicts_into_rule_events(node, job):
-    from jobprobe.probe import schema_of
-    from jobprobe.rules import RuleSet, load
+    from jobprobe.node.probe import schema_of
+    from jobprobe.node.rules import RuleSet, load
     p = probe_on(node)
     p.start(job())
     rs = RuleSet([r for r in load("default") if r.name.startswith("rdma_")], schema_of([p]), "j")

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from jobprobe.errors import BadInput
-from jobprobe.probe import FIELD_KINDS, Field, Probe, infer_kind
-from jobprobe.registry import all_probes, parse_probes, standard
+from jobprobe.core.errors import BadInput
+from jobprobe.node.probe import FIELD_KINDS, Field, Probe, infer_kind
+from jobprobe.node.registry import all_probes, parse_probes, standard
 
 ROOT = Path(__file__).resolve().parents[1]
 

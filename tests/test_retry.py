@@ -1,4 +1,4 @@
-"""The shared backoff (jobprobe/retry.py): every delay within its bounds, growing to the cap, spread by its jitter,
+"""The shared backoff (jobprobe/core/retry.py): every delay within its bounds, growing to the cap, spread by its jitter,
 short again after reset() — for any parameters (hypothesis), and usable from asyncio (it only computes delays)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobprobe.retry import Backoff
+from jobprobe.core.retry import Backoff
 
 params = st.tuples(st.floats(0.001, 10), st.floats(1, 100), st.floats(1, 4), st.sampled_from(["decorrelated", "full",
                                                                                                  "none"]))

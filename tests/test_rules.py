@@ -1,4 +1,4 @@
-"""Rules over a job's frames (jobprobe/rules.py): the expression language on frames made here, firing with hold,
+"""Rules over a job's frames (jobprobe/node/rules.py): the expression language on frames made here, firing with hold,
 clear and cooldown, refusal of a bad file with its line; and on a real job — a burner whose cgroup CPU limit
 throttles it fires `cpu_throttled` with evidence equal to the kernel's own cpu.stat (that a healthy job fires no
 default rule is tests/test_trace.py's steady training job)."""
@@ -16,8 +16,8 @@ import pytest
 from conftest import workload
 from test_cgroup import v1_cpu_group
 
-from jobprobe.errors import BadInput
-from jobprobe.rules import RuleSet, compile_expr, load
+from jobprobe.core.errors import BadInput
+from jobprobe.node.rules import RuleSet, compile_expr, load
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {"cgroup": {"cpu_user_ns": {"kind": "counter"}, "cpu_throttled_ns": {"kind": "counter"},

@@ -3,12 +3,12 @@ failure isolation, status reporting, scheduling without drift, the last partial 
 
 import time
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe.frame import decode, encode
-from jobprobe.probe import Field, Probe
-from jobprobe.sampler import Sampler
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
+from jobprobe.core.frame import decode, encode
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.sampler import Sampler
+from jobprobe.node.target import Target
 
 
 class FakeTarget(Target):

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import MISSED
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.kernel.membership import MEMBERSHIP, Node
 from jobprobe.probes.sched import (ARRAYS, COUNTERS, HANDLERS, NBUCKETS, NTIMES, RAW_SYSCALL_HANDLERS, REASONS,
                           SYSCALL_HANDLERS, TIMES, OffRec, READ_TRIES, time_totals,

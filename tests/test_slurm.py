@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, workload, until as wait_for
-from jobprobe.errors import BadInput
-from jobprobe.target import CgroupTarget, PidTreeTarget, slurm_job_cgroup, slurm_target
+from jobprobe.core.errors import BadInput
+from jobprobe.node.target import CgroupTarget, PidTreeTarget, slurm_job_cgroup, slurm_target
 
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, until as wait_for
-from jobprobe.frame import StreamReader
+from jobprobe.core.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -55,7 +55,7 @@ class Agent:
             return False
 
     def status(self) -> dict:
-        from jobprobe.control import call
+        from jobprobe.node.control import call
         return call(str(self.sock), {"cmd": "status"})
 
     def attached(self, job: str) -> bool:

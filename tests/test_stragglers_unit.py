@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from jobprobe.stragglers import StragglerWatch, causes, figures, Window
+from jobprobe.cluster.stragglers import StragglerWatch, causes, figures, Window
 
 
 def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
@@ -101,7 +101,7 @@ def test_figures_absent_are_not_compared():
 def test_peers_median_and_max_leave_the_node_itself_out_exactly():
     import statistics
 
-    from jobprobe.stragglers import Others
+    from jobprobe.cluster.stragglers import Others
     rng = random.Random(7)
     for n in (2, 3, 4, 9, 50):
         wins = [Window(10.0, {"retrans": float(rng.choice([0, 1, 5, 5, 20, 300]))}) for _ in range(n)]

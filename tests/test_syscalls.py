@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
-from jobprobe.host import Host
-from jobprobe.target import CgroupTarget, PidTreeTarget
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import CgroupTarget, PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.bpfprobe import MISSED
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.kernel.membership import MEMBERSHIP
 from jobprobe.probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
                              interval, name_of, parse_unistd, syscall_table, zero_reading)

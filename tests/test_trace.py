@@ -1,4 +1,4 @@
-"""Deep-trace windows (jobprobe/tracewin.py): a rule with `action = "trace"` and a request both write one
+"""Deep-trace windows (jobprobe/node/tracewin.py): a rule with `action = "trace"` and a request both write one
 Chrome/Perfetto trace (Trace Event Format, gzipped JSON) — checked here as a viewer would read it: every event well
 formed, begin/end balanced per thread, the job's own processes (by the PIDs the job itself reports) with the
 functions the job is known to run, the kernel's counters beside them, the rule's evidence as an instant event.
@@ -21,8 +21,8 @@ import pytest
 
 from conftest import until
 
-from jobprobe.frame import StreamReader
-from jobprobe.tracewin import Tracer
+from jobprobe.core.frame import StreamReader
+from jobprobe.node.tracewin import Tracer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -180,8 +180,8 @@ def test_cooldown_and_the_duty_cap_bound_the_time_traced(tmp_path):
 
 @pytest.mark.kernel
 def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
-    from jobprobe.agent import Agent, Config
-    from jobprobe.control import ControlServer, call
+    from jobprobe.node.agent import Agent, Config
+    from jobprobe.node.control import ControlServer, call
     cfg = Config(interval=0.5, probes="cgroup,self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"),
                  socket=str(tmp_path / "run" / "agent.sock"), state=str(tmp_path / "run" / "jobs.json"))
     agent = Agent(cfg)
@@ -247,7 +247,7 @@ def test_traces_are_written_0600_in_a_0700_directory(tmp_path):
 def agent_tracing(tmp_path, make_cgroup, cooldown: float, duty: float):
     """An agent ticking every 0.1 s with one job (`flood`: a sleep in a cgroup) whose tracer has the given budget
     and records no Python and no kernel events (the budget is what is tested, not the window's contents)."""
-    from jobprobe.agent import Agent, Config, JobSpec
+    from jobprobe.node.agent import Agent, Config, JobSpec
     cfg = Config(interval=0.1, probes="self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"))
     agent = Agent(cfg)
     cg = make_cgroup()
@@ -536,7 +536,7 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
     """The napper traced by sched's deep mode (no threshold) between two pauses: (records, dropped, voluntary
     switches the kernel counted between the pauses, their instants t1 and t2, what `during(probe)` returned)."""
     from probes.sched import SchedProbe
-    from jobprobe.target import PidTreeTarget
+    from jobprobe.node.target import PidTreeTarget
     (tmp_path / "napper.py").write_text(NAPPER)
     # it naps until told to stop (at most 60 s): long enough however slow the probe's start on a loaded host
     job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "60", str(tmp_path / "naps")],
@@ -632,7 +632,7 @@ def test_a_trace_on_every_node_of_a_job_through_the_controller_with_one_common_s
     import re
     import sqlite3
     from test_nats import NATS, NatsServer
-    from jobprobe.control import call
+    from jobprobe.node.control import call
     if not os.path.exists(NATS):
         pytest.skip("nats-server is installed by make test (scripts/setup.sh)")
     nats = NatsServer(tmp_path)

@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port, until
 from test_nats import JOBPROBE, REPO, Site, need_nats
 
-from jobprobe.frame import StreamReader
+from jobprobe.core.frame import StreamReader
 
 VM = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
 need_vm = pytest.mark.skipif(not os.path.exists(VM), reason="victoria-metrics is not installed (scripts/setup.sh)")
@@ -103,7 +103,7 @@ def test_hostile_names_and_labels_inject_no_series(tmp_path):
     """A frame whose job, node and device label carry newlines and braces, and whose schema declares a field named
     like a line of exposition text: no forged series appears in VictoriaMetrics; the honest series are there, their
     label values exactly as the frame said; the field whose name is no metric name is skipped and counted."""
-    from jobprobe.tsdb import VictoriaMetrics
+    from jobprobe.cluster.tsdb import VictoriaMetrics
     vm = Victoria(tmp_path)
     try:
         w = VictoriaMetrics(f"victoriametrics://127.0.0.1:{vm.port}")

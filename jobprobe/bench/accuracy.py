@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.bench.stats import median
-from jobprobe.errors import BadInput
+from jobprobe.core.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 64 * 1024

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from jobprobe.bench.events import program_stats, run_workload
 from jobprobe.bench.overhead import _rmdir, scratch
-from jobprobe.control import call
-from jobprobe.errors import BadInput
-from jobprobe.frame import StreamReader
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.node.control import call
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import StreamReader
+from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import procfs
 
@@ -136,7 +136,7 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
     local = controller = None
     if nats:
         from jobprobe.bench.overhead import free_port
-        from jobprobe.controller import LocalNats
+        from jobprobe.cluster.controller import LocalNats
         local = LocalNats(work / "nats", f"127.0.0.1:{free_port()}")
         local.wait()
         controller = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", local.url,

@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 
 from jobprobe.bench.overhead import free_port, scratch
-from jobprobe.frame import FrameBuilder, encode
+from jobprobe.core.frame import FrameBuilder, encode
 
 # A standard-collection sample as this machine's agent writes it (cgroup, sched, perf, blockio, net, pressure, self;
 # gpu unavailable here): the shape and size a node sends. Values are re-stamped per frame.
@@ -58,7 +58,7 @@ GENERATOR = r"""
 import asyncio, json, sys, time, zlib
 import nats
 sys.path.insert(0, sys.argv[1])
-from jobprobe.frame import FrameBuilder, encode
+from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.bench.controller import PROBES, STATUS
 url, nodes, seconds, rate, conns, ticks, run = (sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]),
                                                int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])
@@ -129,7 +129,7 @@ def bench_controller(nodes: int = 2000, seconds: float = 30.0, burst_frames: int
 
 
 def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, work: Path) -> dict:
-    from jobprobe.controller import LocalNats
+    from jobprobe.cluster.controller import LocalNats
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
     root = str(Path(__file__).resolve().parents[2])
     nats_srv = LocalNats(work, f"127.0.0.1:{free_port()}")

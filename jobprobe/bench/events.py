@@ -22,8 +22,8 @@ from pathlib import Path
 
 from jobprobe.bench.overhead import _rmdir, _wait_for_hello, scratch
 from jobprobe.bench.stats import estimate, median
-from jobprobe.errors import BadInput
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.core.errors import BadInput
+from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import bpf as _bpf
 
 # probe → (micro-workload, peer tool from Debian's bpfcc-tools measuring the same events, its argv)

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 from jobprobe.bench.stats import Series, median
-from jobprobe.errors import BadInput
-from jobprobe.frame import StreamReader
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import StreamReader
+from jobprobe.kernel.host import find_cgroup2_mount
 
 
 def config_probes(config: str) -> str | None:

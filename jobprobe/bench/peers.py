@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jobprobe.kernel import procfs
 from jobprobe.bench.overhead import _wait_for_hello, collector_stats, free_port, scratch
-from jobprobe.errors import BadInput
+from jobprobe.core.errors import BadInput
 
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from jobprobe import bpf
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import parse_cpu_list
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import parse_cpu_list
 
 NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wrapper
 

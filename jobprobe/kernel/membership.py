@@ -21,13 +21,15 @@ import contextlib
 import ctypes as ct
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.host import Host
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel.host import Host
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import procfs, tracefs
+
+if TYPE_CHECKING:                    # annotations only: a target is handed down by the node, never imported here
+    from jobprobe.node.target import Target
 
 MAX_SLOTS = 64                        # bpf/common.h MAX_SLOTS
 JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits

@@ -17,7 +17,7 @@ import struct
 import threading
 from typing import NamedTuple
 
-from jobprobe.errors import ProbeUnavailable
+from jobprobe.core.errors import ProbeUnavailable
 
 NETLINK_GENERIC = 16
 GENL_ID_CTRL = 0x10

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import ProbeUnavailable
+from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import perf as _perf
 
 PERF_EVENT_IOC_SET_BPF = 0x40042408             # _IOW('$', 8, __u32)

@@ -1,5 +1,5 @@
 """Test doubles around the real things: a counting wrapper of the pynvml module, and an exporter that keeps frames."""
-from jobprobe.frame import decode
+from jobprobe.core.frame import decode
 
 
 class Spy:

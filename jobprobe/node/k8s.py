@@ -19,7 +19,7 @@ when it recovers), tried again with a backoff up to a minute, and changes nothin
 and a pod is detached only on an answer that parses and no longer lists it. A probe name in the annotation that no
 probe has is refused; the pod is attached with the others, and `jobprobe status` says which was refused.
 
-Sits above the agent (it drives it, as the SLURM prolog does); imports nothing below jobprobe.agent.
+Sits above the agent (it drives it, as the SLURM prolog does); imports nothing below jobprobe.node.agent.
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jobprobe.agent import Agent, JobSpec
-from jobprobe.errors import BadInput
+from jobprobe.node.agent import Agent, JobSpec
+from jobprobe.core.errors import BadInput
 
-log = logging.getLogger("jobprobe.k8s")
+log = logging.getLogger("jobprobe.node.k8s")
 
 ANNOTATION = "jobprobe.io/probe"
 PROBES_ANNOTATION = "jobprobe.io/probes"

@@ -22,9 +22,9 @@ import os
 import signal
 from pathlib import Path
 
-from jobprobe.errors import BadInput
-from jobprobe.exporters.natswire import new_user_nkey
-from jobprobe.wire import CONTROL, FRAMES, inbox_prefix, token
+from jobprobe.core.errors import BadInput
+from jobprobe.transport.credentials import new_user_nkey
+from jobprobe.core.wire import CONTROL, FRAMES, inbox_prefix, token
 
 
 def _write_secret(path: Path, text: str) -> None:

@@ -5,7 +5,7 @@ probes, its frames, its sinks), but the eBPF probes of every job share one load 
 node). A tick samples every job at once and sends one frame per job. Jobs arrive and leave at run time:
 attach(spec), detach(job), probes(job, "+x,-y"); a job whose processes have all exited is detached by itself after
 its last frame. `jobprobe run` is this agent with one job; `jobprobe agent` adds the control socket
-(jobprobe/control.py) and the state file from which a restarted agent attaches the jobs still running.
+(jobprobe/node/control.py) and the state file from which a restarted agent attaches the jobs still running.
 With a NATS sink, an agent with no job attached sends the node's `heartbeat` each tick (the controller's liveness
 does not depend on jobs), and one marked `stopping` when it stops cleanly, after its jobs' last frames.
 
@@ -30,17 +30,17 @@ from typing import Any, Callable, Iterator
 from jobprobe.exporters.file import FileExporter, job_path
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutExporter
-from jobprobe import tickmemo
-from jobprobe.errors import BadInput, TargetGone
-from jobprobe.frame import NODE_JOB, FrameBuilder, new_run_id
-from jobprobe.host import Host
-from jobprobe.probe import Probe
-from jobprobe.registry import all_probes, parse_probes
-from jobprobe.sampler import Sampler, run_ticks
-from jobprobe.target import Target
+from jobprobe.node import tickmemo
+from jobprobe.core.errors import BadInput, TargetGone
+from jobprobe.core.frame import NODE_JOB, FrameBuilder, new_run_id
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import Probe
+from jobprobe.node.registry import all_probes, parse_probes
+from jobprobe.node.sampler import Sampler, run_ticks
+from jobprobe.node.target import Target
 from jobprobe.kernel.membership import Node
 
-log = logging.getLogger("jobprobe.agent")
+log = logging.getLogger("jobprobe.node.agent")
 
 
 @dataclass
@@ -57,7 +57,7 @@ class JobSpec:
     note: str | None = None                # what the one who asked wants said in status (a refused probe)
 
     def target(self) -> Target:
-        from jobprobe.target import CgroupTarget, PidTreeTarget, k8s_pod_target, slurm_target
+        from jobprobe.node.target import CgroupTarget, PidTreeTarget, k8s_pod_target, slurm_target
         given = [x for x in (self.cgroup, self.pid, self.slurm_job, self.k8s_pod) if x is not None]
         if len(given) != 1:
             raise BadInput("give exactly one of --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID")
@@ -204,7 +204,7 @@ class Agent:
         self.nats = None
         if self.cfg.nats:
             from jobprobe.exporters.nats import NatsSink
-            from jobprobe.wire import control_subject
+            from jobprobe.core.wire import control_subject
             try:
                 self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
                                      creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca, node=self.host.node,
@@ -220,7 +220,7 @@ class Agent:
             raise BadInput(f"trace_every must be 1 s or more, got {self.cfg.trace_every!r}")
         self.rules = None
         if self.cfg.rules:
-            from jobprobe.rules import load as load_rules
+            from jobprobe.node.rules import load as load_rules
             self.rules = load_rules(self.cfg.rules)    # an error in the file: BadInput now, with its line
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
@@ -688,7 +688,7 @@ class Agent:
     def adopt_slurm(self, node: str | None = None) -> list[dict[str, Any]]:
         """Attach the SLURM jobs running on this node that no one asked for: those whose prolog found no agent
         (down, restarting). They count from now (their hello says so): their start was missed."""
-        from jobprobe.target import slurm_running_jobs
+        from jobprobe.node.target import slurm_running_jobs
         try:
             running = slurm_running_jobs(node or self.cfg.slurm_node or self.host.node.split(".")[0])
         except BadInput as err:

@@ -11,7 +11,7 @@ from typing import IO, Any, Iterator
 
 import msgpack
 
-from jobprobe.errors import JobprobeError
+from jobprobe.core.errors import JobprobeError
 
 SCHEMA_VERSION = 1
 KINDS = ("hello", "sample", "event", "stacks", "trace", "heartbeat")

@@ -8,8 +8,8 @@ import importlib
 import pkgutil
 
 import jobprobe.probes as probes_pkg
-from jobprobe.errors import BadInput
-from jobprobe.probe import Probe
+from jobprobe.core.errors import BadInput
+from jobprobe.node.probe import Probe
 
 
 def all_probes() -> dict[str, type[Probe]]:

@@ -13,7 +13,7 @@ What a frame that passes is, whatever bytes it came from:
 - the envelope plausible: `v` 1, `seq` ≥ 0, `t` a UNIX time between 2000 and 2200, `dt` 0 to a day, names 1 to
   `MAX_NAME` characters;
 - a `sample`'s `probes` a map of probe name → map of fields, `status` a map of strings; a field the controller's
-  own probes declare (jobprobe/registry.py) of the declared type (an `int` field an integer, a `list[map]` a list of
+  own probes declare (jobprobe/core/schema.py) of the declared type (an `int` field an integer, a `list[map]` a list of
   maps, …); a field it does not know (a newer agent's) of the type the run's `hello` declared, when that hello is
   known, else of any checked value;
 - a `hello`'s `schema` well formed (types and kinds from the known lists), `interval` a positive number ≤ 1 h;
@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from jobprobe.frame import KINDS, MalformedFrame, SCHEMA_VERSION
+from jobprobe.core import schema
+from jobprobe.core.frame import KINDS, MalformedFrame, SCHEMA_VERSION
 
 MAX_OBJECTS = 100_000       # containers and their elements in one frame (a busy job's sample: ~1 500)
 MAX_DEPTH = 12              # maps and lists within each other (a sample: 4 — probes.gpu.gpus[].field)
@@ -129,17 +130,11 @@ def _name(v: Any, what: str, max_len: int = MAX_NAME) -> str:
 
 
 # ---- the controller's own declarations ------------------------------------------------------------------
-_KNOWN: dict[str, dict[str, str]] | None = None
-
-
 def known_fields() -> dict[str, dict[str, str]]:
-    """probe → field → declared type, from the probes this version has. A record's field inside a declared
-    list[map] is named `list[].field` (`gpus[].util_gpu_pct`), as the probes declare it."""
-    global _KNOWN
-    if _KNOWN is None:
-        from jobprobe.registry import all_probes
-        _KNOWN = {name: {k: f.type for k, f in cls.fields.items()} for name, cls in all_probes().items()}
-    return _KNOWN
+    """probe → field → declared type, from the probes this version has (jobprobe/core/schema.py, generated from
+    their declarations). A record's field inside a declared list[map] is named `list[].field`
+    (`gpus[].util_gpu_pct`), as the probes declare it."""
+    return schema.FIELDS
 
 
 # ---- frames -------------------------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ class Job:
 
 
 def from_files(paths: list[str]) -> Job:
-    from jobprobe.frame import StreamReader
+    from jobprobe.core.frame import StreamReader
     job = Job()
     for p in paths:
         with open(p, "rb") as f:
@@ -118,7 +118,7 @@ def from_files(paths: list[str]) -> Job:
 
 
 def from_store(path: str, name: str) -> Job:
-    from jobprobe.store import Store
+    from jobprobe.cluster.store import Store
     st = Store(path, readonly=True)
     try:
         _, rows = st.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (name,))
@@ -289,7 +289,7 @@ def _timelines(job: Job) -> list[tuple[str, str]]:
 
 
 def cost_html(c: dict | None) -> str:
-    """The job's cost block (jobprobe/cost.py summary) as a small table, or nothing."""
+    """The job's cost block (jobprobe/cluster/cost.py summary) as a small table, or nothing."""
     if not c:
         return ""
     cur = html.escape(c.get("currency", ""))
@@ -310,7 +310,7 @@ def cost_html(c: dict | None) -> str:
 
 def render(job: Job, cost: dict | None = None) -> str:
     if not job.nodes:
-        from jobprobe.errors import BadInput
+        from jobprobe.core.errors import BadInput
         raise BadInput(f"no sample frames{' of job ' + job.name if job.name else ''} to report on")
     t0, t1 = job.span
     rows = "".join(

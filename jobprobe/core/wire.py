@@ -84,7 +84,7 @@ def host_port(text: str, what: str = "address") -> tuple[str, int]:
     """HOST:PORT, [IPv6]:PORT or :PORT (every address) → (host, port), the brackets taken off; a clear BadInput
     (`what` names the option) otherwise. The one parser of listen addresses (controller, its /metrics, the agent's
     Prometheus endpoint)."""
-    from jobprobe.errors import BadInput
+    from jobprobe.core.errors import BadInput
     host, sep, port = str(text).rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise BadInput(f"{what} {text!r}: give HOST:PORT ([::1]:PORT for IPv6)")

@@ -1,12 +1,12 @@
 """Deep-trace windows: for a short while, one job is traced in detail, and the result is one Chrome / Perfetto
 trace file (Trace Event Format JSON, gzipped) a person opens in ui.perfetto.dev.
 
-A window opens when a rule with `action = "trace"` fires (jobprobe/rules.py), or on request (`jobprobe trace --job
+A window opens when a rule with `action = "trace"` fires (jobprobe/node/rules.py), or on request (`jobprobe trace --job
 ID [--duration S]`). For its duration, for that job only:
 - every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
   (a recorder per process, idle threads included: where a thread waits is the point): one timeline per process
   and thread;
-- the job's probes that have a deep mode record event by event (jobprobe/bpfprobe.py: trace_on / trace_take), and
+- the job's probes that have a deep mode record event by event (jobprobe/node/bpfprobe.py: trace_on / trace_take), and
   those given for windows only (`syscalls`, `cuda`: off by default for their cost) run for the window's length:
   each off-CPU period of 100 µs or more with its reason and its kernel and user stacks (sched), each syscall of
   100 µs or more (syscalls), each CUDA / NCCL call with its start and end (cuda) — on two tracks per thread beside
@@ -21,7 +21,7 @@ Then the file is written under the trace directory and announced in a `trace` fr
 
 Budget: at most one window at a time per job; none within `cooldown` s of the last one's end; and none while the
 time already traced exceeds `duty` (30%) of the job's run so far — a rule that holds all the time traces about 30%
-of the run (at most one window more), not all of it. The controller's requests (jobprobe/agent.py: Agent.remote)
+of the run (at most one window more), not all of it. The controller's requests (jobprobe/node/agent.py: Agent.remote)
 are held to all of it like a rule; a person's request on the node's root-only control socket, and the agent's own
 `trace_every`, skip the cooldown and the duty cap (`force_budget`), never the one window at a time. A refused
 request says why.

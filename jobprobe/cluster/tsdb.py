@@ -19,7 +19,7 @@ store when the hello came before this controller started.
 
 Writes go through a thread with a bounded queue: a slow or absent VictoriaMetrics never holds up the store. While
 it is unreachable, batches wait (up to `max_batches`; beyond, the oldest go, counted and logged), retried after a
-jittered backoff (jobprobe/retry.py).
+jittered backoff (jobprobe/core/retry.py).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ import urllib.request
 from collections import deque
 from typing import Any, Callable
 
-from jobprobe.exporters.prometheus import cumulative_buckets, flatten
-from jobprobe.retry import Backoff
+from jobprobe.core.metrics import cumulative_buckets, flatten
+from jobprobe.core.retry import Backoff
 
-log = logging.getLogger("jobprobe.tsdb")
+log = logging.getLogger("jobprobe.cluster.tsdb")
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 MAX_BUCKETS = 64

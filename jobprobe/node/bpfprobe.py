@@ -10,7 +10,7 @@ the one load of its programs that serves every job of the node — so a probe's 
 its own slot's state, and keep per-thread records that carry their slot (release() takes them out with the slot).
 Without a node (a probe used on its own) it makes a private one and closes it at stop.
 
-Deep-trace windows (jobprobe/tracewin.py): a probe that names `trace_kinds` (record kind → ctypes struct, each
+Deep-trace windows (jobprobe/node/tracewin.py): a probe that names `trace_kinds` (record kind → ctypes struct, each
 starting with bpf/common.h's struct trace_head) is compiled with -DJOB_DEEP_TRACE where the kernel has BPF ring
 buffers; trace_on() sets its job's bit in the module's `slots_traced`, and from then its handlers put one record per
 event of the job in `trace_ring`. The ring is the load's, shared by every job: trace_poll() (each sample while
@@ -25,11 +25,11 @@ import importlib.util
 import time
 from typing import Any
 
-from jobprobe import tickmemo
-from jobprobe.errors import ProbeUnavailable
-from jobprobe.host import Host
-from jobprobe.probe import Field, Probe
-from jobprobe.target import Target
+from jobprobe.node import tickmemo
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import Field, Probe
+from jobprobe.node.target import Target
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.membership import MEMBERSHIP, Node
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 
-from jobprobe.probe import delta
+from jobprobe.core.counters import delta
 
 log = logging.getLogger("jobprobe.gpu")
 

@@ -9,13 +9,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import Callable, Iterable
 
 from jobprobe import __version__
-from jobprobe.errors import ProbeUnavailable, TargetGone
-from jobprobe.frame import FrameBuilder, encode
-from jobprobe.host import Host
-from jobprobe.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
-from jobprobe.target import Target
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.core.frame import FrameBuilder, encode
+from jobprobe.kernel.host import Host
+from jobprobe.node.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
+from jobprobe.node.target import Target
 
-log = logging.getLogger("jobprobe.sampler")
+log = logging.getLogger("jobprobe.node.sampler")
 
 
 NO_TRACE_DIR = "no trace directory (--trace-dir / trace_dir)"
@@ -47,7 +47,7 @@ class Sampler:
         self.end_reason: str | None = None
         self._last = 0.0
         self.trace_dir = trace_dir
-        self.tracer = None          # deep-trace windows (jobprobe/tracewin.py): made at the first one
+        self.tracer = None          # deep-trace windows (jobprobe/node/tracewin.py): made at the first one
         self.window_probes = list(window_probes)
         self.trace_every = trace_every
         self._next_scheduled = clock() + trace_every if trace_every else None
@@ -57,7 +57,7 @@ class Sampler:
         self._traced_since: dict[str, int] = {}  # a recording probe's CLOCK_MONOTONIC ns when its recording began
         self.ruleset = None
         if rules:
-            from jobprobe.rules import RuleSet
+            from jobprobe.node.rules import RuleSet
             self.ruleset = RuleSet(rules, schema_of(self.probes.values()), target.job)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -107,8 +107,8 @@ class Sampler:
         if not self.trace_dir:
             return {"ok": False, "state": "refused", "why": NO_TRACE_DIR}
         if self.tracer is None:
-            from jobprobe import tracewin
-            from jobprobe.kernel import pyproc
+            from jobprobe.node import tracewin
+            from jobprobe.devices import pyproc
             proc = self.host.proc
             self.tracer = tracewin.Tracer(self.target.job, self.trace_dir, self.target.pids,
                                           lambda p: pyproc.role(proc, p), lambda p: pyproc.is_python(proc, p),

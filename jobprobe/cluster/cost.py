@@ -33,7 +33,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobprobe.errors import BadInput
+from jobprobe.core.errors import BadInput
 
 WAITING_RULES = ("gpu_idle_cpu_busy", "input_bound")
 NODE_KEYS = {"name", "hostname", "gpu", "label", "market", "per_hour", "gpus"}

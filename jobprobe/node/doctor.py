@@ -22,8 +22,8 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from jobprobe.host import Host
-from jobprobe.kernel import pci, rdma
+from jobprobe.kernel.host import Host
+from jobprobe.devices import pci, rdma
 
 ORDER = {"pass": 0, "absent": 0, "warn": 1, "fail": 3}
 WANT_CONTROLLERS = ("cpu", "memory", "io", "pids")
@@ -42,7 +42,7 @@ class Check:
 class Ctx:
     host: Host
     root: str = ""                   # prefix for /lib/modules, /usr/src (fixtures)
-    nvml: Any = None                 # jobprobe.kernel.nvml.Nvml, or the reason there is none
+    nvml: Any = None                 # jobprobe.devices.nvml.Nvml, or the reason there is none
     adjtimex: Callable[[], tuple[int, int, int]] | None = None   # (status, maxerror µs, esterror µs)
 
     def read(self, path: str) -> str | None:
@@ -83,7 +83,7 @@ def open_nvml() -> NvmlView | str:
     try:
         return NvmlView(pynvml)
     except pynvml.NVMLError as err:
-        from jobprobe.kernel.nvml import INIT_ERRORS
+        from jobprobe.devices.nvml import INIT_ERRORS
         return INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")
 
 
@@ -144,7 +144,7 @@ def check_pmu(c: Ctx) -> Check:
 
 
 def check_cgroup(c: Ctx) -> Check:
-    from jobprobe.host import find_cgroup2_mount
+    from jobprobe.kernel.host import find_cgroup2_mount
     mount = find_cgroup2_mount(f"{c.host.proc}/self/mountinfo")
     if mount is None:
         return Check("cgroup_v2", "fail", "no cgroup2 hierarchy mounted: cgroup targets and PSI are unavailable",

@@ -1,6 +1,6 @@
 """Rules: declarative conditions over a job's recent frames that fire `rule` events with their evidence.
 
-A rule file is TOML, a `[[rule]]` table per rule (docs/RULES.md; `--rules default` is jobprobe/default_rules.toml):
+A rule file is TOML, a `[[rule]]` table per rule (docs/RULES.md; `--rules default` is jobprobe/node/default_rules.toml):
 
     [[rule]]
     name = "cpu_throttled"
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import BadInput
+from jobprobe.core.errors import BadInput
 
-log = logging.getLogger("jobprobe.rules")
+log = logging.getLogger("jobprobe.node.rules")
 
 DEFAULT = Path(__file__).with_name("default_rules.toml")
 FUNCS = {"share", "rate", "mean", "max", "min", "last", "p50", "p99", "any_bits"}
@@ -166,7 +166,7 @@ def evaluate(tree: ast.Expression, win: Window, seconds: float, used: dict[str, 
             raise NotEvaluable(f"{ref} is absent from the job's frames")
         counter = kind == "counter"
         if fn in ("p50", "p99"):
-            from jobprobe.probe import log2_percentile
+            from jobprobe.core.counters import log2_percentile
             hist: list[int] = []
             for _, h in ser:
                 if isinstance(h, list):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 from typing import Any, Iterable, NamedTuple
 
-from jobprobe.host import Host
-from jobprobe.target import Target
+from jobprobe.kernel.host import Host
+from jobprobe.node.target import Target
 
 
 # sample() may return, under this key, a list of one-off events: {"event": name, "t": UNIX time (optional), ...}.
@@ -112,29 +112,3 @@ class Probe:
         """A running probe's word on what it is waiting for, when it is running but has nothing to count yet
         (status "ok: <note>"); None when it is counting (status "ok"). Asked after start and after each sample."""
         return None
-
-
-def delta(now: int, before: int, width: int = 64) -> int:
-    """Counter difference corrected for one wrap-around of a `width`-bit counter; a reset (now < before on a
-    counter too young to have wrapped) counts from zero."""
-    if now >= before:
-        return now - before
-    wrapped = now + (1 << width) - before
-    return wrapped if wrapped < (1 << (width - 1)) else now
-
-
-def log2_percentile(hist: list[int], q: float) -> float | None:
-    """Percentile q (0..1) of a log2 histogram whose bucket i holds values in [2^i, 2^(i+1)) (bucket 0: [0, 2)).
-    Interpolates linearly inside the bucket; None for an empty histogram."""
-    total = sum(hist)
-    if total == 0:
-        return None
-    rank = q * total
-    seen = 0
-    for i, n in enumerate(hist):
-        if n and seen + n >= rank:
-            lo = 0 if i == 0 else 1 << i
-            hi = 2 if i == 0 else 1 << (i + 1)
-            return lo + (hi - lo) * max(0.0, rank - seen) / n
-        seen += n
-    return float(1 << len(hist))

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from jobprobe import tickmemo
-from jobprobe.errors import BadInput, CommandNotExecutable, CommandNotFound, TargetGone
-from jobprobe.host import find_cgroup2_mount
+from jobprobe.node import tickmemo
+from jobprobe.core.errors import BadInput, CommandNotExecutable, CommandNotFound, TargetGone
+from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import procfs
 
 

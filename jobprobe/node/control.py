@@ -7,7 +7,7 @@ with SO_PEERCRED: only root (or the agent's own user) is served; anyone else is 
   {"cmd": "status"}
   {"cmd": "probes", "job": NAME, "toggle": "+x,-y"}
   {"cmd": "trace", "job": NAME, "duration": S?, "at": T?}   a deep-trace window now, or at UNIX time T
-                                                          (jobprobe/tracewin.py)
+                                                          (jobprobe/node/tracewin.py)
 Replies: {"ok": true, …} or {"ok": false, "error": "one line"}. A malformed request (not JSON, too long, an unknown
 command, a bad field) is rejected with a reply and a log line; the agent goes on.
 """
@@ -22,9 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import BadInput, JobprobeError
+from jobprobe.core.errors import BadInput, JobprobeError
 
-log = logging.getLogger("jobprobe.control")
+log = logging.getLogger("jobprobe.node.control")
 MAX_REQUEST = 64 << 10
 TIMEOUT = 10.0
 
@@ -104,7 +104,7 @@ class ControlServer:
                 pass
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        from jobprobe.agent import JobSpec
+        from jobprobe.node.agent import JobSpec
         if not self.agent.ready.wait(TIMEOUT - 1):
             raise BadInput("the agent is still starting (loading its programs); try again")
         cmd = req.get("cmd")

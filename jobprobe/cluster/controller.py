@@ -5,7 +5,7 @@ subjects (JOBPROBE: file storage, a 2-minute duplicate window, frames kept until
 old) and reads it through a durable pull consumer, in batches: each frame is decoded and validated (the schema, and
 its `node` against the subject it came on), the batch is committed to the store, and only then acked. A controller
 killed at any moment loses nothing (what was not acked is delivered again) and stores nothing twice (the store's
-key is (node, job, run, seq)). Every message is hostile until checked (jobprobe/framecheck.py: decoding bounded in
+key is (node, job, run, seq)). Every message is hostile until checked (jobprobe/cluster/framecheck.py: decoding bounded in
 objects, every value against the declared types); a frame that is not valid is refused, counted and logged
 (`rejects`), and acked: it will never become valid. Each consumer of frames (freshness, stragglers, the cost meter,
 the TSDB writer, the store) has its own error boundary: one failing on a frame neither stops the loop nor the
@@ -22,7 +22,7 @@ answered by that node's agent) to open a window at one common time — T, or 3 s
 node's reply. Each node writes its own file and announces it in a `trace` frame, which reaches the store.
 
 With no --nats the controller starts a `nats-server` with JetStream in its data directory, listening on --listen:
-one command for a small cluster — authenticated (jobprobe/natsauth.py: the controller's nkey and one per node
+one command for a small cluster — authenticated (jobprobe/transport/natsauth.py: the controller's nkey and one per node
 enrolled with `jobprobe controller enroll NODE`), TLS or loopback unless told otherwise, and gone with the
 controller.
 """
@@ -42,17 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobprobe.errors import BadInput
-from jobprobe.exporters.nats import auth_options
-from jobprobe.exporters.natswire import is_loopback
-from jobprobe.wire import CLUSTER_TRACE, FRAMES, control_subject, host_port, token
-from jobprobe import framecheck
-from jobprobe.frame import NODE_JOB, MalformedFrame
-from jobprobe.retry import Backoff
-from jobprobe.store import Store
-from jobprobe.stragglers import StragglerWatch
+from jobprobe.core.errors import BadInput
+from jobprobe.transport.credentials import auth_options, is_loopback
+from jobprobe.core.wire import CLUSTER_TRACE, FRAMES, control_subject, host_port, token
+from jobprobe.cluster import framecheck
+from jobprobe.core.frame import NODE_JOB, MalformedFrame
+from jobprobe.core.retry import Backoff
+from jobprobe.cluster.store import Store
+from jobprobe.cluster.stragglers import StragglerWatch
 
-log = logging.getLogger("jobprobe.controller")
+log = logging.getLogger("jobprobe.cluster.controller")
 
 STREAM = "JOBPROBE"
 SUBJECTS = "jobprobe.frames.>"
@@ -96,11 +95,11 @@ class Controller:
         self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
         self.stop_event = asyncio.Event()
         self.stragglers = StragglerWatch()
-        from jobprobe.cost import Meter, load as load_prices
+        from jobprobe.cluster.cost import Meter, load as load_prices
         self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics
         self.tsdb = None
         if tsdb:
-            from jobprobe.tsdb import VictoriaMetrics, schema_from_store
+            from jobprobe.cluster.tsdb import VictoriaMetrics, schema_from_store
             if not tsdb.startswith("victoriametrics://"):
                 raise BadInput(f"--tsdb {tsdb}: expected victoriametrics://HOST:PORT[/insert/TENANT/prometheus]")
             self.tsdb = VictoriaMetrics(tsdb, schema_from_store(store))
@@ -569,7 +568,7 @@ class LocalNats:
 
     def __init__(self, data_dir: str | Path, listen: str = "127.0.0.1:4222", tls_cert: str | None = None,
                  tls_key: str | None = None, insecure_plaintext: bool = False):
-        from jobprobe.natsauth import Auth
+        from jobprobe.transport.natsauth import Auth
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(exe):
             raise BadInput("nats-server is not installed (Debian package nats-server; scripts/setup.sh installs it)")
@@ -611,7 +610,7 @@ class LocalNats:
 
     def _stop_our_orphan(self) -> None:
         """A nats-server left by an earlier controller of this data directory (its pid file, its config) goes."""
-        from jobprobe.natsauth import server_pid
+        from jobprobe.transport.natsauth import server_pid
         pid = server_pid(self.data, self.data / "nats-server.conf")
         if pid is not None:
             log.warning("stopping the nats-server (pid %d) an earlier controller of %s left running", pid, self.data)
@@ -644,7 +643,7 @@ class LocalNats:
 
 def write_auth(data_dir: str | Path) -> Path:
     """auth.conf from the enrolled nodes (included by the server's config; enroll rewrites it and reloads)."""
-    from jobprobe.natsauth import Auth, _write_secret
+    from jobprobe.transport.natsauth import Auth, _write_secret
     path = Path(data_dir, "auth.conf")
     _write_secret(path, Auth(data_dir).server_config())
     return path

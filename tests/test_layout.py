@@ -1,0 +1,73 @@
+"""Unit tier: the import contract (docs/ARCHITECTURE.md, "Rooms"), checked on the source's syntax trees: data flows
+one way, so each room imports only the rooms below it. Imports under `if TYPE_CHECKING:` are not counted (they
+do not run); everything else is, at module level or inside a function."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE_CONTRACT = {"jobprobe.node.probe", "jobprobe.node.bpfprobe", "jobprobe.node.tickmemo", "jobprobe.node.target"}
+# room → the rooms (jobprobe.<room>) it may import, itself included
+ALLOWED = {
+    "core": {"core"},
+    "kernel": {"core", "kernel", "bpf"},
+    "devices": {"core", "kernel", "devices"},
+    "transport": {"core", "transport"},
+    "exporters": {"core", "transport", "exporters"},
+    "probes": {"core", "kernel", "devices", "bpf"},          # and PROBE_CONTRACT
+    "node": {"core", "kernel", "devices", "transport", "exporters", "node", "probes", "bpf"},
+    "cluster": {"core", "transport", "cluster"},
+}
+SOURCES = {"probes": ROOT / "probes", "exporters": ROOT / "exporters"} | {
+    room: ROOT / "jobprobe" / room for room in ("core", "kernel", "devices", "transport", "node", "cluster")}
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every jobprobe import the file runs."""
+    tree = ast.parse(path.read_text(), str(path))
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out += [(node.lineno, f"{node.module}.{a.name}" if node.module in ("jobprobe", *(f"jobprobe.{r}" for r in
+                    ALLOWED)) else node.module) for a in node.names]
+    return [(line, m) for line, m in out if m == "jobprobe" or m.startswith("jobprobe.")]
+
+
+def violations(room: str, path: Path) -> list[str]:
+    bad = []
+    for line, mod in imports(path):
+        parts = mod.split(".")
+        target = parts[1] if len(parts) > 1 else ""
+        ok = target in ALLOWED[room] or target == "__version__" or (
+            room == "probes" and any(mod == c or mod.startswith(c + ".") for c in PROBE_CONTRACT))
+        if not ok:
+            bad.append(f"{path.relative_to(ROOT)}:{line} ({room}) imports {mod}")
+    return bad
+
+
+@pytest.mark.parametrize("room", sorted(SOURCES))
+def test_each_room_imports_only_the_rooms_below_it(room):
+    files = sorted(SOURCES[room].glob("*.py")) + sorted(SOURCES[room].glob("*/*.py"))
+    assert files, f"no source in {SOURCES[room]}"
+    bad = [v for f in files for v in violations(room, f)]
+    assert not bad, "imports against the contract:\n" + "\n".join(bad)
+
+
+def test_the_contract_test_sees_a_violation(tmp_path):
+    """The checker itself: an upward import, one inside a function and a `from jobprobe import room` form are
+    caught; a TYPE_CHECKING one is not."""
+    f = tmp_path / "m.py"
+    f.write_text("from typing import TYPE_CHECKING\nfrom jobprobe.core import errors\nif TYPE_CHECKING:\n"
+                 "    from jobprobe.node.target import Target\n"
+                 "def f():\n    from jobprobe.node import agent\n    import jobprobe.cluster.store\n")
+    (tmp_path / "jobprobe").mkdir()
+    got = [m for _, m in imports(f)]
+    assert got == ["jobprobe.core.errors", "jobprobe.node.agent", "jobprobe.cluster.store"]
+
