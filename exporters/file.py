@@ -6,44 +6,18 @@ crash leaves at most the last frame cut short (`jobprobe read` says so and keeps
 frame again, so every file decodes on its own.
 
 Frames hold other users' command lines and stacks (shared SLURM nodes), so every file is 0600 and every directory
-made for them 0700, whatever the umask. `job_filename` maps a job to its file's name injectively: two jobs never
+made for them 0700, whatever the umask. `job_filename` (jobprobe/core/names.py) maps a job to its file's name injectively: two jobs never
 share a file (`a/b` and `a_b` are two files).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 
+from jobprobe.core.names import job_filename
+
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-MAX_NAME = 200       # escaped names longer than this are shortened with a hash (a file name is ≤ 255 bytes, and
-                     # the suffixes ".mpk", ".N" come on top)
-_KEEP = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
-
-
-def job_filename(job: str) -> str:
-    """A file name (no suffix) for a job, injective: ASCII letters, digits, `.` and `-` stay; every other byte of
-    the name's UTF-8 becomes `_xx` (two hex digits), `_` included — so `a/b` → `a_2fb` and `a_b` → `a_5fb`. A
-    leading `.` is escaped too (`_2e`): a name is never hidden, `.` or `..`. Escaping is reversible, hence
-    injective. A name that escapes to more than MAX_NAME characters keeps its first part and ends in `~` and the
-    SHA-256 of the whole name: `~` is never produced by escaping, so such a name meets no short one, and two long
-    ones meet only if SHA-256 collides."""
-    if not isinstance(job, str) or not job:
-        raise ValueError("a job name is a non-empty string")
-    out = []
-    for i, ch in enumerate(job):
-        if ch in _KEEP and not (i == 0 and ch == "."):
-            out.append(ch)
-        else:
-            out.extend(f"_{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
-    name = "".join(out)
-    if len(name) > MAX_NAME:
-        digest = hashlib.sha256(job.encode("utf-8", "surrogatepass")).hexdigest()
-        name = f"{name[:MAX_NAME - len(digest) - 1]}~{digest}"
-    return name
-
-
 def private_dir(path: str) -> None:
     """Make directory `path` and any missing parent, each 0700 whatever the umask. A directory that exists already
     is left as it is: `--out` may name a shared one (`/tmp`) that is not ours to close."""

@@ -8,7 +8,8 @@ import stat
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jobprobe.exporters.file import MAX_NAME, FileExporter, job_filename, job_path
+from jobprobe.core.names import MAX_FILE_NAME as MAX_NAME, job_filename
+from jobprobe.exporters.file import FileExporter, job_path
 from jobprobe.exporters.stdout import StdoutExporter, human_line
 from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 

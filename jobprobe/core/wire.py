@@ -10,11 +10,13 @@ Subjects:
 - `_INBOX_JP.<token>.>` — a node's own reply inbox (the JetStream acks of its frames): a node may subscribe to it
   and to nothing of another node's.
 
-`token(node)` is injective: letters, digits and `-` stay; every other byte of the name's UTF-8 becomes `_xx` (its
+`token(node)` is injective (jobprobe/core/names.py): ASCII letters, digits and `-` stay; every other byte of the name's UTF-8 becomes `_xx` (its
 two hex digits), `_` included. So `gpu.017` → `gpu_2e017` and `gpu_017` → `gpu_5f017`: two nodes never share a
 subject, and `node_of(token)` gives the name back.
 """
 from __future__ import annotations
+
+from jobprobe.core.names import SUBJECT_KEEP, escape, unescape
 
 FRAMES = "jobprobe.frames"            # .<token>
 CONTROL = "jobprobe.ctl.node"         # .<token>
@@ -25,15 +27,7 @@ MAX_TOKEN = 200                       # a node name longer than this is refused 
 
 def token(node: str) -> str:
     """A NATS subject token for a node name, injective (see the module's docstring)."""
-    if not isinstance(node, str) or not node:
-        raise ValueError("a node name is a non-empty string")
-    out = []
-    for ch in node:
-        if ch.isascii() and (ch.isalnum() or ch == "-"):
-            out.append(ch)
-        else:
-            out.extend(f"_{b:02x}" for b in ch.encode("utf-8", "surrogatepass"))
-    tok = "".join(out)
+    tok = escape(node, SUBJECT_KEEP, "node name")
     if len(tok) > MAX_TOKEN:
         raise ValueError(f"node name too long for a subject ({len(tok)} > {MAX_TOKEN} after escaping)")
     return tok
@@ -41,23 +35,12 @@ def token(node: str) -> str:
 
 def node_of(tok: str) -> str:
     """The node name a token stands for (token's inverse); ValueError for a string token() never makes."""
-    raw, i = bytearray(), 0
-    while i < len(tok):
-        ch = tok[i]
-        if ch == "_":
-            h = tok[i + 1:i + 3]
-            if len(h) != 2 or any(c not in "0123456789abcdef" for c in h):
-                raise ValueError(f"not a node token: {tok!r}")
-            raw.append(int(h, 16))
-            i += 3
-        elif ch.isascii() and (ch.isalnum() or ch == "-"):
-            raw += ch.encode()
-            i += 1
-        else:
-            raise ValueError(f"not a node token: {tok!r}")
-    name = raw.decode("utf-8", "surrogatepass")
-    if token(name) != tok:
-        raise ValueError(f"not a node token: {tok!r}")
+    try:
+        name = unescape(tok, SUBJECT_KEEP)
+        if len(tok) > MAX_TOKEN:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"not a node token: {tok!r}") from None
     return name
 
 

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from jobprobe.exporters.file import job_filename
+from jobprobe.core.names import job_filename
 
 log = logging.getLogger("jobprobe.trace")
 
