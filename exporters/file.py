@@ -42,7 +42,7 @@ def job_path(out_dir: str, job: str) -> str:
     return os.path.join(out_dir, f"{job_filename(job)}.mpk")
 
 
-class FileExporter:
+class FileSink:
     def __init__(self, path: str, max_mb: float | None = None, keep: int = 5):
         self.path = path
         self.max_bytes = int(max_mb * (1 << 20)) if max_mb else None
@@ -98,4 +98,4 @@ class FileExporter:
             self._fd = -1
 
     def __repr__(self) -> str:
-        return f"FileExporter({self.path!r})"
+        return f"FileSink({self.path!r})"

@@ -50,7 +50,7 @@ def human_line(frame: dict) -> str:
     return " ".join(parts)
 
 
-class StdoutExporter:
+class StdoutSink:
     def __init__(self, fmt: str = "human", stream: IO[str] | None = None):
         if fmt not in ("human", "json"):
             raise ValueError(f"unknown stdout format {fmt!r} (human or json)")
@@ -72,4 +72,4 @@ class StdoutExporter:
             pass
 
     def __repr__(self) -> str:
-        return f"StdoutExporter({self.fmt})"
+        return f"StdoutSink({self.fmt})"

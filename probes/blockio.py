@@ -46,7 +46,7 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.node.probe import Field
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 from jobprobe.kernel.bpf import RAW
 from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel import tracefs

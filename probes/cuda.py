@@ -37,8 +37,9 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.node.probe import EVENTS_KEY, Field
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import elf as _elf
 from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.membership import Node
@@ -264,9 +265,9 @@ class CudaProbe(BpfProbe):
             return str(err)
         return None
 
-    def load(self, target: Target) -> _bpf.Loaded:
+    def load(self, target: Target) -> _bpfload.Loaded:
         """The programs are loaded unattached: uprobes are attached here, per library file, as files are found."""
-        return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
+        return _bpfload.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
                          pinned=self.pinned(),
                          uprobes=PROGRAMS)
 

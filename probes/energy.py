@@ -26,7 +26,7 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
 from jobprobe.node.probe import Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 ZONE = re.compile(r"^(intel|amd)-rapl:(\d+)$")
 

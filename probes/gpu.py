@@ -20,91 +20,15 @@ per tick; no thread, no NVML background polling of our own.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.kernel.host import Host, find_cgroup_v1_mount
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import EVENTS_KEY, Field, Probe
-from jobprobe.node.target import Target, cgroup2_path_of
-from jobprobe.kernel import procfs
+from jobprobe.node.targets.base import Target
 from jobprobe.kernel.devcg import DeviceRules
-from jobprobe.devices.nvml import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig, Nvml  # noqa: F401
-
-ENV_KEYS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-NVIDIA_MAJOR = "195"
-NOT_GPU_MINORS = 254     # 195:254 is nvidia-modeset, 195:255 nvidiactl; GPUs are 195:0…253
-
-
-# ---- rule env: CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES ----------------------------------------------------
-def read_visible_env(proc: str, pid: int) -> dict[str, str]:
-    return procfs.environ(proc, pid, ENV_KEYS)
-
-
-def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:
-    """GPU indices a *_VISIBLE_DEVICES value names. Integers count within `base` (the GPUs the process can see);
-    GPU-UUIDs (or a unique prefix, as CUDA accepts) name a GPU outright. Like CUDA, an entry that names nothing
-    ends the list. MIG devices are visible_migs()' business."""
-    v = value.strip()
-    if v.lower() in ("", "none", "void", "nodevfiles"):
-        return set()
-    if v.lower() == "all":
-        return {g.index for g in base}
-    out: set[int] = set()
-    for item in (s.strip() for s in v.split(",")):
-        if item.startswith("MIG-"):
-            continue
-        if item.isdigit() and int(item) < len(base):
-            out.add(base[int(item)].index)
-            continue
-        hits = [g for g in gpus if item.startswith("GPU-") and g.uuid and g.uuid.startswith(item)]
-        if len(hits) != 1:
-            break
-        out.add(hits[0].index)
-    return out
-
-
-def visible_migs(value: str, gpus: list[Gpu]) -> set[tuple[int, int]]:
-    """(GPU index, slot) of the MIG devices a *_VISIBLE_DEVICES value names: `MIG-<uuid>` (or a unique prefix), or
-    the older `MIG-GPU-<gpu uuid>/<gpu instance>/<compute instance>`."""
-    migs = [m for g in gpus for m in g.migs]
-    out: set[tuple[int, int]] = set()
-    for item in (s.strip() for s in value.split(",")):
-        if item.startswith("MIG-GPU-") and item.count("/") == 2:
-            uuid, gi, ci = item[len("MIG-"):].split("/")
-            hits = [m for m in migs if m.parent.uuid == uuid and str(m.gi) == gi and str(m.ci) == ci]
-        elif item.startswith("MIG-"):
-            hits = [m for m in migs if m.uuid and m.uuid.startswith(item)]
-        else:
-            continue
-        if len(hits) == 1:
-            out.add((hits[0].index, hits[0].slot))
-    return out
-
-
-# ---- rule devices: the v1 device cgroup (SLURM ConstrainDevices, container runtimes on v1 hosts) ---------------
-def v1_mount(mountinfo: str, controller: str = "devices") -> tuple[str, str] | None:
-    """(mount point, root) of the v1 hierarchy that carries `controller`, from mountinfo; None if none."""
-    return find_cgroup_v1_mount(mountinfo, controller)
-
-
-def cgroup_v1_path(proc: str, pid: int, controller: str = "devices") -> str | None:
-    return procfs.cgroup_v1_path(proc, pid, controller)
-
-
-def allowed_gpu_minors(devices_list: str) -> set[int] | None:
-    """GPU minors a devices.list allows; None when it does not restrict GPUs (`a *:* rwm`, `c 195:* …`)."""
-    minors: set[int] = set()
-    for line in devices_list.splitlines():
-        parts = line.split()
-        if len(parts) != 3:
-            continue
-        kind, devno, _ = parts
-        major, _, minor = devno.partition(":")
-        if kind == "a" or (kind == "c" and major in (NVIDIA_MAJOR, "*") and minor == "*"):
-            return None
-        if kind == "c" and major == NVIDIA_MAJOR and minor.isdigit() and int(minor) < NOT_GPU_MINORS:
-            minors.add(int(minor))
-    return minors
+from jobprobe.devices.gpuowner import cgroup_and_env
+from jobprobe.devices.nvml import Nvml
+from jobprobe.devices.nvmltypes import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig  # noqa: F401
 
 
 class GpuProbe(Probe):
@@ -295,7 +219,8 @@ class GpuProbe(Probe):
                 procs[g.index] = p
             migs += g.migs
             mig_procs.update((m, q) for m, q in on_migs.items() if q is not None)
-        devices, env, env_migs = self._cgroup_and_env(pids)
+        devices, env, env_migs = cgroup_and_env(nvml.gpus, pids, self.host.proc, self.host.mountinfo,
+                                                self.host.cgroup2, self.devcg)
         mig_rules: dict[Mig, str] = {}
         for m in migs:
             if pids & mig_procs.get(m, {}).keys():
@@ -318,54 +243,6 @@ class GpuProbe(Probe):
             elif g.lost and g.index in self.rules:
                 rules[g.index] = self.rules[g.index]   # it was the job's when it fell off the bus
         return rules, procs, mig_rules, mig_procs
-
-    def _cgroup_and_env(self, pids: set[int]) -> tuple[set[int], set[int], set[tuple[int, int]]]:
-        """GPUs the job's device cgroups allow, GPUs its *_VISIBLE_DEVICES name, and MIG devices they name.
-        Integer indices count within what the process can see: the GPUs NVIDIA_VISIBLE_DEVICES names (a
-        container), else those its device cgroup allows, else all in NVML order (CUDA_DEVICE_ORDER=PCI_BUS_ID;
-        UUIDs are exact either way)."""
-        gpus, proc = self.nvml.gpus, self.host.proc
-        mount = v1_mount(self.host.mountinfo)
-        v2 = self.host.cgroup2
-        gpu_minors = {g.minor for g in gpus if g.minor is not None and 0 <= g.minor < NOT_GPU_MINORS}
-        lists: dict[str, set[int] | None] = {}    # devices.list read once per cgroup per tick
-        devices: set[int] = set()
-        env: set[int] = set()
-        env_migs: set[tuple[int, int]] = set()
-        for pid in sorted(pids):
-            allowed = None
-            path = cgroup_v1_path(proc, pid) if mount else None
-            if path is not None and (path + "/").startswith(mount[1].rstrip("/") + "/"):
-                full = str(Path(mount[0], path[len(mount[1].rstrip("/")):].lstrip("/"), "devices.list"))
-                if full not in lists:
-                    try:
-                        lists[full] = allowed_gpu_minors(Path(full).read_text())
-                    except OSError:
-                        lists[full] = None
-                minors = lists[full]
-                if minors is not None:
-                    allowed = {g.index for g in gpus if g.minor in minors}
-                    devices |= allowed
-            if allowed is None and v2 and (path := cgroup2_path_of(proc, pid)) is not None:
-                full = str(Path(v2, path.lstrip("/")))
-                if full not in lists:
-                    lists[full] = self.devcg.allowed_minors(full, int(NVIDIA_MAJOR), gpu_minors)
-                minors = lists[full]
-                if minors is not None:
-                    allowed = {g.index for g in gpus if g.minor in minors}
-                    devices |= allowed
-            vis = read_visible_env(proc, pid)
-            for value in vis.values():
-                env_migs |= visible_migs(value, gpus)
-            base = gpus if allowed is None else [g for g in gpus if g.index in allowed]
-            if "NVIDIA_VISIBLE_DEVICES" in vis:
-                named = parse_visible(vis["NVIDIA_VISIBLE_DEVICES"], gpus, base)
-                base = [g for g in base if g.index in named]
-                if "CUDA_VISIBLE_DEVICES" not in vis:
-                    env |= named
-            if "CUDA_VISIBLE_DEVICES" in vis:
-                env |= parse_visible(vis["CUDA_VISIBLE_DEVICES"], gpus, base)
-        return devices, env, env_migs
 
     # ---- one tick ----------------------------------------------------------------------------------------
     def sample(self) -> dict:

@@ -28,8 +28,9 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta
 from jobprobe.node.probe import EVENTS_KEY, Field
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.membership import Node
@@ -253,11 +254,11 @@ class NetProbe(BpfProbe):
         self.source, self.emit = "syscalls", self.fields_for("syscalls")
         super().start(target)
 
-    def load(self, target: Target) -> _bpf.Loaded:
+    def load(self, target: Target) -> _bpfload.Loaded:
         """The packets programs are loaded unlinked (the cgroup skb functions as programs of their hook's type):
         start() links them to each job's group."""
         cgroups = [(fn, "", hook) for fn, hook in SKB] if self.source == "packets" else []
-        return _bpf.load(self.bpf_name, self.cflags_for(self.source), self.all_handlers(), sys_root=self.host.sys,
+        return _bpfload.load(self.bpf_name, self.cflags_for(self.source), self.all_handlers(), sys_root=self.host.sys,
                          cgroups=cgroups, pinned=self.pinned())
 
     def stop(self) -> None:
@@ -277,7 +278,7 @@ class NetProbe(BpfProbe):
         counters = dict(zip(COUNTERS + RTT, self.slot_sums()))
         peers: dict[tuple[str, int], tuple[int, int]] = {}
         table = self.loaded.maps["peers"]
-        by_slot = tickmemo.get(("peers", id(table)), lambda: _by_slot(table.items()))   # once a tick, every job
+        by_slot = tickmemo.get(("peers", table), lambda: _by_slot(table.items()))   # once a tick, every job
         for key, val in by_slot.get(self.slot, ()):
             name = (peer_addr(key.family, bytes(key.addr)), key.port)
             tx, rx = peers.get(name, (0, 0))   # a v4-mapped and a plain v4 entry of one peer add up

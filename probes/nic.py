@@ -32,7 +32,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.kernel import ethtool, procfs, rtnl
 from jobprobe.core.counters import delta
 from jobprobe.node.probe import Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 RECHECK_S = 10.0           # the job's namespace and environment looked at again
 ENV_KEYS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

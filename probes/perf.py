@@ -32,7 +32,8 @@ from typing import Any
 from jobprobe.core.errors import ProbeFailed, ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field, Probe
-from jobprobe.node.target import Target, read_ppid
+from jobprobe.node.targets.base import Target
+from jobprobe.kernel.procfs import read_ppid
 from jobprobe.kernel import perf as _perf
 
 # _perf event name → field name (task-clock is a time, so it carries its unit in the name).

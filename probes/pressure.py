@@ -20,7 +20,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
 from jobprobe.core.counters import delta
 from jobprobe.node.probe import Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 RESOURCES = {"cpu": "a CPU (runnable, not running)", "mem": "memory", "io": "I/O", "irq": "IRQ handling"}
 FILES = {"cpu": "cpu.pressure", "mem": "memory.pressure", "io": "io.pressure", "irq": "irq.pressure"}

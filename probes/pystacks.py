@@ -28,7 +28,7 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.devices.pyproc import is_python, py_spy, role
 from jobprobe.node.probe import STACKS_KEY, Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 TOP = 20
 RECHECK_S = 2.0                # the job's Python processes looked for again

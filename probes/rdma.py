@@ -44,7 +44,7 @@ from jobprobe.kernel import ethtool, procfs, rdmanl
 from jobprobe.devices import rdma
 from jobprobe.core.counters import delta
 from jobprobe.node.probe import EVENTS_KEY, Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 RECHECK_S = 10.0
 SYMBOL_FATAL_PER_H = 120

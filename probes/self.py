@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import resource
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
 from jobprobe.node import tickmemo
 from jobprobe.node.probe import Field, Probe
+
+if TYPE_CHECKING:
+    from jobprobe.kernel.membership import Node
 
 
 def status_kib(text: str, key: str) -> int:
@@ -64,6 +67,12 @@ class SelfProbe(Probe):
         super().__init__(host)
         self.sinks = sinks
         self._sink_prev: dict[str, dict] = {}   # counters at the last sample; a new sink counts from 0
+
+    @classmethod
+    def build(cls, host: Host, node: Node | None = None,
+              sinks: Callable[[], dict[str, dict]] | None = None) -> SelfProbe:
+        """One job's instance, given its sinks' counters (the agent's; None: the sink fields are absent)."""
+        return cls(host, sinks=sinks)
 
     def _read(self) -> tuple[float, int, int, int]:
         return tickmemo.get(("self", self.host.proc), self._read_now)   # the same for every job of a tick

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobprobe.kernel.host import Host  # noqa: E402
-from jobprobe.node.target import PidTreeTarget  # noqa: E402
+from jobprobe.node.targets.pidtree import PidTreeTarget  # noqa: E402
 from jobprobe.probes.sched import SchedProbe  # noqa: E402
 from jobprobe.probes.syscalls import SyscallsProbe  # noqa: E402
 

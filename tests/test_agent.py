@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, TESTS, wait_for, workload
-from jobprobe.node.agent import Agent, Config, JobSpec
+from jobprobe.node.agent import Agent
+from jobprobe.node.config import Config
+from jobprobe.node.jobspec import JobSpec
 from jobprobe.node.control import ControlServer, call
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import StreamReader

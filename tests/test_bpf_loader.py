@@ -1,5 +1,5 @@
-"""The loader/reader split (jobprobe/kernel/bpf.py, jobprobe/kernel/bpf_loader.py): unit tests of the bpf(2) attr packing, per-CPU
-sizing and the fd-passing reply, then real programs and maps on the real kernel (kernel tier).
+"""The loader/reader split (jobprobe/kernel/bpf.py, bpfmap.py, bpfload.py, bpf_loader.py): unit tests of the bpf(2)
+attr packing, per-CPU sizing and the fd-passing reply, then real programs and maps on the real kernel (kernel tier).
 
 Independent references: the UAPI header compiled by gcc (struct offsets, enum values), the kernel's own view of
 each map (BPF_OBJ_GET_INFO_BY_FD), a workload's own /proc/self/status switch counts, and /proc/PID/maps.
@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.node.target import CgroupTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
+from jobprobe.kernel import bpfmap as _bpfmap
 from jobprobe.probes.sched import SchedProbe
 from tests.conftest import TESTS, prog_exists, workload
 
@@ -37,8 +39,8 @@ class PC(ct.Structure):
     _fields_ = [("switches", ct.c_uint32), ("tag", ct.c_uint32), ("spare", ct.c_uint32)]
 
 
-def load_test(cflags=(), tracepoints=()) -> _bpf.Loaded:
-    return _bpf.load("loader_test", ["-w", *cflags], list(tracepoints), text=TEST_C.read_text())
+def load_test(cflags=(), tracepoints=()) -> _bpfload.Loaded:
+    return _bpfload.load("loader_test", ["-w", *cflags], list(tracepoints), text=TEST_C.read_text())
 
 
 def open_fds(kind: str | None = None) -> int:
@@ -105,7 +107,7 @@ def test_attr_layout_matches_the_uapi_header(tmp_path):
              if ln.startswith(("cmds", "percpu", "flags"))}
     assert lines["cmds"] == [_bpf.MAP_LOOKUP_ELEM, _bpf.MAP_UPDATE_ELEM, _bpf.MAP_DELETE_ELEM, _bpf.MAP_GET_NEXT_KEY,
                              _bpf.OBJ_GET_INFO_BY_FD, _bpf.MAP_LOOKUP_BATCH, _bpf.ENABLE_STATS, _bpf.STATS_RUN_TIME]
-    assert set(lines["percpu"]) == _bpf.PERCPU_TYPES
+    assert set(lines["percpu"]) == _bpfmap.PERCPU_TYPES
     assert lines["flags"] == [_bpf.ANY, _bpf.NOEXIST, _bpf.EXIST]
 
 
@@ -121,8 +123,8 @@ def test_possible_cpus_and_percpu_stride(tmp_path):
     f.parent.mkdir(parents=True)
     for text, n in (("0\n", 1), ("0-3\n", 4), ("0,2-3\n", 3), ("0-63\n", 64)):
         f.write_text(text)
-        assert _bpf.possible_cpus(str(tmp_path)) == n
-    assert [_bpf.percpu_stride(s) for s in (1, 8, 12, 16, 256)] == [8, 8, 16, 16, 256]
+        assert _bpfmap.possible_cpus(str(tmp_path)) == n
+    assert [_bpfmap.percpu_stride(s) for s in (1, 8, 12, 16, 256)] == [8, 8, 16, 16, 256]
 
 
 class FakeKernel:
@@ -154,8 +156,8 @@ class FakeKernel:
 
 def test_percpu_values_are_padded_to_8_bytes_per_cpu(monkeypatch):
     fake = FakeKernel(value_len=3 * 16)
-    monkeypatch.setattr(_bpf, "sys_bpf", fake)
-    m = _bpf.Map(7, "pc", 6, 4, 12, 4, ncpus=3).typed(ct.c_uint32, PC)
+    monkeypatch.setattr(_bpfmap, "sys_bpf", fake)
+    m = _bpfmap.Map(7, "pc", 6, 4, 12, 4, ncpus=3).typed(ct.c_uint32, PC)
     assert m.percpu and m.stride == 16
     m.update(2, [PC(i, 100 + i, 0) for i in range(3)])
     raw = fake.data[struct.pack("I", 2)]
@@ -172,7 +174,7 @@ def test_sums_at_sums_each_column_over_cpus_and_sums_again_only_what_changed(ncp
     of summing: few CPUs, many); a slot whose
     bytes did not change is answered from the last sums, one that did is summed anew; a caller changing the list
     it got changes nothing."""
-    m = _bpf.Map(-1, "stats", 6, 4, 24, 4, ncpus=ncpus)
+    m = _bpfmap.Map(-1, "stats", 6, 4, 24, 4, ncpus=ncpus)
     assert m.stride == 24
 
     def raw_of(vals):   # vals[slot][cpu] = (a, b, c)
@@ -192,8 +194,8 @@ def test_sums_at_sums_each_column_over_cpus_and_sums_again_only_what_changed(ncp
 
 def test_items_fall_back_to_per_key_lookups_when_batch_is_refused(monkeypatch):
     fake = FakeKernel(value_len=8)
-    monkeypatch.setattr(_bpf, "sys_bpf", fake)
-    m = _bpf.Map(7, "h", 1, 4, 8, 64).typed(ct.c_uint32, ct.c_uint64)
+    monkeypatch.setattr(_bpfmap, "sys_bpf", fake)
+    m = _bpfmap.Map(7, "h", 1, 4, 8, 64).typed(ct.c_uint32, ct.c_uint64)
     for k in (5, 1, 3):
         m.update(k, k * 10)
     assert m.items() == [(1, 10), (3, 30), (5, 50)] and m.keys() == [1, 3, 5]
@@ -205,7 +207,7 @@ def test_items_fall_back_to_per_key_lookups_when_batch_is_refused(monkeypatch):
 
 
 def test_typed_checks_sizes_and_raw_bytes_work_untyped():
-    m = _bpf.Map(-1, "h", 1, 4, 8, 64)
+    m = _bpfmap.Map(-1, "h", 1, 4, 8, 64)
     with pytest.raises(ValueError, match="key type c_ulong is 8 bytes"):
         m.typed(ct.c_uint64, ct.c_uint64)
     with pytest.raises(TypeError):
@@ -220,7 +222,7 @@ def test_receive_takes_fds_close_on_exec_and_closes_them_on_a_bad_reply():
     r, w = os.pipe()
     try:
         socket.send_fds(b, [json.dumps({"nfds": 2}).encode()], [r, w])
-        meta, fds = _bpf.receive(a)
+        meta, fds = _bpfload.receive(a)
         assert meta == {"nfds": 2} and len(fds) == 2
         assert all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in fds)
         for fd in fds:
@@ -228,11 +230,11 @@ def test_receive_takes_fds_close_on_exec_and_closes_them_on_a_bad_reply():
         before = open_fds()
         socket.send_fds(b, [json.dumps({"nfds": 1}).encode()], [r, w])     # says 1, sends 2
         with pytest.raises(OSError, match="sent 2 fds"):
-            _bpf.receive(a)
+            _bpfload.receive(a)
         assert open_fds() == before
         b.close()
         with pytest.raises(OSError, match="without a reply"):
-            _bpf.receive(a)
+            _bpfload.receive(a)
     finally:
         os.close(r), os.close(w), a.close(), b.close()
 
@@ -272,7 +274,7 @@ def test_programs_stay_attached_after_the_loader_exits(make_cgroup):
 
 AGENT = r"""
 import json, os, sys, time
-from jobprobe.node.target import PidTreeTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.sched import SchedProbe
 p = SchedProbe()
 p.start(PidTreeTarget([os.getpid()]))
@@ -344,7 +346,7 @@ def test_hash_map_ops_match_the_kernels_view(monkeypatch):
         with pytest.raises(FileNotFoundError):
             m.update(1000, 0, flags=_bpf.EXIST)
         assert sorted(m.keys()) == list(range(300))
-        monkeypatch.setattr(_bpf, "BATCH", 64)            # several batch calls, the last one ending in ENOENT
+        monkeypatch.setattr(_bpfmap, "BATCH", 64)         # several batch calls, the last one ending in ENOENT
         assert sorted(m.items()) == [(k, k * k) for k in range(300)] and m._batch_ok
         m._batch_ok = False
         assert sorted(m.items()) == [(k, k * k) for k in range(300)]
@@ -356,7 +358,7 @@ def test_hash_map_ops_match_the_kernels_view(monkeypatch):
 def test_percpu_array_ops():
     with load_test() as loaded:
         pa = loaded.maps["percpu"].typed(ct.c_uint32, PC)
-        assert pa.percpu and (pa.value_size, pa.stride, pa.ncpus) == (12, 16, _bpf.possible_cpus())
+        assert pa.percpu and (pa.value_size, pa.stride, pa.ncpus) == (12, 16, _bpfmap.possible_cpus())
         vals = [PC(i + 1, 100 + i, 7) for i in range(pa.ncpus)]
         pa.update(2, vals)
         assert [(v.switches, v.tag, v.spare) for v in pa.lookup(2)] == [(i + 1, 100 + i, 7) for i in range(pa.ncpus)]
@@ -431,25 +433,25 @@ def test_a_load_that_pins_leaves_no_directory_behind(how, tmp_path, monkeypatch)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert tempfile.gettempdir() == str(tmp_path)
     seen: list[str] = []
-    real = _bpf.run_loader
+    real = _bpfload.run_loader
 
     def run_loader(*args, **kwargs):                      # the directory exists while the loader runs
         seen.extend(pin_dirs(tmp_path))
         return real(*args, **kwargs)
-    monkeypatch.setattr(_bpf, "run_loader", run_loader)
+    monkeypatch.setattr(_bpfload, "run_loader", run_loader)
     with load_test() as owner:
         mine = owner.maps["counts"]
         mine.typed(ct.c_uint32, ct.c_uint64)
         mine.update(7, 49)
         text = PINNED_C + ("this is not C;" if how == "compile-error" else "")
         if how == "loaded":
-            with _bpf.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd}) as loaded:
+            with _bpfload.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd}) as loaded:
                 got = loaded.maps["shared"]
                 assert _bpf.map_info(got.fd).id == _bpf.map_info(mine.fd).id      # the very map, by its pin
                 assert got.typed(ct.c_uint32, ct.c_uint64).lookup(7) == 49
         else:
             with pytest.raises(ProbeUnavailable):
-                _bpf.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd},
+                _bpfload.load("pinned_test", ["-w"], [], text=text, pinned={"shared": mine.fd},
                           timeout=0.05 if how == "timeout" else 120.0)
     assert len(seen) == 1 and seen[0].startswith("jobprobe-pins-")
     assert pin_dirs(tmp_path) == []

@@ -8,8 +8,8 @@ import pytest
 
 from jobprobe.node import registry
 from jobprobe.node.probe import Field
-from jobprobe.node.target import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
+from jobprobe.node.targets.pidtree import PidTreeTarget
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.probes.sched import SchedProbe
 
@@ -50,10 +50,10 @@ class CountingProbe(BpfProbe):
     def __init__(self, misses):
         super().__init__()
         self.misses = misses
-        self.loaded = self       # stands in for _bpf.Loaded: prog_stats() is all that bpf_missed reads
+        self.loaded = self       # stands in for _bpfload.Loaded: prog_stats() is all that bpf_missed reads
 
     def prog_stats(self):
-        return {name: _bpf.ProgStats(0, 0, m) for name, m in zip(("a", "b"), self.misses)}
+        return {name: _bpfload.ProgStats(0, 0, m) for name, m in zip(("a", "b"), self.misses)}
 
     def sync_members(self):
         pass
@@ -91,7 +91,7 @@ def test_in_an_agent_tick_every_jobs_slot_comes_from_one_read_equal_to_its_own_l
     from jobprobe.kernel.membership import Node
     from jobprobe.probes.blockio import BlockioProbe
     from jobprobe.probes.net import NetProbe
-    from jobprobe.node.target import CgroupTarget
+    from jobprobe.node.targets.cgroup import CgroupTarget
     node = Node()
     groups = [make_cgroup(), make_cgroup()]
     busy = [g.spawn(["sleep", "60"]) for g in groups]

@@ -15,10 +15,12 @@ import pytest
 
 from conftest import workload
 from jobprobe.kernel.host import Host
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel.taskstats import ExitRecord
-from jobprobe.probes import cgroup as cgroup_mod
-from jobprobe.probes.cgroup import CLK_TCK, PAGE, CgroupProbe, PerPid, ThreadAcct, io_stat_bytes, proc_counters, read_kv
+from jobprobe.kernel import threadacct as threadacct_mod
+from jobprobe.kernel.threadacct import CLK_TCK, PAGE, PerPid, ThreadAcct, proc_counters
+from jobprobe.probes.cgroup import CgroupProbe, io_stat_bytes, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK
 ROOT = Path(__file__).resolve().parent.parent
@@ -461,8 +463,8 @@ def test_a_job_idle_between_io_bursts_is_counted_whole(make_cgroup, tmp_path, mo
         f.write(os.urandom(32 << 20))
         os.fsync(f.fileno())
     walks = []
-    real = cgroup_mod.thread_counters
-    monkeypatch.setattr(cgroup_mod, "thread_counters", lambda *a, **k: walks.append(1) or real(*a, **k))
+    real = threadacct_mod.thread_counters
+    monkeypatch.setattr(threadacct_mod, "thread_counters", lambda *a, **k: walks.append(1) or real(*a, **k))
     cg = make_cgroup()
     job = cg.spawn([sys.executable, "-c", BURSTS, str(data), "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                    text=True)

@@ -244,3 +244,27 @@ def test_a_reply_sent_before_the_request_was_read_still_reaches_the_client(tmp_p
         t.join(10)
         srv.close()
     assert reply == {"ok": False, "error": "permission denied: the agent serves root only"}
+
+
+def every_command() -> list[list[str]]:
+    """Every command and sub-command the parser has, as argv prefixes."""
+    import argparse
+
+    from jobprobe.cli import build_parser
+
+    def walk(p, prefix):
+        out = [prefix]
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    out += walk(sub, prefix + [name])
+        return out
+    return walk(build_parser(), [])
+
+
+@pytest.mark.parametrize("argv", every_command(), ids=lambda a: " ".join(a) or "jobprobe")
+def test_every_commands_help_prints_and_exits_0(argv):
+    from jobprobe.cli import build_parser
+    with pytest.raises(SystemExit) as ex:
+        build_parser().parse_args(argv + ["--help"])
+    assert ex.value.code == 0

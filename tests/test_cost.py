@@ -135,7 +135,8 @@ def test_query_summary_and_the_report_show_the_cost(store, tmp_path):
 def test_the_controllers_metrics_carry_each_jobs_cost_and_energy(store, tmp_path):
     pytest.importorskip("prometheus_client", reason="installed by make test")
     from prometheus_client import CollectorRegistry, generate_latest
-    from jobprobe.cluster.controller import Controller, MetricsCollector
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.metrics import MetricsCollector
     (tmp_path / "p.toml").write_text(PRICES)
     ctl = Controller(Store(tmp_path / "ctl.db"), "nats://127.0.0.1:1", prices=str(tmp_path / "p.toml"))
     _, rows = store.sql("SELECT body FROM frames ORDER BY t")

@@ -25,7 +25,8 @@ import pytest
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import elf as _elf
 from jobprobe.node.bpfprobe import MISSED

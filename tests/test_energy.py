@@ -15,7 +15,7 @@ import pytest
 
 from jobprobe.kernel.host import Host
 from jobprobe.probes.energy import EnergyProbe, busy_ticks, wrapped
-from jobprobe.node.target import CgroupTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
 
 TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from jobprobe.core.names import MAX_FILE_NAME as MAX_NAME, job_filename
-from jobprobe.exporters.file import FileExporter, job_path
-from jobprobe.exporters.stdout import StdoutExporter, human_line
+from jobprobe.exporters.file import FileSink, job_path
+from jobprobe.exporters.stdout import StdoutSink, human_line
 from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 
 
@@ -31,7 +31,7 @@ def read_all(path):
 def test_append_keeps_earlier_frames(tmp_path):
     out = tmp_path / "f.mpk"
     for _ in range(2):
-        exp = FileExporter(str(out))
+        exp = FileSink(str(out))
         for f in stream(3):
             exp.write(f, encode(f))
         exp.close()
@@ -41,7 +41,7 @@ def test_append_keeps_earlier_frames(tmp_path):
 
 def test_rotation_by_size_starts_each_file_with_hello(tmp_path):
     out = tmp_path / "f.mpk"
-    exp = FileExporter(str(out), max_mb=0.002, keep=3)   # ~2 KiB per file
+    exp = FileSink(str(out), max_mb=0.002, keep=3)   # ~2 KiB per file
     frames = list(stream(60))
     for f in frames:
         exp.write(f, encode(f))
@@ -59,7 +59,7 @@ def test_rotation_by_size_starts_each_file_with_hello(tmp_path):
 
 def test_stdout_human_and_json():
     buf = io.StringIO()
-    exp = StdoutExporter("json", buf)
+    exp = StdoutSink("json", buf)
     frames = list(stream(1))
     for f in frames:
         exp.write(f, encode(f))
@@ -95,7 +95,7 @@ def test_frames_are_0600_in_0700_dirs_whatever_the_umask(tmp_path, open_umask):
     path = job_path(str(out), "slurm/42")
     assert os.path.dirname(path) == str(out)
     assert [mode(d) for d in (tmp_path / "a", tmp_path / "a" / "b", out)] == [0o700] * 3
-    exp = FileExporter(path, max_mb=0.002, keep=2)      # rotation makes new files: they are private too
+    exp = FileSink(path, max_mb=0.002, keep=2)      # rotation makes new files: they are private too
     for f in stream(60):
         exp.write(f, encode(f))
     exp.close()
@@ -110,7 +110,7 @@ def test_an_existing_file_is_narrowed_an_existing_dir_left_alone(tmp_path, open_
     old.write_bytes(b"")
     os.chmod(old, 0o644)                                # written by an older version
     job_path(str(shared), "j")                          # --out /tmp is not ours to close
-    FileExporter(str(old)).close()
+    FileSink(str(old)).close()
     assert mode(shared) == 0o755 and mode(old) == 0o600
 
 

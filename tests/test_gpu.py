@@ -19,10 +19,12 @@ from fake_nvml.state import HERE as FAKE_DIR, FakeState, build
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.node.sampler import Sampler
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.devices.nvml import decode_reasons
-from jobprobe.probes.gpu import NO_DRIVER, GpuProbe, allowed_gpu_minors, parse_visible
+from jobprobe.devices.nvmltypes import decode_reasons
+from jobprobe.devices.gpuowner import allowed_gpu_minors, parse_visible
+from jobprobe.probes.gpu import NO_DRIVER, GpuProbe
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

@@ -34,7 +34,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import free_port, until
 
-from jobprobe.cluster.controller import CONTROLLER_RUN, Controller, stats
+from jobprobe.cluster.controller import CONTROLLER_RUN, Controller
+from jobprobe.cluster.metrics import stats
 from jobprobe.core.errors import BadInput
 from jobprobe.core.wire import host_port
 from jobprobe.core.frame import FrameBuilder, encode

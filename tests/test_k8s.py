@@ -13,7 +13,7 @@ import pytest
 
 from conftest import workload
 from jobprobe.core.errors import BadInput
-from jobprobe.node.target import k8s_pod_cgroup, k8s_pod_target
+from jobprobe.node.targets.k8s import k8s_pod_cgroup, k8s_pod_target
 
 UID = "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4f5"
 OTHER = "0f6c1d2e-3b4a-4c5d-8e9f-a0b1c2d3e4f6"

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE_CONTRACT = {"jobprobe.node.probe", "jobprobe.node.bpfprobe", "jobprobe.node.tickmemo", "jobprobe.node.target"}
+PROBE_CONTRACT = {"jobprobe.node.probe", "jobprobe.node.bpfprobe", "jobprobe.node.tickmemo",
+                  "jobprobe.node.targets.base"}
 # room → the rooms (jobprobe.<room>) it may import, itself included
 ALLOWED = {
     "core": {"core"},
@@ -65,9 +66,16 @@ def test_the_contract_test_sees_a_violation(tmp_path):
     caught; a TYPE_CHECKING one is not."""
     f = tmp_path / "m.py"
     f.write_text("from typing import TYPE_CHECKING\nfrom jobprobe.core import errors\nif TYPE_CHECKING:\n"
-                 "    from jobprobe.node.target import Target\n"
+                 "    from jobprobe.node.targets.base import Target\n"
                  "def f():\n    from jobprobe.node import agent\n    import jobprobe.cluster.store\n")
     (tmp_path / "jobprobe").mkdir()
     got = [m for _, m in imports(f)]
     assert got == ["jobprobe.core.errors", "jobprobe.node.agent", "jobprobe.cluster.store"]
 
+
+
+def test_no_source_file_is_over_450_lines():
+    files = [p for d in (ROOT / "jobprobe", ROOT / "probes", ROOT / "exporters") for p in d.rglob("*.py")
+             if not any(part in ("probes", "exporters", "bpf") for part in p.relative_to(ROOT).parts[1:-1])]
+    long = sorted((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in files if not p.is_symlink())
+    assert long and all(n <= 450 for n, _ in long), [x for x in long if x[0] > 450]

@@ -132,7 +132,8 @@ def spooled(spool) -> list[dict]:
 
 
 def test_an_idle_agent_spools_one_heartbeat_per_tick_only_when_nothing_waits_and_announces_its_stop(tmp_path):
-    from jobprobe.node.agent import Agent, Config
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.config import Config
     cfg = Config(nats="nats://127.0.0.1:1", spool=str(tmp_path / "spool"), node="n1", interval=0.5,
                  state=str(tmp_path / "jobs.json"), socket=str(tmp_path / "agent.sock"))
     agent = Agent(cfg)

@@ -23,7 +23,8 @@ from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe import bpf
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import EVENTS_KEY
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.btf import enum_values as btf_enum_values
 from jobprobe.probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,
@@ -187,7 +188,7 @@ def test_oom_event_converts_units_and_time():
 class FakeMap(dict):
     resolve: dict[int, int] = {}    # pid → the slot its exit sets between the walk and the second look
 
-    def items(self):                # a list, as _bpf.Map gives
+    def items(self):                # a list, as bpfmap.Map gives
         return list(super().items())
 
     def lookup(self, k):

@@ -564,7 +564,7 @@ def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bo
 def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_the_start_included(tmp_path):
     """A run whose first 5 frames never arrived, and whose frames that carried 50 of its 150 dropped frames' counts
     were dropped too: the running total says 150, seq says 5 missing, the start's gap is 5 intervals."""
-    from jobprobe.cluster.controller import stats
+    from jobprobe.cluster.metrics import stats
     from jobprobe.cluster.store import Store
     store = Store(tmp_path / "s.db")
     frames = []

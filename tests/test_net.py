@@ -23,8 +23,10 @@ from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import EVENTS_KEY
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
@@ -149,7 +151,7 @@ def test_hooks_follow_what_tracefs_offers(tmp_path):
 
 def test_load_refuses_an_unknown_cgroup_hook():
     with pytest.raises(ValueError, match="unknown cgroup hook"):
-        _bpf.load("net", [], [], text="", cgroups=[("f", "/", "cgroup_skb/sideways")])
+        _bpfload.load("net", [], [], text="", cgroups=[("f", "/", "cgroup_skb/sideways")])
 
 
 UAPI = r"""
@@ -401,7 +403,7 @@ def test_retransmits_match_the_sockets_own_count(probe, make_cgroup, net, kind):
     sink_cg, cg = make_cgroup(), make_cgroup()
     sh = subprocess.run
     sh(["ip", "-n", net.a, "link", "set", net.va, "gso_max_segs", "1"], check=True)
-    with _bpf.load("drop", ["-w"], [], text=DROP, cgroups=[("drop_some", str(sink_cg.path),
+    with _bpfload.load("drop", ["-w"], [], text=DROP, cgroups=[("drop_some", str(sink_cg.path),
                                                               "cgroup_skb/ingress")]) as dropper:
         sink = net.start(net.b, "tcp_sink", 5007, 0, ready=True, spawn=sink_cg.spawn)
         n0 = net.snmp(net.a)

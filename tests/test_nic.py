@@ -15,7 +15,8 @@ import pytest
 from workloads_net import ADDR_B, result
 
 from jobprobe.probes.nic import NicProbe, wanted
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 
 
 def test_interface_selection_follows_nccl_rules():

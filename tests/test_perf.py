@@ -35,7 +35,9 @@ from conftest import wait_for, workload
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field
-from jobprobe.node.target import CgroupTarget, PidTreeTarget, Target
+from jobprobe.node.targets.base import Target
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import perf as _perf
 from jobprobe.probes.perf import PerfProbe
 

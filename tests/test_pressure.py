@@ -16,7 +16,8 @@ import pytest
 
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.pressure import PressureProbe, read_pressure
 from tests.conftest import TESTS
 from tests.test_memory import cold_file, make_memcg  # noqa: F401 (fixtures)

@@ -7,9 +7,9 @@ import os
 import threading
 import time
 
-from jobprobe.exporters.file import FileExporter
+from jobprobe.exporters.file import FileSink
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
-from jobprobe.exporters.stdout import StdoutExporter
+from jobprobe.exporters.stdout import StdoutSink
 from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 from jobprobe.probes.self import SelfProbe
 
@@ -39,7 +39,7 @@ def wait_for(cond, timeout=5.0):
         time.sleep(0.002)
 
 
-class Slow(FileExporter):
+class Slow(FileSink):
     """A file that takes `first` s for its first frame, `each` s for every later one."""
 
     def __init__(self, path, first, each):
@@ -52,7 +52,7 @@ class Slow(FileExporter):
         super().write(frame, data)
 
 
-class Gated(FileExporter):
+class Gated(FileSink):
     """A file whose writes block until `gate` is set (forever, if nobody sets it)."""
 
     def __init__(self, path):
@@ -158,7 +158,7 @@ def test_sinks_sharing_one_worker_take_turns_and_one_stuck_sink_holds_up_only_it
     worker = SinkWorker("files")
     order = []
 
-    class Logged(FileExporter):
+    class Logged(FileSink):
         def write(self, frame, data):
             order.append(self.path)
             super().write(frame, data)
@@ -203,7 +203,7 @@ def test_sinks_sharing_one_worker_take_turns_and_one_stuck_sink_holds_up_only_it
     assert s_stuck.stats()["written"] == 1 and read_seqs(stuck.path) == [("hello", 0)]
 
 
-class Failing(FileExporter):
+class Failing(FileSink):
     """A file that raises on the frames whose seq is in `fail` (err(seq) says what), and writes the rest."""
 
     def __init__(self, path, fail):
@@ -238,7 +238,7 @@ def test_a_broken_pipe_stops_the_sink_and_every_later_frame_is_counted_dropped(c
     r, w = os.pipe()
     os.close(r)                                        # the reader is gone: `jobprobe run | head` after head exits
     stream = os.fdopen(w, "w")
-    sink = QueuedSink(StdoutExporter("json", stream), "stdout")
+    sink = QueuedSink(StdoutSink("json", stream), "stdout")
     fs = list(frames(9))
     with caplog.at_level(logging.ERROR, logger="jobprobe.sink"):
         for f in fs[:5]:
@@ -258,7 +258,7 @@ def test_a_broken_pipe_stops_the_sink_and_every_later_frame_is_counted_dropped(c
 
 
 def test_self_probe_reports_what_real_sinks_dropped_per_interval(tmp_path):
-    good = QueuedSink(FileExporter(str(tmp_path / "a.mpk")), "file")
+    good = QueuedSink(FileSink(str(tmp_path / "a.mpk")), "file")
     stuck_inner = Gated(str(tmp_path / "b.mpk"))
     stuck = QueuedSink(stuck_inner, "slow", maxsize=4)
     sinks = [good, stuck]
@@ -299,7 +299,7 @@ def test_frames_written_while_the_worker_is_held_wait_for_the_end_of_the_hold_th
     ends (no wake-up per job), then everything is written, in order; writes outside a hold wake the worker at once."""
     worker = SinkWorker("files")
     paths = [str(tmp_path / f"{i}.mpk") for i in range(4)]
-    sinks = [QueuedSink(FileExporter(p), f"file:{p}", maxsize=100, worker=worker) for p in paths]
+    sinks = [QueuedSink(FileSink(p), f"file:{p}", maxsize=100, worker=worker) for p in paths]
     fs = list(frames(3))
     with worker.hold():
         for s in sinks:

@@ -19,7 +19,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.devices import rdma
 from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.probes.rdma import RdmaProbe, selected
-from jobprobe.node.target import PidTreeTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 
 REPO = Path(__file__).resolve().parents[1]
 

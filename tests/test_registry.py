@@ -1,10 +1,13 @@
 """Unit tier: probe toggles (--probes) and the registry; a meta-test that every probe has a test file and every
 field it declares is documented in docs/FRAMES.md."""
+import inspect
 from pathlib import Path
 
 import pytest
 
 from jobprobe.core.errors import BadInput
+from jobprobe.kernel.host import Host
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.node.probe import FIELD_KINDS, Field, Probe, infer_kind
 from jobprobe.node.registry import all_probes, parse_probes, standard
 
@@ -116,3 +119,43 @@ def test_a_declared_kind_overrides_the_inference_and_a_bad_one_is_refused():
     assert declared.fields["calls"] == Field("int", "count", "calls this interval", "counter")
     with pytest.raises(TypeError, match="'rate'"):
         type("Bad", (P,), {"name": "bad", "fields": {"x": Field("float", "1/s", "x", kind="rate")}})
+
+
+def signature_rule(cls: type[Probe], sinks) -> dict[str, bool]:
+    """What the agent passed a probe before Probe.build, read from its constructor's signature: node= where it names
+    `node` or takes **kw, sinks= where it names `sinks` and there are sinks. The reference build() must agree with."""
+    params = inspect.signature(cls.__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return {"node": "node" in params or takes_any, "sinks": "sinks" in params and sinks is not None}
+
+
+@pytest.mark.parametrize("name", sorted(all_probes()))
+def test_build_gives_every_probe_the_node_and_sinks_its_constructor_takes(name, monkeypatch):
+    """Each registered probe's build(host, node, sinks) constructs it with the host and exactly what its constructor
+    was given by the signature rule: an eBPF probe the agent's node (one load of its programs for every job), the
+    self probe the job's sinks, every other probe neither."""
+    cls = all_probes()[name]
+    host, node, sinks = Host(), object(), (lambda: {})
+    for given in (sinks, None):
+        rule = signature_rule(cls, given)
+        assert rule["node"] == issubclass(cls, BpfProbe), name
+        assert rule["sinks"] == (name == "self" and given is not None), name
+        seen: dict = {}
+        init = cls.__init__
+
+        def spy(self, *args, **kw):
+            seen.update(args=args, kw=kw)
+            init(self, *args, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(cls, "__init__", spy)
+            probe = cls.build(host, node, given)
+        assert type(probe) is cls and probe.host is host and seen["args"] == (host,), name
+        assert ("node" in seen["kw"]) == rule["node"] and seen["kw"].get("node", node) is node, (name, seen)
+        assert set(seen["kw"]) <= {"node", "sinks"}, (name, seen)
+        if rule["node"]:
+            assert probe.node is node, name
+        if rule["sinks"]:
+            assert seen["kw"]["sinks"] is given and probe.sinks is given, name
+        else:
+            assert seen["kw"].get("sinks") is None and getattr(probe, "sinks", None) is None, (name, seen)

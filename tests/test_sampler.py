@@ -8,7 +8,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.core.frame import decode, encode
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.sampler import Sampler
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 
 class FakeTarget(Target):
@@ -318,3 +318,22 @@ def wait_until(cond, timeout=10.0):
             return True
         time.sleep(0.01)
     return cond()
+
+
+def test_a_tick_memo_keyed_by_an_object_never_serves_its_value_to_a_new_object():
+    """Objects made and freed within one tick (a job detached and another attached) often reuse an address: a
+    memo keyed by id() would hand the new object the old one's value."""
+    from jobprobe.node import tickmemo
+
+    class Table:
+        pass
+    tickmemo.begin()
+    try:
+        got = []
+        for i in range(50):
+            table = Table()
+            got.append(tickmemo.get(("slots", table), lambda i=i: i))
+            del table
+        assert got == list(range(50))
+    finally:
+        tickmemo.end()

@@ -20,7 +20,9 @@ import pytest
 
 from conftest import IS_ROOT, workload, until as wait_for
 from jobprobe.core.errors import BadInput
-from jobprobe.node.target import CgroupTarget, PidTreeTarget, slurm_job_cgroup, slurm_target
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
+from jobprobe.node.targets.slurm import slurm_job_cgroup, slurm_target
 
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 REPO = Path(__file__).resolve().parents[1]

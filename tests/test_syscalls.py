@@ -19,7 +19,8 @@ import pytest
 
 from jobprobe import bpf
 from jobprobe.kernel.host import Host
-from jobprobe.node.target import CgroupTarget, PidTreeTarget
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.node.bpfprobe import MISSED
 from jobprobe.kernel.membership import MEMBERSHIP

@@ -180,7 +180,8 @@ def test_cooldown_and_the_duty_cap_bound_the_time_traced(tmp_path):
 
 @pytest.mark.kernel
 def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
-    from jobprobe.node.agent import Agent, Config
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.config import Config
     from jobprobe.node.control import ControlServer, call
     cfg = Config(interval=0.5, probes="cgroup,self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"),
                  socket=str(tmp_path / "run" / "agent.sock"), state=str(tmp_path / "run" / "jobs.json"))
@@ -247,7 +248,9 @@ def test_traces_are_written_0600_in_a_0700_directory(tmp_path):
 def agent_tracing(tmp_path, make_cgroup, cooldown: float, duty: float):
     """An agent ticking every 0.1 s with one job (`flood`: a sleep in a cgroup) whose tracer has the given budget
     and records no Python and no kernel events (the budget is what is tested, not the window's contents)."""
-    from jobprobe.node.agent import Agent, Config, JobSpec
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.config import Config
+    from jobprobe.node.jobspec import JobSpec
     cfg = Config(interval=0.1, probes="self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"))
     agent = Agent(cfg)
     cg = make_cgroup()
@@ -445,7 +448,7 @@ def test_gpu_idle_while_the_cpu_is_busy_fires_and_its_trace_has_each_cuda_call(t
                                                mem=f"{80 << 30} {1 << 30}", clocks="1980 2619", power=90000,
                                                energy=1, temp=40, pcie="0 0", throttle="0x0", ecc="0 0",
                                                remap="0 0 0 0", gpm=0).write()
-    (rule,) = [r for r in tomllib.loads((REPO / "jobprobe" / "default_rules.toml").read_text())["rule"]
+    (rule,) = [r for r in tomllib.loads((REPO / "jobprobe" / "node" / "default_rules.toml").read_text())["rule"]
                if r["name"] == "gpu_idle_cpu_busy"]
     rules = tmp_path / "rules.toml"
     rules.write_text(f'[[rule]]\nname = "{rule["name"]}"\nsummary = "{rule["summary"]}"\n'
@@ -536,7 +539,7 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
     """The napper traced by sched's deep mode (no threshold) between two pauses: (records, dropped, voluntary
     switches the kernel counted between the pauses, their instants t1 and t2, what `during(probe)` returned)."""
     from probes.sched import SchedProbe
-    from jobprobe.node.target import PidTreeTarget
+    from jobprobe.node.targets.pidtree import PidTreeTarget
     (tmp_path / "napper.py").write_text(NAPPER)
     # it naps until told to stop (at most 60 s): long enough however slow the probe's start on a loaded host
     job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "60", str(tmp_path / "naps")],

@@ -22,6 +22,7 @@ from pathlib import Path
 from jobprobe.bench.events import program_stats, run_workload
 from jobprobe.bench.overhead import _rmdir, scratch
 from jobprobe.node.control import call
+from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import StreamReader
 from jobprobe.kernel.host import find_cgroup2_mount
@@ -82,11 +83,7 @@ class AgentUnderTest:
         return r
 
     def close(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        stop_child(self.proc, 60)
 
 
 def per_program(pids: list[int], group: Path, n: int) -> dict[str, dict]:
@@ -136,7 +133,7 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
     local = controller = None
     if nats:
         from jobprobe.bench.overhead import free_port
-        from jobprobe.cluster.controller import LocalNats
+        from jobprobe.cluster.natsserver import LocalNats
         local = LocalNats(work / "nats", f"127.0.0.1:{free_port()}")
         local.wait()
         controller = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", local.url,

@@ -22,6 +22,7 @@ import zlib
 from pathlib import Path
 
 from jobprobe.bench.overhead import free_port, scratch
+from jobprobe.core.child import stop_child
 from jobprobe.core.frame import FrameBuilder, encode
 
 # A standard-collection sample as this machine's agent writes it (cgroup, sched, perf, blockio, net, pressure, self;
@@ -129,7 +130,7 @@ def bench_controller(nodes: int = 2000, seconds: float = 30.0, burst_frames: int
 
 
 def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, work: Path) -> dict:
-    from jobprobe.cluster.controller import LocalNats
+    from jobprobe.cluster.natsserver import LocalNats
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
     root = str(Path(__file__).resolve().parents[2])
     nats_srv = LocalNats(work, f"127.0.0.1:{free_port()}")
@@ -189,11 +190,7 @@ def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, w
         say(f"ceiling: {res['ceiling']}")
     finally:
         if ctl is not None:
-            ctl.send_signal(signal.SIGTERM)
-            try:
-                ctl.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                ctl.kill()
+            stop_child(ctl, 30)
         nats_srv.stop()
     return res
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from jobprobe.bench.overhead import _rmdir, _wait_for_hello, scratch
 from jobprobe.bench.stats import estimate, median
+from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
 from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import bpf as _bpf
@@ -58,13 +59,8 @@ class Collector:
     def __exit__(self, *exc):
         # Our agent stops on SIGINT (it installs its own handler). A peer tool is stopped with SIGTERM: a Python
         # tool started from a background shell inherits SIGINT ignored and would never see Ctrl-C.
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(self.stop_signal)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_child(self.proc, 30, self.stop_signal)
 
 
 def program_stats() -> dict[int, tuple[str, int, int]]:

@@ -1,6 +1,6 @@
 """_bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
-Run by jobprobe.kernel.bpf.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
+Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
 "cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…},
 "pin_dir": "/tmp/jobprobe-pins-XXXX"}; with "pinned" (maps the agent already holds, passed as inherited fds: the
@@ -8,7 +8,7 @@ node's membership maps), it first moves to a mount namespace of its own, mounts 
 fd under its name and compiles with -DJOB_PIN_DIR="<pin_dir>", so that the module's BPF_TABLE_PINNED declarations
 (bpf/common.h) open those very maps; the namespace, the mount and the pins vanish with this process, and nothing
 stays in the kernel but what the agent holds by fd. The empty directory itself is the agent's, made before this
-process starts and removed after it exits (jobprobe.kernel.bpf.pin_dir), so that no way of ending here leaves it
+process starts and removed after it exits (jobprobe.kernel.bpfload.pin_dir), so that no way of ending here leaves it
 behind. Then it compiles with bcc,
 attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
-from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import procfs, tracefs
 
 if TYPE_CHECKING:                    # annotations only: a target is handed down by the node, never imported here
-    from jobprobe.node.target import Target
+    from jobprobe.node.targets.base import Target
 
 MAX_SLOTS = 64                        # bpf/common.h MAX_SLOTS
 JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits
@@ -70,7 +70,7 @@ class Job:
 class SharedLoad:
     """One load of a probe's module, used by every job that runs the probe."""
 
-    def __init__(self, loaded: _bpf.Loaded):
+    def __init__(self, loaded: _bpfload.Loaded):
         self.loaded = loaded
         self.refs = 0
         self.slots = 0                # the bits written to the module's slots_on
@@ -99,7 +99,7 @@ class Node:
         at the first job that needs them, never per job)."""
         self.host = host or Host()
         self.keep_loads = keep_loads
-        self.loaded: _bpf.Loaded | None = None
+        self.loaded: _bpfload.Loaded | None = None
         self.jobs: dict[int, Job] = {}                  # id(target) → its job
         self.loads: dict[Any, SharedLoad] = {}
         self._free = collections.deque(range(MAX_SLOTS))
@@ -113,7 +113,7 @@ class Node:
             if self.loaded is not None:
                 return
             cflags = ["-w"] + (["-DJOB_EXIT_HAS_GROUP_DEAD"] if exit_has_group_dead(self.host.sys) else [])
-            loaded = _bpf.load("membership", cflags, MEMBERSHIP, sys_root=self.host.sys)
+            loaded = _bpfload.load("membership", cflags, MEMBERSHIP, sys_root=self.host.sys)
             try:
                 loaded.maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
                 loaded.maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
@@ -263,7 +263,7 @@ class Node:
         return {k for k, v in self.loaded.maps["job_of_tgid"].items() if v == slot}
 
     # ---- shared loads ----------------------------------------------------------------------------------
-    def shared(self, key: Any, load: Callable[[], _bpf.Loaded]) -> SharedLoad:
+    def shared(self, key: Any, load: Callable[[], _bpfload.Loaded]) -> SharedLoad:
         """The one load of `key` (made by `load()` on first use), with a reference taken."""
         with self._load_locks[key]:            # one compile per key, while other keys compile side by side
             with self._lock:

@@ -162,6 +162,18 @@ def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = rea
     return Stat(f[0], num(1), num(6), num(11), num(12), num(13), num(14), num(17, 1), num(36, -1))
 
 
+def read_ppid(proc: str, pid: int) -> int | None:
+    """Parent PID, or None if the process is gone or a zombie (it has ended; only its exit status waits to be
+    collected)."""
+    st = read_stat(proc, pid)
+    return None if st is None or st.state in ("Z", "X") else st.ppid
+
+
+def list_pids(proc: str) -> list[int]:
+    """Every process's PID (the numeric directories of /proc)."""
+    return [int(d) for d in os.listdir(proc) if d.isdigit()]
+
+
 def read_cgroup(proc: str, pid: int | str) -> list[tuple[str, list[str], str]] | None:
     """/proc/PID/cgroup as (hierarchy id, controllers, path) per line ("0", [], "/…" for cgroup2); None if gone."""
     text = read_small(f"{proc}/{pid}/cgroup")

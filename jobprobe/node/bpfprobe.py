@@ -23,14 +23,16 @@ import contextlib
 import ctypes as ct
 import importlib.util
 import time
-from typing import Any
+from typing import Any, Callable
 
 from jobprobe.node import tickmemo
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field, Probe
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
+from jobprobe.kernel import bpfmap as _bpfmap
 from jobprobe.kernel.membership import MEMBERSHIP, Node
 
 MISSED = "bpf_missed"
@@ -61,7 +63,7 @@ class BpfProbe(Probe):
         super().__init__(host)
         self.node = node
         self.slot = -1            # the job's slot in the node's membership maps, while started
-        self.loaded: _bpf.Loaded | None = None   # fds of programs, attachments and maps while started
+        self.loaded: _bpfload.Loaded | None = None   # fds of programs, attachments and maps while started
         self.target: Target | None = None
         self._own_node: Node | None = None
         self.shared: Any = None   # the node's SharedLoad this probe uses, while started
@@ -71,6 +73,12 @@ class BpfProbe(Probe):
         self._missed = 0
         self._refused0 = 0        # trace_refused of the job's slot when its window opened
         self.read_ns = 0          # when the slot's counters were last read (slot_sums)
+
+    @classmethod
+    def build(cls, host: Host, node: Node | None = None, sinks: Callable[[], dict] | None = None) -> BpfProbe:
+        """One job's instance on the agent's `node`: the job takes a slot there and shares the node's one load of
+        this probe's programs (without it each job would compile and load its own)."""
+        return cls(host, node=node)
 
     # ---- what a probe provides ---------------------------------------------------------------------------
     def reading(self) -> Any:
@@ -84,7 +92,7 @@ class BpfProbe(Probe):
         """Decide hooks and C defines from the host before anything is loaded (a probe whose plan needs the host's
         tracefs or BTF): called at start and by preload, so that both name the same load."""
 
-    def prepare(self, loaded: _bpf.Loaded) -> None:
+    def prepare(self, loaded: _bpfload.Loaded) -> None:
         """Once per load, before any job counts: fill the module's own tables (syscalls' class table)."""
 
     def slot_totals(self, map_name: str = "stats") -> dict[str, Any]:
@@ -106,7 +114,7 @@ class BpfProbe(Probe):
         if not tickmemo.active():
             self.read_ns = time.monotonic_ns()
             return table.lookup_sums(self.slot)
-        raw, self.read_ns = tickmemo.get(("slots", id(table)), lambda: (table.array_raw(), time.monotonic_ns()))
+        raw, self.read_ns = tickmemo.get(("slots", table), lambda: (table.array_raw(), time.monotonic_ns()))
         return table.sums_at(raw, self.slot)
 
     def hook_handlers(self) -> tuple[tuple[str, str], ...]:
@@ -139,7 +147,7 @@ class BpfProbe(Probe):
         return None
 
     def base_cflags(self) -> list[str]:
-        deep = ["-DJOB_DEEP_TRACE"] if self.trace_kinds and _bpf.ringbuf_supported() else []
+        deep = ["-DJOB_DEEP_TRACE"] if self.trace_kinds and _bpfmap.ringbuf_supported() else []
         return ["-w", *self.cflags, *deep]
 
     # ---- deep-trace windows ----------------------------------------------------------------------------------
@@ -153,7 +161,7 @@ class BpfProbe(Probe):
         extra = self.shared.extra
         if "ring" not in extra:
             m = self.loaded.maps["trace_ring"]
-            ring = _bpf.RingBuffer(m.fd, m.max_entries)
+            ring = _bpfmap.RingBuffer(m.fd, m.max_entries)
             self.shared.closers.insert(0, ring.close)
             extra.update(ring=ring, records={}, dropped={})
         return extra
@@ -229,13 +237,13 @@ class BpfProbe(Probe):
             raise RuntimeError("BpfProbe: not started")
         return node
 
-    def load(self, target: Target) -> _bpf.Loaded:
+    def load(self, target: Target) -> _bpfload.Loaded:
         """Compile and attach in a loader subprocess; ProbeUnavailable carries the compiler/verifier's words. A
         probe that attaches more than tracepoints (cgroup programs, uprobes) overrides this."""
-        return _bpf.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
+        return _bpfload.load(self.bpf_name, self.base_cflags(), self.all_handlers(), sys_root=self.host.sys,
                          pinned=self.pinned())
 
-    def _load_typed(self, target: Target) -> _bpf.Loaded:
+    def _load_typed(self, target: Target) -> _bpfload.Loaded:
         loaded = self.load(target)
         try:
             maps = loaded.maps
@@ -306,7 +314,7 @@ class BpfProbe(Probe):
         if self.loaded is None:
             return 0
         loaded = self.loaded     # a shared load's counts are the same for every job of a tick: read once
-        return tickmemo.get(("missed", id(loaded)),
+        return tickmemo.get(("missed", loaded),
                             lambda: sum(s.recursion_misses for s in loaded.prog_stats().values()))
 
     def release(self) -> None:

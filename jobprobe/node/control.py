@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import BadInput, JobprobeError
+from jobprobe.node.jobspec import JobSpec
 
 log = logging.getLogger("jobprobe.node.control")
 MAX_REQUEST = 64 << 10
@@ -104,7 +105,6 @@ class ControlServer:
                 pass
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        from jobprobe.node.agent import JobSpec
         if not self.agent.ready.wait(TIMEOUT - 1):
             raise BadInput("the agent is still starting (loading its programs); try again")
         cmd = req.get("cmd")

@@ -83,7 +83,7 @@ def open_nvml() -> NvmlView | str:
     try:
         return NvmlView(pynvml)
     except pynvml.NVMLError as err:
-        from jobprobe.devices.nvml import INIT_ERRORS
+        from jobprobe.devices.nvmltypes import INIT_ERRORS
         return INIT_ERRORS.get(err.value, f"nvmlInit failed: {err}")
 
 

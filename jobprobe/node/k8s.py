@@ -19,7 +19,7 @@ when it recovers), tried again with a backoff up to a minute, and changes nothin
 and a pod is detached only on an answer that parses and no longer lists it. A probe name in the annotation that no
 probe has is refused; the pod is attached with the others, and `jobprobe status` says which was refused.
 
-Sits above the agent (it drives it, as the SLURM prolog does); imports nothing below jobprobe.node.agent.
+Sits above the agent (it drives it, as the SLURM prolog does): of the node it imports only the Agent and JobSpec.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jobprobe.node.agent import Agent, JobSpec
+from jobprobe.node.agent import Agent
+from jobprobe.node.jobspec import JobSpec
 from jobprobe.core.errors import BadInput
 
 log = logging.getLogger("jobprobe.node.k8s")

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 from jobprobe.kernel.host import Host
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
+
+if TYPE_CHECKING:
+    from jobprobe.kernel.membership import Node
 
 
 # sample() may return, under this key, a list of one-off events: {"event": name, "t": UNIX time (optional), ...}.
@@ -90,6 +93,15 @@ class Probe:
 
     def __init__(self, host: Host | None = None):
         self.host = host or Host()
+
+    @classmethod
+    def build(cls, host: Host, node: Node | None = None, sinks: Callable[[], dict] | None = None) -> Probe:
+        """This probe's instance for one job of the agent, given what the agent has for it: `node`, the node's
+        membership maps and shared program loads (jobprobe/kernel/membership.py); `sinks`, a callable returning the
+        job's sinks' counters. The default passes neither; a probe that uses one overrides this and passes it by
+        name — BpfProbe `node` (every job's eBPF probe then shares one load of its programs), the self probe
+        `sinks`. Nothing is read from the constructor's signature: what a probe gets is what its build() says."""
+        return cls(host)
 
     def check(self, host: Host) -> str | None:
         """Why this probe cannot run on this host, or None. No side effects."""

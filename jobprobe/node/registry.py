@@ -15,8 +15,6 @@ from jobprobe.node.probe import Probe
 def all_probes() -> dict[str, type[Probe]]:
     found: dict[str, type[Probe]] = {}
     for info in pkgutil.iter_modules(probes_pkg.__path__):
-        if info.name.startswith("_"):
-            continue  # private helpers (_perf, _bpf)
         mod = importlib.import_module(f"jobprobe.probes.{info.name}")
         for obj in vars(mod).values():
             if isinstance(obj, type) and issubclass(obj, Probe) and obj is not Probe and obj.name \

@@ -13,7 +13,7 @@ from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
-from jobprobe.node.target import Target
+from jobprobe.node.targets.base import Target
 
 log = logging.getLogger("jobprobe.node.sampler")
 
@@ -27,7 +27,7 @@ def _reason(err: BaseException) -> str:
 
 
 class Sampler:
-    def __init__(self, target: Target, probes: Iterable[Probe], exporters: Iterable, interval: float = 1.0,
+    def __init__(self, target: Target, probes: Iterable[Probe], sinks: Iterable, interval: float = 1.0,
                  host: Host | None = None, clock: Callable[[], float] = time.monotonic, run: str | None = None,
                  rules: list | None = None, trace_dir: str | None = None, window_probes: Iterable[Probe] = (),
                  trace_every: float | None = None):
@@ -36,7 +36,7 @@ class Sampler:
         of the run, as requested ones are (no duty cap; one at a time)."""
         self.target = target
         self.probes = {p.name: p for p in probes}
-        self.exporters = list(exporters)
+        self.sinks = list(sinks)
         self.interval = float(interval)
         self.host = host or Host()
         self.clock = clock
@@ -198,7 +198,7 @@ class Sampler:
         return out
 
     def stop(self) -> None:
-        # Teardown order: a trace window cut short and announced; probes (release kernel objects), then exporters
+        # Teardown order: a trace window cut short and announced; probes (release kernel objects), then sinks
         # (flush what was built).
         if self.tracer is not None:
             for body in self.tracer.close():
@@ -212,11 +212,11 @@ class Sampler:
             except TimeoutError:
                 log.error("probe %s: its start for a trace window did not end", probe.name)
         self._window_starting.clear()
-        for exp in self.exporters:
+        for exp in self.sinks:
             try:
                 exp.close()
             except Exception:
-                log.exception("exporter %s failed to close", exp)
+                log.exception("sink %s failed to close", exp)
 
     def enable(self, probe: Probe) -> str:
         """Start one more probe for this job while it runs (a per-job toggle); its status, said in the next
@@ -314,11 +314,11 @@ class Sampler:
 
     def _emit(self, frame: dict) -> None:
         data = encode(frame)
-        for exp in self.exporters:
+        for exp in self.sinks:
             try:
                 exp.write(frame, data)
             except Exception as err:  # a full disk or a closed pipe loses that sink, not the others
-                log.error("exporter %s failed: %s", exp, err)
+                log.error("sink %s failed: %s", exp, err)
 
     # ---- the loop ----------------------------------------------------------------------------------------
     def run(self, duration: float | None = None) -> str:

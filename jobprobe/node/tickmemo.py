@@ -2,6 +2,11 @@
 (the `self` probe), a shared program's run counts (`bpf_missed`), a cgroup's directory walk and process list (read by
 the agent's end-of-job check, the membership sync and the `cgroup` probe). The agent opens a tick with begin() and
 closes it with end(); outside a tick (a probe used on its own, a test) nothing is cached. Imports nothing.
+
+A key that names an object holds the object itself (never its `id()`): the memo keeps it alive until the tick ends,
+so an object freed during a tick cannot hand its value to a new one that the allocator puts at the same address.
+The memo is one per process because the tick is: one agent per process, one tick for all its jobs, and every probe
+of every job reads through it without being handed anything.
 """
 from __future__ import annotations
 

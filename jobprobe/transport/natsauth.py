@@ -27,7 +27,7 @@ from jobprobe.transport.credentials import new_user_nkey
 from jobprobe.core.wire import CONTROL, FRAMES, inbox_prefix, token
 
 
-def _write_secret(path: Path, text: str) -> None:
+def write_secret(path: Path, text: str) -> None:
     """A file only its owner reads, in a directory only its owner enters; written whole (a rename)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path.parent, 0o700)
@@ -61,7 +61,7 @@ class Auth:
         """The controller's seed file, made on first use."""
         if not self.controller_seed_path.exists():
             seed, _ = new_user_nkey()
-            _write_secret(self.controller_seed_path, seed + "\n")
+            write_secret(self.controller_seed_path, seed + "\n")
         return self.controller_seed_path
 
     def controller_public(self) -> str:
@@ -86,10 +86,10 @@ class Auth:
             raise BadInput(f"enroll {node!r}: {err}") from None
         seed, public = new_user_nkey()
         path = self.dir / "creds" / f"{tok}.nk"
-        _write_secret(path, seed + "\n")
+        write_secret(path, seed + "\n")
         nodes = self.nodes()
         nodes[node] = public
-        _write_secret(self.nodes_path, json.dumps(nodes, indent=1, sort_keys=True) + "\n")
+        write_secret(self.nodes_path, json.dumps(nodes, indent=1, sort_keys=True) + "\n")
         return path
 
     def server_config(self) -> str:

@@ -1,4 +1,4 @@
-"""Test doubles around the real things: a counting wrapper of the pynvml module, and an exporter that keeps frames."""
+"""Test doubles around the real things: a counting wrapper of the pynvml module, and a sink that keeps frames."""
 from jobprobe.core.frame import decode
 
 
@@ -20,7 +20,7 @@ class Spy:
 
 
 class Frames(list):
-    """An exporter that keeps what it is given, decoded from the bytes as a reader would."""
+    """A sink that keeps what it is given, decoded from the bytes as a reader would."""
     def write(self, frame, data):
         self.append(decode(data))
 

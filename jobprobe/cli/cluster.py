@@ -1,0 +1,183 @@
+"""The cluster's commands: controller (run: frames from NATS JetStream into the store; stats: freshness and delivery
+per node; enroll NODE: a node's NATS credentials), query (the store: SQL, one field of a job, its cost) and report
+(one HTML page of a job, from frame files or the store). The controller's NATS client (nats-py) and matplotlib are
+imported inside the commands that need them, never by the node's commands."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import StreamReader
+
+
+def cmd_controller(args) -> int:
+    import asyncio
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.metrics import stats
+    from jobprobe.cluster.natsserver import LocalNats
+    from jobprobe.cluster.store import Store
+    path = args.store or os.path.join(args.data, "store.db")
+    if args.action == "enroll":
+        return controller_enroll(args)
+    if args.node:
+        raise BadInput(f"controller {args.action}: takes no node name (did you mean `controller enroll NODE`?)")
+    if args.action == "stats":
+        try:
+            st = stats(Store(path, readonly=True))
+        except FileNotFoundError as err:
+            raise BadInput(str(err)) from None
+        if args.json:
+            print(json.dumps(st, indent=1))
+            return 0
+        print(f"{'node':<20} {'frames':>8} {'dup':>5} {'rej':>5} {'newest age s':>13} {'delay p50/p99 s':>16} "
+              f"{'longest gap s':>14} {'dropped':>8} {'missing':>8}")
+        for node, n in sorted(st["nodes"].items()):
+            d = n.get("arrival_delay_s") or {}
+            print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
+                  f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
+                  f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8} {n.get('missing_frames', 0):>8}")
+        for node, n in sorted(st["nodes"].items()):
+            doc = n.get("doctor")
+            if doc and doc["worst"] != "pass":
+                print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
+                                                          else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
+        return 0
+    if args.prices:
+        from jobprobe.cluster.cost import load as load_prices
+        load_prices(args.prices)         # a bad price file: one line, before anything starts
+    local = None
+    url = args.nats
+    creds = args.creds
+    if url is None:
+        local = LocalNats(args.data, args.listen, args.tls_cert, args.tls_key, args.insecure_plaintext)
+        local.wait()
+        url, creds = local.url, creds or local.creds
+    elif args.tls_cert or args.insecure_plaintext:
+        raise BadInput("--tls-cert and --insecure-plaintext are for the nats-server the controller starts (no --nats)")
+    store = Store(path)
+    ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
+                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices)
+    server = None
+    if args.metrics:
+        from jobprobe.cluster.metrics import serve_metrics
+        try:
+            server = serve_metrics(ctl, args.metrics)
+        except (ValueError, OSError) as err:
+            raise BadInput(f"--metrics {args.metrics}: {err}") from None
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, ctl.stop_event.set)
+        await ctl.run()
+    try:
+        asyncio.run(main())
+    finally:
+        if server is not None:
+            server.shutdown()
+        store.close()
+        if local is not None:
+            local.stop()
+    return 0
+
+
+def controller_enroll(args) -> int:
+    """A node's credentials: a new nkey (replacing any it had), its public half in the server's authorization, the
+    running server told (SIGHUP). The seed's path is the last line: copy the file to the node (0600) and give it
+    to `jobprobe agent --nats-creds`."""
+    from jobprobe.cluster.natsserver import write_auth
+    from jobprobe.transport.natsauth import Auth, reload_server
+    if not args.node:
+        raise BadInput("controller enroll: give the node's name (its agent's --node)")
+    auth = Auth(args.data)
+    auth.controller_seed()
+    path = auth.enroll(args.node)
+    write_auth(args.data)
+    pid = reload_server(args.data)
+    print(f"enrolled {args.node}: " + (f"the running nats-server (pid {pid}) reloaded its users" if pid else
+                                       "no nats-server runs for this data directory; the next start admits it"))
+    print(path)
+    return 0
+
+
+def cmd_report(args) -> int:
+    import importlib.util
+    from jobprobe.cluster import report
+    if importlib.util.find_spec("matplotlib") is None:
+        raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
+    if bool(args.files) == bool(args.store):
+        raise BadInput("report: give frame files, or --store PATH --job ID")
+    if args.store:
+        if not args.job:
+            raise BadInput("report: --store needs --job ID")
+        if not os.path.exists(args.store):
+            raise BadInput(f"report: no store at {args.store}")
+        job = report.from_store(args.store, args.job)
+    else:
+        for f in args.files:
+            if not os.path.isfile(f):
+                raise BadInput(f"report: no frame file {f}")
+        job = report.from_files(args.files)
+    cost = None
+    if args.prices:
+        from jobprobe.cluster import cost as _cost
+        prices = _cost.load(args.prices)
+        cost = _cost.summary(_store_of(args.store, args.files), job.name, prices)
+    size = report.write(job, args.out, cost)
+    print(f"{args.out}: {job.name}, {len(job.nodes)} node(s), {size / 1024:.0f} KiB")
+    return 0
+
+
+def _store_of(path: str | None, files: list[str]):
+    """The controller's store, or an in-memory one made of frame files."""
+    from jobprobe.cluster.store import Store
+    if path:
+        return Store(path, readonly=True)
+    st = Store(":memory:")
+    for f in files:
+        with open(f, "rb") as fp:
+            st.add(list(StreamReader(fp)))
+    return st
+
+
+def cmd_query(args) -> int:
+    import csv
+    import sqlite3
+    from jobprobe.cluster.store import Store
+    try:
+        store = Store(args.store, readonly=True)
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from None
+    if args.summary or args.prices:
+        from jobprobe.cluster import cost
+        if not args.job:
+            raise BadInput("--summary needs --job ID")
+        s = cost.summary(store, args.job, cost.load(args.prices) if args.prices else None)
+        print(json.dumps(s, indent=1) if args.format == "jsonl" else cost.text(s))
+        return 0
+    try:
+        if args.sql:
+            cols, rows = store.sql(args.sql)
+        else:
+            if not args.field:
+                raise BadInput("--job needs --field PROBE.FIELD (e.g. cgroup.cpu_user_ns)")
+            cols, rows = store.field(args.job, args.field, args.node)
+    except (sqlite3.Error, ValueError) as err:
+        raise BadInput(f"query: {err}") from None
+    if args.format == "jsonl":
+        for r in rows:
+            print(json.dumps(dict(zip(cols, r))))
+    elif args.format == "csv":
+        w = csv.writer(sys.stdout)
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        widths = [max([len(c)] + [len(str(r[i])) for r in rows]) for i, c in enumerate(cols)]
+        print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        for r in rows:
+            print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    return 0
+

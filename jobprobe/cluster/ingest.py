@@ -1,0 +1,183 @@
+"""The controller's JetStream side: its connection, the JOBPROBE stream and the durable pull consumer on it, and the
+loop that takes every frame once — fetch → check → consume → commit → ack.
+
+Agents publish each frame to `jobprobe.frames.<node>` (exporters/nats.py). The stream keeps those subjects (file
+storage, a 2-minute duplicate window, frames kept until acked by the controller or a week old); the controller
+reads it through a durable pull consumer in batches bounded in bytes as well as messages (Puller). Each batch goes
+to Controller.ingest (jobprobe/cluster/controller.py: checked, fed to every consumer, committed to the store) and
+only then is acked. A controller killed at any moment loses nothing (what was not acked is delivered again) and
+stores nothing twice (the store's key is (node, job, run, seq)); a store that cannot write (StoreDown) gets
+nothing acked, and the batch comes again.
+
+The same connection answers `jobprobe trace --job` requests (jobprobe/cluster/trace.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from jobprobe.cluster import trace
+from jobprobe.core.errors import BadInput
+from jobprobe.core.retry import Backoff
+from jobprobe.core.wire import CLUSTER_TRACE
+from jobprobe.transport.credentials import auth_options
+
+if TYPE_CHECKING:
+    from jobprobe.cluster.controller import Controller
+
+log = logging.getLogger("jobprobe.cluster.ingest")
+
+STREAM = "JOBPROBE"
+SUBJECTS = "jobprobe.frames.>"
+DURABLE = "controller"
+BATCH = 512
+MAX_FRAME = 1 << 20     # bytes; the stream's max_msg_size and its nats-server's max_payload too
+FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
+
+
+class StoreDown(Exception):
+    """The store cannot take frames now (not the frames' fault): nothing is acked."""
+
+
+async def serve(ctl: "Controller") -> None:
+    """Connect (waiting, with backoff, for a server still starting or a JetStream cluster still electing its leader),
+    make the stream and the consumer, answer trace requests, and consume until ctl.stop_event is set."""
+    try:
+        import nats
+    except ImportError:
+        raise BadInput("the controller needs nats-py: pip install 'jobprobe[controller]'") from None
+
+    async def said(err: Exception) -> None:   # the client's own reports: one line, not a traceback
+        log.warning("nats: %s: %s", type(err).__name__, err)
+    opts: dict[str, Any] = {"servers": [u.strip() for u in ctl.url.split(",")], "connect_timeout": 2,
+                            "reconnect_time_wait": 0.5, "max_reconnect_attempts": -1, "name": "jobprobe-controller",
+                            "error_cb": said}
+    opts.update(auth_options(ctl.creds, ctl.ca))
+    nc, sub = None, None
+    backoff = Backoff(initial=0.5, maximum=5.0)
+    while sub is None:   # a server still starting, a JetStream cluster still electing its leader: wait
+        try:
+            if nc is None:
+                nc = await nats.connect(**opts)
+            sub = await (Puller(nc, STREAM, DURABLE).start() if await subscribe(nc, ctl.replicas) else None)
+        except Exception as err:
+            if ctl.stop_event.is_set():
+                return
+            wait = backoff.next()
+            log.warning("controller: %s: %s; trying again in %.1f s", type(err).__name__, err, wait)
+            await asyncio.sleep(wait)
+
+    async def on_trace(msg: Any) -> None:
+        await trace.answer(ctl.nodes, nc, msg)
+    await nc.subscribe(CLUSTER_TRACE, cb=on_trace)
+    log.warning("controller: consuming %s from %s into %s", SUBJECTS, ctl.url, ctl.store.path)
+    await consume(ctl, nc, sub)
+
+
+async def subscribe(nc: Any, replicas: int) -> bool:
+    """The stream (made, or brought to this config) and the durable consumer on it (made when missing)."""
+    from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+    from nats.js.errors import NotFoundError
+    js = nc.jetstream()
+    config = StreamConfig(name=STREAM, subjects=[SUBJECTS], duplicate_window=120.0, max_age=7 * 86400.0,
+                          max_msg_size=MAX_FRAME, num_replicas=replicas)
+    try:
+        await js.stream_info(STREAM)
+        await js.update_stream(config)
+    except NotFoundError:
+        await js.add_stream(config)
+    consumer = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+                              max_ack_pending=20 * BATCH, filter_subject=SUBJECTS)
+    try:
+        await js.consumer_info(STREAM, DURABLE)
+    except NotFoundError:
+        await js.add_consumer(STREAM, consumer)
+    return True
+
+
+async def consume(ctl: "Controller", nc: Any, pull: "Puller") -> None:
+    """Batch after batch until ctl.stop_event: ctl.ingest, then the acks; once a minute, retention and forgetting."""
+    next_sweep = time.time() + 60
+    while not ctl.stop_event.is_set():
+        try:
+            msgs = await pull.fetch(BATCH, FETCH_BYTES, timeout=0.5)
+        except Exception as err:       # the server restarting: the client reconnects
+            log.warning("fetch: %s: %s", type(err).__name__, err)
+            await asyncio.sleep(0.5)
+            msgs = []
+        now = time.time()
+        try:
+            done = ctl.ingest(msgs, now)
+        except StoreDown as err:       # nothing acked: the server delivers them again
+            log.warning("the store refused a batch (%s); %d frames will be delivered again", err, len(msgs))
+            for m in msgs:
+                await _quietly(m.nak(delay=1.0))
+            await asyncio.sleep(1.0)
+            continue
+        for m in done:                 # only now: what is acked is in the store, or refused for good
+            await _quietly(m.ack())
+        if now > next_sweep:
+            try:
+                ctl.store.forget_before(now - ctl.retention_s)
+            except Exception as err:
+                log.warning("retention: %s: %s", type(err).__name__, err)
+            ctl.forget(now)
+            next_sweep = now + 60
+    await nc.close()          # everything taken was acked; what was not is delivered again next time
+    if ctl.tsdb is not None:
+        ctl.tsdb.close()
+
+
+async def _quietly(coro: Any) -> None:
+    """An ack or nak: a connection lost meanwhile means the server delivers the message again (no loss)."""
+    try:
+        await coro
+    except Exception as err:
+        log.warning("ack: %s: %s", type(err).__name__, err)
+
+
+class Puller:
+    """Fetches from the durable pull consumer bounded in bytes as well as messages: a JetStream pull request
+    ({"batch", "max_bytes", "expires"} on $JS.API.CONSUMER.MSG.NEXT) to an inbox of our own. nats-py's fetch asks
+    for a count only, so a batch of 512 messages near max_payload would hold half a GiB."""
+
+    def __init__(self, nc: Any, stream: str, durable: str):
+        self.nc, self.subject = nc, f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.inbox = nc.new_inbox()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sub = None
+        self.n = 0
+
+    async def start(self) -> "Puller":
+        async def got(msg: Any) -> None:
+            self.queue.put_nowait(msg)
+        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=got)
+        return self
+
+    async def fetch(self, batch: int, max_bytes: int, timeout: float) -> list[Any]:
+        """Up to `batch` messages and about `max_bytes` (the server stops before passing it), waiting at most
+        `timeout` s. A message of an earlier request that came late is taken too (it is the consumer's next one)."""
+        self.n += 1
+        reply = f"{self.inbox}.{self.n}"
+        req = {"batch": batch, "max_bytes": max_bytes, "expires": int(timeout * 1e9)}
+        await self.nc.publish(self.subject, json.dumps(req).encode(), reply=reply)
+        out: list[Any] = []
+        end = time.monotonic() + timeout + 0.5
+        while len(out) < batch:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), left)
+            except asyncio.TimeoutError:
+                break
+            status = (msg.headers or {}).get("Status") if not msg.data else None
+            if status:
+                if msg.subject == reply and status != "100":   # 404 none, 408 expired, 409 limit reached: done
+                    break
+                continue
+            out.append(msg)
+        return out

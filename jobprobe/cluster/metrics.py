@@ -1,0 +1,132 @@
+"""The controller's numbers. Live, from its own state: MetricsCollector, read at each scrape of its Prometheus
+endpoint (`jobprobe controller --metrics`, serve_metrics) — frames stored, duplicate, refused, consumer errors, nodes
+by state and each one's newest frame age, open stragglers, each job's energy and cost. From the store: stats
+(`jobprobe controller stats`) — freshness and delivery per node, and each node's latest doctor verdict.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from jobprobe.cluster.controller import CONTROLLER_RUN, Controller
+from jobprobe.cluster.store import Store
+from jobprobe.core.wire import host_port
+
+
+class MetricsCollector:
+    """The controller's view for Prometheus (--metrics): read at each scrape from the controller's own state."""
+
+    def __init__(self, ctl: Controller):
+        self.ctl = ctl
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        ctl, now = self.ctl, time.time()
+        nodes = list(ctl.nodes.items())
+        for key, doc in (("stored", "frames committed to the store"), ("duplicates", "frames received twice"),
+                         ("rejected", "frames refused (malformed, or a node publishing for another)")):
+            c = CounterMetricFamily(f"jobprobe_controller_frames_{key}", doc)
+            c.add_metric([], ctl.counts[key])
+            yield c
+        c = CounterMetricFamily("jobprobe_controller_consumer_errors", "frames a consumer (freshness, stragglers, "
+                                "cost, tsdb) could not take; the others took them", labels=["consumer"])
+        for consumer, n in list(ctl.consumer_errors.items()):
+            c.add_metric([consumer], n)
+        yield c
+        g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
+        g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost and not st.stopped))
+        g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))
+        g.add_metric(["stopped"], sum(1 for _, st in nodes if st.stopped and not st.lost))
+        yield g
+        age = GaugeMetricFamily("jobprobe_node_last_frame_age_seconds", "seconds since the node's newest frame "
+                                "arrived", labels=["node"])
+        for node, st in nodes:
+            age.add_metric([node], round(now - st.last, 3))
+        yield age
+        s = GaugeMetricFamily("jobprobe_straggler", "1 while the node is named the straggler of the job",
+                              labels=["job", "node"])
+        for job, node in ctl.stragglers.open():
+            s.add_metric([job, node], 1)
+        yield s
+        n = CounterMetricFamily("jobprobe_stragglers_named", "straggler events since the controller started")
+        n.add_metric([], ctl.stragglers.named)
+        yield n
+        e = CounterMetricFamily("jobprobe_job_energy_joules", "energy the job drew (CPU packages and DRAM by its CPU "
+                                "share, GPUs by their share), from the samples stored since the controller started",
+                                labels=["job"])
+        for job, j in list(ctl.meter.energy.items()):
+            e.add_metric([job], j)
+        yield e
+        if ctl.meter.prices is not None:
+            c = CounterMetricFamily("jobprobe_job_cost", "what the job cost (node-hours × the price file's per_hour, "
+                                    "plus energy × electricity_per_kwh when set), since the controller started",
+                                    labels=["job", "currency"])
+            for job, v in list(ctl.meter.cost.items()):
+                c.add_metric([job, ctl.meter.prices.currency], v)
+            yield c
+
+
+def serve_metrics(ctl: Controller, listen: str):
+    """An HTTP /metrics for the controller in a thread of its own; returns the server (shutdown() to stop)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.registry import CollectorRegistry
+    host, port = host_port(listen, "--metrics")
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(MetricsCollector(ctl))
+    server, _ = start_http_server(port, host or "0.0.0.0", registry=reg)
+    return server
+
+
+def stats(store: Store, now: float | None = None) -> dict[str, Any]:
+    """Freshness and delivery, per node, from the store: the newest sample's age now, how late samples arrived
+    (received − t: median and p99 over the last 10 minutes), the longest gap between two samples of one job's run
+    (from their own times, and a run's start: frames missing before its first stored one), frames missing (from seq),
+    frames stored / duplicates / rejected, and frames dropped at the source (each run's self.sink_dropped_total)."""
+    now = time.time() if now is None else now
+    nodes: dict[str, dict[str, Any]] = {}
+    _, rows = store.sql("SELECT node, frames, duplicates, rejected, newest_t, last_received FROM delivery")
+    for node, frames, dups, rejected, newest, last in rows:
+        nodes[node] = {"frames": frames, "duplicates": dups, "rejected": rejected,
+                       "newest_sample_age_s": round(now - newest, 3) if newest else None,
+                       "last_received_age_s": round(now - last, 3) if last else None}
+    _, rows = store.sql("SELECT node, received - t FROM samples WHERE received > ? ORDER BY node", (now - 600,))
+    lat: dict[str, list[float]] = {}
+    for node, d in rows:
+        lat.setdefault(node, []).append(d)
+    for node, xs in lat.items():
+        xs.sort()
+        nodes.setdefault(node, {})["arrival_delay_s"] = {"median": round(xs[len(xs) // 2], 3),
+                                                         "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3),
+                                                         "n": len(xs)}
+    _, rows = store.sql("SELECT node, MAX(gap) FROM (SELECT node, t - LAG(t) OVER (PARTITION BY node, job, run "
+                        "ORDER BY seq) AS gap FROM samples) GROUP BY node")
+    for node, gap in rows:
+        nodes.setdefault(node, {})["longest_gap_s"] = round(gap, 3) if gap is not None else None
+    # what is missing, from seq alone (a run's frames are numbered from 0, +1 each, the hello first): a run whose
+    # first stored frame is seq k lost k frames at its start — a gap LAG cannot see — worth k of its intervals
+    _, rows = store.sql("SELECT node, job, run, MIN(seq), MAX(seq), COUNT(*), "
+                        "AVG(CASE WHEN kind = 'sample' AND dt > 0 THEN dt END) FROM frames WHERE run != ? "
+                        "GROUP BY node, job, run", (CONTROLLER_RUN,))
+    for node, _job, _run, first, last, n, dt in rows:
+        v = nodes.setdefault(node, {})
+        v["missing_frames"] = v.get("missing_frames", 0) + (last + 1 - n)
+        if first and dt:
+            v["longest_gap_s"] = max(v.get("longest_gap_s") or 0.0, round(first * dt, 3))
+    # frames dropped at the source: each run's running total (self.sink_dropped_total, in every frame: the newest
+    # that arrived has it all), else — frames of agents before it — the sum of the per-interval counts that arrived
+    _, rows = store.sql("SELECT node, job, run, MAX(json_extract(body, '$.probes.self.sink_dropped_total')), "
+                        "SUM(COALESCE(json_extract(body, '$.probes.self.sink_dropped'), 0)) FROM samples "
+                        "GROUP BY node, job, run")
+    for node, _job, _run, total, summed in rows:
+        v = nodes.setdefault(node, {})
+        v["dropped_at_source"] = v.get("dropped_at_source", 0) + int(total if total is not None else summed or 0)
+    # each node's latest `jobprobe doctor --controller` verdict: a node whose worst check fails is not ready
+    _, rows = store.sql("SELECT node, t, json_extract(body, '$.worst'), json_extract(body, '$.checks') FROM events "
+                        "WHERE event = 'doctor' AND job = 'node' ORDER BY t")
+    for node, t, worst, checks in rows:
+        bad = [c["name"] for c in json.loads(checks or "[]") if c.get("status") in ("fail", "warn")]
+        nodes.setdefault(node, {})["doctor"] = {"worst": worst, "t": t, "not_pass": bad}
+    _, rows = store.sql("SELECT COUNT(*) FROM rejects")
+    unready = sorted(n for n, v in nodes.items() if (v.get("doctor") or {}).get("worst") == "fail")
+    return {"t": now, "nodes": nodes, "rejected_total": rows[0][0], "unready_nodes": unready}

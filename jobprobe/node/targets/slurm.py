@@ -1,0 +1,174 @@
+"""SLURM jobs: `slurm_target()` (the job's cgroup2 group, found by its `job_<id>` name or from where its processes
+sit, else its process tree), the scontrol / squeue helpers (`scontrol listpids`, `show job` labels,
+`slurm_running_jobs()` for a node), and the job's steps (`step_<id>` groups, or listpids' step column).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from jobprobe.core.errors import BadInput
+from jobprobe.kernel.host import find_cgroup2_mount
+from jobprobe.kernel import procfs
+from jobprobe.node.targets.base import Target
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
+
+
+def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
+    """Where SLURM's cgroup/v2 plugin puts a job: .../system.slice/slurmstepd.scope/job_<id> (or any job_<id>)."""
+    for cand in (Path(mount, "system.slice", "slurmstepd.scope", f"job_{job_id}"),):
+        if cand.is_dir():
+            return str(cand)
+    for root, subdirs, _ in os.walk(mount):
+        if f"job_{job_id}" in subdirs:
+            return str(Path(root, f"job_{job_id}"))
+        # don't descend into other jobs' trees
+        subdirs[:] = [d for d in subdirs if not d.startswith("job_")]
+    return None
+
+
+def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
+    """The job-level group a SLURM process sits in, read from its own /proc/PID/cgroup: the directory right below
+    `slurmstepd.scope` (or `<nodename>_slurmstepd.scope`, multiple-slurmd builds) — `job_<id>`, or the job's SLUID
+    where Slurm 26.05+ names groups by it (`…/slurmstepd.scope/s5K1KKYAYG5D00/step_0/…`)."""
+    path = procfs.cgroup2_path(proc, pid)
+    parts = Path(path).parts if path else ()
+    for i, part in enumerate(parts[:-1]):
+        if part.endswith("slurmstepd.scope") and parts[i + 1] != "system":   # `system`: slurmstepd itself
+            d = Path(mount, *parts[1:i + 2])
+            return str(d) if d.is_dir() else None
+    return None
+
+
+def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
+    return [pid for pid, _ in scontrol_listpids_steps(job_id, scontrol)]
+
+
+def scontrol_listpids_steps(job_id: str, scontrol: str = "scontrol") -> list[tuple[int, str]]:
+    """(pid, step id) of each process of the job on this node: `batch`, `extern`, `0`, … ([] if none)."""
+    try:
+        out = subprocess.run([scontrol, "listpids", str(job_id)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BadInput(f"cannot run {scontrol} to find SLURM job {job_id}: {err}") from err
+    if out.returncode != 0:
+        return []
+    rows = []
+    for line in out.stdout.splitlines()[1:]:  # header: PID JOBID STEPID LOCALID GLOBALID
+        cols = line.split()
+        if cols and cols[0].isdigit():
+            rows.append((int(cols[0]), cols[2] if len(cols) > 2 else "?"))
+    return rows
+
+
+def slurm_job_labels(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
+    """The job's names as slurmctld has them (`scontrol -o show job`): what a prolog's environment may lack (array
+    ids, account, job name before Slurm 23). {} if scontrol cannot say."""
+    try:
+        res = subprocess.run([scontrol, "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    line = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
+    if not line.startswith("JobId="):
+        return {}
+    name = re.search(r" JobName=(.*?) UserId=", line)
+    fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+    user = re.match(r"([^()]*)\((\d+)\)", fields.get("UserId", ""))
+    out = {"slurm_job_id": fields.get("JobId", ""), "partition": fields.get("Partition", ""),
+           "account": fields.get("Account", ""), "job_name": name.group(1) if name else "",
+           "array_job_id": fields.get("ArrayJobId", ""), "array_task_id": fields.get("ArrayTaskId", "")}
+    if user:
+        out["user"], out["uid"] = user.group(1), user.group(2)
+    return {k: v for k, v in out.items() if v and v != "(null)"}
+
+
+SQUEUE_LABELS = ("slurm_job_id", "user", "partition", "account", "job_name", "array_job_id", "array_task_id")
+
+
+def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dict[str, str]]]:
+    """The jobs running on SLURM node `node`, each with its labels (the names the prolog would have given)."""
+    fmt = "%A|%u|%P|%a|%j|%F|%K"
+    try:
+        out = subprocess.run([squeue, "--noheader", "--nodelist", node, "--states", "RUNNING", "--format", fmt],
+                             capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise BadInput(f"cannot run {squeue}: {err}") from err
+    if out.returncode != 0:
+        raise BadInput(f"{squeue} failed: {out.stderr.strip()[:200]}")
+    jobs = []
+    for line in out.stdout.splitlines():
+        cols = line.split("|")
+        if len(cols) != len(SQUEUE_LABELS) or not cols[0].isdigit():
+            continue
+        labels = dict(zip(SQUEUE_LABELS, cols))
+        if labels["array_task_id"] in ("N/A", ""):      # not an array job
+            del labels["array_task_id"], labels["array_job_id"]
+        jobs.append((cols[0], {k: v for k, v in labels.items() if v}))
+    return jobs
+
+
+def step_dirs(target: CgroupTarget) -> list[str]:
+    """The step ids of a SLURM job's cgroup2 group: its `step_<id>` children (`batch`, `extern`, `0`, …)."""
+    top = target.cgroup_path.rstrip("/")
+    return sorted(d[len(top) + 6:] for d in target.dirs() if d.startswith(top + "/step_") and "/" not in d[len(top) + 1:])
+
+
+def with_steps(target: CgroupTarget) -> CgroupTarget:
+    target.steps = lambda: step_dirs(target)
+    return target
+
+
+def with_labels(target: Target, job_id: str, scontrol: str) -> Target:
+    target.static_labels = slurm_job_labels(job_id, scontrol)
+    return target
+
+
+def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str = "/proc",
+                 scontrol: str = "scontrol", job: str | None = None) -> Target:
+    """The SLURM job's cgroup2 group, else its processes; named `job`, else by its id."""
+    name = job or str(job_id)
+    if not str(job_id).isdigit():
+        raise BadInput(f"SLURM job id must be a number, got {job_id!r}")
+    mount = find_cgroup2_mount(mountinfo)
+    if mount:
+        cg = slurm_job_cgroup(job_id, mount)
+        if cg:
+            return with_labels(with_steps(CgroupTarget(cg, mountinfo=mountinfo, job=name)), job_id, scontrol)
+    # New steps are started by slurmstepd, outside the tree: ask scontrol again at most every 5 s.
+    last = [time.monotonic()]
+    steps: list[str] = []
+
+    def more() -> list[int]:
+        if time.monotonic() - last[0] < 5:
+            return []
+        last[0] = time.monotonic()
+        rows = scontrol_listpids_steps(job_id, scontrol)
+        steps[:] = sorted({s for _, s in rows})
+        return [p for p, _ in rows]
+
+    if mount:
+        # No job_<id> group: a layout keyed otherwise (Slurm 26.05 names groups by SLUID) is found from where the
+        # job's processes are.
+        groups = {slurm_group_of(proc, p, mount) for p in scontrol_listpids(job_id, scontrol)} - {None}
+        if len(groups) == 1:
+            return with_labels(with_steps(CgroupTarget(groups.pop(), mountinfo=mountinfo, job=name)), job_id,
+                               scontrol)
+    for _ in range(3):
+        # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
+        # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
+        # not exist"). The check below can still lose that race, by microseconds; then ask again.
+        rows = scontrol_listpids_steps(job_id, scontrol)
+        pids = [p for p, _ in rows if Path(proc, str(p)).is_dir()]
+        if not pids:
+            break
+        steps[:] = sorted({s for _, s in rows})
+        try:
+            target = PidTreeTarget(pids, proc=proc, job=name, extra_roots=more)
+        except BadInput:
+            continue
+        target.steps = lambda: list(steps)
+        return with_labels(target, job_id, scontrol)
+    raise BadInput(f"SLURM job {job_id} does not exist or has no processes on this node")
