@@ -1,4 +1,4 @@
-"""_nvml — the gpu probe's one door to NVML, through nvidia-ml-py's `pynvml` (which loads libnvidia-ml.so.1).
+"""nvml — the gpu probe's one door to NVML, through nvidia-ml-py's `pynvml` (which loads libnvidia-ml.so.1).
 
 What this adds to the binding:
 - Sticky unsupported: a call a GPU refuses (NVML_ERROR_NOT_SUPPORTED, NO_PERMISSION) is recorded for that GPU, one

@@ -1,4 +1,4 @@
-"""_nvmltypes — NVML's numbers and names as the gpu probe uses them, and the records it keeps per device.
+"""nvmltypes — NVML's numbers and names as the gpu probe uses them, and the records it keeps per device.
 
 What: the NVML return codes that decide what a failed call means (lost GPU, unsupported here, missing in this
   driver); the event, field and GPM metric ids and the simple gauges read each tick; the clock-event reason bits

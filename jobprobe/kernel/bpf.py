@@ -1,4 +1,4 @@
-"""_bpf — bpf(2) itself, through ctypes (the syscall has no libc wrapper): the one way the agent talks to the kernel's
+"""bpf — bpf(2) itself, through ctypes (the syscall has no libc wrapper): the one way the agent talks to the kernel's
 eBPF objects without bcc or LLVM.
 
 What: sys_bpf and the union bpf_attr parts of each command the agent issues; the kernel's own view of a program or

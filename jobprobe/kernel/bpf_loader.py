@@ -1,4 +1,4 @@
-"""_bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
+"""bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
 Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],

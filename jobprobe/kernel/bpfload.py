@@ -1,4 +1,4 @@
-"""_bpfload — the one way an eBPF probe loads programs, without bcc or LLVM in the agent.
+"""bpfload — the one way an eBPF probe loads programs, without bcc or LLVM in the agent.
 
 What: load() starts a short-lived loader (jobprobe/kernel/bpf_loader.py, same interpreter) that compiles
   bpf/<name>.c with bcc, loads its programs, attaches them to tracepoints (and, when asked, to cgroup2 directories

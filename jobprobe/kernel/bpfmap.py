@@ -1,4 +1,4 @@
-"""_bpfmap — a loaded program's maps read and written with plain bpf(2) syscalls (jobprobe.kernel.bpf): no bcc in
+"""bpfmap — a loaded program's maps read and written with plain bpf(2) syscalls (jobprobe.kernel.bpf): no bcc in
 the agent.
 
 What: Map, one map by fd: lookup / update / delete, iteration, per-CPU values (one per possible CPU, each padded

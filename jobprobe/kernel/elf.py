@@ -1,4 +1,4 @@
-"""_elf — the exported functions of a shared library and their file offsets, for uprobes.
+"""elf — the exported functions of a shared library and their file offsets, for uprobes.
 
 What: a uprobe is placed by (file, offset in the file); a library names its functions in .dynsym with virtual
   addresses. dynamic_functions() reads the ELF header, the program headers (PT_LOAD: virtual address ↔ file offset)

@@ -39,6 +39,7 @@ from typing import Any
 from jobprobe.node.agent import Agent
 from jobprobe.node.jobspec import JobSpec
 from jobprobe.core.errors import BadInput
+from jobprobe.core.retry import Backoff
 
 log = logging.getLogger("jobprobe.node.k8s")
 
@@ -203,22 +204,25 @@ class PodWatcher:
         self.thread.start()
 
     def _run(self) -> None:
-        wait = self.every
+        # after a failure, a jittered backoff from one poll interval up to MAX_BACKOFF_S: the agents of every node
+        # that lost the API server at the same moment do not all ask again at the same moments
+        backoff = Backoff(initial=self.every, maximum=max(self.every, MAX_BACKOFF_S))
         while not self.stop_event.is_set():
             try:
                 self.poll()
                 if self.failing:
                     log.warning("%s at %s answers again", self.peer, self.url)
                 self.failing, wait = None, self.every
+                backoff.reset()
             except (OSError, ValueError, urllib.error.URLError) as err:   # down, refused, garbage: try again later
                 kind = type(err).__name__
                 if kind != self.failing:
                     log.warning("%s at %s: %s: %s; attached pods go on; trying again with backoff", self.peer,
                                 self.url, kind, err)
-                self.failing, wait = kind, min(MAX_BACKOFF_S, max(self.every, wait * 2))
+                self.failing, wait = kind, backoff.next()
             except Exception:   # a bug must not stop the watching
                 log.exception("k8s watcher")
-                wait = min(MAX_BACKOFF_S, max(self.every, wait * 2))
+                wait = backoff.next()
             self.stop_event.wait(wait)
 
     def stop(self) -> None:
