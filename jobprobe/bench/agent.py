@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -206,13 +205,11 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
     finally:
         agent.close()
         if controller is not None:
-            controller.send_signal(signal.SIGTERM)
-            controller.wait(timeout=30)
+            stop_child(controller, 30)
         if local is not None:
             local.stop()
         if peer_proc is not None:
-            peer_proc.send_signal(signal.SIGTERM)
-            peer_proc.wait(timeout=30)
+            stop_child(peer_proc, 30)
         for p in sleepers:
             p.kill()
             p.wait()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobprobe.kernel import procfs
 from jobprobe.bench.overhead import _wait_for_hello, collector_stats, free_port, scratch
+from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
 
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
@@ -108,11 +109,8 @@ def _run_peers(cmd: list[str], interval: float, workdir: Path, exe: str, jobprob
         _, peer_hwm = proc_mem(peer.pid)
     finally:
         scraper.stop_event.set()
-        peer.send_signal(signal.SIGTERM)
-        peer.wait(timeout=30)
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGINT)
-        agent.wait(timeout=60)
+        stop_child(peer, 30)
+        stop_child(agent, 60, signal.SIGINT)
     own = collector_stats(out)
     return {
         "seconds": secs, "interval": interval, "command": cmd,
