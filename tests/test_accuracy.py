@@ -113,6 +113,7 @@ def test_dd_reference_and_case_selection():
 CI_CASES = "dd-read-short,dd-read-long,dd-write-short,dd-write-long,cpu-burn"
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_harness_beside_a_cpu_hog_has_no_silent_shortfall(tmp_path):
     """The CLI, 3 runs of the dd short/long read/write cases and the CPU burner beside stress-ng --cpu NCPU: every

@@ -84,6 +84,7 @@ def test_markdown_tables_have_the_seed_shape():
     assert "| std | 0.0012 cores | 0.0000 cores | 20 MiB | none | 0 B/s | 0.59 KiB/s |" in md
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_kit_end_to_end_on_a_tiny_job(tmp_path):
     """Two configs, a small budget: every run happens, pairs are counted, the collector's cost is read from its
@@ -119,6 +120,7 @@ def test_cli_bench_writes_json_and_markdown(tmp_path):
     assert bad.returncode == 2 and "unknown probe 'nope'" in bad.stderr
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
     """node_exporter (the peer, a real server on loopback) is scraped once per interval while jobprobe runs."""
@@ -132,6 +134,7 @@ def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
     assert "| node_exporter, scraped every 0.25 s |" in peers_md(res)
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_events_bench_end_to_end_with_the_peer(tmp_path):
     """`bench events` on a small pingpong: our probe watching the job, watching another job, and bcc's runqlat,
@@ -171,6 +174,7 @@ def test_deep_trace_configs_and_the_traced_share(tmp_path):
     assert traced_share(samples + windows) == pytest.approx(35 / 100)
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_the_kit_measures_a_run_traced_on_a_schedule(tmp_path):
     """`cgroup@every=1`: a 25 s window opens 1 s into a 4 s job and is cut short at its end — about 3 s of 4

@@ -461,6 +461,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     assert probe.sample() == {}
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_cost_per_request(probe, make_cgroup, loop):
     """Run time per program run (bpf_stats) on 4 KiB O_DIRECT reads of the job plus as many writes outside it:

@@ -13,7 +13,8 @@ from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.probes.sched import SchedProbe
 
-EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(3); "
+# waits for a line on stdin (sent once the probe is attached, however long its compile took), then execs from a thread
+EXEC_FROM_A_THREAD = ("import os, sys, threading; sys.stdin.readline(); "
                       "t = threading.Thread(target=lambda: os.execv('/bin/sleep', ['sleep', '1.5'])); "
                       "t.start(); t.join()")
 
@@ -22,10 +23,12 @@ EXEC_FROM_A_THREAD = ("import os, threading, time; time.sleep(3); "
 def test_exec_from_a_thread_leaves_no_stale_member():
     """A non-leader thread that calls execve takes over the process's pid; its old tid never exits. Without the
     exec handler of bpf/common.h that tid would stay in job_of_tgid forever."""
-    proc = subprocess.Popen([sys.executable, "-c", EXEC_FROM_A_THREAD])
+    proc = subprocess.Popen([sys.executable, "-c", EXEC_FROM_A_THREAD], stdin=subprocess.PIPE)
     probe = SchedProbe()
     try:
         probe.start(PidTreeTarget([proc.pid]))
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
         for _ in range(250):                  # wait for the thread to be created and to exec (after the attach)
             if open(f"/proc/{proc.pid}/comm").read().strip() == "sleep":
                 break

@@ -148,6 +148,7 @@ def test_command_cpu_is_attributed_and_interval_has_no_drift():
     assert all(f["status"] == {"cgroup": "ok", "self": "ok"} for f in samples)
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_pid_follows_children_forked_after_attach(make_cgroup):
     cg = make_cgroup()  # only so that the kernel keeps an independent CPU total for the same processes

@@ -412,6 +412,7 @@ def test_command_line_per_second_counts_sum_to_the_programs_account(fakes, tmp_p
 FIRST = {"push": "push %rbp (emulated)", "endbr": "endbr64 (single-stepped)", "o2": "mov rip-relative"}
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_cost_per_call(tmp_path):
     """Not a benchmark with limits: prints what a probed call costs (wall time of N calls with the probe on minus

@@ -48,6 +48,7 @@ def test_a_counter_wrap_is_one_range_more():
     assert wrapped(7, 5, 100) == 2
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 @pytest.mark.skipif(os.cpu_count() < 2, reason="needs two CPUs to pin the burner to CPU 1")
 def test_the_jobs_cpu_energy_is_each_package_delta_times_its_cpu_share(make_cgroup, tmp_path):
@@ -94,6 +95,7 @@ def test_on_this_host_without_rapl_the_probe_says_so():
     assert p.check(p.host) == "no RAPL (/sys/class/powercap has no intel-rapl or amd-rapl zone)"
 
 
+@pytest.mark.serial
 def test_a_thread_born_mid_interval_counts_its_first_interval(make_cgroup, tmp_path):
     """The job's only busy thread is started between two ticks: its CPU time in its first interval is the job's
     share of that interval (the kernel's cpu.stat against /proc/stat's busy time of its CPU), not zero."""

@@ -451,6 +451,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     assert probe.sample() == {}
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_cost_per_fault(probe, make_cgroup):
     """ns per program run from bpf_stats while a job takes ~100k minor faults (the runs include every other

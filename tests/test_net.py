@@ -467,6 +467,7 @@ def test_a_refused_cgroup_link_falls_back_to_syscalls_and_says_so(probe, make_cg
     assert s["tcp_tx_bytes"] == job["sent"] and s["tcp_active_opens"] == 1 and "tcp_tx_packets" not in s
 
 
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_cost_per_packet_and_per_event(probe, make_cgroup, net):
     """Not a benchmark (no timed assert): prints bpf_stats ns per run of each program on a TCP + UDP job."""

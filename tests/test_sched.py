@@ -458,10 +458,11 @@ def test_cgroup_made_after_start_is_picked_up_by_sample(probe, make_cgroup):
 
 
 ROOT_THEN_CHILD = """
-import subprocess, sys
+import resource, subprocess, sys
 sys.stdin.readline()
 out = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, text=True).stdout
-print(out, flush=True)
+r = resource.getrusage(resource.RUSAGE_SELF)
+print(out, r.ru_nvcsw, r.ru_nivcsw, flush=True)
 """
 
 
@@ -472,11 +473,13 @@ def test_pid_tree_follows_children_forked_after_attach(probe):
     probe.start(PidTreeTarget([root.pid]))
     assert probe.members() == {root.pid}
     out, _ = root.communicate("go\n", timeout=120)
-    child = sum(map(int, out.split()[-2:]))
+    child = sum(map(int, out.split()[-4:-2]))
+    own = sum(map(int, out.split()[-2:]))       # the root's own, since it started (before the attach too)
     s = probe.sample()
-    print(f"sched: {job_switches(s)} switches, child's own count {child}")
-    # The child's switches, plus the root's few (reading stdin, fork, waitpid, exit).
-    assert 0.95 * child <= job_switches(s) <= 1.05 * child + 50
+    print(f"sched: {job_switches(s)} switches, child's own count {child}, the root's {own}")
+    # The child's switches, plus the root's (reading stdin, fork, waitpid, and the preemptions a busy machine
+    # gives it: counted by the kernel for it), plus the few of its exit.
+    assert 0.95 * child <= job_switches(s) <= 1.05 * (child + own) + 10
     assert probe.members() == set()                    # both exited: nothing left behind
 
 
@@ -707,6 +710,9 @@ def test_pipe_reads_are_wait(by_source, make_cgroup):
     assert s["offcpu_wait_ns"] >= 0.9 * (n - 1) * ms * 1e6
 
 
+# serial: beside other tests' load on the same CPU the preempted time read 2.4% above run_delay (bound 2%):
+# a finding under study (docs/PERFORMANCE.md, "The test suite"), not a bound to widen
+@pytest.mark.serial
 @pytest.mark.kernel
 def test_two_burners_on_one_cpu_are_preempted(probe, make_cgroup):
     seconds = 1.5

@@ -33,6 +33,7 @@ def rate(ddp: DdpJob, since: int) -> float:
     return sum(r) / len(r) if r else 0.0
 
 
+@pytest.mark.serial
 @pytest.mark.integration
 @pytest.mark.kernel
 @need_nats
