@@ -149,9 +149,6 @@ def exec_ns(pid: int) -> int:
     return sum(int((t / "schedstat").read_text().split()[0]) for t in Path(f"/proc/{pid}/task").iterdir())
 
 
-# serial: beside other tests' CPU load the PID-tree reading came out ~3% above the job's own figure (bound
-# 2%+): a finding under study (docs/PERFORMANCE.md, "The test suite"), not a bound to widen
-@pytest.mark.serial
 @pytest.mark.integration
 @pytest.mark.kernel
 def test_slurm_job_cpu_is_seen_and_agrees_with_the_job_itself(slurm, tmp_path):

@@ -25,10 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 PYTHON = "/usr/bin/python3"         # the job's interpreter: the system one, usable by any user
 
-# serial: each job's CPU time is checked against its own getrusage to 40 ms + 2%; beside other tests' CPU load the
-# PID-tree reading came out 60-130 ms (4-8%) above it (docs/PERFORMANCE.md, "the suite"): a finding under study,
-# not a bound to widen
-pytestmark = [pytest.mark.integration, pytest.mark.kernel, pytest.mark.serial]
+pytestmark = [pytest.mark.integration, pytest.mark.kernel]
 
 
 

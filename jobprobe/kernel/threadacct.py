@@ -109,10 +109,10 @@ class ThreadAcct:
     """Per-interval storage I/O bytes and CPU time of the job's threads, exact through their exits.
 
     Each live thread's own counters are read per tick; when a thread exits, its taskstats exit record holds its final
-    counters (bytes; CPU in µs), and what it did since its last read is added. Records of threads never read (born
-    and gone between two ticks) count whole when their process is the job's or their parent process is (followed
-    down a chain of such short-lived processes) — so the root of a PID tree, reaped outside the job (by slurmstepd,
-    a shell), loses nothing either. Without a listener (no root, no taskstats) a thread's counts since the last tick
+    counters (bytes; CPU: ExitRecord.cpu_ns, its exact time on CPU), and what it did since its last read is added.
+    Records of threads never read (born and gone between two ticks) count whole when their process is the job's or
+    their parent process is (followed down a chain of such short-lived processes) — so the root of a PID tree, reaped
+    outside the job (by slurmstepd, a shell), loses nothing either. Without a listener (no root, no taskstats) a thread's counts since the last tick
     are lost at its exit (the cgroup probe then takes CPU per process, with what a parent's cutime/cstime says of the
     children it reaped). A baseline (the first update) counts nothing, unless `from_zero`: then every thread counts
     whole (a job attached as it starts).
@@ -149,7 +149,7 @@ class ThreadAcct:
                 return dict.fromkeys(KEYS, 0)
             for r in mine:
                 _, before = self.last.pop(r.tid, (0, (0, 0, 0, 0)))
-                final = (r.read_bytes, r.write_bytes, r.utime_us * 1000, r.stime_us * 1000)
+                final = (r.read_bytes, r.write_bytes, *r.cpu_ns())
                 for i in range(4):
                     out[i] += max(0, final[i] - before[i])
                 self.finished.add(r.tid)
