@@ -139,14 +139,23 @@ static inline int split(u32 dev, u64 sector, u64 new_sector)
     return 0;
 }
 
+/* The job's entry of a request of the node, its key filled in (NULL: not the job's, or empty, or an operation not
+ * counted). The caller's key starts zeroed (= {}): its padding is part of the hash's key. */
+static inline struct rq_val *tracked(struct rq_key *key, u32 dev, u64 sector, u32 nr_sector, int op)
+{
+    if (nr_sector == 0 || op < 0)
+        return NULL;
+    key->sector = sector;
+    key->dev = dev;
+    return inflight.lookup(key);
+}
+
 /* Every request of the node passes here: one lookup, and the job's get their issue time and size. A requeued
  * request is issued again: its latency counts from the last issue. */
 static inline int issued(u32 dev, u64 sector, u32 nr_sector, int op)
 {
-    if (nr_sector == 0 || op < 0)
-        return 0;
-    struct rq_key key = {.sector = sector, .dev = dev};
-    struct rq_val *v = inflight.lookup(&key);
+    struct rq_key key = {};
+    struct rq_val *v = tracked(&key, dev, sector, nr_sector, op);
     if (!v)
         return 0;
     v->issue_ns = bpf_ktime_get_ns();
@@ -158,10 +167,8 @@ static inline int issued(u32 dev, u64 sector, u32 nr_sector, int op)
  * empty completion when the sequence ends: its entry is gone by then, and empty ones are skipped at once. */
 static inline int completed(u32 dev, u64 sector, u32 nr_sector, int op, int error)
 {
-    if (nr_sector == 0 || op < 0)
-        return 0;
-    struct rq_key key = {.sector = sector, .dev = dev};
-    struct rq_val *v = inflight.lookup(&key);
+    struct rq_key key = {};
+    struct rq_val *v = tracked(&key, dev, sector, nr_sector, op);
     if (!v)
         return 0;
     u64 now = bpf_ktime_get_ns();

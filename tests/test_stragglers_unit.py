@@ -9,7 +9,7 @@ from jobprobe.cluster.stragglers import StragglerWatch, causes, figures, Window
 
 
 def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
-          nic=None, rdma=None):
+          nic=None, rdma=None, mem_stall=None):
     cg = {"cpu_user_ns": int(cpu), "cpu_system_ns": 0, "cpu_throttled_ns": int(throttled)}
     if limit:
         cg["cpu_limit_cores"] = limit
@@ -21,11 +21,18 @@ def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, 
         probes["nic"] = nic
     if rdma is not None:
         probes["rdma"] = rdma
+    if mem_stall is not None:
+        probes["pressure"] = {"memory_some_ns": int(mem_stall), "io_some_ns": 0}
     return {"v": 1, "kind": "sample", "node": node, "job": "j", "run": "r", "seq": int(t), "t": t, "dt": 1.0,
             "probes": probes}
 
 
-def run(watch: StragglerWatch, seconds: int, special=lambda node, t: {}, nodes=("a", "b", "c"), t0=1000.0):
+NOISY = ("cpu", "wait", "runq", "mem_stall")
+
+
+def run(watch: StragglerWatch, seconds: int, special=lambda node, t: {}, nodes=("a", "b", "c"), t0=1000.0,
+        noisy: bool = False):
+    """`noisy`: the levels `special` gives to NOISY figures vary by ±10% frame to frame, as real ones do."""
     events = []
     rng = random.Random(1)
     for s in range(seconds):
@@ -33,7 +40,8 @@ def run(watch: StragglerWatch, seconds: int, special=lambda node, t: {}, nodes=(
         batch = []
         for n in nodes:
             kw = {"cpu": 0.9e9 * rng.uniform(0.9, 1.1), "wait": 0.3e9 * rng.uniform(0.8, 1.2)}
-            kw.update(special(n, t))
+            for k, v in special(n, t).items():
+                kw[k] = v * rng.uniform(0.9, 1.1) if noisy and k in NOISY and isinstance(v, float) else v
             batch.append(frame(n, t, **kw))
         rng.shuffle(batch)
         events += [(t, *e) for e in watch.feed(batch)]
@@ -110,3 +118,79 @@ def test_peers_median_and_max_leave_the_node_itself_out_exactly():
             rest = [x.rate("retrans") for j, x in enumerate(wins) if j != i]
             med, top, cnt = everyone.stats("retrans", w.rate("retrans"))
             assert (med, top, cnt) == (statistics.median(rest), max(rest), n - 1)
+
+
+def named(ev):
+    return [(e[1], e[3]) for e in ev]
+
+
+def test_a_noisy_neighbour_on_one_ranks_cpu_is_named_though_its_peers_share_a_cpu():
+    """Rank b pinned beside a CPU hog from t = 1060: its run-queue wait rises 0.42 -> 1.34 s/s while its peers'
+    (sharing a CPU with each other) fall 0.6 -> 0.5 — b's is not 3x theirs, so comparing with the peers alone names
+    nobody. But the others now wait for b (their waits 0.3 -> 0.6 s/s, b's 0.3 -> 0.1) and b's own run-queue wait
+    rose over its baseline: b is named for it, and nobody else."""
+    w = StragglerWatch()
+
+    def hog(n, t):
+        if t < 1060:
+            return {"runq": 0.42e9 if n == "b" else 0.6e9}
+        return {"runq": 1.34e9, "wait": 0.1e9} if n == "b" else {"runq": 0.5e9, "wait": 0.6e9}
+    ev = run(w, 150, hog, noisy=True)
+    assert named(ev) == [("b", "straggler")], ev
+    t, _, _, _, body = ev[0]
+    assert t - 1060 <= 25 and body["causes"] == ["runq"] and body["verdict"] == "node"
+    assert "up from 0.4" in body["reason"] and body["waited_by"] == ["a", "c"], body
+
+
+def test_the_rank_that_waits_is_never_named_for_a_figure_that_did_not_move():
+    """Two ranks: s slowed by a neighbour (run queue up, its retransmits down 24 -> 4/s as it sends less), v waiting
+    for it (wait up) with its retransmits where they were (24 -> 25.4/s): 25.4 is over 5x the peer's 4 + 5, which
+    named v before. Now only s is named, for its run-queue wait; v, waiting, never."""
+    w = StragglerWatch()
+
+    def fault(n, t):
+        if t < 1060:
+            return {"runq": 0.4e9, "retrans": 24}
+        if n == "s":
+            return {"runq": 1.3e9, "wait": 0.1e9, "retrans": 4}
+        return {"runq": 0.3e9, "wait": 0.7e9, "retrans": 25 + (t % 2) * 0.8}
+    ev = run(w, 150, fault, nodes=("s", "v"), noisy=True)
+    assert named(ev) == [("s", "straggler")], ev
+    assert ev[0][4]["causes"] == ["runq"] and ev[0][4]["waited_by"] == ["v"]
+
+
+def test_a_rank_given_more_work_is_the_jobs_own_imbalance_not_a_node_fault():
+    """Rank c given 1.5x the batch from t = 1060: its CPU rises 0.9 -> 1.35 cores, the others wait for it, nothing
+    on its node changed (no run-queue wait, throttling, stall or network figure moved): an `imbalance` event for c,
+    no straggler; it ends when c is no longer waited for."""
+    w = StragglerWatch()
+
+    def more_work(n, t):
+        if not 1060 <= t < 1130:
+            return {}
+        return {"cpu": 1.35e9, "wait": 0.05e9} if n == "c" else {"wait": 0.7e9}
+    ev = run(w, 200, more_work, noisy=True)
+    assert named(ev) == [("c", "imbalance"), ("c", "imbalance_end")], ev
+    body = ev[0][4]
+    assert body["verdict"] == "imbalance" and "more work" in body["reason"] and body["waited_by"] == ["a", "b"]
+    assert w.named == 0 and w.open() == []
+
+
+def test_memory_pressure_on_one_rank_is_named():
+    w = StragglerWatch()
+    stall = lambda n, t: {"mem_stall": 0.45e9, "wait": 0.05e9} if n == "a" and t >= 1060 else \
+        ({"mem_stall": 0.01e9, "wait": 0.6e9} if t >= 1060 else {"mem_stall": 0.01e9})      # noqa: E731
+    ev = run(w, 120, stall, noisy=True)
+    assert named(ev) == [("a", "straggler")] and ev[0][4]["causes"] == ["memory_pressure"], ev
+
+
+def test_a_figure_far_from_the_peers_but_where_it_always_was_is_no_cause():
+    """Node a has always had 40 retransmits/s (its own link, its own baseline); its peers none, and nobody waits
+    for it. Far from the peers is not enough: it did not move, so it names nobody — while a rise on node b from 0
+    to 200 (far from its peers' median, 20) is named."""
+    w = StragglerWatch()
+    assert run(w, 150, lambda n, t: {"retrans": 40} if n == "a" else {}) == []
+    w = StragglerWatch()
+    ev = run(w, 150, lambda n, t: {"retrans": 40} if n == "a" else ({"retrans": 200} if n == "b" and t >= 1060
+                                                                   else {}))
+    assert named(ev) == [("b", "straggler")] and ev[0][4]["causes"] == ["net_retransmits"], ev
