@@ -167,3 +167,32 @@ def test_the_plots_draw_names_as_they_are_whatever_the_rc(tmp_path, monkeypatch)
     for name in HOSTILE_NODES:
         assert seen.count(name) >= len(plots), name          # in every legend (and the off-CPU plot's ticks)
     assert matplotlib.rcParams["text.usetex"] is True         # the caller's settings are left as they were
+
+
+def test_the_verdict_names_who_waited_and_tells_a_fault_from_the_jobs_own_imbalance():
+    """One sentence per finding: node-b the straggler, short of CPU, node-a and node-c waiting for it; later node-c
+    given more work — the job's own imbalance, not its node, node-a and node-b waiting. A waited_by that is not a
+    list (a hostile file) adds nobody."""
+    from jobprobe.cluster.report import Job, verdict
+    job = Job("ddp")
+    frames = [{"kind": "sample", "node": n, "job": "ddp", "t": 1000.0 + s, "dt": 1.0,
+               "probes": {"cgroup": {"cpu_user_ns": 9e8, "cpu_system_ns": 0}}}
+              for n in ("node-a", "node-b", "node-c") for s in range(101)]
+    events = [{"kind": "event", "event": "straggler", "node": "node-b", "straggler": "node-b", "t": 1030.0,
+               "since": 1020.0, "causes": ["runq"], "waited_by": ["node-c", "node-a"], "reason": "r",
+               "evidence": {}},
+              {"kind": "event", "event": "straggler_end", "node": "node-b", "straggler": "node-b", "t": 1040.0},
+              {"kind": "event", "event": "imbalance", "node": "node-c", "t": 1070.0, "since": 1060.0,
+               "waited_by": ["node-a", "node-b"]},
+              {"kind": "event", "event": "imbalance_end", "node": "node-c", "t": 1090.0},
+              {"kind": "event", "event": "imbalance", "node": "node-x", "t": 1095.0, "since": 1095.0,
+               "waited_by": "node-a"}]
+    job.take(frames + events)
+    job.sort()
+    v = verdict(job)
+    assert ("<b>node-b</b> was the straggler for 20 s (20% of the run), short of CPU (run queue); node-a, node-c "
+            "waited for it.") in v, v
+    assert ("<b>node-c</b> had more work than its peers for 30 s (30% of the run): the job's own imbalance, not its "
+            "node; node-a, node-b waited for it.") in v, v
+    assert "<b>node-x</b> had more work than its peers for 5 s (5% of the run): the job's own imbalance, not its " \
+           "node." in v and "No straggler" not in v

@@ -131,8 +131,10 @@ def runs(base: Path, name: str, job: str) -> list[tuple[int, float]]:
 
 
 def burn_script(jobs: Path, seconds: float, after: str = "") -> str:
-    return f"exec {PYTHON} {jobs}/workloads.py burn {seconds}" if not after else \
-        f"{PYTHON} {jobs}/workloads.py burn {seconds}; {after}"
+    """A job burning `seconds` of its own CPU time (not of wall time: beside other work it takes longer, and uses
+    as much)."""
+    return f"exec {PYTHON} {jobs}/workloads.py burncpu {seconds}" if not after else \
+        f"{PYTHON} {jobs}/workloads.py burncpu {seconds}; {after}"
 
 
 def cpu(frames: list[dict]) -> int:

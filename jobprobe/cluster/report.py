@@ -131,18 +131,18 @@ def from_store(path: str, name: str) -> Job:
 
 
 # ---- the verdict --------------------------------------------------------------------------------------------
-def straggler_periods(job: Job) -> list[dict]:
-    """(node, start, end, reason, evidence) of each straggler named, its end the matching straggler_end (or the
-    end of the run)."""
+def straggler_periods(job: Job, opened: str = "straggler", closed: str = "straggler_end") -> list[dict]:
+    """(node, start, end, reason, evidence, causes, waited_by) of each straggler named (or, with opened="imbalance",
+    each imbalance), its end the matching end event (or the end of the run)."""
     out: list[dict] = []
     open_: dict[str, dict] = {}
     for e in job.events:
-        if e.get("event") == "straggler":
+        if e.get("event") == opened:
             node = e.get("straggler", e.get("node"))
             open_[node] = {"node": node, "start": float(e.get("since") or e.get("t")), "end": None,
                            "reason": e.get("reason", ""), "evidence": e.get("evidence", {}),
-                           "causes": e.get("causes", [])}
-        elif e.get("event") == "straggler_end":
+                           "causes": e.get("causes", []), "waited_by": e.get("waited_by", [])}
+        elif e.get("event") == closed:
             node = e.get("straggler", e.get("node"))
             if node in open_:
                 p = open_.pop(node)
@@ -153,6 +153,19 @@ def straggler_periods(job: Job) -> list[dict]:
         p["end"] = end
         out.append(p)
     return sorted(out, key=lambda p: p["start"])
+
+
+CAUSE_WORDS = {"cpu_throttled": "throttled by its CPU limit", "runq": "short of CPU (run queue)",
+               "memory_pressure": "stalled on memory", "io_pressure": "stalled on I/O",
+               "memory_reclaim": "reclaiming memory", "nic_queue": "held back by a slow link (its interface's queue)",
+               "net_rtt": "on a slow path", "net_retransmits": "losing packets", "gpu_util": "with a less busy GPU",
+               "gpu_clock": "with slower GPU clocks", "gpu_throttled": "with its GPU throttled",
+               "nic_rail": "with a slow network rail", "rdma_port": "with an RDMA port down or failing"}
+
+
+def _waiters(ps: list[dict]) -> str:
+    who = sorted({str(n) for p in ps if isinstance(p.get("waited_by"), (list, tuple)) for n in p["waited_by"]})
+    return f"; {html.escape(', '.join(who))} waited for it" if who else ""
 
 
 def verdict(job: Job) -> str:
@@ -168,18 +181,21 @@ def verdict(job: Job) -> str:
         for node, ps in by_node.items():
             secs = sum(p["end"] - p["start"] for p in ps)
             causes = sorted({c for p in ps for c in p["causes"]})
-            what = {"cpu_throttled": "throttled by its CPU limit", "runq": "short of CPU (run queue)",
-                    "nic_queue": "held back by a slow link (its interface's queue)", "net_rtt": "on a slow path",
-                    "net_retransmits": "losing packets", "gpu_util": "with a less busy GPU",
-                    "gpu_clock": "with slower GPU clocks", "gpu_throttled": "with its GPU throttled",
-                    "nic_rail": "with a slow network rail", "rdma_port": "with an RDMA port down or failing"}
-            said = ", ".join(what.get(c, c) for c in causes)
+            said = ", ".join(CAUSE_WORDS.get(c, c) for c in causes)
             waited = [p["evidence"].get("peers_wait_s_per_s", 0) - p["evidence"].get("wait_s_per_s", 0) for p in ps]
             extra = (f"; meanwhile the other nodes' threads waited {max(waited):.2f} s per second more than its own"
                      if waited and max(waited) > 0.05 else "")
             parts.append(f"<b>{html.escape(node)}</b> was the straggler for {secs:.0f} s "
-                         f"({secs / run:.0%} of the run), {html.escape(said)}{extra}.")
-    elif len(nodes) > 1:
+                         f"({secs / run:.0%} of the run), {html.escape(said)}{_waiters(ps)}{extra}.")
+    more_work = straggler_periods(job, "imbalance", "imbalance_end")
+    by_node = defaultdict(list)
+    for p in more_work:
+        by_node[p["node"]].append(p)
+    for node, ps in by_node.items():
+        secs = sum(p["end"] - p["start"] for p in ps)
+        parts.append(f"<b>{html.escape(node)}</b> had more work than its peers for {secs:.0f} s "
+                     f"({secs / run:.0%} of the run): the job's own imbalance, not its node{_waiters(ps)}.")
+    if not periods and not more_work and len(nodes) > 1:
         parts.append("No straggler: the nodes kept in step the whole run.")
     lost = [e for e in job.events if e.get("event") == "node_lost" and float(e.get("t", 0)) < t1]  # not the end
     if lost:
@@ -240,7 +256,7 @@ def _timelines(job: Job) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
     t0, _ = job.span
     periods = straggler_periods(job)
-    marks = [e for e in job.events if e.get("event") not in ("straggler", "straggler_end")]
+    marks = [e for e in job.events if e.get("event") not in ("straggler", "straggler_end")]   # imbalance: a mark
     out = []
     for key, title in PANELS:
         if not any(x is not None for s in job.nodes.values() for x in s.v.get(key, [])):
