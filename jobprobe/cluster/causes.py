@@ -166,6 +166,27 @@ def values_of(w: Window) -> dict[str, float | None]:
     return {k: g(w) for k, g in GET.items()}
 
 
+# Figures in which a node is named when far above its peers' median: (figure, cause, at least, × the median,
+# + this, only with peers reporting it, digits kept, the words). `clearing` halves "at least" and "+ this".
+ABOVE = (
+    ("runq", "runq", 0.25, 3, 0.15, False, 3,
+     "threads waited {x:.2f} s per s for a CPU (run queue); peers {m:.2f}"),
+    ("retrans", "net_retransmits", 5, 5, 5, False, 1,
+     "network: {x:.0f} TCP retransmits/s (a slow or lossy link); peers {m:.0f}/s"),
+    ("nic_held", "nic_queue", 50, 10, 50, True, 1,
+     "network: the queue in front of its interface held packets back or dropped them {x:.0f} times/s "
+     "({drops:.0f} drops/s) — a link slower than what it sends; peers {m:.0f}/s"),
+    ("rtt", "net_rtt", 1000, 4, 500, True, 0,
+     "network: its TCP round trips take {xk:.1f} ms (a queue on a slow link); peers {mk:.2f} ms"),
+    ("mem_stall", "memory_pressure", 0.10, 3, 0.05, False, 3,
+     "threads stalled {x:.2f} s per s on memory (PSI memory some: reclaim, refaults, swap-in); peers {m:.2f}"),
+    ("io_stall", "io_pressure", 0.20, 3, 0.10, False, 3,
+     "threads stalled {x:.2f} s per s on I/O (PSI io some); peers {m:.2f}"),
+    ("reclaim", "memory_reclaim", 0.05, 3, 0.025, False, 3,
+     "threads stalled {x:.2f} s per s on reclaiming memory in its own threads; peers {m:.2f}"),
+)
+
+
 def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
            mine: "dict[str, float | None] | None" = None) -> list[Cause]:
     """The figures in which `me` is far from all its peers (a list of their windows, or an Others made from
@@ -183,34 +204,15 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
             lim = f" (limit {me.limit:g} cores)" if me.limit else ""
             out.append(Cause("cpu_throttled", round(thr, 3), round(m, 3),
                              f"CPU throttled {thr:.0%} of the time by its cgroup's CPU limit{lim}; peers {m:.0%}"))
-    rq = v["runq"]
-    if rq is not None:
-        m, _, _ = others.stats("runq", rq)
-        if rq >= 0.25 * f and rq >= 3 * m + 0.15 * f:
-            out.append(Cause("runq", round(rq, 3), round(m, 3),
-                             f"threads waited {rq:.2f} s per s for a CPU (run queue); peers {m:.2f}"))
-    rt = v["retrans"]
-    if rt is not None:
-        m, _, _ = others.stats("retrans", rt)
-        if rt >= 5 * f and rt >= 5 * m + 5 * f:
-            out.append(Cause("net_retransmits", round(rt, 1), round(m, 1),
-                             f"network: {rt:.0f} TCP retransmits/s (a slow or lossy link); peers {m:.0f}/s"))
-    held = v["nic_held"]
-    if held is not None:
-        m, _, n = others.stats("nic_held", held)
-        if n and held >= 50 * f and held >= 10 * m + 50 * f:
-            drops = me.rate("nic_drops") or 0
-            out.append(Cause("nic_queue", round(held, 1), round(m, 1),
-                             f"network: the queue in front of its interface held packets back or dropped them "
-                             f"{held:.0f} times/s ({drops:.0f} drops/s) — a link slower than what it sends; peers "
-                             f"{m:.0f}/s"))
-    rtt = v["rtt"]
-    if rtt is not None:
-        m, _, n = others.stats("rtt", rtt)
-        if n and rtt >= 1000 * f and rtt >= 4 * m + 500 * f:
-            out.append(Cause("net_rtt", round(rtt), round(m),
-                             f"network: its TCP round trips take {rtt / 1000:.1f} ms (a queue on a slow link); "
-                             f"peers {m / 1000:.2f} ms"))
+    for key, name, lo, mult, add, need_peers, digits, text in ABOVE:
+        x = v[key]
+        if x is None:
+            continue
+        m, _, n = others.stats(key, x)
+        if (n or not need_peers) and x >= lo * f and x >= mult * m + add * f:
+            words = text.format(x=x, m=m, xk=x / 1000, mk=m / 1000, drops=me.rate("nic_drops") or 0)
+            out.append(Cause(name, round(x, digits) if digits else round(x), round(m, digits) if digits else round(m),
+                             words))
     gu = v["gpu_util"]
     if gu is not None:
         m, _, _ = others.stats("gpu_util", gu)
@@ -221,16 +223,6 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
         m, _, _ = others.stats("gpu_clock", gc)
         if m > 0 and gc <= m * (0.85 + 0.1 * (f < 1)):
             out.append(Cause("gpu_clock", round(gc), round(m), f"SM clock {gc:.0f} MHz; peers {m:.0f} MHz"))
-    for key, name, lo, what in (("mem_stall", "memory_pressure", 0.10, "memory (PSI memory some: reclaim, refaults, "
-                                 "swap-in)"),
-                                ("io_stall", "io_pressure", 0.20, "I/O (PSI io some)"),
-                                ("reclaim", "memory_reclaim", 0.05, "reclaiming memory in its own threads")):
-        x = v[key]
-        if x is not None:
-            m, _, _ = others.stats(key, x)
-            if x >= lo * f and x >= 3 * m + lo / 2 * f:
-                out.append(Cause(name, round(x, 3), round(m, 3),
-                                 f"threads stalled {x:.2f} s per s on {what}; peers {m:.2f}"))
     # shares of time in a bad state: at least half the window, and half more than any peer
     for key, name, what in (("gpu_throttled", "gpu_throttled", "GPU clocks held down (power/thermal)"),
                             ("rail_slow", "nic_rail", "network: one of its rails carried under half the median of "
