@@ -91,6 +91,10 @@ class Waits:
         g = self.gap.get(n)
         return g is not None and -g[0] >= max(WAITED_S, WAITED_SHARE * g[1])
 
+    def waited_by(self, n: str) -> list[str]:
+        """The other nodes that wait (for someone: n, when n is the one waited for), sorted."""
+        return sorted(m for m in self.gap if m != n and self.waiting(m))
+
     def any_waited_for(self) -> bool:
         return any(self.waited_for(n) for n in self.gap)
 
@@ -279,7 +283,7 @@ class StragglerWatch:
             text += f"; the other nodes' threads waited {waited:.2f} s/s more than its own"
         return {"straggler": n, "verdict": "node", "causes": [c.name for c in found], "reason": f"{n}: {text}",
                 "since": round(nt.first_seen or 0.0, 3), "nodes": sorted(wins),
-                "waited_by": sorted(m for m in wins if m != n and waits.waiting(m)),
+                "waited_by": waits.waited_by(n),
                 "evidence": {**ev, **{c.name: {"value": c.value, "peers": c.peers} for c in found}}}
 
     def _imbalance_body(self, n: str, w: Window, wins: dict[str, Window], mine: dict[str, float | None],
@@ -291,7 +295,7 @@ class StragglerWatch:
                 "reason": f"{n} has more work than its peers (the job's own imbalance, not its node): its CPU rose "
                           f"to {cpu:.2f} cores from {base:.2f} with nothing on its node changed, and the others' "
                           f"threads waited {waited:.2f} s/s more than its own",
-                "waited_by": sorted(m for m in wins if m != n and waits.waiting(m)),
+                "waited_by": waits.waited_by(n),
                 "evidence": {**ev, "cpu_cores_baseline": round(base, 4)}}
 
 
