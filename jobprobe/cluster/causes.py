@@ -129,12 +129,13 @@ MOVED = {"cpu_throttled": ("throttled", 0.10), "runq": ("runq", 0.15), "net_retr
          "io_pressure": ("io_stall", 0.10), "memory_reclaim": ("reclaim", 0.03)}
 
 
-def moved(cause: str, value: float, base: float) -> bool:
-    """Whether `value` moved from the node's own `base` far enough in the direction of `cause`."""
+def moved(cause: str, value: float, base: float, share: float = 1.0) -> bool:
+    """Whether `value` moved from the node's own `base` far enough in the direction of `cause` (`share` of the
+    rise: 1/2 for the lower bound that keeps an open event open)."""
     _, rise = MOVED[cause]
     if rise is None:                     # the SM clock: down by 10% of its baseline
-        return value <= 0.9 * base
-    return value - base >= rise if rise > 0 else value - base <= rise
+        return value <= (1 - 0.1 * share) * base
+    return value - base >= rise * share if rise > 0 else value - base <= rise * share
 
 
 class Others:

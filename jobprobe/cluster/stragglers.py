@@ -58,6 +58,7 @@ class NodeTrack:
     open_since: float | None = None
     first_seen: float | None = None
     kind: str = ""            # what the streak or the open event is: "straggler" (a node fault) or "imbalance"
+    causes: tuple = ()        # the causes an open straggler was named for
     history: deque = field(default_factory=lambda: deque(maxlen=BASELINE_N))   # {figure: value} while in step
 
     def baseline(self, k: str) -> float | None:
@@ -183,16 +184,14 @@ class StragglerWatch:
                     nt.first_seen = None
                 if kind and nt.streak >= self.open_after:
                     nt.open_since, nt.quiet = horizon, 0
+                    nt.causes = tuple(c.name for c in found)
                     if kind == "straggler":
                         self.named += 1
                         events.append((n, name, "straggler", self._body(n, w, wins, found, nt, waits)))
                     else:
                         events.append((n, name, "imbalance", self._imbalance_body(n, w, wins, values[n], nt, waits)))
             else:
-                if nt.kind == "straggler":
-                    still = bool(causes(w, everyone, clearing=True, mine=values[n])) or waits.waited_for(n)
-                else:
-                    still = waits.waited_for(n)
+                still = self._still(n, w, everyone, values[n], nt, waits)
                 nt.quiet = 0 if still else nt.quiet + 1
                 if nt.quiet >= self.close_after:
                     end = "straggler_end" if nt.kind == "straggler" else "imbalance_end"
@@ -201,7 +200,7 @@ class StragglerWatch:
                         "straggler" if nt.kind == "straggler" else "node": n,
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is {what}", "evidence": _evidence(w, wins, n)}))
-                    nt.open_since, nt.streak, nt.first_seen, nt.kind = None, 0, None, ""
+                    nt.open_since, nt.streak, nt.first_seen, nt.kind, nt.causes = None, 0, None, "", ()
         # the job in step (nobody waited for, nothing open or building up): each node's figures join its baseline
         if not someone_waited_for and all(nt.open_since is None and not nt.streak for nt in live.values()):
             for n in wins:
@@ -256,6 +255,30 @@ class StragglerWatch:
         if waited and cpu is not None and base and cpu >= IMBALANCE_CPU * base:
             return "imbalance", []
         return "", []
+
+    @staticmethod
+    def _still(n: str, w: Window, everyone: Others, mine: dict[str, float | None], nt: NodeTrack,
+               waits: Waits) -> bool:
+        """Whether an open event still holds, at the lower clearing bounds (hysteresis). A straggler: a cause still
+        far from its peers, or — still waited for — one of the causes it was named for still at least half its
+        opening rise over the node's own baseline (a noisy neighbour, whose peers may be as high). Being waited for
+        alone does not hold it: a rank's place in the ring can leave it waiting a little less than its peers for as
+        long as the job runs. An imbalance: still waited for, its CPU still 1/2 of the rise over its baseline."""
+        waited = waits.waited_for(n)
+        if nt.kind == "imbalance":
+            cpu, base = mine.get("cpu"), nt.baseline("cpu")
+            return waited and (cpu is None or not base or cpu >= (1 + (IMBALANCE_CPU - 1) / 2) * base)
+        if causes(w, everyone, clearing=True, mine=mine):
+            return True
+        if not waited:
+            return False
+        for c in nt.causes:
+            if c not in MOVED:
+                continue
+            x, base = mine.get(MOVED[c][0]), nt.baseline(MOVED[c][0])
+            if x is not None and base is not None and moved(c, x, base, share=0.5):
+                return True
+        return False
 
     def _windows(self, live: dict[str, NodeTrack], start: float, end: float) -> dict[str, Window]:
         """Each node's frames in (start, end] summed; a node with under 60% of the span covered is left out."""
