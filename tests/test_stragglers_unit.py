@@ -211,3 +211,19 @@ def test_a_straggler_whose_cause_went_is_cleared_though_it_still_waits_a_little_
     ev = run(w, 220, fault)
     assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev
     assert 1120 < ev[1][0] <= 1120 + 25, ev
+
+
+def test_a_rank_that_always_waits_more_hides_nobody():
+    """Rank a waits 1 s/s more than its peers for the whole run (as rank 0 did in a DDP run here), so by the raw
+    comparison b is 'waited for' from the first second and c, whose link is shaped, is just under the bound. Being waited for is judged against each node's own usual gap: the balanced job names nobody, and when
+    c's link is shaped at t = 1060 (its interface's queue holds packets back, its waits unchanged) c is named for
+    it — before, c's 'waited for' was never clear of a's offset and nothing in the job ever had a baseline."""
+    before, after = {"a": 4.0e9, "b": 2.85e9, "c": 3.0e9}, {"a": 4.85e9, "b": 3.69e9, "c": 3.86e9}   # a DDP run's
+    shaped = lambda n, t: {"wait": (after if t >= 1060 else before)[n],                       # noqa: E731
+                           "nic": {"nics": [{"qdisc_overlimits": 30000 if n == "c" and t >= 1060 else 0}]}}
+    w = StragglerWatch()
+    assert run(w, 150, lambda n, t: {**shaped(n, t), "nic": {"nics": [{}]}}) == []
+    w = StragglerWatch()
+    ev = run(w, 150, shaped)
+    assert named(ev) == [("c", "straggler")] and ev[0][4]["causes"] == ["nic_queue"], ev
+    assert ev[0][0] - 1060 <= 25

@@ -7,12 +7,13 @@ reads the figures and holds each cause's bounds):
 
 - **who waits for whom** — each node's threads' sleep in lock and socket/pipe waits (`sched.offcpu_lock_ns +
   offcpu_wait_ns`: where a rank sits in a collective while a peer is late) against its peers' median: the node the
-  others wait for has the least. A node that waits for another while someone is waited for is never given a cause.
+  others wait for has the least — less than is usual for it (its own baseline gap: a rank may wait more or less than
+  its peers for a whole run). A node that waits for another while someone is waited for is never given a cause.
 - **causes** — a figure in which the node is far from its peers (CPU throttled by its group's limit, run-queue
   wait, memory or I/O stalls (PSI) and reclaim, the queue in front of its interface, TCP round-trip time or
   retransmits, a slow rail, a dead RDMA port, GPU utilization, SM clock or throttle reasons), over the window and
   over its newest slice, **and that moved from the node's own baseline** (the median of its last comparisons while
-  the job was in step): a figure that did not change is never evidence. A node the others wait for is also named for
+  nothing was open or building up): a figure that did not change is never evidence. A node the others wait for is also named for
   a run-queue wait or a stall that rose over its own baseline even where its peers' are as high (they may share its
   CPU: a noisy neighbour).
 - **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (the node is
@@ -20,7 +21,8 @@ reads the figures and holds each cause's bounds):
   the nodes that waited for it.
 
 An event opens after its verdict holds in `open_after` consecutive comparisons (3), and closes (`straggler_end`,
-`imbalance_end`) after `close_after` without it (at the lower clearing bounds): hysteresis and a minimum duration,
+`imbalance_end`) after `close_after` without it (at the lower clearing bounds; being waited for alone does not hold
+a straggler open — one of its causes must): hysteresis and a minimum duration,
 so one noisy window names nobody. A job whose nodes all look alike has no event. Figures absent from a node's frames
 (no sched probe, no GPU) are simply not compared; without wait figures, a cause before the node has a baseline
 names it on its peers' comparison alone.
@@ -70,19 +72,28 @@ class NodeTrack:
 @dataclass
 class Waits:
     """Who waits for whom in one comparison: per node, its peers' median wait minus its own (s/s of its threads'
-    sleep in lock and socket/pipe waits: where a rank sits in a collective while a peer is late)."""
-    gap: dict[str, tuple[float, float]]      # node → (peers' median − its own, peers' median)
+    sleep in lock and socket/pipe waits: where a rank sits in a collective while a peer is late), less the node's
+    own usual gap — a rank can wait more or less than its peers for a whole run (rank 0 serving the rendezvous
+    store, its place in the ring): being waited for is a change, like every other piece of evidence."""
+    gap: dict[str, tuple[float, float]]      # node → (peers' median − its own − its usual gap, peers' median)
 
     @classmethod
-    def of(cls, values: dict[str, dict[str, float | None]], everyone: "Others") -> "Waits":
+    def of(cls, values: dict[str, dict[str, float | None]], everyone: "Others",
+           usual: "dict[str, float | None] | None" = None) -> "Waits":
+        """`usual`: each node's baseline gap (none yet: 0)."""
         gap = {}
         for n, v in values.items():
             x = v.get("wait")
             if x is not None:
                 med, _, cnt = everyone.stats("wait", x)
                 if cnt:
-                    gap[n] = (med - x, med)
+                    gap[n] = (med - x - ((usual or {}).get(n) or 0.0), med)
         return cls(gap)
+
+    def raw(self, n: str, usual: float | None) -> float | None:
+        """The node's gap before its usual one is taken off (for its baseline)."""
+        g = self.gap.get(n)
+        return None if g is None else g[0] + (usual or 0.0)
 
     def waited_for(self, n: str) -> bool:
         g = self.gap.get(n)
@@ -169,7 +180,8 @@ class StragglerWatch:
         recent_values = {n: values_of(w) for n, w in recent.items()}
         everyone = Others(list(wins.values()), list(values.values()))
         everyone_recent = Others(list(recent.values()), list(recent_values.values()))
-        waits = Waits.of(values, everyone)
+        usual = {n: nt.baseline("gap") for n, nt in live.items()}
+        waits = Waits.of(values, everyone, usual)
         someone_waited_for = waits.any_waited_for()
         for n, w in wins.items():
             nt = live[n]
@@ -201,10 +213,10 @@ class StragglerWatch:
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is {what}", "evidence": _evidence(w, wins, n)}))
                     nt.open_since, nt.streak, nt.first_seen, nt.kind, nt.causes = None, 0, None, "", ()
-        # the job in step (nobody waited for, nothing open or building up): each node's figures join its baseline
-        if not someone_waited_for and all(nt.open_since is None and not nt.streak for nt in live.values()):
+        # the job in step (nothing open or building up): each node's figures, and its wait gap, join its baseline
+        if all(nt.open_since is None and not nt.streak for nt in live.values()):
             for n in wins:
-                live[n].history.append(values[n])
+                live[n].history.append({**values[n], "gap": waits.raw(n, usual[n])})
         return events
 
     def _verdict(self, n: str, w: Window, recent: dict[str, Window], recent_values: dict[str, dict],
