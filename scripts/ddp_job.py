@@ -3,8 +3,11 @@ small enough for a laptop. Every rank computes the same work per step and waits 
 gradient all-reduce, so the slowest rank sets the pace.
 
     python scripts/ddp_job.py --rank R --world N --master ADDR:PORT [--seconds S] [--width W] [--threads T]
+                              [--work FILE]
 
-Each rank prints one line per 20 steps (`rank R step K: X steps/s`) and a last line with its totals. tests/
+Each rank prints one line per 20 steps (`rank R step K: X steps/s`) and a last line with its totals. `--work FILE`:
+every 20 steps the rank reads a number from FILE (when it exists) and scales its batch by it — a rank given more
+work than the others, the job's own imbalance. tests/
 test_stragglers.py runs three ranks in three network namespaces, each probed as its own node.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ifname", default=None, help="GLOO_SOCKET_IFNAME: the interface gloo talks over")
+    ap.add_argument("--work", default=None, help="a file holding this rank's batch factor (read every 20 steps)")
     a = ap.parse_args()
 
     if a.ifname:
@@ -40,8 +44,12 @@ def main() -> None:
     model = DDP(nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(),
                               nn.Linear(a.width, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(a.batch, a.width)
-    y = torch.randint(0, 10, (a.batch,))
+    factor = 1.0
+
+    def batch(f: float):
+        n = max(1, round(a.batch * f))
+        return torch.randn(n, a.width), torch.randint(0, 10, (n,))
+    x, y = batch(factor)
     loss_fn = nn.CrossEntropyLoss()
     t0 = last = time.monotonic()
     steps = done = 0
@@ -55,6 +63,10 @@ def main() -> None:
             now = time.monotonic()
             print(f"rank {a.rank} step {steps}: {20 / (now - last):.1f} steps/s", flush=True)
             last = now
+            f = work_factor(a.work, factor)
+            if f != factor:
+                factor, (x, y) = f, batch(f)
+                print(f"rank {a.rank} step {steps}: batch x{f:g}", flush=True)
             # every rank stops at the same step: rank 0 decides, the others follow its word
             stop[0] = 1.0 if now - t0 >= a.seconds else 0.0
             dist.broadcast(stop, 0)
@@ -63,6 +75,18 @@ def main() -> None:
                 break
     print(f"rank {a.rank} done: {done} steps in {time.monotonic() - t0:.1f} s", flush=True)
     dist.destroy_process_group()
+
+
+def work_factor(path: str | None, current: float) -> float:
+    """The batch factor FILE holds now: `current` where there is none or it is not a positive number."""
+    if not path:
+        return current
+    try:
+        with open(path) as f:
+            v = float(f.read().strip() or "1")
+    except (OSError, ValueError):
+        return current
+    return v if 0 < v <= 100 else current
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 #   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), linux-perf for cross-checks, SLURM and munge
 #     (the tests start a one-node cluster), prometheus-node-exporter (the peer in `jobprobe bench peers`),
 #     nats-server, prometheus and victoria-metrics (the tests start them on loopback), chromium (headless: the
-#     tests open `jobprobe report`'s page in it)
+#     tests open `jobprobe report`'s page in it), iptables (packet loss on a rank's link in the straggler tests)
 #   - kernel headers for the running kernel, or the nearest packaged ones linked under /lib/modules/$(uname -r)
 #   - a .venv in which `import bcc` works, with jobprobe installed (editable) and the extras named in $EXTRAS
 # Usage: scripts/setup.sh [--torch] [--bench]   (--torch also installs PyTorch CPU for the reference job, best effort;
@@ -21,7 +21,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # ---- Debian packages -------------------------------------------------------------------------
 need=()
-for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 slurm-wlm slurm-client munge \
+for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 iptables slurm-wlm slurm-client munge \
          prometheus-node-exporter fio stress-ng iperf3 nats-server prometheus victoria-metrics chromium; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
 done

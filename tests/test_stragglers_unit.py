@@ -53,24 +53,27 @@ def test_a_balanced_job_names_nobody():
     assert run(w, 300) == [] and w.evaluations >= 55
 
 
-def test_a_throttled_node_is_named_after_two_comparisons_and_cleared_after_it_recovers():
+def test_a_throttled_node_is_named_after_7_s_and_cleared_after_it_recovers():
     w = StragglerWatch()
     throttled = lambda n, t: {"throttled": 0.6e9, "limit": 0.25, "wait": 0.05e9} if n == "b" and 1060 <= t < 1120 \
         else ({"wait": 0.7e9} if 1060 <= t < 1120 else {})
     ev = run(w, 200, throttled)
     assert [(e[1], e[3]) for e in ev] == [("b", "straggler"), ("b", "straggler_end")], ev
     t_open, _, _, _, body = ev[0]
-    assert 1060 < t_open <= 1060 + 25                   # three comparisons, 5 s apart, of 10 s windows
-    assert body["causes"] == ["cpu_throttled"] and "CPU throttled 60%" in body["reason"]
-    assert "limit 0.25 cores" in body["reason"] and "waited 0.65 s/s more" in body["reason"]
-    assert body["evidence"]["cpu_throttled"] == {"value": 0.6, "peers": 0.0}
+    assert 1060 + 7 <= t_open <= 1060 + 10              # held 7 s (a decision each second), first seen at once
+    share = 0.6 * min(10, t_open - 1059) / 10           # what the last 10 s held when it was named
+    assert body["causes"] == ["cpu_throttled"] and f"CPU throttled {share:.0%}" in body["reason"]
+    assert "limit 0.25 cores" in body["reason"] and "waited" in body["reason"]
+    assert body["evidence"]["cpu_throttled"] == {"value": round(share, 3), "peers": 0.0}
     t_end = ev[1][0]
-    assert 1120 < t_end <= 1120 + 25 and ev[1][4]["duration_s"] >= 55
+    assert 1120 < t_end <= 1120 + 15 and ev[1][4]["duration_s"] >= 55
 
 
 def test_one_noisy_window_names_nobody():
     w = StragglerWatch()
-    assert run(w, 120, lambda n, t: {"retrans": 200} if n == "c" and 1050 <= t < 1053 else {}) == []
+    assert run(w, 120, lambda n, t: {"retrans": 200} if n == "c" and 1050 <= t < 1055 else {}) == []   # 5 s
+    w = StragglerWatch()                                                                  # (7 s: named)
+    assert named(run(w, 120, lambda n, t: {"retrans": 200} if n == "c" and 1050 <= t < 1057 else {}))
 
 
 def test_a_lossy_link_and_a_slow_gpu_are_named_with_their_evidence():
@@ -138,7 +141,7 @@ def test_a_noisy_neighbour_on_one_ranks_cpu_is_named_though_its_peers_share_a_cp
     ev = run(w, 150, hog, noisy=True)
     assert named(ev) == [("b", "straggler")], ev
     t, _, _, _, body = ev[0]
-    assert t - 1060 <= 25 and body["causes"] == ["runq"] and body["verdict"] == "node"
+    assert t - 1060 <= 12 and body["causes"] == ["runq"] and body["verdict"] == "node"
     assert "up from 0.4" in body["reason"] and body["waited_by"] == ["a", "c"], body
 
 
@@ -210,7 +213,7 @@ def test_a_straggler_whose_cause_went_is_cleared_though_it_still_waits_a_little_
         return {"wait": 0.2e9} if n == "b" and t >= 1120 else {}
     ev = run(w, 220, fault)
     assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev
-    assert 1120 < ev[1][0] <= 1120 + 25, ev
+    assert 1120 < ev[1][0] <= 1120 + 15, ev
 
 
 def test_a_rank_that_always_waits_more_hides_nobody():
@@ -226,4 +229,4 @@ def test_a_rank_that_always_waits_more_hides_nobody():
     w = StragglerWatch()
     ev = run(w, 150, shaped)
     assert named(ev) == [("c", "straggler")] and ev[0][4]["causes"] == ["nic_queue"], ev
-    assert ev[0][0] - 1060 <= 25
+    assert ev[0][0] - 1060 <= 12

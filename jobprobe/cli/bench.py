@@ -1,6 +1,7 @@
 """bench: what the probes cost a job and what jobprobe's figures are worth. overhead (paired runs of -- CMD without
 and with each probe config), peers (beside node_exporter), events (ns per kernel event), agent (the node agent with
-many jobs), controller (against simulated nodes), accuracy (figures beside the workload's own counts). The
+many jobs), controller (against simulated nodes), accuracy (figures beside the workload's own counts), stragglers
+(the detector against a fault matrix on a real DDP job). The
 benchmarks, and what they drive, are imported only when one runs."""
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def cmd_bench(args) -> int:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(accuracy.markdown(res))
         return 0 if res["pass"] else 1
+    if args.bench == "stragglers":
+        from pathlib import Path
+        from jobprobe.bench import stragglers
+        only = [f for x in args.only or [] for f in x.split(",") if f]
+        if args.runs < 1:
+            raise BadInput("--runs: at least 1")
+        res = stragglers.bench_stragglers(args.runs, only, args.seed, progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(stragglers.markdown(res))
+        return 0
     if not command:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
     if args.bench == "peers":

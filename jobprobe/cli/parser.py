@@ -263,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
                      "fork-exit); repeat")
     acc.add_argument("--json", metavar="FILE")
 
+    bs = bsub.add_parser("stragglers", help="the straggler detector against a fault matrix on a real three-rank DDP "
+                         "job: each fault N times at random times and ranks; time to name, right rank and cause, "
+                         "false names, precision and recall")
+    bs.add_argument("--runs", type=int, default=5, metavar="N", help="trials per fault (default 5)")
+    bs.add_argument("--only", action="append", metavar="FAULTS", help="only these faults, separated by commas "
+                    "(cpu, neighbour, tbf, loss, imbalance, balanced); repeat")
+    bs.add_argument("--seed", type=int)
+    bs.add_argument("--json", metavar="FILE")
+
     rd = sub.add_parser("read", help="decode a frame file (also one whose last frame was cut short)")
     rd.add_argument("file")
     rd.add_argument("--format", choices=["jsonl", "table", "summary"], default="jsonl",

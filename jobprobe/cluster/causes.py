@@ -57,12 +57,17 @@ def figures(probes: dict) -> dict[str, float]:
     if "ports_fatal" in rd:
         out["rdma_dt"] = 1.0
         out["rdma_fatal"] = float(rd["ports_fatal"] > 0)
-    gpus = [g for g in (probes.get("gpu") or {}).get("gpus") or () if isinstance(g, dict) and "util_gpu_pct" in g]
-    if gpus:
-        out["gpu_dt"] = 1.0
-        out["gpu_util"] = sum(g["util_gpu_pct"] for g in gpus) / len(gpus)        # (statistics.fmean: 4x the cost,
-        out["gpu_clock"] = sum(g.get("sm_clock_mhz", 0) for g in gpus) / len(gpus)  # per frame of every node)
-        out["gpu_throttled"] = float(any(int(g.get("clock_event_reasons", 0)) & GPU_THROTTLE_BITS for g in gpus))
+    n = util = clock = 0
+    throttled = 0.0
+    for g in (probes.get("gpu") or {}).get("gpus") or ():          # one pass: this runs per frame of every node
+        if isinstance(g, dict) and "util_gpu_pct" in g:
+            n += 1
+            util += g["util_gpu_pct"]
+            clock += g.get("sm_clock_mhz", 0)
+            if int(g.get("clock_event_reasons", 0)) & GPU_THROTTLE_BITS:
+                throttled = 1.0
+    if n:
+        out["gpu_dt"], out["gpu_util"], out["gpu_clock"], out["gpu_throttled"] = 1.0, util / n, clock / n, throttled
     return out
 
 
@@ -90,6 +95,78 @@ class Window:
 
 
 @dataclass
+class _Cum:
+    """Everything of a node's frames up to one frame: wall time, each figure's sum and count, the newest limit."""
+    wall: float = 0.0
+    sums: dict = field(default_factory=dict)
+    ns: dict = field(default_factory=dict)
+    limit: float | None = None
+    limit_t: float = float("-inf")
+
+    def then(self, t: float, dt: float, figs: dict[str, float]) -> "_Cum":
+        sums, ns = dict(self.sums), dict(self.ns)
+        limit, limit_t = self.limit, self.limit_t
+        for k, v in figs.items():
+            if k == "limit":
+                limit, limit_t = v, t
+            else:
+                sums[k] = sums.get(k, 0) + v
+                ns[k] = ns.get(k, 0) + 1
+        return _Cum(self.wall + dt, sums, ns, limit, limit_t)
+
+
+class Series:
+    """One node's frames in time order, kept `keep` s, with running sums: a window's figures are the difference of
+    two running sums (O(figures)), not a sum over its frames — a comparison each tick costs what one did each 5 s."""
+
+    def __init__(self, keep: float):
+        self.keep = keep
+        self.frames: list[tuple[float, float, dict, _Cum]] = []   # (t, dt, figures, the sums up to and with it)
+        self.base = _Cum()                                          # the sums before the first frame kept
+        self.newest = 0.0
+
+    def add(self, t: float, dt: float, figs: dict[str, float]) -> None:
+        i = len(self.frames)
+        while i and self.frames[i - 1][0] > t:       # a late frame: put in time order, the sums after it redone
+            i -= 1
+        redo = self.frames[i:]
+        del self.frames[i:]
+        for ft, fdt, ff, _ in [(t, dt, figs, None), *redo]:
+            prev = self.frames[-1][3] if self.frames else self.base
+            self.frames.append((ft, fdt, ff, prev.then(ft, fdt, ff)))
+        self.newest = max(self.newest, t)
+        drop = 0
+        while drop < len(self.frames) and self.frames[drop][0] < self.newest - self.keep:
+            drop += 1
+        if drop:
+            self.base = self.frames[drop - 1][3]
+            del self.frames[:drop]
+
+    def window(self, start: float, end: float) -> Window:
+        """The frames in (start, end] summed."""
+        a = b = None
+        for i in range(len(self.frames) - 1, -1, -1):
+            t = self.frames[i][0]
+            if b is None and t <= end:
+                b = self.frames[i][3]
+            if t <= start:
+                a = self.frames[i][3]
+                break
+        a = a or self.base
+        w = Window()
+        if b is None:
+            return w
+        w.wall_s = b.wall - a.wall
+        ans, asums = a.ns, a.sums
+        for k, x in b.sums.items():
+            if b.ns[k] - ans.get(k, 0):
+                w.sums[k] = x - asums.get(k, 0)
+        if b.limit_t > start:
+            w.limit = b.limit
+        return w
+
+
+@dataclass
 class Cause:
     name: str
     value: float
@@ -101,24 +178,9 @@ def median_or_zero(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-# each compared figure, from a window (None: the node does not report it)
-GET = {
-    "throttled": lambda w: (w.rate("throttled_ns") or 0) / 1e9 if "throttled_ns" in w.sums else None,
-    "runq": lambda w: (w.rate("runq_ns") or 0) / 1e9 if "runq_ns" in w.sums else None,
-    "retrans": lambda w: w.rate("retrans"),
-    "nic_held": lambda w: w.rate("nic_held"),
-    "rtt": lambda w: w.rtt(),
-    "gpu_util": lambda w: w.gpu("gpu_util"),
-    "gpu_clock": lambda w: w.gpu("gpu_clock"),
-    "gpu_throttled": lambda w: w.gpu("gpu_throttled"),
-    "rail_slow": lambda w: w.share("rail_slow", "rail_dt"),
-    "rdma_fatal": lambda w: w.share("rdma_fatal", "rdma_dt"),
-    "mem_stall": lambda w: (w.rate("mem_stall_ns") or 0) / 1e9 if "mem_stall_ns" in w.sums else None,
-    "io_stall": lambda w: (w.rate("io_stall_ns") or 0) / 1e9 if "io_stall_ns" in w.sums else None,
-    "reclaim": lambda w: (w.rate("reclaim_ns") or 0) / 1e9 if "reclaim_ns" in w.sums else None,
-    "wait": lambda w: (w.rate("wait_ns") or 0) / 1e9 if "wait_ns" in w.sums else None,
-    "cpu": lambda w: (w.rate("cpu_ns") or 0) / 1e9 if "cpu_ns" in w.sums else None,
-}
+# each compared figure (values_of reads them from a window; None: the node does not report it)
+FIGURES = ("throttled", "runq", "retrans", "nic_held", "rtt", "gpu_util", "gpu_clock", "gpu_throttled", "rail_slow",
+           "rdma_fatal", "mem_stall", "io_stall", "reclaim", "wait", "cpu")
 
 # How far a figure must move from the node's own baseline to count as evidence (in the direction of its cause), by
 # cause: a figure that did not change is never evidence, however far it is from the peers'. (name, figure, rise)
@@ -145,7 +207,7 @@ class Others:
     def __init__(self, wins: list[Window], values: "list[dict[str, float | None]] | None" = None):
         """`values`: each window's figures already read (values_of), in the same order — not read twice."""
         vals = values if values is not None else [values_of(w) for w in wins]
-        self.sorted = {k: sorted(x for v in vals if (x := v[k]) is not None) for k in GET}
+        self.sorted = {k: sorted(x for v in vals if (x := v[k]) is not None) for k in FIGURES}
 
     def stats(self, k: str, mine: float | None) -> tuple[float, float, int]:
         """(median, max, count) of figure k over the other nodes: `mine` taken out once."""
@@ -163,8 +225,25 @@ class Others:
 
 
 def values_of(w: Window) -> dict[str, float | None]:
-    """Every compared figure of a window (None: the node does not report it)."""
-    return {k: g(w) for k, g in GET.items()}
+    """Every compared figure of a window (None: the node does not report it): seconds per second for the times,
+    per second for the counts, an average over the frames that carry it for GPU and port shares."""
+    s = w.sums
+    inv = 1.0 / w.wall_s if w.wall_s > 0 else 0.0
+
+    def per_s(k: str, scale: float = 1.0) -> float | None:
+        return s[k] * inv / scale if k in s else None
+
+    def share(k: str, per: str) -> float | None:
+        n = s.get(per)
+        return s[k] / n if n else None
+    rtt_n = s.get("rtt_n")
+    return {"throttled": per_s("throttled_ns", 1e9), "runq": per_s("runq_ns", 1e9), "retrans": per_s("retrans"),
+            "nic_held": per_s("nic_held"), "rtt": s["rtt_w"] / rtt_n if rtt_n else None,
+            "gpu_util": share("gpu_util", "gpu_dt"), "gpu_clock": share("gpu_clock", "gpu_dt"),
+            "gpu_throttled": share("gpu_throttled", "gpu_dt"), "rail_slow": share("rail_slow", "rail_dt"),
+            "rdma_fatal": share("rdma_fatal", "rdma_dt"), "mem_stall": per_s("mem_stall_ns", 1e9),
+            "io_stall": per_s("io_stall_ns", 1e9), "reclaim": per_s("reclaim_ns", 1e9), "wait": per_s("wait_ns", 1e9),
+            "cpu": per_s("cpu_ns", 1e9)}
 
 
 # Figures in which a node is named when far above its peers' median: (figure, cause, at least, × the median,
@@ -199,18 +278,18 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
     v = mine if mine is not None else values_of(me)
 
     thr = v["throttled"]
-    if thr is not None:
+    if thr is not None and thr >= 0.10 * f:          # (the absolute bound first: most nodes' peers go unread)
         m, top, _ = others.stats("throttled", thr)
-        if thr >= 0.10 * f and thr >= top + 0.10 * f:
+        if thr >= top + 0.10 * f:
             lim = f" (limit {me.limit:g} cores)" if me.limit else ""
             out.append(Cause("cpu_throttled", round(thr, 3), round(m, 3),
                              f"CPU throttled {thr:.0%} of the time by its cgroup's CPU limit{lim}; peers {m:.0%}"))
     for key, name, lo, mult, add, need_peers, digits, text in ABOVE:
         x = v[key]
-        if x is None:
+        if x is None or x < lo * f:
             continue
         m, _, n = others.stats(key, x)
-        if (n or not need_peers) and x >= lo * f and x >= mult * m + add * f:
+        if (n or not need_peers) and x >= mult * m + add * f:
             words = text.format(x=x, m=m, xk=x / 1000, mk=m / 1000, drops=me.rate("nic_drops") or 0)
             out.append(Cause(name, round(x, digits) if digits else round(x), round(m, digits) if digits else round(m),
                              words))
@@ -231,8 +310,8 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
                             ("rdma_fatal", "rdma_port", "network: an RDMA port of it was down or past its "
                              "symbol-error bound")):
         x = v[key]
-        if x is not None:
+        if x is not None and x >= 0.5 * f:
             m, top, _ = others.stats(key, x)
-            if x >= 0.5 * f and x >= top + 0.5 * f:
+            if x >= top + 0.5 * f:
                 out.append(Cause(name, round(x, 2), round(m, 2), f"{what} {x:.0%} of the time; peers {m:.0%}"))
     return out

@@ -2,8 +2,8 @@
 
 In a data-parallel job every rank waits at each collective for the slowest, so one throttled, crowded or badly
 connected node sets the pace of all. The controller sees every node's frames of the same job on the same clock;
-per job, every `every` seconds, it compares the nodes over the last `window` seconds (jobprobe/cluster/causes.py
-reads the figures and holds each cause's bounds):
+per job, at every tick, it compares the nodes over the last `window` seconds (10) and the newest `slice` (3 s)
+(jobprobe/cluster/causes.py reads the figures and holds each cause's bounds):
 
 - **who waits for whom** — each node's threads' sleep in lock and socket/pipe waits (`sched.offcpu_lock_ns +
   offcpu_wait_ns`: where a rank sits in a collective while a peer is late) against its peers' median: the node the
@@ -12,18 +12,18 @@ reads the figures and holds each cause's bounds):
 - **causes** — a figure in which the node is far from its peers (CPU throttled by its group's limit, run-queue
   wait, memory or I/O stalls (PSI) and reclaim, the queue in front of its interface, TCP round-trip time or
   retransmits, a slow rail, a dead RDMA port, GPU utilization, SM clock or throttle reasons), over the window and
-  over its newest slice, **and that moved from the node's own baseline** (the median of its last comparisons while
-  nothing was open or building up): a figure that did not change is never evidence. A node the others wait for is also named for
-  a run-queue wait or a stall that rose over its own baseline even where its peers' are as high (they may share its
-  CPU: a noisy neighbour).
+  over its newest slice, **and that moved from the node's own baseline** (the median of its figures over the last
+  minute, one sample each 5 s, while nothing was open or building up): a figure that did not change is never
+  evidence. A node the others wait for is also named for a run-queue wait or a stall that rose over its own baseline
+  even where its peers' are as high (they may share its CPU: a noisy neighbour).
 - **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (the node is
   waited for, no cause moved, its own CPU time rose: the job gave it more work — not its node's fault); each names
   the nodes that waited for it.
 
-An event opens after its verdict holds in `open_after` consecutive comparisons (3), and closes (`straggler_end`,
-`imbalance_end`) after `close_after` without it (at the lower clearing bounds; being waited for alone does not hold
-a straggler open — one of its causes must): hysteresis and a minimum duration,
-so one noisy window names nobody. A job whose nodes all look alike has no event. Figures absent from a node's frames
+An event opens after its verdict has held for `open_s` (7 s; one comparison without it forgiven), and closes
+(`straggler_end`, `imbalance_end`) after `close_s` (5 s) without it at the lower clearing bounds (being waited for
+alone does not hold a straggler open — one of its causes must): hysteresis and a minimum duration, so a burst of
+5 s or less (it holds in the newest slice for its length + 3 s) names nobody. A job whose nodes all look alike has no event. Figures absent from a node's frames
 (no sched probe, no GPU) are simply not compared; without wait figures, a cause before the node has a baseline
 names it on its peers' comparison alone.
 """
@@ -34,13 +34,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobprobe.cluster.causes import (MOVED, Cause, Others, Window, causes, figures, median_or_zero, moved,
+from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, causes, figures, median_or_zero, moved,
                                      values_of)
 
 WINDOW_S = 10.0
-EVERY_S = 5.0
-OPEN_AFTER = 3            # comparisons in a row: 20 s of 10 s windows 5 s apart, so a burst under 5 s names nobody
-CLOSE_AFTER = 2
+EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
+SLICE_S = 3.0             # the newest slice, in which a cause must hold too (not only in the window's average)
+OPEN_S = 7.0              # held this long (one comparison's miss forgiven): a burst of 5 s names nobody
+CLOSE_S = 5.0             # an open event ends after this long without it (at the lower clearing bounds)
+MISSES = 1                # comparisons without it that do not break a hold (a noisy second)
+BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while the job is in step
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
 # the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
 WAITED_S = 0.05
@@ -48,25 +51,34 @@ WAITED_SHARE = 0.10       # ... and this share of the peers' median wait
 IMBALANCE_CPU = 1.25      # a waited-for node whose CPU rose this much over its baseline, nothing else moved
 
 
-BASELINE_N = 12           # a node's own baseline: the median of its last 12 comparisons in which the job was in step
+BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
 
 
 @dataclass
 class NodeTrack:
-    frames: deque = field(default_factory=deque)       # (t, dt, figures)
-    newest: float = 0.0
-    streak: int = 0           # consecutive comparisons with a cause (or, for "imbalance", with more work)
-    quiet: int = 0            # consecutive comparisons without one, while open
+    series: Series = field(default_factory=lambda: Series(KEEP_S))     # its frames' figures, with running sums
+    hold_since: float | None = None   # the first comparison of the current hold (a cause, or for "imbalance",
+    misses: int = 0                    # more work); comparisons in a row without it, while holding
+    quiet_since: float | None = None  # while open: the first comparison of the current stretch without it
     open_since: float | None = None
     first_seen: float | None = None
     kind: str = ""            # what the streak or the open event is: "straggler" (a node fault) or "imbalance"
     causes: tuple = ()        # the causes an open straggler was named for
     history: deque = field(default_factory=lambda: deque(maxlen=BASELINE_N))   # {figure: value} while in step
 
+    baselines: dict = field(default_factory=dict)                 # figure → its baseline, until history changes
+
     def baseline(self, k: str) -> float | None:
         """The node's own usual value of figure k (None until 3 comparisons in step have been seen)."""
-        xs = [h[k] for h in self.history if h.get(k) is not None]
-        return statistics.median(xs) if len(xs) >= 3 else None
+        if k not in self.baselines:
+            xs = [h[k] for h in self.history if h.get(k) is not None]
+            self.baselines[k] = statistics.median(xs) if len(xs) >= 3 else None
+        return self.baselines[k]
+
+    def in_step(self, values: dict[str, float | None]) -> None:
+        """The node's figures of a comparison in which the job was in step join its baseline."""
+        self.history.append(values)
+        self.baselines.clear()
 
 
 @dataclass
@@ -111,16 +123,38 @@ class Waits:
         return any(self.waited_for(n) for n in self.gap)
 
 
+class Slice:
+    """The newest slice of every node: its figures and their order are read only when a node has a cause over the
+    window (most comparisons of a healthy job have none)."""
+
+    def __init__(self, live: dict[str, NodeTrack], start: float, end: float):
+        self.live, self.start, self.end = live, start, end
+        self.wins: dict[str, Window] | None = None
+        self.values: dict[str, dict[str, float | None]] = {}
+        self.others: Others | None = None
+
+    def causes(self, n: str) -> set[str]:
+        if self.wins is None:     # a node with under 60% of the slice covered is left out
+            self.wins = {m: w for m, nt in self.live.items()
+                         if (w := nt.series.window(self.start, self.end)).wall_s >= 0.6 * (self.end - self.start)}
+            self.values = {m: values_of(w) for m, w in self.wins.items()}
+            self.others = Others(list(self.wins.values()), list(self.values.values()))
+        if n not in self.wins or len(self.wins) < 2:
+            return set()
+        return {c.name for c in causes(self.wins[n], self.others, mine=self.values[n])}
+
+
 @dataclass
 class JobTrack:
     nodes: dict[str, NodeTrack] = field(default_factory=dict)
     last_eval: float = 0.0
+    last_base: float = 0.0
 
 
 class StragglerWatch:
-    def __init__(self, window: float = WINDOW_S, every: float = EVERY_S, open_after: int = OPEN_AFTER,
-                 close_after: int = CLOSE_AFTER):
-        self.window, self.every, self.open_after, self.close_after = window, every, open_after, close_after
+    def __init__(self, window: float = WINDOW_S, every: float = EVERY_S, slice_s: float = SLICE_S,
+                 open_s: float = OPEN_S, close_s: float = CLOSE_S):
+        self.window, self.every, self.slice, self.open_s, self.close_s = window, every, slice_s, open_s, close_s
         self.jobs: dict[str, JobTrack] = {}
         self.evaluations = 0
         self.named = 0
@@ -141,10 +175,7 @@ class StragglerWatch:
                 continue
             job = self.jobs.setdefault(fr["job"], JobTrack())
             nt = job.nodes.setdefault(fr["node"], NodeTrack())
-            nt.frames.append((t, dt, figs))
-            nt.newest = max(nt.newest, t)
-            while nt.frames and nt.frames[0][0] < nt.newest - KEEP_S:
-                nt.frames.popleft()
+            nt.series.add(t, dt, figs)
             touched.add(fr["job"])
         out = []
         for name in touched:
@@ -162,78 +193,82 @@ class StragglerWatch:
                 if nt.open_since is not None and nt.kind == "straggler"]
 
     def _maybe_compare(self, name: str, job: JobTrack) -> list[tuple[str, str, str, dict[str, Any]]]:
-        newest = max(nt.newest for nt in job.nodes.values())
-        live = {n: nt for n, nt in job.nodes.items() if nt.newest >= newest - self.window}
+        newest = max(nt.series.newest for nt in job.nodes.values())
+        live = {n: nt for n, nt in job.nodes.items() if nt.series.newest >= newest - self.window}
         if len(live) < 2:
             return []
-        horizon = min(nt.newest for nt in live.values())     # every live node has reported up to here
+        horizon = min(nt.series.newest for nt in live.values())     # every live node has reported up to here
         if horizon - job.last_eval < self.every:
             return []
         job.last_eval = horizon
-        wins = self._windows(live, horizon - self.window, horizon)
-        recent = self._windows(live, horizon - self.every, horizon)    # the newest slice, new since the last
+        wins = {n: w for n, nt in live.items()          # a node with under 60% of the window covered is left out
+                if (w := nt.series.window(horizon - self.window, horizon)).wall_s >= 0.6 * self.window}
         if len(wins) < 2:
             return []
         self.evaluations += 1
         events = []
         values = {n: values_of(w) for n, w in wins.items()}
-        recent_values = {n: values_of(w) for n, w in recent.items()}
         everyone = Others(list(wins.values()), list(values.values()))
-        everyone_recent = Others(list(recent.values()), list(recent_values.values()))
+        newest = Slice(live, horizon - self.slice, horizon)
         usual = {n: nt.baseline("gap") for n, nt in live.items()}
         waits = Waits.of(values, everyone, usual)
         someone_waited_for = waits.any_waited_for()
         for n, w in wins.items():
             nt = live[n]
             if nt.open_since is None:
-                kind, found = self._verdict(n, w, recent, recent_values, everyone, everyone_recent, values[n], nt,
-                                            waits, someone_waited_for)
-                nt.streak = nt.streak + 1 if kind and kind == nt.kind else (1 if kind else 0)
-                nt.kind = kind
-                if kind and nt.streak == 1:
-                    nt.first_seen = horizon - self.every      # the first slice in which it held
-                if not kind:
-                    nt.first_seen = None
-                if kind and nt.streak >= self.open_after:
-                    nt.open_since, nt.quiet = horizon, 0
+                kind, found = self._verdict(n, w, newest, everyone, values[n], nt, waits, someone_waited_for)
+                if kind and (nt.hold_since is None or kind != nt.kind):
+                    nt.hold_since, nt.kind = horizon, kind
+                    nt.first_seen = horizon - self.slice      # the first slice in which it held
+                if kind:
+                    nt.misses = 0
+                elif nt.hold_since is not None:
+                    nt.misses += 1
+                    if nt.misses > MISSES:
+                        nt.hold_since, nt.first_seen, nt.kind, nt.misses = None, None, "", 0
+                if kind and horizon - nt.hold_since >= self.open_s:
+                    nt.open_since, nt.quiet_since = horizon, None
                     nt.causes = tuple(c.name for c in found)
                     if kind == "straggler":
                         self.named += 1
                         events.append((n, name, "straggler", self._body(n, w, wins, found, nt, waits)))
                     else:
                         events.append((n, name, "imbalance", self._imbalance_body(n, w, wins, values[n], nt, waits)))
+            elif self._still(n, w, everyone, values[n], nt, waits):
+                nt.quiet_since = None
             else:
-                still = self._still(n, w, everyone, values[n], nt, waits)
-                nt.quiet = 0 if still else nt.quiet + 1
-                if nt.quiet >= self.close_after:
+                nt.quiet_since = horizon if nt.quiet_since is None else nt.quiet_since
+                if horizon - nt.quiet_since >= self.close_s:
                     end = "straggler_end" if nt.kind == "straggler" else "imbalance_end"
                     what = "back in step with its peers" if nt.kind == "straggler" else "no longer waited for"
                     events.append((n, name, end, {
                         "straggler" if nt.kind == "straggler" else "node": n,
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is {what}", "evidence": _evidence(w, wins, n)}))
-                    nt.open_since, nt.streak, nt.first_seen, nt.kind, nt.causes = None, 0, None, "", ()
+                    nt.open_since, nt.hold_since, nt.first_seen, nt.kind, nt.causes = None, None, None, "", ()
         # the job in step (nothing open or building up): each node's figures, and its wait gap, join its baseline
-        if all(nt.open_since is None and not nt.streak for nt in live.values()):
+        if horizon - job.last_base >= BASE_EVERY_S and \
+                all(nt.open_since is None and nt.hold_since is None for nt in live.values()):
+            job.last_base = horizon
             for n in wins:
-                live[n].history.append({**values[n], "gap": waits.raw(n, usual[n])})
+                live[n].in_step({**values[n], "gap": waits.raw(n, usual[n])})
         return events
 
-    def _verdict(self, n: str, w: Window, recent: dict[str, Window], recent_values: dict[str, dict],
-                 everyone: Others, everyone_recent: Others, mine: dict[str, float | None], nt: NodeTrack,
-                 waits: Waits, someone_waited_for: bool) -> tuple[str, list[Cause]]:
+    def _verdict(self, n: str, w: Window, newest: "Slice", everyone: Others, mine: dict[str, float | None],
+                 nt: NodeTrack, waits: Waits, someone_waited_for: bool) -> tuple[str, list[Cause]]:
         """("straggler", its causes), ("imbalance", []) or ("", []) for node n in this comparison.
 
-        A cause must hold over the window and over its newest slice (three comparisons in a row then mean three
-        disjoint slices: a burst shorter than a slice names nobody), and must have moved from the node's own
+        A cause must hold over the window and over its newest slice (held for `open_s`, a burst much shorter than
+        that names nobody), and must have moved from the node's own
         baseline: a figure that did not change is never evidence (before the node has a baseline, the others must
         be seen waiting for it). A node the others wait for is also named for a
         run-queue wait or a stall that rose over its own baseline even where its peers' are as high (they may share
         its CPU). A node that waits for another while someone is waited for gets no cause at all. A node waited for
         with no cause, whose CPU time rose over its baseline, is the job's own imbalance (more work), not a fault."""
-        fresh = {c.name for c in causes(recent[n], everyone_recent, mine=recent_values[n])} \
-            if n in recent and len(recent) >= 2 else set()
-        found = [c for c in causes(w, everyone, mine=mine) if c.name in fresh] if fresh else []
+        found = causes(w, everyone, mine=mine)
+        if found:
+            fresh = newest.causes(n)
+            found = [c for c in found if c.name in fresh]
         waited = waits.waited_for(n)
 
         def evidence(c: Cause) -> bool:
@@ -291,23 +326,6 @@ class StragglerWatch:
             if x is not None and base is not None and moved(c, x, base, share=0.5):
                 return True
         return False
-
-    def _windows(self, live: dict[str, NodeTrack], start: float, end: float) -> dict[str, Window]:
-        """Each node's frames in (start, end] summed; a node with under 60% of the span covered is left out."""
-        out = {}
-        for n, nt in live.items():
-            w = Window()
-            for t, dt, figs in nt.frames:
-                if start < t <= end:
-                    w.wall_s += dt
-                    for k, v in figs.items():
-                        if k == "limit":
-                            w.limit = v
-                        else:
-                            w.sums[k] = w.sums.get(k, 0.0) + v
-            if w.wall_s >= 0.6 * (end - start):
-                out[n] = w
-        return out
 
     def _body(self, n: str, w: Window, wins: dict[str, Window], found: list[Cause], nt: NodeTrack,
               waits: Waits) -> dict[str, Any]:

@@ -1,23 +1,74 @@
-"""A real distributed training job for the cluster tests: PyTorch DDP (gloo, CPU), one rank per network namespace,
-the namespaces joined by veth pairs on a bridge (as nodes on a switch), each rank in its own cgroup (and, on a
-hybrid host, its own v1 cpu group, where CPU limits live). Faults a cluster sees: a CPU limit on one rank
-(`throttle`), a slow link on one rank (`shape`: tc tbf on its interface)."""
+"""A real distributed training job and the cluster that watches it, on one machine: PyTorch DDP (gloo, CPU), one
+rank per network namespace, the namespaces joined by veth pairs on a bridge (as nodes on a switch), each rank in its
+own cgroup (and, on a hybrid host, its own v1 cpu group, where CPU limits live); one nats-server, one `jobprobe
+controller`, one agent per rank. What tests/test_stragglers.py and `jobprobe bench stragglers` run.
+
+The faults a cluster sees, each on one rank: a CPU limit (`throttle`), a slow link (`shape`: tc tbf on its
+interface), a lossy link (`lose`: iptables statistic drop, as this kernel has no netem), a noisy neighbour
+(`neighbour`: the rank pinned to a CPU with a hog pinned beside it) and more work than its peers (`more_work`: a
+bigger batch — the job's own imbalance, not a fault of its node)."""
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
+from jobprobe.core.child import stop_child
 from jobprobe.kernel.host import find_cgroup_v1_mount
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _tags = itertools.count()
 
 
 def sh(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
+    """cond()'s first truthy value within `timeout` s; else AssertionError naming `what`."""
+    end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nats:
+    """A nats-server with JetStream on a free loopback port, its data under `base`."""
+
+    def __init__(self, base: Path):
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        conf = base / "nats.conf"
+        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{base / "js"}" }}\n')
+        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
+        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        until(self.listening, 10, "nats-server to listen")
+
+    def listening(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        stop_child(self.proc, 10)
 
 
 class DdpJob:
@@ -33,6 +84,9 @@ class DdpJob:
         self.v1 = [Path(v1[0], "jobprobe-test", f"ddp-{tag}-rank{i}") for i in range(world)] if v1 else None
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
+        self.work: list[Path] = []
+        self.hogs: dict[int, subprocess.Popen] = {}       # rank → its noisy neighbour
+        self.lossy: set[int] = set()
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "link", "set", self.bridge, "up")
         for i, ns in enumerate(self.ns):
@@ -51,6 +105,7 @@ class DdpJob:
         for i, ns in enumerate(self.ns):
             log = out_dir / f"rank{i}.log"
             self.logs.append(log)
+            self.work.append(out_dir / f"rank{i}.work")
             procs = [self.cg[i] / "cgroup.procs"] + ([self.v1[i] / "cgroup.procs"] if self.v1 else [])
 
             def enter(procs=procs):
@@ -59,7 +114,7 @@ class DdpJob:
             self.procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns, sys.executable, str(REPO / "scripts" / "ddp_job.py"), "--rank", str(i),
                  "--world", str(self.world), "--master", f"{self.addr[0]}:{port}", "--seconds", str(self.seconds),
-                 "--width", str(self.width), "--ifname", "eth0"],
+                 "--width", str(self.width), "--ifname", "eth0", "--work", str(self.work[i])],
                 preexec_fn=enter, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO))
 
     def limit_dir(self, rank: int) -> Path:
@@ -88,6 +143,43 @@ class DdpJob:
             subprocess.run(["ip", "netns", "exec", self.ns[rank], "tc", "qdisc", "del", "dev", "eth0", "root"],
                            capture_output=True)
 
+    def lose(self, rank: int, share: float | None) -> None:
+        """Drop `share` of the packets rank sends (iptables statistic in its namespace); None stops it."""
+        rule = ["OUTPUT", "-o", "eth0", "-m", "statistic", "--mode", "random", "--probability", "", "-j", "DROP"]
+        ipt = ["ip", "netns", "exec", self.ns[rank], "iptables"]
+        if share:
+            rule[8] = f"{share:g}"
+            sh(*ipt, "-A", *rule)
+            self.lossy.add(rank)
+        elif rank in self.lossy:
+            sh(*ipt, "-F", "OUTPUT")
+            self.lossy.discard(rank)
+
+    def neighbour(self, rank: int, on: bool, cpu: int = 1) -> None:
+        """A noisy neighbour: rank's threads pinned to `cpu`, a CPU hog outside the job pinned beside them; off:
+        the hog gone, rank free to run anywhere again."""
+        if on and rank not in self.hogs:
+            self.hogs[rank] = subprocess.Popen(
+                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass" % cpu])
+            self.pin(rank, {cpu})
+        elif not on and rank in self.hogs:
+            hog = self.hogs.pop(rank)
+            hog.kill()
+            hog.wait()
+            self.pin(rank, set(range(os.cpu_count() or 1)))
+
+    def pin(self, rank: int, cpus: set[int]) -> None:
+        for pid in (self.cg[rank] / "cgroup.procs").read_text().split():
+            for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except OSError:           # a thread that just ended
+                    pass
+
+    def more_work(self, rank: int, factor: float | None) -> None:
+        """Give rank `factor` times the batch of the others (read by it within 20 steps); None: back to 1."""
+        self.work[rank].write_text(f"{factor or 1.0:g}\n")
+
     def tc_stats(self, rank: int) -> dict[str, int]:
         """rank's eth0 root qdisc, as `tc -s qdisc` prints it."""
         import re
@@ -107,6 +199,8 @@ class DdpJob:
         return [p.wait(timeout=timeout) for p in self.procs]
 
     def close(self) -> None:
+        for rank in list(self.hogs):
+            self.neighbour(rank, False)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -121,7 +215,6 @@ class DdpJob:
                 except FileNotFoundError:
                     break
                 except OSError:
-                    import time
                     time.sleep(0.1)
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -134,10 +227,8 @@ class Cluster:
 
     def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,nic,self",
                  controller_args: tuple[str, ...] = ()):
-        from test_nats import NatsServer
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
-        self.nats = NatsServer(tmp)
-        self.nats.start()
+        self.nats = Nats(tmp)
         self.store = tmp / "store.db"
         self.controller = subprocess.Popen(
             [sys.executable, "-m", "jobprobe.cli", "controller", "--nats", self.nats.url, "--store", str(self.store),
@@ -156,7 +247,6 @@ class Cluster:
                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab")))
 
     def attach(self) -> None:
-        from conftest import until
         from jobprobe.node.control import call
 
         for i, node in enumerate(self.nodes):
@@ -201,12 +291,6 @@ class Cluster:
             if p.poll() is None:
                 p.terminate()
         for p in self.agents:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if self.controller.poll() is None:
-            self.controller.terminate()
-            self.controller.wait(timeout=30)
+            stop_child(p, 30)
+        stop_child(self.controller, 30)
         self.nats.stop()

@@ -1,0 +1,163 @@
+"""bench stragglers: the straggler detector against a fault matrix on a real three-rank DDP job (jobprobe/bench/ddp.py:
+three namespace nodes, three agents, NATS, one controller), each fault injected at a random time on a random rank,
+N times per fault. Per fault: detected (the right node, the right kind), time from the fault to the name (p50/p90),
+the right cause, false names; overall precision and recall.
+
+A trial: a random 8-20 s of the job in step, the fault, up to `timeout` s for the controller's store to hold an
+event (seen by polling it: the time a person reading the store would see), the fault cleared, up to `timeout` s for
+the event's end, then 10 s in step again. Every `straggler` or `imbalance` event that names another node, or the
+wrong kind, is a false name; a balanced trial is the job left alone for as long, where any event is false.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+from jobprobe.bench.ddp import Cluster, DdpJob, until
+
+KINDS = ("straggler", "imbalance")
+
+
+@dataclass(frozen=True)
+class Fault:
+    what: str
+    inject: Callable[[DdpJob, int], None]
+    clear: Callable[[DdpJob, int], None]
+    kind: str | None                   # the event it must raise ("straggler", "imbalance"; None: no event)
+    causes: frozenset = frozenset()    # a straggler's right causes (any one)
+
+
+FAULTS = {
+    "cpu": Fault("CPU limit (cpu.max 0.25 cores)", lambda j, r: j.throttle(r, 0.25), lambda j, r: j.throttle(r, None),
+                 "straggler", frozenset({"cpu_throttled", "runq"})),
+    "neighbour": Fault("noisy neighbour (pinned beside a CPU hog)", lambda j, r: j.neighbour(r, True),
+                       lambda j, r: j.neighbour(r, False), "straggler", frozenset({"runq"})),
+    "tbf": Fault("slow link (tc tbf 200 Mbit/s)", lambda j, r: j.shape(r, "200mbit"), lambda j, r: j.shape(r, None),
+                 "straggler", frozenset({"nic_queue", "net_rtt"})),
+    "loss": Fault("lossy link (3% of its packets dropped)", lambda j, r: j.lose(r, 0.03), lambda j, r: j.lose(r, None),
+                  "straggler", frozenset({"net_retransmits", "net_rtt"})),
+    "imbalance": Fault("1.5x the batch (the job's own imbalance)", lambda j, r: j.more_work(r, 1.5),
+                       lambda j, r: j.more_work(r, None), "imbalance"),
+    "balanced": Fault("none (the job in step)", lambda j, r: None, lambda j, r: None, None),
+}
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) by linear interpolation; None for no values."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
+
+
+def named(cluster: Cluster) -> list[dict]:
+    return [e for e in cluster.events() if e["event"] in KINDS]
+
+
+def trial(cluster: Cluster, ddp: DdpJob, name: str, rank: int, rng: random.Random, timeout: float) -> dict:
+    fault, node = FAULTS[name], cluster.nodes[rank]
+    time.sleep(rng.uniform(8, 20))
+    seen = len(named(cluster))
+    t0 = time.time()
+    fault.inject(ddp, rank)
+    first, latency = None, None
+    while time.time() - t0 < timeout:
+        new = named(cluster)[seen:]
+        if new:
+            first, latency = new[0], time.time() - t0
+            break
+        time.sleep(0.2)
+    fault.clear(ddp, rank)
+    if first is not None:                  # its end (or the timeout), then the job in step again
+        key = "straggler" if first["event"] == "straggler" else "node"
+        end = time.time()
+        while time.time() - end < timeout and not any(
+                e[key] == first[key] and e["t"] > first["t"] for e in cluster.events(first["event"] + "_end")):
+            time.sleep(0.5)
+    time.sleep(10)
+    events = named(cluster)[seen:]
+    right = [e for e in events if e["event"] == fault.kind and (e.get("straggler") or e.get("node")) == node]
+    false = len(events) - len(right)
+    ok = first is not None and first in right
+    return {"fault": name, "rank": rank, "node": node, "detected": ok, "latency_s": round(latency, 1) if ok else None,
+            "right_cause": ok and (not fault.causes or bool(fault.causes & set(first.get("causes", ())))),
+            "causes": first.get("causes", []) if first else [], "false_names": false,
+            "events": [(e["event"], e.get("straggler") or e.get("node"), e.get("causes", [])) for e in events]}
+
+
+def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: TextIO, timeout: float = 40.0) -> dict:
+    import importlib.util
+
+    from jobprobe.core.errors import BadInput
+    from jobprobe.kernel.host import find_cgroup2_mount
+    unknown = [f for f in only if f not in FAULTS]
+    if unknown:
+        raise BadInput(f"unknown fault {unknown[0]!r}: one of {', '.join(FAULTS)}")
+    if importlib.util.find_spec("torch") is None:
+        raise BadInput("PyTorch is not installed: `make bench` installs it (scripts/setup.sh --torch)")
+    rng = random.Random(seed)
+    plan = [f for f in (only or list(FAULTS)) for _ in range(runs)]
+    rng.shuffle(plan)
+    tmp = Path(tempfile.mkdtemp(prefix="jobprobe-bench-stragglers-"))
+    mount = find_cgroup2_mount()
+    if mount is None:
+        raise BadInput("no cgroup2 hierarchy mounted: the ranks run in cgroups")
+    ddp = DdpJob(mount, seconds=1e6)
+    cluster = Cluster(tmp, ddp)
+    trials = []
+    try:
+        cluster.start_agents()
+        ddp.start(tmp)
+        cluster.attach()
+        until(lambda: len(ddp.rates(0)) >= 3, 120, "the job to train")
+        time.sleep(20)                      # every node's baseline (a minute at most) starts in step
+        for i, name in enumerate(plan):
+            r = trial(cluster, ddp, name, rng.randrange(ddp.world), rng, timeout)
+            trials.append(r)
+            print(f"[{i + 1}/{len(plan)}] {name} on {r['node']}: "
+                  f"{'named in %.1f s' % r['latency_s'] if r['detected'] else 'not named'}"
+                  f"{', causes ' + ','.join(r['causes']) if r['causes'] else ''}, {r['false_names']} false",
+                  file=progress, flush=True)
+    finally:
+        cluster.close()
+        ddp.close()
+    return summarize(trials, runs)
+
+
+def summarize(trials: list[dict], runs: int) -> dict:
+    rows = {}
+    for name in dict.fromkeys(t["fault"] for t in trials):
+        ts = [t for t in trials if t["fault"] == name]
+        lat = [t["latency_s"] for t in ts if t["latency_s"] is not None]
+        rows[name] = {"what": FAULTS[name].what, "trials": len(ts), "detected": sum(t["detected"] for t in ts),
+                      "right_cause": sum(t["right_cause"] for t in ts),
+                      "p50_s": percentile(lat, 50), "p90_s": percentile(lat, 90),
+                      "false_names": sum(t["false_names"] for t in ts)}
+    faulty = [t for t in trials if FAULTS[t["fault"]].kind]
+    names = sum(t["detected"] for t in trials) + sum(t["false_names"] for t in trials)
+    lat = [t["latency_s"] for t in trials if t["latency_s"] is not None]
+    return {"runs": runs, "rows": rows, "trials": trials,
+            "recall": sum(t["detected"] for t in faulty) / len(faulty) if faulty else None,
+            "precision": sum(t["detected"] for t in trials) / names if names else None,
+            "p50_s": percentile(lat, 50), "p90_s": percentile(lat, 90),
+            "median_s": statistics.median(lat) if lat else None}
+
+
+def markdown(res: dict) -> str:
+    def f(x, fmt="{:.1f}"):
+        return "—" if x is None else fmt.format(x)
+    out = ["| fault | trials | named (right rank and kind) | right cause | time to name p50 / p90 | false names |",
+           "|---|---|---|---|---|---|"]
+    for name, r in res["rows"].items():
+        out.append(f"| {name}: {r['what']} | {r['trials']} | {r['detected']} | {r['right_cause']} | "
+                   f"{f(r['p50_s'])} / {f(r['p90_s'])} s | {r['false_names']} |")
+    out.append(f"\nrecall {f(res['recall'], '{:.2f}')}, precision {f(res['precision'], '{:.2f}')}, time to name "
+               f"p50 {f(res['p50_s'])} s, p90 {f(res['p90_s'])} s")
+    return "\n".join(out)
