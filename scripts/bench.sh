@@ -35,3 +35,6 @@ echo "== job slowdown per config: paired runs, up to $minutes minutes"
 $jp bench overhead --config std --config std-perf --config std-sched --config cgroup,self \
     --max-minutes "$minutes" --max-runs 400 --json out/bench/overhead.json --markdown out/bench/overhead.md \
     -- "${job[@]}"
+
+echo "== stragglers: each fault 5 times at a random time on a random rank of a real 3-rank DDP job"
+$jp bench stragglers --runs 5 --json out/bench/stragglers.json | tee out/bench/stragglers.md

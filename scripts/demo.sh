@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `make demo`: run the CPU reference training job (~20 s) under jobprobe, a line per second, then decode the file.
+# `make demo`: run the CPU reference training job (~20 s) under jobprobe, a line per second, then decode the file;
+# the node agent with two jobs and a controller; last, a DDP job across three namespace nodes with one rank slowed,
+# ending on the straggler the controller names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out
@@ -59,3 +61,8 @@ done
 echo "== jobprobe report: one page per job, to open in a browser"
 .venv/bin/jobprobe report --store out/controller/store.db --job demo-a -o out/demo-a-report.html
 echo "   open out/demo-a-report.html"
+
+echo
+echo "== a straggler: PyTorch DDP on three namespace nodes (an agent each) → NATS → controller; one rank slowed"
+rm -rf out/stragglers
+$sudo_ .venv/bin/python -m jobprobe.bench.ddp out/stragglers

@@ -294,3 +294,35 @@ class Cluster:
             stop_child(p, 30)
         stop_child(self.controller, 30)
         self.nats.stop()
+
+
+def demo(out: Path, cores: float = 0.25) -> int:
+    """`make demo`'s last act: the DDP job on three namespace nodes, agents → NATS → controller, in step for 15 s,
+    then rank 1's CPU limited to `cores` mid-run — ends when the controller names the straggler (or after 60 s)."""
+    from jobprobe.kernel.host import find_cgroup2_mount
+    out.mkdir(parents=True, exist_ok=True)
+    ddp = DdpJob(find_cgroup2_mount() or "/sys/fs/cgroup", seconds=600)
+    cluster = Cluster(out, ddp)
+    try:
+        cluster.start_agents()
+        ddp.start(out)
+        cluster.attach()
+        until(lambda: len(ddp.rates(0)) >= 3, 120, "the job to train")
+        print(f"the job trains: {ddp.rates(0)[-1]:.0f} steps/s on 3 ranks (nodes {', '.join(cluster.nodes)})",
+              flush=True)
+        time.sleep(15)
+        t0 = time.time()
+        ddp.throttle(1, cores)
+        print(f"rank 1 (node-b) limited to {cores:g} CPU cores", flush=True)
+        e = until(lambda: [x for x in cluster.events() if x["event"] in ("straggler", "imbalance")], 60,
+                  "the controller to name the straggler")[0]
+        print(f"after {time.time() - t0:.1f} s, the job at {ddp.rates(0)[-1]:.0f} steps/s, the controller says: "
+              f"{e['reason']} (waited for by {', '.join(e['waited_by']) or 'nobody'})", flush=True)
+        return 0
+    finally:
+        cluster.close()
+        ddp.close()
+
+
+if __name__ == "__main__":
+    sys.exit(demo(Path(sys.argv[1] if len(sys.argv) > 1 else "out/stragglers")))
