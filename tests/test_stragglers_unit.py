@@ -230,3 +230,23 @@ def test_a_rank_that_always_waits_more_hides_nobody():
     ev = run(w, 150, shaped)
     assert named(ev) == [("c", "straggler")] and ev[0][4]["causes"] == ["nic_queue"], ev
     assert ev[0][0] - 1060 <= 12
+
+
+def test_an_nccl_job_is_compared_on_its_ranks_waits_in_cuda_synchronize_and_nccl_calls():
+    """No sched probe: GPU ranks wait for their peers inside cudaStreamSynchronize and NCCL calls (the cuda
+    probe's uprobes), often spinning on a CPU. Rank b's SM clock falls from 1980 to 1400 MHz at t = 1060: the
+    others' synchronize time rises, b's falls — b is waited for, and named for its clock."""
+    w = StragglerWatch()
+
+    def gpu(n, t):
+        slow = n == "b" and t >= 1060
+        sync = (0.05e9 if n == "b" else 0.6e9) if t >= 1060 else 0.2e9
+        f = frame(n, t, gpu={"util_gpu_pct": 95, "sm_clock_mhz": 1400 if slow else 1980, "clock_event_reasons": 0})
+        del f["probes"]["sched"]
+        f["probes"]["cuda"] = {"sync_ns": int(sync * 0.7), "nccl_allreduce_ns": int(sync * 0.3)}
+        return f
+    events = []
+    for s in range(150):
+        events += [(1000 + s, *e) for e in w.feed([gpu(n, 1000.0 + s) for n in "abc"])]
+    assert named(events) == [("b", "straggler")] and events[0][4]["causes"] == ["gpu_clock"], events
+    assert events[0][4]["waited_by"] == ["a", "c"] and events[0][0] - 1060 <= 12
