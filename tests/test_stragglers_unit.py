@@ -250,3 +250,36 @@ def test_an_nccl_job_is_compared_on_its_ranks_waits_in_cuda_synchronize_and_nccl
         events += [(1000 + s, *e) for e in w.feed([gpu(n, 1000.0 + s) for n in "abc"])]
     assert named(events) == [("b", "straggler")] and events[0][4]["causes"] == ["gpu_clock"], events
     assert events[0][4]["waited_by"] == ["a", "c"] and events[0][0] - 1060 <= 12
+
+
+def test_nccls_own_word_who_is_behind_says_who_is_waited_for():
+    """Only NCCL's RAS port says who waits (no sched or cuda probe): polled every 5 s, b's rank is behind its
+    communicator's count in every poll from t = 1060, when its SM clock falls; the others never are. b is named
+    for its clock, waited for by a and c."""
+    w = StragglerWatch()
+
+    def frame_of(n, t):
+        slow = n == "b" and t >= 1060
+        f = frame(n, t, gpu={"util_gpu_pct": 95, "sm_clock_mhz": 1400 if slow else 1980, "clock_event_reasons": 0})
+        del f["probes"]["sched"]
+        f["probes"]["ncclras"] = {"polled": int(t) % 5 == 0, "ranks_behind_here": int(slow)}
+        return f
+    events = []
+    for s in range(150):
+        events += [(1000 + s, *e) for e in w.feed([frame_of(n, 1000.0 + s) for n in "abc"])]
+    assert named(events) == [("b", "straggler")] and events[0][4]["causes"] == ["gpu_clock"], events
+    assert events[0][4]["waited_by"] == ["a", "c"], events
+    # and a rank given more work (its CPU up 1.5x, nothing on its node changed): NCCL's word is the only sign that
+    # the others wait for it — the job's own imbalance
+    w = StragglerWatch()
+
+    def more_work(n, t):
+        heavy = n == "c" and t >= 1060
+        f = frame(n, t, cpu=1.35e9 if heavy else 0.9e9)
+        del f["probes"]["sched"]
+        f["probes"]["ncclras"] = {"polled": int(t) % 5 == 0, "ranks_behind_here": int(heavy)}
+        return f
+    events = []
+    for s in range(150):
+        events += [(1000 + s, *e) for e in w.feed([more_work(n, 1000.0 + s) for n in "abc"])]
+    assert named(events) == [("c", "imbalance")] and events[0][4]["waited_by"] == ["a", "b"], events

@@ -52,6 +52,10 @@ def figures(probes: dict) -> dict[str, float]:
         if net.get("tcp_srtt_us") is not None and net.get("tcp_tx_packets"):
             out["rtt_w"] = net["tcp_srtt_us"] * net["tcp_tx_packets"]    # averaged over the window by segments
             out["rtt_n"] = net["tcp_tx_packets"]
+    ras = probes.get("ncclras") or {}
+    if ras.get("polled") and isinstance(ras.get("ranks_behind_here"), int):   # a fresh status of NCCL's RAS port
+        out["ras_dt"] = 1.0
+        out["ras_behind"] = float(ras["ranks_behind_here"] > 0)
     nics = [n for n in (probes.get("nic") or {}).get("nics") or () if isinstance(n, dict)]
     if nics:
         out["nic_held"] = sum(n.get("qdisc_overlimits", 0) + n.get("qdisc_drops", 0) for n in nics)
@@ -187,7 +191,7 @@ def median_or_zero(xs: list[float]) -> float:
 
 # each compared figure (values_of reads them from a window; None: the node does not report it)
 FIGURES = ("throttled", "runq", "retrans", "nic_held", "rtt", "gpu_util", "gpu_clock", "gpu_throttled", "rail_slow",
-           "rdma_fatal", "mem_stall", "io_stall", "reclaim", "wait", "cpu")
+           "rdma_fatal", "mem_stall", "io_stall", "reclaim", "wait", "cpu", "ras_behind")
 
 # How far a figure must move from the node's own baseline to count as evidence (in the direction of its cause), by
 # cause: a figure that did not change is never evidence, however far it is from the peers'. (name, figure, rise)
@@ -250,7 +254,7 @@ def values_of(w: Window) -> dict[str, float | None]:
             "gpu_throttled": share("gpu_throttled", "gpu_dt"), "rail_slow": share("rail_slow", "rail_dt"),
             "rdma_fatal": share("rdma_fatal", "rdma_dt"), "mem_stall": per_s("mem_stall_ns", 1e9),
             "io_stall": per_s("io_stall_ns", 1e9), "reclaim": per_s("reclaim_ns", 1e9), "wait": per_s("wait_ns", 1e9),
-            "cpu": per_s("cpu_ns", 1e9)}
+            "cpu": per_s("cpu_ns", 1e9), "ras_behind": share("ras_behind", "ras_dt")}
 
 
 # Figures in which a node is named when far above its peers' median: (figure, cause, at least, × the median,

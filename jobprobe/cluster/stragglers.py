@@ -86,21 +86,26 @@ class Waits:
     """Who waits for whom in one comparison: per node, its peers' median wait minus its own (s/s of its threads'
     sleep in lock and socket/pipe waits: where a rank sits in a collective while a peer is late), less the node's
     own usual gap — a rank can wait more or less than its peers for a whole run (rank 0 serving the rendezvous
-    store, its place in the ring): being waited for is a change, like every other piece of evidence."""
+    store, its place in the ring): being waited for is a change, like every other piece of evidence. Where NCCL's
+    RAS port is read (the ncclras probe), NCCL's own word counts too: a node whose ranks were behind their
+    communicator's collective count in most polls, while its peers' mostly were not, is waited for."""
     gap: dict[str, tuple[float, float]]      # node → (peers' median − its own − its usual gap, peers' median)
+    behind: dict[str, float] = field(default_factory=dict)   # node → share of its RAS polls with a rank behind
 
     @classmethod
     def of(cls, values: dict[str, dict[str, float | None]], everyone: "Others",
            usual: "dict[str, float | None] | None" = None) -> "Waits":
         """`usual`: each node's baseline gap (none yet: 0)."""
-        gap = {}
+        gap, behind = {}, {}
         for n, v in values.items():
             x = v.get("wait")
             if x is not None:
                 med, _, cnt = everyone.stats("wait", x)
                 if cnt:
                     gap[n] = (med - x - ((usual or {}).get(n) or 0.0), med)
-        return cls(gap)
+            if v.get("ras_behind") is not None:
+                behind[n] = v["ras_behind"]
+        return cls(gap, behind)
 
     def raw(self, n: str, usual: float | None) -> float | None:
         """The node's gap before its usual one is taken off (for its baseline)."""
@@ -109,18 +114,28 @@ class Waits:
 
     def waited_for(self, n: str) -> bool:
         g = self.gap.get(n)
-        return g is not None and g[0] >= max(WAITED_S, WAITED_SHARE * g[1])
+        return g is not None and g[0] >= max(WAITED_S, WAITED_SHARE * g[1]) or self._behind(n)
 
     def waiting(self, n: str) -> bool:
         g = self.gap.get(n)
-        return g is not None and -g[0] >= max(WAITED_S, WAITED_SHARE * g[1])
+        if g is not None and -g[0] >= max(WAITED_S, WAITED_SHARE * g[1]):
+            return True
+        return self.behind.get(n) == 0 and any(self._behind(m) for m in self.behind if m != n)
+
+    def _behind(self, n: str) -> bool:
+        """NCCL says so: its ranks behind in at least half its polls, its peers' (median) in under a quarter."""
+        b = self.behind.get(n)
+        if b is None or b < 0.5:
+            return False
+        peers = sorted(x for m, x in self.behind.items() if m != n)
+        return bool(peers) and median_or_zero(peers) < 0.25
 
     def waited_by(self, n: str) -> list[str]:
         """The other nodes that wait (for someone: n, when n is the one waited for), sorted."""
-        return sorted(m for m in self.gap if m != n and self.waiting(m))
+        return sorted(m for m in self.gap.keys() | self.behind.keys() if m != n and self.waiting(m))
 
     def any_waited_for(self) -> bool:
-        return any(self.waited_for(n) for n in self.gap)
+        return any(self.waited_for(n) for n in self.gap.keys() | self.behind.keys())
 
 
 class Slice:
