@@ -9,7 +9,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -23,39 +22,13 @@ import pytest
 
 from conftest import free_port, make_certs, until as wait_for
 
+from jobprobe.bench.ddp import Nats as NatsServer  # a nats-server on loopback (the other tests import it from here)
 from jobprobe.core.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 
 REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
 NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
 need_nats = pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")
-
-
-
-
-class NatsServer:
-    def __init__(self, base: Path):
-        self.base, self.port = base, free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, auth: str = "") -> None:
-        conf = self.base / "nats.conf"
-        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n{auth}')
-        self.proc = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self.listening, 10, "nats-server to listen")
-
-    def listening(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 class Site:

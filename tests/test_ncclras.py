@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -20,6 +19,7 @@ from jobprobe.devices import ncclras
 from jobprobe.kernel.host import Host
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.ncclras import NcclRasProbe
+from tests.test_gpu import spawn  # noqa: F401 (fixture)
 
 
 class StandIn:
@@ -95,20 +95,9 @@ class StandIn:
         self.sock.close()
 
 
-@pytest.fixture
-def job(request):
-    """A real process of the job; its environment names the stand-in's port, as an NCCL job's would."""
-    procs = []
-
-    def start(port: int) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env={"NCCL_RAS_ADDR": f"127.0.0.1:{port}", "PATH": "/usr/bin:/bin"})
-        procs.append(p)
-        return p
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+def job(spawn, port: int) -> subprocess.Popen:
+    """A real process of the job; its environment names the port, as an NCCL job's would."""
+    return spawn(env={"NCCL_RAS_ADDR": f"127.0.0.1:{port}"})
 
 
 def probe_on(pid: int) -> NcclRasProbe:
@@ -127,20 +116,25 @@ def first_polled(p: NcclRasProbe, timeout: float = 10) -> dict:
     raise AssertionError("the probe never polled the port")
 
 
-@pytest.mark.parametrize("json_ok", [True, False], ids=["json", "text"])
-def test_the_rank_of_this_job_behind_its_peers_is_said_by_the_port(job, json_ok):
-    # rank 0 is the job's process here, 3 AllReduce behind; ranks 1-3 are other nodes' (their addresses are not this
-    # host's; one of them has the same pid as the job, as pids repeat across nodes)
-    port = StandIn([], json_ok)
-    proc = job(port.port)
-    port.ranks = [(0, "127.0.0.1", proc.pid, 6649), (1, "192.0.2.11", proc.pid, 6652),
-                  (2, "192.0.2.12", 4242, 6652), (3, "192.0.2.13", 4343, 6652)]
-    p = probe_on(proc.pid)
+def polled_once(pid: int, port: StandIn) -> dict:
+    """The probe on the job's process: its first sample with a status or an error; then stopped, the port closed."""
+    p = probe_on(pid)
     try:
-        s = first_polled(p)
+        return first_polled(p)
     finally:
         p.stop()
         port.close()
+
+
+@pytest.mark.parametrize("json_ok", [True, False], ids=["json", "text"])
+def test_the_rank_of_this_job_behind_its_peers_is_said_by_the_port(spawn, json_ok):
+    # rank 0 is the job's process here, 3 AllReduce behind; ranks 1-3 are other nodes' (their addresses are not this
+    # host's; one of them has the same pid as the job, as pids repeat across nodes)
+    port = StandIn([], json_ok)
+    proc = job(spawn, port.port)
+    port.ranks = [(0, "127.0.0.1", proc.pid, 6649), (1, "192.0.2.11", proc.pid, 6652),
+                  (2, "192.0.2.12", 4242, 6652), (3, "192.0.2.13", 4343, 6652)]
+    s = polled_once(proc.pid, port)
     assert s["error"] is None and s["polled"] is True, s
     assert s["format"] == ("json" if json_ok else "text") and s["comms"] == 1
     assert s["ranks_here"] == 1 and s["ranks_behind_here"] == 1 and s["ops_behind"] == 3, s
@@ -152,26 +146,20 @@ def test_the_rank_of_this_job_behind_its_peers_is_said_by_the_port(job, json_ok)
 @pytest.mark.parametrize("reply", [b"SERVER PROTOCOL 2\nnot json at all {", b"\x00\xff" * 5000,
                                    json.dumps({"communicators": 5}).encode(), b"[1, 2]"],
                          ids=["garbage", "binary", "wrong-shape", "not-an-object"])
-def test_a_port_that_lies_is_an_error_field_not_an_exception(job, reply):
+def test_a_port_that_lies_is_an_error_field_not_an_exception(spawn, reply):
     port = StandIn([], True, reply=reply)
-    proc = job(port.port)
-    p = probe_on(proc.pid)
-    try:
-        s = first_polled(p)
-    finally:
-        p.stop()
-        port.close()
+    s = polled_once(job(spawn, port.port).pid, port)
     if s["error"] is None:      # a shape it could read: nothing was made up from it
         assert s["comms"] == 0 and s["ranks_behind"] == 0, s
     else:
         assert s["polled"] is False and s["ranks_behind"] is None, s
 
 
-def test_nothing_listening_is_said_and_costs_no_tick(job):
+def test_nothing_listening_is_said_and_costs_no_tick(spawn):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
-    proc = job(dead)
+    proc = job(spawn, dead)
     p = probe_on(proc.pid)
     try:
         t0 = time.monotonic()

@@ -49,13 +49,17 @@ def free_port() -> int:
 
 
 class Nats:
-    """A nats-server with JetStream on a free loopback port, its data under `base`."""
+    """A nats-server with JetStream on a free loopback port, its data under `base` (started by start())."""
 
     def __init__(self, base: Path):
-        self.port = free_port()
+        self.base, self.port = base, free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
-        conf = base / "nats.conf"
-        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{base / "js"}" }}\n')
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, auth: str = "") -> None:
+        """`auth`: more of the server's configuration (an authorization block)."""
+        conf = self.base / "nats.conf"
+        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n{auth}')
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         until(self.listening, 10, "nats-server to listen")
@@ -68,7 +72,8 @@ class Nats:
             return False
 
     def stop(self) -> None:
-        stop_child(self.proc, 10)
+        if self.proc is not None:
+            stop_child(self.proc, 10)
 
 
 class DdpJob:
@@ -229,6 +234,7 @@ class Cluster:
                  controller_args: tuple[str, ...] = ()):
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
         self.nats = Nats(tmp)
+        self.nats.start()
         self.store = tmp / "store.db"
         self.controller = subprocess.Popen(
             [sys.executable, "-m", "jobprobe.cli", "controller", "--nats", self.nats.url, "--store", str(self.store),
