@@ -6,8 +6,9 @@ gradient all-reduce, so the slowest rank sets the pace.
                               [--work FILE]
 
 Each rank prints one line per 20 steps (`rank R step K: X steps/s`) and a last line with its totals. `--work FILE`:
-every 20 steps the rank reads a number from FILE (when it exists) and scales its batch by it — a rank given more
-work than the others, the job's own imbalance. tests/
+every 20 steps the rank reads a number from FILE (when it exists) and does that many times the work per step
+(forward and backward passes, the extra ones accumulated without an all-reduce, as micro-batches of a bigger batch
+would be) — a rank given more work than the others, the job's own imbalance. tests/
 test_stragglers.py runs three ranks in three network namespaces, each probed as its own node.
 """
 from __future__ import annotations
@@ -44,18 +45,23 @@ def main() -> None:
     model = DDP(nn.Sequential(nn.Linear(a.width, a.width), nn.ReLU(), nn.Linear(a.width, a.width), nn.ReLU(),
                               nn.Linear(a.width, 10)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    factor = 1.0
-
-    def batch(f: float):
-        n = max(1, round(a.batch * f))
-        return torch.randn(n, a.width), torch.randint(0, 10, (n,))
-    x, y = batch(factor)
+    x = torch.randn(a.batch, a.width)
+    y = torch.randint(0, 10, (a.batch,))
+    factor, credit = 1.0, 0.0
     loss_fn = nn.CrossEntropyLoss()
     t0 = last = time.monotonic()
     steps = done = 0
     stop = torch.zeros(1)
     while True:
         opt.zero_grad()
+        # `factor` times the work per step: as many forward and backward passes on average, the extra ones with
+        # their gradients accumulated locally (no all-reduce), as a bigger batch in micro-batches would be
+        credit += factor
+        passes = max(1, int(credit))
+        credit -= passes
+        for _ in range(passes - 1):
+            with model.no_sync():
+                loss_fn(model(x), y).backward()
         loss_fn(model(x), y).backward()
         opt.step()
         steps += 1
@@ -65,8 +71,8 @@ def main() -> None:
             last = now
             f = work_factor(a.work, factor)
             if f != factor:
-                factor, (x, y) = f, batch(f)
-                print(f"rank {a.rank} step {steps}: batch x{f:g}", flush=True)
+                factor = f
+                print(f"rank {a.rank} step {steps}: work x{f:g}", flush=True)
             # every rank stops at the same step: rank 0 decides, the others follow its word
             stop[0] = 1.0 if now - t0 >= a.seconds else 0.0
             dist.broadcast(stop, 0)

@@ -283,3 +283,27 @@ def test_nccls_own_word_who_is_behind_says_who_is_waited_for():
     for s in range(150):
         events += [(1000 + s, *e) for e in w.feed([more_work(n, 1000.0 + s) for n in "abc"])]
     assert named(events) == [("c", "imbalance")] and events[0][4]["waited_by"] == ["a", "b"], events
+
+
+def test_every_event_the_watch_makes_goes_through_the_controller_into_its_store(tmp_path):
+    """The controller turns each (node, job, name, body) into a stored event frame: a straggler and its end, an
+    imbalance (whose body names its `node`, as the frame does) and its end — the imbalance used to fail there
+    ("got multiple values for argument 'node'"), so no imbalance ever reached the store."""
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.store import Store
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+
+    def more_work(n, t):
+        if not 1060 <= t < 1130:
+            return {}
+        return {"cpu": 1.35e9, "wait": 0.05e9} if n == "c" else {"wait": 0.7e9}
+    out = []
+    rng = random.Random(1)
+    for s in range(200):
+        t = 1000.0 + s
+        batch = [frame(n, t, **{"cpu": 0.9e9 * rng.uniform(0.9, 1.1), "wait": 0.3e9 * rng.uniform(0.8, 1.2),
+                                **more_work(n, t)}) for n in "abc"]
+        out += ctl.straggler_events(batch, t)
+    assert [(e["event"], e["node"], e["kind"], e["run"]) for e in out] == [
+        ("imbalance", "c", "event", "controller"), ("imbalance_end", "c", "event", "controller")], out
+    assert out[0]["verdict"] == "imbalance" and out[0]["waited_by"] == ["a", "b"]

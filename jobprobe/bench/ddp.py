@@ -4,9 +4,9 @@ own cgroup (and, on a hybrid host, its own v1 cpu group, where CPU limits live);
 controller`, one agent per rank. What tests/test_stragglers.py and `jobprobe bench stragglers` run.
 
 The faults a cluster sees, each on one rank: a CPU limit (`throttle`), a slow link (`shape`: tc tbf on its
-interface), a lossy link (`lose`: iptables statistic drop, as this kernel has no netem), a noisy neighbour
+interface), a lossy link (`lose`: iptables statistic drop at its peers, as this kernel has no netem), a noisy neighbour
 (`neighbour`: the rank pinned to a CPU with a hog pinned beside it) and more work than its peers (`more_work`: a
-bigger batch — the job's own imbalance, not a fault of its node)."""
+bigger batch, in micro-batches — the job's own imbalance, not a fault of its node)."""
 from __future__ import annotations
 
 import itertools
@@ -91,7 +91,7 @@ class DdpJob:
         self.logs: list[Path] = []
         self.work: list[Path] = []
         self.hogs: dict[int, subprocess.Popen] = {}       # rank → its noisy neighbour
-        self.lossy: set[int] = set()
+        self.lossy: dict[int, float] = {}                  # rank → the share of its packets lost
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "link", "set", self.bridge, "up")
         for i, ns in enumerate(self.ns):
@@ -149,23 +149,32 @@ class DdpJob:
                            capture_output=True)
 
     def lose(self, rank: int, share: float | None) -> None:
-        """Drop `share` of the packets rank sends (iptables statistic in its namespace); None stops it."""
-        rule = ["OUTPUT", "-o", "eth0", "-m", "statistic", "--mode", "random", "--probability", "", "-j", "DROP"]
-        ipt = ["ip", "netns", "exec", self.ns[rank], "iptables"]
-        if share:
-            rule[8] = f"{share:g}"
-            sh(*ipt, "-A", *rule)
-            self.lossy.add(rank)
-        elif rank in self.lossy:
-            sh(*ipt, "-F", "OUTPUT")
-            self.lossy.discard(rank)
+        """Lose `share` of the packets rank sends on its link (None: no more): dropped as they arrive at its peers
+        (iptables statistic in their namespaces' INPUT). A drop on rank's own way out (its OUTPUT chain, its
+        qdisc) is no loss to TCP — the stack is told and sends again later, no retransmit — so the drop is where
+        a lossy link would lose them: past the sender."""
+        for peer in range(self.world):
+            if peer == rank:
+                continue
+            spec = ["INPUT", "-s", self.addr[rank], "-m", "statistic", "--mode", "random", "--probability",
+                    f"{share or self.lossy.get(rank, 0):g}", "-j", "DROP"]
+            if share and rank not in self.lossy:
+                sh("ip", "netns", "exec", self.ns[peer], "iptables", "-A", *spec)
+            elif not share and rank in self.lossy:
+                sh("ip", "netns", "exec", self.ns[peer], "iptables", "-D", *spec)
+        if share and rank not in self.lossy:
+            self.lossy[rank] = share
+        elif not share:
+            self.lossy.pop(rank, None)
 
     def neighbour(self, rank: int, on: bool, cpu: int = 1) -> None:
-        """A noisy neighbour: rank's threads pinned to `cpu`, a CPU hog outside the job pinned beside them; off:
-        the hog gone, rank free to run anywhere again."""
+        """A noisy neighbour: rank's threads pinned to `cpu`, a CPU hog outside the job pinned beside them (at nice
+        -5: a neighbour that weighs 3x the rank, so the rank gets a quarter of its CPU while the others share the
+        rest of the machine — on 2 CPUs an equal hog slows the others nearly as much); off: the hog gone, rank
+        free to run anywhere again."""
         if on and rank not in self.hogs:
             self.hogs[rank] = subprocess.Popen(
-                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nwhile True: pass" % cpu])
+                [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nos.nice(-5)\nwhile True: pass" % cpu])
             self.pin(rank, {cpu})
         elif not on and rank in self.hogs:
             hog = self.hogs.pop(rank)
@@ -182,7 +191,8 @@ class DdpJob:
                     pass
 
     def more_work(self, rank: int, factor: float | None) -> None:
-        """Give rank `factor` times the batch of the others (read by it within 20 steps); None: back to 1."""
+        """Give rank `factor` times the work of the others per step (read by it within 20 steps: as many forward and
+        backward passes, as micro-batches of a bigger batch); None: back to 1."""
         self.work[rank].write_text(f"{factor or 1.0:g}\n")
 
     def tc_stats(self, rank: int) -> dict[str, int]:

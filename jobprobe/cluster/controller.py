@@ -196,7 +196,7 @@ class Controller:
         out = []
         for node, job, name, body in self.stragglers.feed(frames):
             log.warning("job %s: %s %s", job, name, body.get("reason", node))
-            out.append(self.node_event(node, job, name, now, **body))
+            out.append(self.node_event(node, job, name, now, body))
         return out
 
     def forget(self, now: float) -> None:
@@ -212,9 +212,11 @@ class Controller:
         for key in [k for k in self.declared if k[1] not in live]:
             del self.declared[key]
 
-    def node_event(self, node: str, job: str, name: str, now: float, **body: Any) -> dict:
-        return {"v": 1, "kind": "event", "node": node, "job": job, "run": CONTROLLER_RUN,
-                "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name, **body}
+    def node_event(self, node: str, job: str, name: str, now: float, body: dict | None = None, **fields: Any) -> dict:
+        """An event of the controller's own about `node`: `body` and `fields` under the frame's keys, which win (a
+        body may name the node again, as `imbalance`'s `node` does)."""
+        return {**(body or {}), **fields, "v": 1, "kind": "event", "node": node, "job": job, "run": CONTROLLER_RUN,
+                "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name}
 
     # ---- the loop ----------------------------------------------------------------------------------------
     async def run(self) -> None:

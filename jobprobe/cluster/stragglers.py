@@ -47,8 +47,9 @@ BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while 
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
 # the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
 WAITED_S = 0.05
-WAITED_SHARE = 0.10       # ... and this share of the peers' median wait
-IMBALANCE_CPU = 1.25      # a waited-for node whose CPU rose this much over its baseline, nothing else moved
+WAITED_SHARE = 0.05       # ... and this share of the peers' median wait (a median mostly of threads that always sleep)
+IMBALANCE_CPU = 1.15      # a waited-for node whose CPU rose this much over its baseline, nothing else moved (a
+                          # rank given 1.5x the batch on a busy 2-core machine: 1.2x; the others wait in the rest)
 
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
