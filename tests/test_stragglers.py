@@ -86,12 +86,12 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         ddp.throttle(1, None)
         until(lambda: cluster.events("straggler_end"), 30, "the straggler cleared after the limit went")
 
-        def fault(what: str, node: str, kind: str, inject, clear, causes: set[str]) -> dict:
-            """Inject, wait for `kind` naming `node` (30 s), clear, wait for its end (30 s); its event."""
+        def fault(what: str, node: str, kind: str, inject, clear, causes: set[str], bound: float = 30) -> dict:
+            """Inject, wait for `kind` naming `node` (`bound` s), clear, wait for its end (30 s); its event."""
             before = len(cluster.events(kind))
             t0 = time.time()
             inject()
-            e = until(lambda: cluster.events(kind)[before:], 30, f"{kind} named within 30 s of {what}")[0]
+            e = until(lambda: cluster.events(kind)[before:], bound, f"{kind} named within {bound} s of {what}")[0]
             print(f"stragglers: {kind} {node} {time.time() - t0:.1f} s after {what}: {e['reason']}")
             key = "straggler" if kind == "straggler" else "node"
             assert e[key] == node, e
@@ -109,10 +109,11 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # (e) 3% of what rank 0 sends dropped (rank 0 waits more than the others all run: its own usual gap)
         e = fault("the packet loss", "node-a", "straggler", lambda: ddp.lose(0, 0.03), lambda: ddp.lose(0, None),
                   {"net_retransmits", "net_rtt"})
-        # (f) rank 2 given twice the work: the job's own imbalance, not a fault of node-c (1.5x raises its CPU only
-        # ~1.2x here, three ranks sharing two CPUs — at the bound, named in ~22 s: `bench stragglers` has that case)
+        # (f) rank 2 given twice the work: the job's own imbalance, not a fault of node-c. Slower to see than a fault:
+        # three ranks share two CPUs, so its CPU rises (and the others start to wait) over ~20 s, not at once —
+        # named in 25-31 s here; `bench stragglers` measures 1.5x
         e = fault("the bigger batch", "node-c", "imbalance", lambda: ddp.more_work(2, 2.0),
-                  lambda: ddp.more_work(2, None), set())
+                  lambda: ddp.more_work(2, None), set(), bound=45)
         assert e["verdict"] == "imbalance" and e["waited_by"], e
 
         # (b) rank 2's link shaped: 200 Mbit/s out of its namespace

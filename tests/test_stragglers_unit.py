@@ -307,3 +307,18 @@ def test_every_event_the_watch_makes_goes_through_the_controller_into_its_store(
     assert [(e["event"], e["node"], e["kind"], e["run"]) for e in out] == [
         ("imbalance", "c", "event", "controller"), ("imbalance_end", "c", "event", "controller")], out
     assert out[0]["verdict"] == "imbalance" and out[0]["waited_by"] == ["a", "b"]
+
+
+def test_the_node_that_took_the_cpu_a_straggler_let_go_is_no_imbalance():
+    """b throttled from t = 1060 to 1120 (named); meanwhile a, on the same machine, gets the CPU b cannot use (0.9 ->
+    1.1 cores) and waits less than c — 'waited for' with its CPU up, which alone would read as more work. While
+    another node is the straggler, that is not the job's imbalance: only b is named (a DDP run here named a)."""
+    w = StragglerWatch()
+
+    def fault(n, t):
+        if not 1060 <= t < 1120:
+            return {}
+        return {"b": {"throttled": 0.6e9, "limit": 0.25, "wait": 0.05e9}, "a": {"cpu": 1.1e9, "wait": 0.2e9},
+                "c": {"wait": 0.7e9}}[n]
+    ev = run(w, 200, fault)
+    assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev

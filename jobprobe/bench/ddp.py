@@ -77,9 +77,13 @@ class Nats:
 
 
 class DdpJob:
-    def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0"):
+    def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0",
+                 batch: int = 256):
+        """`width`, `batch`: the model's and the step's size — at 384 and 256 a step's compute outweighs its
+        all-reduce here, so a rank given more work is seen to be slower (at batch 64 twice the passes hardly
+        showed)."""
         tag = f"{os.getpid() % 10000}x{next(_tags)}"
-        self.world, self.seconds, self.width, self.subnet = world, seconds, width, subnet
+        self.world, self.seconds, self.width, self.subnet, self.batch = world, seconds, width, subnet, batch
         self.bridge = f"jpbr{tag}"
         self.ns = [f"jpd{tag}n{i}" for i in range(world)]
         self.veth = [f"jvd{tag}n{i}" for i in range(world)]          # host side, on the bridge
@@ -119,7 +123,8 @@ class DdpJob:
             self.procs.append(subprocess.Popen(
                 ["ip", "netns", "exec", ns, sys.executable, str(REPO / "scripts" / "ddp_job.py"), "--rank", str(i),
                  "--world", str(self.world), "--master", f"{self.addr[0]}:{port}", "--seconds", str(self.seconds),
-                 "--width", str(self.width), "--ifname", "eth0", "--work", str(self.work[i])],
+                 "--width", str(self.width), "--batch", str(self.batch), "--ifname", "eth0",
+                 "--work", str(self.work[i])],
                 preexec_fn=enter, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO))
 
     def limit_dir(self, rank: int) -> Path:
@@ -168,19 +173,22 @@ class DdpJob:
             self.lossy.pop(rank, None)
 
     def neighbour(self, rank: int, on: bool, cpu: int = 1) -> None:
-        """A noisy neighbour: rank's threads pinned to `cpu`, a CPU hog outside the job pinned beside them (at nice
-        -5: a neighbour that weighs 3x the rank, so the rank gets a quarter of its CPU while the others share the
-        rest of the machine — on 2 CPUs an equal hog slows the others nearly as much); off: the hog gone, rank
-        free to run anywhere again."""
+        """A noisy neighbour: rank's threads pinned to `cpu` and a CPU hog outside the job pinned beside them (at
+        nice -5: it weighs 3x the rank, which gets a quarter of that CPU), the other ranks kept to the other CPUs —
+        on separate nodes a neighbour takes nothing from the others; here, unpinned, they would crowd onto the CPUs
+        left and be slowed nearly as much. Off: the hog gone, every rank free to run anywhere again."""
+        every = set(range(os.cpu_count() or 1))
         if on and rank not in self.hogs:
             self.hogs[rank] = subprocess.Popen(
                 [sys.executable, "-c", "import os\nos.sched_setaffinity(0, {%d})\nos.nice(-5)\nwhile True: pass" % cpu])
-            self.pin(rank, {cpu})
+            for r in range(self.world):
+                self.pin(r, {cpu} if r == rank else (every - {cpu}) or every)
         elif not on and rank in self.hogs:
             hog = self.hogs.pop(rank)
             hog.kill()
             hog.wait()
-            self.pin(rank, set(range(os.cpu_count() or 1)))
+            for r in range(self.world):
+                self.pin(r, every)
 
     def pin(self, rank: int, cpus: set[int]) -> None:
         for pid in (self.cg[rank] / "cgroup.procs").read_text().split():

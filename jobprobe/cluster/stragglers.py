@@ -233,6 +233,10 @@ class StragglerWatch:
             nt = live[n]
             if nt.open_since is None:
                 kind, found = self._verdict(n, w, newest, everyone, values[n], nt, waits, someone_waited_for)
+                if kind == "imbalance" and any(m != n and (o.open_since is not None or o.kind == "straggler")
+                                               for m, o in live.items()):
+                    kind = ""    # another node is (or is becoming) the straggler: this one got the CPU it let go
+
                 if kind and (nt.hold_since is None or kind != nt.kind):
                     nt.hold_since, nt.kind = horizon, kind
                     nt.first_seen = horizon - self.slice      # the first slice in which it held
@@ -280,7 +284,9 @@ class StragglerWatch:
         be seen waiting for it). A node the others wait for is also named for a
         run-queue wait or a stall that rose over its own baseline even where its peers' are as high (they may share
         its CPU). A node that waits for another while someone is waited for gets no cause at all. A node waited for
-        with no cause, whose CPU time rose over its baseline, is the job's own imbalance (more work), not a fault."""
+        with no cause, whose CPU time rose over its baseline, is the job's own imbalance (more work), not a fault —
+        unless another node of the job is a straggler then (the caller: on a shared machine the node took the CPU
+        the straggler let go)."""
         found = causes(w, everyone, mine=mine)
         if found:
             fresh = newest.causes(n)
