@@ -132,8 +132,10 @@ class Waits:
         return bool(peers) and median_or_zero(peers) < 0.25
 
     def waited_by(self, n: str) -> list[str]:
-        """The other nodes that wait (for someone: n, when n is the one waited for), sorted."""
-        return sorted(m for m in self.gap.keys() | self.behind.keys() if m != n and self.waiting(m))
+        """The other nodes that wait (for n, when n is the one waited for): those that wait more than is usual for
+        them against their peers (or that NCCL says are not behind), sorted."""
+        return sorted(m for m in self.gap.keys() | self.behind.keys() if m != n and (
+            self.waiting(m) or self.gap.get(m, (0.0,))[0] < 0 and not self.waited_for(m)))
 
     def any_waited_for(self) -> bool:
         return any(self.waited_for(n) for n in self.gap.keys() | self.behind.keys())
