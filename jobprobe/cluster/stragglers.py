@@ -331,8 +331,9 @@ class StragglerWatch:
     def _still(n: str, w: Window, everyone: Others, mine: dict[str, float | None], nt: NodeTrack,
                waits: Waits) -> bool:
         """Whether an open event still holds, at the lower clearing bounds (hysteresis). A straggler: a cause still
-        far from its peers, or — still waited for — one of the causes it was named for still at least half its
-        opening rise over the node's own baseline (a noisy neighbour, whose peers may be as high). Being waited for
+        far from its peers, or — still waited for — one of the causes it was named for still its whole opening
+        rise over the node's own baseline (a noisy neighbour, whose peers may be as high; half the rise held a run
+        queue settling after the neighbour went). Being waited for
         alone does not hold it: a rank's place in the ring can leave it waiting a little less than its peers for as
         long as the job runs. An imbalance: still waited for, its CPU still 1/2 of the rise over its baseline."""
         waited = waits.waited_for(n)
@@ -347,7 +348,7 @@ class StragglerWatch:
             if c not in MOVED:
                 continue
             x, base = mine.get(MOVED[c][0]), nt.baseline(MOVED[c][0])
-            if x is not None and base is not None and moved(c, x, base, share=0.5):
+            if x is not None and base is not None and moved(c, x, base):
                 return True
         return False
 
