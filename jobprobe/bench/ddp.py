@@ -78,19 +78,19 @@ class Nats:
 
 class DdpJob:
     def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0",
-                 batch: int = 256):
+                 batch: int = 256, parent: str = "jobprobe-test"):
         """`width`, `batch`: the model's and the step's size — at 384 and 256 a step's compute outweighs its
         all-reduce here, so a rank given more work is seen to be slower (at batch 64 twice the passes hardly
-        showed)."""
+        showed). `parent`: the group the ranks' groups are made in."""
         tag = f"{os.getpid() % 10000}x{next(_tags)}"
         self.world, self.seconds, self.width, self.subnet, self.batch = world, seconds, width, subnet, batch
         self.bridge = f"jpbr{tag}"
         self.ns = [f"jpd{tag}n{i}" for i in range(world)]
         self.veth = [f"jvd{tag}n{i}" for i in range(world)]          # host side, on the bridge
         self.addr = [f"{subnet}.{i + 1}" for i in range(world)]
-        self.cg = [Path(cgroup2, "jobprobe-test", f"ddp-{tag}-rank{i}") for i in range(world)]
+        self.cg = [Path(cgroup2, parent, f"ddp-{tag}-rank{i}") for i in range(world)]
         v1 = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
-        self.v1 = [Path(v1[0], "jobprobe-test", f"ddp-{tag}-rank{i}") for i in range(world)] if v1 else None
+        self.v1 = [Path(v1[0], parent, f"ddp-{tag}-rank{i}") for i in range(world)] if v1 else None
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.work: list[Path] = []
@@ -239,6 +239,11 @@ class DdpJob:
                     break
                 except OSError:
                     time.sleep(0.1)
+        for d in {d.parent for d in self.cg + (self.v1 or [])}:
+            try:
+                d.rmdir()            # the parent, once nothing else is in it (the tests' is shared: it stays)
+            except OSError:
+                pass
         for ns in self.ns:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
@@ -325,7 +330,7 @@ def demo(out: Path, cores: float = 0.25) -> int:
     then rank 1's CPU limited to `cores` mid-run — ends when the controller names the straggler (or after 60 s)."""
     from jobprobe.kernel.host import find_cgroup2_mount
     out.mkdir(parents=True, exist_ok=True)
-    ddp = DdpJob(find_cgroup2_mount() or "/sys/fs/cgroup", seconds=600)
+    ddp = DdpJob(find_cgroup2_mount() or "/sys/fs/cgroup", seconds=600, parent="jobprobe-demo")
     cluster = Cluster(out, ddp)
     try:
         cluster.start_agents()

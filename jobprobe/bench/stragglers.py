@@ -11,6 +11,7 @@ wrong kind, is a false name; a balanced trial is the job left alone for as long,
 from __future__ import annotations
 
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -109,7 +110,7 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted: the ranks run in cgroups")
-    ddp = DdpJob(mount, seconds=1e6)
+    ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench")
     cluster = Cluster(tmp, ddp)
     trials = []
     try:
@@ -128,6 +129,7 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
     finally:
         cluster.close()
         ddp.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return summarize(trials, runs)
 
 
