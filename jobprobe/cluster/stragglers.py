@@ -227,18 +227,17 @@ class StragglerWatch:
         events = []
         values = {n: values_of(w) for n, w in wins.items()}
         everyone = Others(list(wins.values()), list(values.values()))
-        newest = Slice(live, horizon - self.slice, horizon)
+        recent = Slice(live, horizon - self.slice, horizon)
         usual = {n: nt.baseline("gap") for n, nt in live.items()}
         waits = Waits.of(values, everyone, usual)
         someone_waited_for = waits.any_waited_for()
         for n, w in wins.items():
             nt = live[n]
             if nt.open_since is None:
-                kind, found = self._verdict(n, w, newest, everyone, values[n], nt, waits, someone_waited_for)
+                kind, found = self._verdict(n, w, recent, everyone, values[n], nt, waits, someone_waited_for)
                 if kind == "imbalance" and any(m != n and (o.open_since is not None or o.kind == "straggler")
                                                for m, o in live.items()):
                     kind = ""    # another node is (or is becoming) the straggler: this one got the CPU it let go
-
                 if kind and (nt.hold_since is None or kind != nt.kind):
                     nt.hold_since, nt.kind = horizon, kind
                     nt.first_seen = horizon - self.slice      # the first slice in which it held
@@ -276,7 +275,7 @@ class StragglerWatch:
                 live[n].in_step({**values[n], "gap": waits.raw(n, usual[n])})
         return events
 
-    def _verdict(self, n: str, w: Window, newest: "Slice", everyone: Others, mine: dict[str, float | None],
+    def _verdict(self, n: str, w: Window, recent: "Slice", everyone: Others, mine: dict[str, float | None],
                  nt: NodeTrack, waits: Waits, someone_waited_for: bool) -> tuple[str, list[Cause]]:
         """("straggler", its causes), ("imbalance", []) or ("", []) for node n in this comparison.
 
@@ -291,7 +290,7 @@ class StragglerWatch:
         the straggler let go)."""
         found = causes(w, everyone, mine=mine)
         if found:
-            fresh = newest.causes(n)
+            fresh = recent.causes(n)
             found = [c for c in found if c.name in fresh]
         waited = waits.waited_for(n)
 
