@@ -212,17 +212,20 @@ def moved(cause: str, value: float, base: float, share: float = 1.0) -> bool:
 
 
 class Others:
-    """Every node's value of every figure, sorted once per comparison: a node's peers' median and maximum (all
-    but itself) in O(log n), so a comparison of an n-node job costs O(n log n), not O(n²)."""
+    """Every node's value of every figure, each figure sorted once per comparison, when first asked for (most
+    nodes of a healthy job are under a cause's absolute bound, and their peers' figure is never read): a node's
+    peers' median and maximum (all but itself) in O(log n), so a comparison of an n-node job costs O(n log n)."""
 
     def __init__(self, wins: list[Window], values: "list[dict[str, float | None]] | None" = None):
         """`values`: each window's figures already read (values_of), in the same order — not read twice."""
-        vals = values if values is not None else [values_of(w) for w in wins]
-        self.sorted = {k: sorted(x for v in vals if (x := v[k]) is not None) for k in FIGURES}
+        self.vals = values if values is not None else [values_of(w) for w in wins]
+        self.sorted: dict[str, list[float]] = {}
 
     def stats(self, k: str, mine: float | None) -> tuple[float, float, int]:
         """(median, max, count) of figure k over the other nodes: `mine` taken out once."""
-        s = self.sorted[k]
+        s = self.sorted.get(k)
+        if s is None:
+            s = self.sorted[k] = sorted(x for v in self.vals if (x := v[k]) is not None)
         i = bisect.bisect_left(s, mine) if mine is not None else len(s)
         skip = i < len(s) and s[i] == mine
         n = len(s) - skip
