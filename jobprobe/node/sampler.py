@@ -184,12 +184,18 @@ class Sampler:
         """The window's end: each probe's records [(probe, records, dropped, recording since: monotonic ns)], deep
         mode off, the window-only probes stopped (and out of the frames again)."""
         self._window_deep = None      # a window-only probe still starting is stopped when its start ends
-        out = []
+        # One end for every probe: all stop recording, then each one's records are taken (taking them one probe
+        # after another while the others still recorded gave a busy host's trace tens of ms of sched records past
+        # the syscalls' end — sleeps outside any recorded call)
+        failed = None
         for p in probes:
             try:
-                out.append((p, *p.trace_take(), self._traced_since.get(p.name)))
-            finally:
                 p.trace_on(False)
+            except Exception as err:       # (the others still stop; it is raised once all are taken)
+                failed = failed or err
+        out = [(p, *p.trace_take(), self._traced_since.get(p.name)) for p in probes]
+        if failed is not None:
+            raise failed
         for name in self._window_only:
             self._stop_probe(name)
             self.probes.pop(name, None)
