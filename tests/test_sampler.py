@@ -269,8 +269,8 @@ def test_a_window_only_probes_compile_never_holds_the_tick(tmp_path):
     assert s.running.get("slowfake") is slow and frame["status"]["slowfake"] == "ok"
     assert frame["probes"]["slowfake"] == {"n": 1}
     time.sleep(1.0)
-    s.tick()                                     # past the window's end: records taken, deep mode off, stopped
-    assert slow.asked == [True, "take", False] and slow.stopped == 1
+    s.tick()                                     # past the window's end: deep mode off, records taken, stopped
+    assert slow.asked == [True, False, "take"] and slow.stopped == 1     # every probe off first: one end for all
     assert "slowfake" not in s.running and "slowfake" not in s.tick()["status"]
     s.stop()
     assert slow.stopped == 1
