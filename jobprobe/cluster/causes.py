@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
 
 
-NCCL_WAITS = ("allreduce", "allgather", "reducescatter", "broadcast", "reduce", "send", "recv")   # cuda probe's names
-
-
 def figures(probes: dict) -> dict[str, float]:
     """What one sample frame says, per figure (absent when its probe did not report it)."""
     out: dict[str, float] = {}
@@ -35,7 +32,8 @@ def figures(probes: dict) -> dict[str, float]:
         out["wait_ns"] = sc.get("offcpu_lock_ns", 0) + sc.get("offcpu_wait_ns", 0)
     cu = probes.get("cuda") or {}
     if "sync_ns" in cu:       # NCCL: a rank waits for its peers inside the CUDA synchronize and NCCL calls, where it
-        gpu_wait = cu["sync_ns"] + sum(cu.get(f"nccl_{c}_ns", 0) for c in NCCL_WAITS)    # may spin on its CPU:
+        gpu_wait = cu["sync_ns"] + sum(v for k, v in cu.items()                          # may spin on its CPU:
+                                       if k.startswith("nccl_") and k.endswith("_ns") and isinstance(v, (int, float)))
         out["wait_ns"] = max(out.get("wait_ns", 0), gpu_wait)   # the larger of the two, as a blocking wait is in both
     ps = probes.get("pressure") or {}
     for key, name in (("memory_some_ns", "mem_stall_ns"), ("io_some_ns", "io_stall_ns")):
