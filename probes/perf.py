@@ -17,10 +17,11 @@ Accuracy: task_clock_ns is perf's task clock, which charges CPU time to whatever
 switch. The scheduler (cgroup cpu.stat, getrusage, GNU time; the `cgroup` probe) charges the few µs between a
 wakeup and the preemption it causes to the task woken. So when tasks outside the job keep waking up on the job's
 CPUs and preempting it, task_clock_ns reads above cpu.stat by that interval per involuntary switch: +5.2..5.9 µs
-(cgroup target) and +3.2..3.8 µs (PID tree, which starts counting later in the switch) on the 6.18 VM, i.e. +7.8%
-and +5.2% with ~25k preemptions/s (issue 8: +6.5% with 89994 switches in 4 s). The job's own wakeups that preempt
-other tasks move time the other way. Otherwise within 2% of cpu.stat plus the hypervisor's steal time, which perf
-counts and cpu.stat leaves out. Software counts are never scaled for multiplexing (running == enabled to the ns on
+(cgroup target) and +3.2..3.8 µs (PID tree, which starts counting later in the switch) on the 6.18 VM one day,
++7.5 and +6.4 µs another, i.e. +5..10% with ~25k preemptions/s; the preempting tasks' own task clock is short by as
+much: the time moves, it is not made up (issue 8: +6.5% with 89994 switches in 4 s). The job's own wakeups that
+preempt other tasks move time the other way. Otherwise within 2% of cpu.stat plus the hypervisor's steal time, which
+perf counts and cpu.stat leaves out. Software counts are never scaled for multiplexing (running == enabled to the ns on
 every group measured; see _perf.SOFTWARE). Tests: tests/test_perf.py.
 """
 from __future__ import annotations

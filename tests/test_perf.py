@@ -169,10 +169,10 @@ def steal_ns() -> int:
     return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
-# Upper bound of perf's task clock above cpu.stat per involuntary switch of the job (see the module docstring; wakeup
-# preemptions by tasks outside the job, e.g. other tests running at the same time, cost ~5.5 µs each for cgroup
-# targets and ~3.7 µs for PID trees here, the same with three runs at once). Loose enough for CI, tight enough to
-# fail on a further +4.5% in the preemption test (a mutant that added 6.5% to task-clock failed it).
+# Upper bound of perf's task clock above cpu.stat per involuntary switch of the job, for the tests with a few switches
+# (see the module docstring; ~5.5 µs each for cgroup targets and ~3.7 µs for PID trees one day, 7.5 and 6.4 another).
+# The preemption test, with 10^5 switches, measures the time moved against the preempting tasks' own shortfall in
+# the same run instead (assert_cpu_moved; a mutant that added 4.5% to task-clock failed it).
 PREEMPT_SKEW_NS = {"cgroup": 7_500, "pids": 5_000}
 
 
@@ -320,35 +320,53 @@ def _busy_neighbour_once(make_cgroup, attempt: int) -> None:
 def _busy_neighbour_in(job, outside) -> None:
     for _ in range(4):
         outside.spawn(workload("sleepwake", 10 ** 9, 20))
-    by_cgroup, by_pids = PerfProbe(), PerfProbe()
+    by_cgroup, by_pids, by_wakers = PerfProbe(), PerfProbe(), PerfProbe()
     by_cgroup.start(CgroupTarget(str(job.path)))
+    by_wakers.start(CgroupTarget(str(outside.path)))
     try:
         burners = [job.spawn(workload("burn", 60)) for _ in range(2)]
         by_pids.start(PidTreeTarget([b.pid for b in burners]))
-        u0, s0 = job.cpu_usage_ns(), steal_ns()
-        by_cgroup.sample()  # both probes count from here
-        totals, switches, ratios = {"cgroup": 0, "pids": 0}, 0, []
+        u0, w0, s0 = job.cpu_usage_ns(), outside.cpu_usage_ns(), steal_ns()
+        by_cgroup.sample()  # the three probes count from here
+        by_wakers.sample()
+        probes = {"cgroup": by_cgroup, "pids": by_pids, "wakers": by_wakers}
+        totals, switches, ratios = dict.fromkeys(probes, 0), 0, []
         deadline = time.monotonic() + 45  # ~25k switches/s here; the assert below says if it fell short
         while switches < 1.2e5 and time.monotonic() < deadline:
             time.sleep(0.3)
-            for kind, probe in (("cgroup", by_cgroup), ("pids", by_pids)):
+            for kind, probe in probes.items():
                 frame = probe.sample()
                 totals[kind] += frame["task_clock_ns"]
                 ratios.append(frame["running_ratio"])
-            switches += frame["context_switches"]  # the PID tree's own count
+                switches += frame["context_switches"] if kind == "pids" else 0  # the PID tree's own count
         for b in burners:
             b.kill()
         involuntary = sum(wait_for(lambda: reap(b)).ru_nivcsw for b in burners)
-        for kind, probe in (("cgroup", by_cgroup), ("pids", by_pids)):
+        for kind, probe in probes.items():
             totals[kind] += probe.sample()["task_clock_ns"]
         kernel, steal = job.cpu_usage_ns() - u0, steal_ns() - s0
+        moved = outside.cpu_usage_ns() - w0 - totals.pop("wakers")
         assert involuntary >= 1e5, f"the wakers preempted the job only {involuntary} times"
         assert set(ratios) == {1.0}  # software counters: never multiplexed, so nothing was ever scaled
         for kind, total in totals.items():
-            assert_cpu_close(total, kernel, steal, 0.02, involuntary, kind)
+            assert_cpu_moved(total, kernel, steal, 0.02, moved, involuntary, kind)
     finally:
+        by_wakers.stop()
         by_pids.stop()
         by_cgroup.stop()
+
+
+def assert_cpu_moved(perf_ns: int, kernel_ns: int, steal: int, rel: float, moved: int, switches: int,
+                     kind: str) -> None:
+    """perf agrees with cpu.stat within rel, plus on the high side at most the steal time of the run and the time
+    that moved to the job from the tasks that preempted it: what cpu.stat gave the wakers beyond their own perf
+    task clock (module docstring). What a switch costs varies from host to host and hour to hour (3.2..7.8 µs here),
+    but it is charged to one side or the other, never made up: the job's excess is measured against the wakers'
+    shortfall in the same run."""
+    assert kernel_ns * (1 - rel) <= perf_ns <= kernel_ns * (1 + rel) + steal + max(moved, 0), \
+        f"{kind}: perf {perf_ns / 1e9:.3f} s vs cpu.stat {kernel_ns / 1e9:.3f} s (steal {steal / 1e9:.3f} s, " \
+        f"{switches} involuntary switches: {(perf_ns - kernel_ns) / max(switches, 1):+.0f} ns each; the wakers' " \
+        f"perf below their cpu.stat by {moved / max(switches, 1):.0f} ns per switch)"
 
 
 @pytest.mark.kernel

@@ -1129,13 +1129,14 @@ def test_a_busy_job_sampled_fast_never_reads_an_impossible_interval(probe, make_
     assert len(ticks) >= 100 and events >= 10_000
     assert sum(s["torn_reads"] for s in ticks) == 0 and sum(s["impossible"] for s in ticks) == 0
     # run_delay and these waits start at the same run-queue clock stamps; 2% + 2 ms as the burners' test above (a
-    # switch-in the kernel does not deliver to the program drops a period). They end a little apart: run_delay at
-    # the clock update that opens __schedule, these at the tracepoint's clock read after the pick, ~1.5 µs later
-    # per wait here (measured: +125 ms over 81285 waits), 3 µs allowed
-    assert -0.02 * run_delay - 2_000_000 <= runq - run_delay <= 0.02 * run_delay + 2_000_000 + 3_000 * events
+    # switch-in the kernel does not deliver to the program drops a period), and end at the same stamp too (the one
+    # __schedule takes before its pick; read as the clock at the tracepoint, after the pick, they ran 1.5..4 µs
+    # per wait longer, as the host's load went: +465 ms over 113958 waits). Within 1 µs per wait: the offset
+    # between the two clocks is the least of an epoch's (bpf/sched.c; measured +0.0..0.4 µs)
+    assert -0.02 * run_delay - 2_000_000 <= runq - run_delay <= 0.02 * run_delay + 2_000_000 + 1_000 * events
     # off CPU = wall - on CPU, per task over the same window; on-CPU time (rq_clock_task) leaves out interrupts
     # and steal while a task ran, so wall - run can only be larger, by at most the CPUs' irq + steal time
-    # — and each wait's end is read at the tracepoint, after the run-queue clock stamp the kernel starts the task's
-    # run time at (the same ~1.5 µs per wait as above; measured +64 ms over 83531 waits here): 3 µs allowed
+    # — and each wait ends at the run-queue stamp the kernel starts the task's run time at, to the same 1 µs per
+    # wait as above (read as the clock at the tracepoint: +461 ms over 113958 waits)
     low, high = tasks * window[0] - run, tasks * window[1] - run
-    assert low - (sys1 - sys0) - 0.02 * low - 2_000_000 <= offcpu <= high + 2_000_000 + 3_000 * events
+    assert low - (sys1 - sys0) - 0.02 * low - 2_000_000 <= offcpu <= high + 2_000_000 + 1_000 * events
