@@ -153,6 +153,40 @@ def test_thread_acct_adds_what_threads_did_up_to_their_exit(tmp_path):
     assert io(plain.update(str(proc), [30])) == (0, 0) and plain.uncounted == 1
 
 
+class LateListener(FakeListener):
+    """A named fake listener whose queued records reach the socket only at the second drain: the process exited
+    after the update's first drain and before its /proc read (a busy host stretches that gap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.later: list[ExitRecord] = []
+
+    def drain(self) -> list[ExitRecord]:
+        out, self.queue, self.later = self.queue, self.later, []
+        return out
+
+
+def test_thread_acct_a_process_that_exits_during_the_walk_keeps_its_tail(tmp_path):
+    """The job's last process exits between the drain and the walk (a SLURM array task on a busy host read 28% low:
+    its whole last interval). Its record, sent before it left /proc, is taken in the same update; a thread read in
+    the walk and gone right after counts from that read."""
+    tick = 10**9 // CLK_TCK
+    proc = tmp_path / "proc"
+    write_thread_io(proc, 10, 10, 100, utime=100)
+    write_thread_io(proc, 10, 11, 0, utime=10)
+    write_thread_io(proc, 20, 20, 5, utime=1)
+    tio = ThreadAcct(LateListener())
+    tio.update(str(proc), [10, 20])                                                   # baseline
+    shutil.rmtree(proc / "10")
+    write_thread_io(proc, 20, 20, 9, utime=3)
+    tio.listener.later = [rec(10, 10, 1, 160, 0, utime_us=(130 * tick) // 1000),
+                          rec(11, 10, 1, 0, 0, utime_us=(10 * tick) // 1000),
+                          rec(20, 20, 1, 12, 0, utime_us=(4 * tick) // 1000), rec(99, 99, 1, 5555)]
+    d = tio.update(str(proc), [10, 20])
+    assert io(d) == (60 + 7, 0) and d["user"] == (30 + 3) * tick and tio.uncounted == 0, (d, tio.uncounted)
+    assert io(tio.update(str(proc), [20])) == (0, 0)                                  # 20's zombie: counted once
+
+
 def test_thread_acct_counts_a_launched_process_never_read(tmp_path):
     """A job shorter than its first tick: the process the target launched (and a child of it) were born and gone
     before any walk read them. Their exit records are the job's (Target.launched_pids), each claimed once: the same

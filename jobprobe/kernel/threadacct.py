@@ -143,17 +143,12 @@ class ThreadAcct:
         is claimed once: a pid reused after its reaping is someone else."""
         records = self.listener.drain() if self.listener is not None else []
         out = [0, 0, 0, 0]
+        now: dict[int, tuple[int, tuple[int, ...]]] = {}
         if self.primed:
             mine = self.job_records(records, pids, [p for p in launched if p not in self.claimed])
             if quiet and not mine:
                 return dict.fromkeys(KEYS, 0)
-            for r in mine:
-                _, before = self.last.pop(r.tid, (0, (0, 0, 0, 0)))
-                final = (r.read_bytes, r.write_bytes, *r.cpu_ns())
-                for i in range(4):
-                    out[i] += max(0, final[i] - before[i])
-                self.finished.add(r.tid)
-        now: dict[int, tuple[int, tuple[int, ...]]] = {}
+            self._count(mine, now, out)
         listed: set[int] = set()
         for pid in pids:
             for tid, vals in thread_counters(proc, pid, read, cpu).items():
@@ -165,6 +160,13 @@ class ThreadAcct:
                     before = self.last[tid][1] if tid in self.last else (0, 0, 0, 0)
                     for i in range(4):
                         out[i] += max(0, vals[i] - before[i])
+        gone = [tid for tid in self.last if tid not in listed and tid not in self.finished]
+        if gone and self.primed and self.listener is not None:
+            # threads that exited between the drain above and their read: their records were sent before they
+            # left /proc, so they are in the socket now (on a busy host that gap held a SLURM task's whole tail)
+            late = self.job_records(self.listener.drain(), pids, [p for p in launched if p not in self.claimed],
+                                    now)
+            self._count(late, now, out)
         self.finished &= listed         # a zombie reaped: its tid may come back as someone else
         # threads gone without a record (no listener, or records the kernel dropped): their tail is lost — counted
         self.uncounted += sum(1 for tid in self.last if tid not in listed)
@@ -172,15 +174,25 @@ class ThreadAcct:
         self.primed = True
         return dict(zip(KEYS, out))
 
-    def job_records(self, records: list[ExitRecord], pids: list[int],
-                    launched: list[int] = ()) -> list[ExitRecord]:
-        """The records of the job's threads: read before, or of a job process (or one the target launched), or of
-        a process whose parent is one (a fixed point over the records, for a chain of processes that came and went
-        between ticks)."""
-        procs = set(pids) | {tgid for tgid, _ in self.last.values()} | set(launched)
+    def _count(self, records: list[ExitRecord], now: dict[int, tuple[int, tuple[int, ...]]], out: list[int]) -> None:
+        """Add each record's final counts less the thread's last read (this walk's, else the last tick's)."""
+        for r in records:
+            _, before = now.pop(r.tid, None) or self.last.pop(r.tid, (0, (0, 0, 0, 0)))
+            final = (r.read_bytes, r.write_bytes, *r.cpu_ns())
+            for i in range(4):
+                out[i] += max(0, final[i] - before[i])
+            self.finished.add(r.tid)
+
+    def job_records(self, records: list[ExitRecord], pids: list[int], launched: list[int] = (),
+                    now: dict[int, tuple[int, tuple[int, ...]]] | None = None) -> list[ExitRecord]:
+        """The records of the job's threads: read before (or in this walk: `now`), or of a job process (or one the
+        target launched), or of a process whose parent is one (a fixed point over the records, for a chain of
+        processes that came and went between ticks)."""
+        known = self.last if now is None else {**self.last, **now}
+        procs = set(pids) | {tgid for tgid, _ in known.values()} | set(launched)
         out, rest = [], []
         for r in records:
-            (out if r.tid in self.last else rest).append(r)
+            (out if r.tid in known else rest).append(r)
         grew = True
         while grew and rest:
             grew = False
