@@ -463,24 +463,30 @@ static inline void clock_seen(struct cpu_clock *c, u64 now, u64 sc)
  * event) where this CPU's offset is too old or none can be had, or where `exact` asks for it (a switch-in: the
  * offset is renewed from it). A wakeup may run on another CPU than t's run queue: the offset is then the waker's
  * CPU's, right where the scheduler's clock agrees across CPUs (a stable TSC, kvm-clock), as the kernel's own
- * run_delay, stamped the same way, takes it to. A switch-in (`exact` 2) reads the clock to renew the offset, and
+ * run_delay, stamped the same way, takes it to. A switch-in (`exact`) reads the clock to renew the offset, and
  * is stamped with the run queue's stamp too: the one __schedule took before its pick, where the kernel ends the
  * task's run_delay and starts its run time. The clock at this tracepoint reads later by the pick and the switch's
  * path (1.5..4 µs per switch on a 6.18 VM, more when the host is busy), which the waits would otherwise gain and
  * the kernel's figures do not. */
 static inline u64 stamp_ns(struct task_struct *t, u64 *now, int exact)
 {
-    if (*now)
-        return *now;
     u32 zero = 0;
     struct cpu_clock *c = cpu_clock.lookup(&zero);
     u64 sc = rq_clock_of(t);
-    if (!exact && c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
-        return sc + c->off;
-    *now = bpf_ktime_get_ns();
+    if (!exact) {
+        if (*now)
+            return *now;
+        if (c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
+            return sc + c->off;
+    }
+    /* A switch-in renews the offset even where this switch's switch-out read the clock already (its epoch had
+     * run out): were it stamped with that read instead, a CPU whose switches all go from one member to another
+     * would never renew its epoch again, and every wait on it would end at the tracepoint's clock. */
+    if (*now == 0)
+        *now = bpf_ktime_get_ns();
     if (c && sc) {
         clock_seen(c, *now, sc);
-        if (exact == 2)
+        if (exact)
             return sc + c->off;
     }
     return *now;
@@ -604,7 +610,7 @@ next:
 #endif
     struct off_rec *rec = rec_get(next);
     if (rec && (rec->out_ns || rec->enq_ns))   /* not a member: no entry; running already: consumed */
-        finish(rec, stamp_ns(next, &now, 2));   /* the switch's own stamp, the clock read to renew the offset */
+        finish(rec, stamp_ns(next, &now, 1));   /* the switch's own stamp, the clock read to renew the offset */
     return 0;
 }
 

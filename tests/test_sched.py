@@ -1133,10 +1133,87 @@ def test_a_busy_job_sampled_fast_never_reads_an_impossible_interval(probe, make_
     # __schedule takes before its pick; read as the clock at the tracepoint, after the pick, they ran 1.5..4 µs
     # per wait longer, as the host's load went: +465 ms over 113958 waits). Within 1 µs per wait: the offset
     # between the two clocks is the least of an epoch's (bpf/sched.c; measured +0.0..0.4 µs)
-    assert -0.02 * run_delay - 2_000_000 <= runq - run_delay <= 0.02 * run_delay + 2_000_000 + 1_000 * events
+    assert -0.02 * run_delay - 2_000_000 <= runq - run_delay <= 0.02 * run_delay + 2_000_000 + 1_000 * events, \
+        clock_state(probe)
     # off CPU = wall - on CPU, per task over the same window; on-CPU time (rq_clock_task) leaves out interrupts
     # and steal while a task ran, so wall - run can only be larger, by at most the CPUs' irq + steal time
     # — and each wait ends at the run-queue stamp the kernel starts the task's run time at, to the same 1 µs per
     # wait as above (read as the clock at the tracepoint: +461 ms over 113958 waits)
     low, high = tasks * window[0] - run, tasks * window[1] - run
     assert low - (sys1 - sys0) - 0.02 * low - 2_000_000 <= offcpu <= high + 2_000_000 + 1_000 * events
+
+
+def clock_state(probe) -> str:
+    """What each CPU's offset epoch holds (bpf/sched.c cpu_clock: offset, and how old its start is by the
+    scheduler's clock now), beside the kernel's own offset: for a failure's message."""
+    if "cpu_clock" not in probe.loaded.maps:
+        return "no cpu_clock: the clock is read at every switch"
+    try:
+        mono, sched_clk, stable = sched_debug_clocks()
+    except BaseException as err:             # (a skip inside: no sched debug file)
+        return f"cpu_clock unread: {err!r}"
+    cpus = []
+    for raw in probe.loaded.maps["cpu_clock"].lookup(ct.c_uint32(0)):
+        off, at = ct.c_int64.from_buffer_copy(raw[:8]).value, ct.c_uint64.from_buffer_copy(raw[8:16]).value
+        cpus.append((off - (mono - sched_clk), (sched_clk - at) // 1000 if at else None))
+    return f"per CPU (offset - the kernel's ns, epoch age µs): {cpus}; sched_clock_stable {stable}"
+
+
+PINGPONG = r"""
+import os, sys
+os.sched_setaffinity(0, {1})
+n = int(sys.argv[1])
+(a_r, b_w), (b_r, a_w) = os.pipe(), os.pipe()
+print("ready", flush=True)
+sys.stdin.readline()
+child = os.fork()
+rfd, wfd = (b_r, b_w) if child == 0 else (a_r, a_w)
+for _ in range(n):
+    if child:
+        os.write(wfd, b"x"); os.read(rfd, 1)
+    else:
+        os.read(rfd, 1); os.write(wfd, b"x")
+if child == 0:
+    os.read(rfd, 1)            # blocks until the parent says
+    os._exit(0)
+print("done", child, flush=True)
+sys.stdin.readline()
+os.write(wfd, b"x")
+os.waitpid(child, 0)
+"""
+
+
+@pytest.mark.kernel
+def test_a_cpu_switching_only_between_members_keeps_its_waits_on_the_kernels_stamps(probe, make_cgroup):
+    """Two processes of the job pinned to one CPU, ping-ponging over pipes: every switch there goes from one member
+    to the other, never through idle. Each wait still ends at the run queue's stamp (bpf/sched.c stamp_ns) — the
+    sum of the waits is the two processes' schedstat run_delay. (When the CPU's offset epoch ran out, a switch-out
+    read the clock and the switch-in took that read instead of renewing the epoch: from then on every wait on the
+    CPU ended at the tracepoint's clock, µs late each — +3.8 µs per wait in a CI run of the busy job above.)"""
+    if os.cpu_count() < 2:
+        pytest.skip("needs a second CPU to pin the job to")
+    cg = make_cgroup()
+    probe.start(CgroupTarget(str(cg.path)))
+    if "cpu_clock" not in probe.loaded.maps:
+        pytest.skip(f"the sched programs read the clock at every switch here (BTF programs: {probe.btf})")
+    proc = cg.spawn([sys.executable, "-c", PINGPONG, "60000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.1)                               # the CPU's epoch runs out while nothing of the job runs
+    probe.sample()
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    done = proc.stdout.readline().split()
+    assert done[0] == "done", done
+    time.sleep(0.05)                              # both blocked: no wait open
+    s = probe.sample()
+    ref = schedstats([proc.pid, int(done[1])])
+    run_delay = sum(w for _, w in ref.values())
+    proc.stdin.write("end\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=60) == 0
+    waits, runq = s["runq_events"], s["runq_lat_ns"]
+    print(f"{waits} waits: run-queue {runq / 1e6:.2f} ms, the kernel's run_delay {run_delay / 1e6:.2f} ms "
+          f"({(runq - run_delay) / max(waits, 1):+.0f} ns per wait)")
+    assert waits >= 100_000, waits
+    assert abs(runq - run_delay) <= 0.02 * run_delay + 1_000_000 + 300 * waits, (runq, run_delay, waits)
