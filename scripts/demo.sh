@@ -13,6 +13,8 @@ $sudo_ .venv/bin/jobprobe run --out out/demo.mpk --stdout -- .venv/bin/python sc
 echo
 echo "== jobprobe read out/demo.mpk --format summary (per field over the run)"
 .venv/bin/jobprobe read out/demo.mpk --format summary
+echo "== jobprobe summary out/demo.mpk (where the job's wall time went)"
+.venv/bin/jobprobe summary out/demo.mpk
 echo
 echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/jobprobe read out/demo.mpk"
 
@@ -61,6 +63,8 @@ done
 echo "== jobprobe report: one page per job, to open in a browser"
 .venv/bin/jobprobe report --store out/controller/store.db --job demo-a -o out/demo-a-report.html
 echo "   open out/demo-a-report.html"
+echo "== jobprobe summary --store: where demo-a's time went"
+.venv/bin/jobprobe summary --store out/controller/store.db --job demo-a
 
 echo
 echo "== a straggler: PyTorch DDP on three namespace nodes (an agent each) → NATS → controller; one rank slowed"

@@ -2,12 +2,17 @@
 
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
                                 [--device cpu|cuda] [--loader-workers W] [--stall-every N --stall-s S]
-                                [--seconds S]
+                                [--seconds S] [--startup-s S] [--checkpoint-every K --checkpoint-mib M]
 
 With --loader-workers (or --stall-every) the batches come from a DataLoader with W worker processes over a
 synthetic dataset; --stall-every N makes every N-th batch wait S seconds in its worker (`slow_storage_read`: slow
 storage, simulated with a sleep) — an input-bound job, for the `input_bound` rule and its deep-trace window.
 --seconds S stops after S seconds even if steps remain (a job of a known length on any machine's speed).
+Known badput, for the time decomposition's tests: --startup-s S waits S seconds before its first step (a model read
+from slow storage); --checkpoint-every K writes M MiB (--checkpoint-mib) to --checkpoint-dir and fsyncs them every K
+steps. The job clocks itself: the last line says how long it took from its process's start to its first step
+(startup_s), how long its steps waited for their batch (input_s), how long its checkpoints took (checkpoint_s) and
+the rest of its steps (compute_s).
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -23,6 +28,67 @@ import time
 def slow_storage_read(seconds: float) -> None:
     """Where an input-bound job waits: a read from slow storage (here a sleep, so it needs no slow disk)."""
     time.sleep(seconds)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (its start time in /proc/self/stat, against the system's uptime)."""
+    import os
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            up = float(f.read().split()[0])
+        return max(0.0, up - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Clock:
+    """The job's own account of its seconds: startup, waiting for a batch, checkpointing, computing."""
+
+    def __init__(self, a):
+        self.a = a
+        self.startup_s = self.input_s = self.checkpoint_s = 0.0
+        self.first = self.last = 0.0
+
+    def first_step(self) -> None:
+        self.startup_s = process_age_s()
+        self.first = self.last = time.monotonic()
+
+    def batch(self, it):
+        """The next batch of `it` (None at its end), its wait counted as waiting for input."""
+        t = time.monotonic()
+        try:
+            return next(it)
+        except StopIteration:
+            return None
+        finally:
+            self.input_s += time.monotonic() - t
+
+    def after_step(self, step: int) -> None:
+        a = self.a
+        if a.checkpoint_every and step % a.checkpoint_every == a.checkpoint_every - 1:
+            t = time.monotonic()
+            checkpoint(a)
+            self.checkpoint_s += time.monotonic() - t
+        self.last = time.monotonic()
+
+    def line(self) -> str:
+        compute = (self.last - self.first) - self.input_s - self.checkpoint_s
+        return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
+                f"compute_s={compute:.3f}")
+
+
+def checkpoint(a) -> None:
+    """Write --checkpoint-mib MiB to the checkpoint file and fsync it (what torch.save of a model does, in bulk)."""
+    import os
+    block = os.urandom(1 << 20)
+    path = os.path.join(a.checkpoint_dir, "checkpoint.bin")
+    with open(path, "wb") as f:
+        for _ in range(a.checkpoint_mib):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def make_loader(a):
@@ -71,16 +137,22 @@ def torch_job(a) -> None:
         x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
         y = torch.randint(0, 10, (a.batch,), device=dev)
         batches = ((x, y) for _ in range(a.steps))
-    for step, (x, y) in enumerate(batches):
+    clock = a.clock
+    clock.first_step()
+    step = 0
+    while (b := clock.batch(batches)) is not None:
         if a.deadline and time.monotonic() >= a.deadline:
             break
+        x, y = b
         a.done = step + 1
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        clock.after_step(step)
+        step += 1
 
 
 def numpy_job(a) -> None:
@@ -92,6 +164,7 @@ def numpy_job(a) -> None:
     y = rng.integers(0, 10, a.batch * 4)
     w1 = rng.standard_normal((d, a.width * 16), dtype=np.float32) * 0.01
     w2 = rng.standard_normal((a.width * 16, 10), dtype=np.float32) * 0.01
+    a.clock.first_step()
     for step in range(a.steps):
         if a.deadline and time.monotonic() >= a.deadline:
             break
@@ -105,6 +178,7 @@ def numpy_job(a) -> None:
         gh = (p @ w2.T) * (h > 0)
         w1 -= 0.01 * (x.T @ gh / len(y))
         w2 -= 0.01 * gw2
+        a.clock.after_step(step)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -121,7 +195,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stall-every", type=int, default=0, metavar="N", help="every N-th batch waits (input-bound)")
     ap.add_argument("--stall-s", type=float, default=2.0, metavar="S", help="how long it waits (default 2)")
     ap.add_argument("--seconds", type=float, default=0, metavar="S", help="stop after S seconds if steps remain")
+    ap.add_argument("--startup-s", type=float, default=0, metavar="S", help="wait S seconds before the first step")
+    ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="a checkpoint every K steps")
+    ap.add_argument("--checkpoint-mib", type=int, default=64, metavar="M", help="its size (default 64 MiB)")
+    ap.add_argument("--checkpoint-dir", default=".", help="where it is written (default: here)")
     a = ap.parse_args(argv)
+    a.clock = Clock(a)
+    if a.startup_s:
+        time.sleep(a.startup_s)          # a model read from slow storage
     if a.stall_every and not a.loader_workers:
         a.loader_workers = 2
     t0 = time.monotonic()
@@ -136,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     (torch_job if framework == "torch" else numpy_job)(a)
     if framework == "numpy" and a.device != "cpu":
         raise SystemExit(f"--device {a.device} needs PyTorch")
-    print(f"train: {a.done} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device})", flush=True)
+    print(f"train: {a.done} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device}) {a.clock.line()}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,34 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_summary(args) -> int:
+    from jobprobe.cluster import summary
+    frames = _job_frames("summary", args)
+    s = summary.summarize(frames, args.job or "")
+    if not s["nodes"]:
+        raise BadInput(f"summary: no sample frames of {'job ' + args.job if args.store else 'the files given'}")
+    print(json.dumps(s, indent=1) if args.format == "json" else summary.text(s), end="\n" if args.format == "json"
+          else "")
+    return 0
+
+
+def _job_frames(cmd: str, args) -> list[dict]:
+    """One job's frames: from frame files, or from the store with --job (a clear error for each way it fails)."""
+    from jobprobe.cluster import summary
+    if bool(args.files) == bool(args.store):
+        raise BadInput(f"{cmd}: give frame files, or --store PATH --job ID")
+    if args.store:
+        if not args.job:
+            raise BadInput(f"{cmd}: --store needs --job ID")
+        if not os.path.exists(args.store):
+            raise BadInput(f"{cmd}: no store at {args.store}")
+        return summary.frames_of_store(args.store, args.job)
+    for f in args.files:
+        if not os.path.isfile(f):
+            raise BadInput(f"{cmd}: no frame file {f}")
+    return summary.frames_of_files(args.files)
+
+
 def _store_of(path: str | None, files: list[str]):
     """The controller's store, or an in-memory one made of frame files."""
     from jobprobe.cluster.store import Store

@@ -56,8 +56,9 @@ class Series:
             "self_cpu": me.get("cpu_cores") if isinstance(me.get("cpu_cores"), (int, float)) else None,
             "self_rss": _sum(me, "rss_bytes", scale=1 / 2 ** 20),
         }
-        gpus = [g for g in gpu.get("gpus") or () if isinstance(g, dict) and "util_gpu_pct" in g]
-        row["gpu"] = sum(g["util_gpu_pct"] for g in gpus) / len(gpus) if gpus else None
+        gpus = gpu.get("gpus") if isinstance(gpu.get("gpus"), list) else []
+        util = [u for g in gpus if (u := _sum(_d(g), "util_gpu_pct")) is not None]
+        row["gpu"] = sum(util) / len(util) if util else None
         for r in OFFCPU:
             row[f"off_{r}"] = _sum(sc, f"offcpu_{r}_ns", scale=1e-9)
         for k, x in row.items():
@@ -88,8 +89,11 @@ class Job:
                 continue
             if not self.name:
                 self.name = str(fr.get("job", ""))
+            t, dt = fr.get("t"), fr.get("dt") or 1.0
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (t, dt)):
+                continue      # a frame from a file is hostile until checked: no time, no place on the page
             if fr.get("kind") == "sample" and isinstance(fr.get("probes"), dict):
-                self.nodes[str(fr.get("node", "?"))].add(float(fr["t"]), float(fr.get("dt") or 1.0), fr["probes"])
+                self.nodes[str(fr.get("node", "?"))].add(float(t), float(dt), fr["probes"])
             elif fr.get("kind") == "event":
                 self.events.append(fr)
 

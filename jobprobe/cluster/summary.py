@@ -1,0 +1,130 @@
+"""`jobprobe summary`: one page a person reads in 30 seconds — where a job's wall time went, and why.
+
+    jobprobe summary FILE… [--format text|json]                 # frame files (the agents' --out)
+    jobprobe summary --store PATH --job ID [--format text|json]  # the controller's store: every node of the job
+
+Each node's samples are split into buckets (jobprobe/core/timeuse.py, docs/TIMEUSE.md); the job's buckets are the
+nodes' shares of their own wall time, averaged, times the job's wall time (its first interval's start to its last
+interval's end over all nodes). Beside them: the steady pace each node kept, the straggler episodes the controller
+named (with their cause) and the job's size.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, Iterable
+
+from jobprobe.cluster import report
+from jobprobe.core.timeuse import BUCKETS, decompose, num, usable
+
+WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "waiting for input",
+         "waiting_for_peers": "waiting for peers", "starved": "starved or throttled", "checkpointing": "checkpointing",
+         "gpu_idle": "GPU idle", "lost": "lost to failures", "other": "other (not attributed)"}
+
+
+def frames_of_files(paths: list[str]) -> list[dict]:
+    from jobprobe.core.frame import StreamReader
+    out: list[dict] = []
+    for p in paths:
+        with open(p, "rb") as f:
+            out.extend(fr for fr in StreamReader(f) if isinstance(fr, dict))
+    return out
+
+
+def frames_of_store(path: str, job: str) -> list[dict]:
+    from jobprobe.cluster.store import Store
+    st = Store(path, readonly=True)
+    try:
+        _, rows = st.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (job,))
+    finally:
+        st.close()
+    return [json.loads(b) for (b,) in rows]
+
+
+def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
+    """The summary of one job's frames (every node's): see the module docstring; `nodes` holds each node's own."""
+    frames = [f for f in frames if isinstance(f, dict)]
+    by_node: dict[str, list[dict]] = defaultdict(list)
+    for f in frames:
+        if usable(f):
+            by_node[str(f.get("node", "?"))].append(f)
+    nodes = {n: decompose(fs, intervals=True) for n, fs in sorted(by_node.items())}
+    job = report.Job(name)
+    job.take(frames)
+    job.sort()
+    periods = report.straggler_periods(job)
+    peers = to_peers(nodes, periods) if len(nodes) > 1 else {}
+    starts = [num(f, "t") - (num(f, "dt") or 0.0) for fs in by_node.values() for f in fs]
+    ends = [num(f, "t") for fs in by_node.values() for f in fs]
+    wall = (max(ends) - min(starts)) if ends else 0.0
+    shares = dict.fromkeys(BUCKETS, 0.0)
+    for d in nodes.values():
+        for b in BUCKETS:       # a node whose intervals hold no time (dt 0): not attributed
+            shares[b] += (d["buckets"][b] / d["wall_s"] if d["wall_s"] > 0 else float(b == "other")) / len(nodes)
+    episodes = [{"node": p["node"], "start": p["start"], "end": p["end"], "s": round(p["end"] - p["start"], 1),
+                 "reason": p["reason"], "waited_by": p["waited_by"]} for p in periods]
+    return {"job": job.name or name, "nodes": len(nodes), "start": min(starts) if starts else None,
+            "end": max(ends) if ends else None, "wall_s": round(wall, 3),
+            "goodput": round(shares["computing"], 4),
+            "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
+            "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
+            "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
+                             "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()}}
+                         for n, d in nodes.items()}}
+
+
+def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
+    """While the controller had a node named as the job's straggler, the other nodes' waits (waiting_for_input and
+    other: a rank blocked on its peers' sockets reads as a wait on input from its own frames) were waits for it:
+    moved, in each interval inside the episode, to waiting_for_peers. Returns the seconds moved per straggler."""
+    moved: dict[str, float] = {}
+    for p in periods:
+        for n, d in nodes.items():
+            if n == p["node"]:
+                continue
+            for i in d.get("intervals", ()):
+                if not p["start"] <= i["t"] - i["dt"] / 2 <= p["end"]:
+                    continue
+                b = i["buckets"]
+                take = b.pop("waiting_for_input", 0.0) + b.pop("other", 0.0)
+                if take > 0:
+                    b["waiting_for_peers"] = b.get("waiting_for_peers", 0.0) + take
+                    moved[p["node"]] = moved.get(p["node"], 0.0) + take
+    for d in nodes.values():      # the node's totals again from its intervals
+        if d.get("intervals"):
+            for bucket in BUCKETS:
+                d["buckets"][bucket] = sum(i["buckets"].get(bucket, 0.0) for i in d["intervals"])
+    return moved
+
+
+def _hms(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def text(s: dict[str, Any]) -> str:
+    """The summary as a person reads it."""
+    if not s["nodes"]:
+        return f"job {s['job']}: no samples\n"
+    lines = [f"job {s['job']} on {s['nodes']} node{'s' if s['nodes'] != 1 else ''}: {_hms(s['wall_s'])} wall "
+             f"({s['wall_s']:.1f} s), goodput {100 * s['goodput']:.0f}%", "", "where the time went:"]
+    wall = s["wall_s"] or 1.0
+    for b, v in sorted(s["buckets"].items(), key=lambda kv: -kv[1]):
+        if v > 0 or b in ("computing", "other"):
+            lines.append(f"  {WORDS[b]:<24} {_hms(v):>8}  {100 * v / wall:5.1f}%")
+    lines.append("")
+    for n, d in s["per_node"].items():
+        pace = d["pace"]
+        what = "GPUs busy" if pace["of"] == "gpu_busy" else "CPU cores"
+        steady = f"{pace['steady']:.2f} {what}" if pace["steady"] else f"no {what} figure"
+        lines.append(f"node {n}: goodput {100 * d['goodput']:.0f}%, steady pace {steady}")
+    if s["stragglers"]:
+        lines.append("")
+        for p in s["stragglers"]:
+            by = f"; {', '.join(map(str, p['waited_by']))} waited for it" if p["waited_by"] else ""
+            lines.append(f"straggler: node {p['node']} for {p['s']:.0f} s: {p['reason']}{by}")
+        for n, v in s["waited_for"].items():
+            lines.append(f"the other nodes waited {v:.1f} node-seconds for node {n}")
+    else:
+        lines.append("no straggler named")
+    return "\n".join(lines) + "\n"

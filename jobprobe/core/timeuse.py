@@ -1,0 +1,206 @@
+"""Where a job's seconds went: its wall time split into buckets, from its sample frames alone (no code in the job).
+
+One node's samples of one job, interval by interval (docs/TIMEUSE.md defines every bucket):
+
+- The job's **pace** in an interval is its compute rate: GPUs busy (the `gpu` probe: the job's own SM share, else
+  the GPU's utilization, summed over its GPUs) where it has GPUs, else CPU cores (the `cgroup` probe's user + system
+  time over dt). Its **steady pace** is the 90th percentile of the intervals' paces: how fast it goes when nothing
+  holds it back.
+- **startup**: from the first interval to the first one at 3/4 of the steady pace or more (that one's shortfall too).
+- **checkpointing**: in an interval that wrote ≥ 1 MiB more than twice the job's median interval
+  (`cgroup.io_write_bytes`), the writing thread's system CPU (`cgroup.cpu_system_ns`: copies into the page cache)
+  above the job's usual share of system to user time, and its uninterruptible waits (`sched.offcpu_io_ns`: fsync)
+  above their median over the other intervals — a synchronous checkpoint stops training while one thread writes.
+- **computing**: each later interval's dt × its pace (less a checkpoint's CPU) over the steady pace, at most what
+  the checkpoint left of dt. Goodput = computing / wall.
+- The rest of each interval (its **shortfall**) is split by what its threads did instead, each figure taken above its
+  own usual level (its median over the intervals at 90% of the steady pace or more) — a figure that did not move is
+  never evidence:
+  - *starved*: run-queue wait (`sched.runq_lat_ns`), CPU-limit stops (`cgroup.cpu_throttled_ns`, the whole group:
+    × the steady pace in threads), memory stalls (`pressure.mem_some_ns`);
+  - *waiting_for_input*: uninterruptible waits outside a checkpoint, sleeps and socket/pipe waits
+    (`sched.offcpu_sleep_ns`, `offcpu_wait_ns`: a loader's read, the trainer's wait on its queue);
+  - futex waits (`offcpu_lock_ns`: the trainer's thread pool idling behind its main thread) say how much of the
+    shortfall the threads spent waiting, not on what: they add to the covered share, split as the others are.
+  The shortfall is given out in the proportion of those figures, as far as they cover it (in thread-seconds: the
+  shortfall × the steady pace); what they do not cover is *gpu_idle* for a GPU-paced job, else *other*.
+- *waiting_for_peers* and *lost* are never given from one node's frames: the controller gives the first from who
+  waited for whom across the job's nodes, and a restart's lost work needs the run before it.
+
+The buckets of an interval sum to its dt; the job's buckets sum to its wall time (the sum of the intervals' dt).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+BUCKETS = ("startup", "computing", "waiting_for_input", "waiting_for_peers", "starved", "checkpointing", "gpu_idle",
+           "lost", "other")
+STEADY_PCT = 0.90          # the steady pace: this percentile of the intervals' paces
+STARTED = 0.75             # startup ends at the first interval at this share of the steady pace (imports
+                           # and set-up run on one thread: a job of two or more runs them below it)
+CLEAN = 0.9                # intervals at this share of the steady pace or more give each figure's usual level
+WRITE_BURST = 1 << 20      # a checkpoint's interval writes at least this many bytes more than usual, and twice as much
+
+
+def num(d: Any, key: str) -> float | None:
+    v = d.get(key) if isinstance(d, dict) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def usable(f: Any) -> bool:
+    """A sample frame with a time and an interval (frames from files are hostile until checked)."""
+    return isinstance(f, dict) and f.get("kind") == "sample" and num(f, "t") is not None and \
+        (num(f, "dt") or 0.0) >= 0 and isinstance(f.get("probes", {}), dict)
+
+
+def _gpu_busy(gpu: Any) -> float | None:
+    """GPUs busy in the interval (0..n): the job's own SM share where NVML gives it, else the GPU's utilization."""
+    gpus = gpu.get("gpus") if isinstance(gpu, dict) else None
+    if not isinstance(gpus, list) or not gpus:
+        return None
+    busy, seen = 0.0, False
+    for g in gpus:
+        pct = num(g, "job_sm_pct")
+        pct = num(g, "util_gpu_pct") if pct is None else pct
+        if pct is not None:
+            busy, seen = busy + min(max(pct, 0.0), 100.0) / 100.0, True
+    return busy if seen else None
+
+
+class Tick:
+    """One interval's figures: t, dt, pace (GPUs busy or CPU cores), the evidence (thread-ns, bytes)."""
+
+    __slots__ = ("t", "dt", "pace", "fig")
+
+    def __init__(self, frame: dict, by: str):
+        self.t = num(frame, "t") or 0.0
+        self.dt = max(0.0, num(frame, "dt") or 0.0)
+        p = frame.get("probes") if isinstance(frame.get("probes"), dict) else {}
+        cg, sc, pr = p.get("cgroup", {}), p.get("sched", {}), p.get("pressure", {})
+        if by == "gpu_busy":
+            self.pace = _gpu_busy(p.get("gpu"))
+        else:
+            u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
+            cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
+            self.pace = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        self.fig: dict[str, float] = {}
+        for name, d in (("sched", sc), ("cgroup", cg), ("pressure", pr)):
+            for k in ("runq_lat_ns", "offcpu_io_ns", "offcpu_sleep_ns", "offcpu_wait_ns", "offcpu_lock_ns",
+                      "cpu_throttled_ns", "io_write_bytes", "mem_some_ns", "cpu_system_ns", "cpu_user_ns"):
+                v = num(d, k)
+                if v is not None:
+                    self.fig[f"{name}.{k}"] = max(v, 0.0)
+
+
+def paced_by(samples: list[dict]) -> str:
+    """'gpu_busy' where the job's GPUs report utilization in most intervals, else 'cpu_cores'."""
+    with_gpu = sum(_gpu_busy((f.get("probes") or {}).get("gpu")) is not None for f in samples)
+    return "gpu_busy" if samples and with_gpu * 2 >= len(samples) else "cpu_cores"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def _median(xs: list[float]) -> float:
+    return _pct(xs, 0.5)
+
+
+def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
+    """The time use of one node's samples of one job (other kinds of frame are skipped): wall_s, goodput (0..1),
+    buckets (seconds, every name of BUCKETS), pace (what it was measured in and the steady figure), startup_end (the
+    UNIX time startup ended; None if it never did) and, with `intervals`, each interval's t, dt and buckets."""
+    samples = sorted((f for f in frames if usable(f)), key=lambda f: num(f, "t") or 0.0)
+    by = paced_by(samples)
+    ticks = [Tick(f, by) for f in samples]
+    out: dict[str, Any] = {"wall_s": sum(k.dt for k in ticks), "buckets": dict.fromkeys(BUCKETS, 0.0),
+                           "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0}
+    per: list[dict] = []
+    paced = [k.pace for k in ticks if k.pace is not None]
+    steady = _pct(paced, STEADY_PCT)
+    if not paced or steady <= 0:
+        out["buckets"]["other"] = out["wall_s"]
+        if intervals:
+            out["intervals"] = [{"t": k.t, "dt": k.dt, "buckets": {"other": k.dt}} for k in ticks]
+        return out
+    out["pace"]["steady"] = steady
+    clean = [k for k in ticks if k.pace is not None and k.pace >= CLEAN * steady]
+    usual = {f: _median([k.fig.get(f, 0.0) for k in clean]) for f in {f for k in ticks for f in k.fig}}
+    first = next(i for i, k in enumerate(ticks) if (k.pace or 0.0) >= STARTED * steady)
+    bursts = Bursts(ticks[first + 1:])
+    for i, k in enumerate(ticks):
+        b = dict.fromkeys(BUCKETS, 0.0)
+        pace = k.pace or 0.0
+        share = min(1.0, pace / steady)
+        if i == first:
+            out["startup_end"] = k.t
+            b["computing"], b["startup"] = k.dt * share, k.dt * (1 - share)
+        elif i < first:
+            b["startup"] = k.dt
+        else:
+            ck, cpu = bursts.checkpoint(k)
+            if by == "cpu_cores" and k.dt > 0:
+                share = min(1.0, max(0.0, pace - cpu / k.dt) / steady)
+            b["checkpointing"] = ck
+            b["computing"] = min(k.dt - ck, k.dt * share)
+            split(k, k.dt - ck - b["computing"], steady, usual, by, b, ck > 0)
+        for name, v in b.items():
+            out["buckets"][name] += v
+        if intervals:
+            per.append({"t": k.t, "dt": k.dt, "buckets": {n: v for n, v in b.items() if v}})
+    if out["wall_s"] > 0:
+        out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
+    if intervals:
+        out["intervals"] = per
+    return out
+
+
+class Bursts:
+    """Checkpoints: intervals that wrote at least WRITE_BURST bytes more than twice the job's median interval after
+    its startup. A checkpoint stops training while one thread writes: its seconds are that thread's system CPU
+    (copying into the page cache) and uninterruptible waits (fsync) above their median over the other intervals."""
+
+    def __init__(self, ticks: list[Tick]):
+        self.floor = WRITE_BURST + 2 * _median([k.fig.get("cgroup.io_write_bytes", 0.0) for k in ticks])
+        calm = [k for k in ticks if not self.is_burst(k)]
+        # the job's own system time grows with its work (allocations, faults): its share of user time
+        user = sum(k.fig.get("cgroup.cpu_user_ns", 0.0) for k in calm)
+        self.sys_per_user = sum(k.fig.get("cgroup.cpu_system_ns", 0.0) for k in calm) / user if user > 0 else 0.0
+        self.io = _median([k.fig.get("sched.offcpu_io_ns", 0.0) for k in calm])
+
+    def is_burst(self, k: Tick) -> bool:
+        return k.fig.get("cgroup.io_write_bytes", 0.0) >= self.floor
+
+    def checkpoint(self, k: Tick) -> tuple[float, float]:
+        """(seconds of the interval spent checkpointing, of which on CPU); (0, 0) outside a burst."""
+        if not self.is_burst(k):
+            return 0.0, 0.0
+        usual = k.fig.get("cgroup.cpu_user_ns", 0.0) * self.sys_per_user
+        cpu = min(k.dt, max(0.0, k.fig.get("cgroup.cpu_system_ns", 0.0) - usual) / 1e9)
+        wait = max(0.0, k.fig.get("sched.offcpu_io_ns", 0.0) - self.io) / 1e9
+        return min(k.dt, cpu + wait), cpu
+
+
+def split(k: Tick, short: float, steady: float, usual: dict[str, float], by: str, b: dict[str, float],
+          burst: bool = False) -> None:
+    """Give an interval's shortfall (`short` seconds) to the buckets its figures above their usual level vote for
+    (in a checkpoint's interval its uninterruptible waits were the checkpoint's: no vote)."""
+    if short <= 0:
+        return
+
+    def above(f: str) -> float:
+        return max(0.0, k.fig.get(f, 0.0) - usual.get(f, 0.0))
+    threads = max(steady, 1.0)    # the threads (or, GPU-paced, the processes driving the GPUs) that fell short
+    votes = {
+        "starved": above("sched.runq_lat_ns") + above("cgroup.cpu_throttled_ns") * threads
+        + above("pressure.mem_some_ns"),
+        "waiting_for_input": (0.0 if burst else above("sched.offcpu_io_ns")) + above("sched.offcpu_sleep_ns")
+        + above("sched.offcpu_wait_ns"),
+    }
+    cast = sum(votes.values())
+    covered = min(1.0, (cast + above("sched.offcpu_lock_ns")) / (short * 1e9 * threads)) if cast > 0 else 0.0
+    for name, v in votes.items():
+        b[name] += short * covered * v / cast if cast > 0 else 0.0
+    b["gpu_idle" if by == "gpu_busy" else "other"] += short * (1 - covered)

