@@ -120,6 +120,9 @@ class OffcpuEvent(ct.Structure):
 
 
 STACK_DEPTH = 48                                # bpf/sched.c struct deep_stack
+# Why bpf_get_stackid gave no id (a trace event then says so: `kernel_stack_lost`, `user_stack_lost`): its stack
+# hashed to a bucket another stack holds (the map keeps the first), or none could be read.
+STACK_ERRORS = {17: "another stack holds its bucket", 14: "could not be read", 12: "no room", 2: "not found"}
 TRACE_OFFCPU_MIN_US = int(os.environ.get("JOBPROBE_TRACE_OFFCPU_MIN_US", "100"))
 
 
@@ -332,6 +335,9 @@ class SchedProbe(BpfProbe):
                 while names and names[0].startswith("bpf_"):    # this program and the tracepoint's caller
                     names.pop(0)
                 args["kernel_stack"] = names
+            for side, sid in (("kernel", r.kstack), ("user", r.ustack)):
+                if sid < -1:        # bpf_get_stackid refused it (-1: no stack asked for)
+                    args[f"{side}_stack_lost"] = STACK_ERRORS.get(-sid, f"error {-sid}")
             if r.ustack in stacks:
                 if r.tgid not in users:
                     users[r.tgid] = UserSymbols(maps.get(r.tgid, b""), f"{self.host.proc}/{r.tgid}/root")

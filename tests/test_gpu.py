@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,12 @@ def spawn():
     def start(env=None, seconds=60):
         p = subprocess.Popen(["sleep", str(seconds)], env={**os.environ, **(env or {})})
         procs.append(p)
+        # until it has exec'd, the child's /proc/PID/environ is its parent's (a busy host kept one there long
+        # enough for the probe to read pytest's environment)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline, f"sleep (pid {p.pid}) did not exec in 30 s"
+            time.sleep(0.001)
         return p
 
     yield start

@@ -103,10 +103,11 @@ def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path
     ctl.ingest([], now=107.9)                                     # 2.9 intervals after the last heartbeat
     db = sqlite3.connect(tmp_path / "s.db")
     assert db.execute("SELECT kind, COUNT(*) FROM frames GROUP BY kind ORDER BY kind").fetchall() == \
-        [("hello", 1), ("sample", 1)]
-    assert db.execute("SELECT COUNT(*) FROM events").fetchone()[0] == 0       # no node_lost: the beats kept it
+        [("event", 1), ("hello", 1), ("sample", 1)]                  # the event: j1's summary (below)
+    assert db.execute("SELECT event, job FROM events").fetchall() == [("summary", "j1")]   # no node_lost: the
+    # beats kept it; j1, whose samples stopped while its node lived on, ended there (its summary)
     assert ctl.nodes["n1"].heartbeats == 10 and ctl.nodes["n1"].last == 105.0
-    assert ctl.counts["stored"] == 2 and ctl.counts["rejected"] == 0
+    assert ctl.counts["stored"] == 3 and ctl.counts["rejected"] == 0       # hello, sample, the summary
 
 
 def test_a_heartbeats_fields_are_checked(tmp_path):

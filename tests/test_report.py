@@ -45,6 +45,11 @@ def test_a_big_jobs_report_names_its_straggler_and_stays_small(tmp_path):
     assert "0.80 s per second more" in verdict and "8 node(s)" in verdict and "GPUs" in verdict
     assert page.count("<svg") >= 8
     assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)     # self-contained: nothing to fetch
+    # it opens with the job's summary: the goodput `jobprobe summary` gives for the same frames
+    import json
+    s = json.loads(jobprobe("summary", "--format", "json", *paths).stdout)
+    assert page.index('id="summary"') < page.index('id="verdict"')
+    assert f"goodput <b>{100 * s['goodput']:.0f}%</b>" in page and s["nodes"] == 8 and s["stragglers"][0]["s"] == 615
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -191,3 +191,63 @@ def test_a_training_job_with_known_badput(tmp_path):
     assert b["starved"] <= 0.05 * s["wall_s"] and b["other"] <= 0.05 * s["wall_s"], report
     page = cli("summary", str(out)).stdout
     assert f"goodput {100 * s['goodput']:.0f}%" in page and "waiting for input" in page and "checkpointing" in page
+
+
+def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_path):
+    """Two nodes send a job's samples; one lets it go (heartbeats only), then the other: one `summary` event, once
+    both have been silent about it for 3 intervals while alive — not while one is lost — with the buckets and
+    goodput of the stored frames, and the controller's metrics give them. Samples that come again end it again."""
+    from types import SimpleNamespace
+
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.metrics import MetricsCollector
+    from jobprobe.cluster.store import Store
+    from jobprobe.core.frame import FrameBuilder, encode
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+    jobs = {n: FrameBuilder(n, "train", "r" + n) for n in "ab"}
+    beats = {n: FrameBuilder(n, "node", "b" + n) for n in "ab"}
+
+    import time
+    wall = time.time() - 1000.0                  # frames carry UNIX times; the controller's clock is `now`
+
+    def send(frames, now):
+        return ctl.ingest([SimpleNamespace(subject=f"jobprobe.frames.{f['node']}", data=encode(f)) for f in frames],
+                          now=now)
+
+    def summaries():
+        return [json.loads(b) for (b,) in ctl.store.sql("SELECT body FROM events WHERE event = 'summary'")[1]]
+    t = 1000.0
+    send([{**jobs[n].hello(probes={}), "interval": 1.0} for n in "ab"], t)
+    for i in range(12):
+        t += 1
+        cores = {"a": 0.0 if i < 2 else 2.0, "b": 2.0}
+        send([jobs[n].sample(wall + t, 1.0, {"cgroup": {"cpu_user_ns": int(cores[n] * 1e9), "cpu_system_ns": 0}},
+                             {"cgroup": "ok"}) for n in "ab" if n == "a" or i < 10], t)
+        if i >= 10:
+            send([beats["b"].heartbeat(wall + t, 1.0, 0, False)], t)
+    for _ in range(3):                            # a's agent lets go too: both silent about it, both alive
+        t += 1
+        send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
+    assert summaries() == []                      # 3 intervals are not yet over 3
+    t += 1.5
+    send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
+    (s,) = summaries()
+    assert s["job"] == "train" and s["node"] == "a" and s["nodes"] == 2 and s["wall_s"] == 12
+    assert s["buckets"]["startup"] == pytest.approx(1.0) and s["goodput"] == pytest.approx(1 - 1 / 12, abs=1e-3)
+    metrics = {m.name: m for m in MetricsCollector(ctl).collect()}
+    assert [x.value for x in metrics["jobprobe_job_goodput_ratio"].samples] == [s["goodput"]]
+    assert {x.labels["bucket"]: x.value for x in metrics["jobprobe_job_time_seconds"].samples}["startup"] == \
+        s["buckets"]["startup"]
+    send([beats[n].heartbeat(wall + t + 5, 1.0, 0, False) for n in "ab"], t + 5)
+    assert len(summaries()) == 1                  # said once
+    # it runs again on b; b then falls silent altogether (lost): no summary while b cannot be heard
+    t += 6
+    busy = {"cgroup": {"cpu_user_ns": 2 * 10 ** 9, "cpu_system_ns": 0}}
+    send([jobs["b"].sample(wall + t, 1.0, busy, {"cgroup": "ok"})], t)
+    for _ in range(6):
+        t += 1
+        send([beats["a"].heartbeat(wall + t, 1.0, 0, False)], t)
+    assert len(summaries()) == 1 and ctl.nodes["b"].lost
+    t += 1
+    send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
+    assert len(summaries()) == 2 and summaries()[1]["wall_s"] > 12

@@ -144,7 +144,12 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     full = sum(a >= 9_900 for a in asleep)
     assert all(1_000 <= a < 100_000 for a in asleep) and full >= 0.9 * len(asleep), \
         (full, len(asleep), sorted(asleep)[:3] + sorted(asleep)[-3:])
-    assert all("do_nanosleep" in " ".join(e["args"].get("kernel_stack", [])) for e in sleeps), sleeps[:2]
+    # each sleep's kernel stack shows do_nanosleep — or says why the stack map gave it none (a bucket another
+    # stack holds: the map keeps the first; counted, never a wrong stack), for at most a tenth of them
+    odd = [e for e in sleeps if "do_nanosleep" not in " ".join(e["args"].get("kernel_stack", []))]
+    lost = [e for e in odd if "kernel_stack_lost" in e["args"]]
+    assert odd == lost and len(lost) <= 0.1 * len(sleeps), \
+        (len(odd), len(lost), len(sleeps), [(e["ts"], e["dur"], e["args"]) for e in odd[:3]])
     # sched records from the window's first tick; syscalls, a window-only probe, from the end of its compile: the
     # sleeps from then on each lie inside a clock_nanosleep call
     later = [s for s in sleeps if s["ts"] >= min(c["ts"] for c in naps)]

@@ -108,25 +108,17 @@ def cmd_report(args) -> int:
     from jobprobe.cluster import report
     if importlib.util.find_spec("matplotlib") is None:
         raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
-    if bool(args.files) == bool(args.store):
-        raise BadInput("report: give frame files, or --store PATH --job ID")
-    if args.store:
-        if not args.job:
-            raise BadInput("report: --store needs --job ID")
-        if not os.path.exists(args.store):
-            raise BadInput(f"report: no store at {args.store}")
-        job = report.from_store(args.store, args.job)
-    else:
-        for f in args.files:
-            if not os.path.isfile(f):
-                raise BadInput(f"report: no frame file {f}")
-        job = report.from_files(args.files)
+    from jobprobe.cluster import summary
+    frames = _job_frames("report", args)
+    job = report.Job(args.job or "")
+    job.take(frames)
+    job.sort()
     cost = None
     if args.prices:
         from jobprobe.cluster import cost as _cost
         prices = _cost.load(args.prices)
         cost = _cost.summary(_store_of(args.store, args.files), job.name, prices)
-    size = report.write(job, args.out, cost)
+    size = report.write(job, args.out, cost, summary.html_table(summary.summarize(frames, job.name)))
     print(f"{args.out}: {job.name}, {len(job.nodes)} node(s), {size / 1024:.0f} KiB")
     return 0
 

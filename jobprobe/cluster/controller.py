@@ -29,6 +29,7 @@ from jobprobe.cluster import framecheck
 from jobprobe.cluster.ingest import MAX_FRAME, StoreDown, serve
 from jobprobe.cluster.store import Store
 from jobprobe.cluster.stragglers import StragglerWatch
+from jobprobe.cluster.summary import JobEnds, job_frames, summarize
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import NODE_JOB, MalformedFrame
 from jobprobe.core.wire import FRAMES, token
@@ -72,6 +73,7 @@ class Controller:
         self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
         self.stop_event = asyncio.Event()
         self.stragglers = StragglerWatch()
+        self.ends = JobEnds()                  # when each job's last node let it go: its `summary` event
         from jobprobe.cluster.cost import Meter, load as load_prices
         self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics
         self.tsdb = None
@@ -199,6 +201,25 @@ class Controller:
             out.append(self.node_event(node, job, name, now, body))
         return out
 
+    def summaries(self, frames: list[dict], now: float) -> list[dict]:
+        """A `summary` event (jobprobe/cluster/summary.py) for each job whose last node let it go: every node that
+        sent its samples still heard from, none sending one of it for END_AFTER of its intervals."""
+        self.ends.saw(frames, now)
+
+        def alive(node: str) -> bool:
+            st = self.nodes.get(node)
+            return st is not None and not st.lost and now - st.last <= LOST_AFTER * st.interval
+        out = []
+        for job in self.ends.ended(now, alive, lambda n: self.nodes[n].interval):
+            s = summarize(job_frames(self.store, job), job)
+            if not s["nodes"]:
+                continue
+            self.ends.keep(job, s)
+            first = min(self.ends.seen.get(job) or [NODE_JOB])
+            log.info("job %s ended: %.0f s, goodput %.0f%%", job, s["wall_s"], 100 * s["goodput"])
+            out.append(self.node_event(first, job, "summary", now, {k: v for k, v in s.items() if k != "job"}))
+        return out
+
     def forget(self, now: float) -> None:
         """Bounded state: nodes silent for FORGET_NODE_S go, each node's jobs unseen for an hour, and the straggler
         tracks and declared schemas of jobs no node reports any more."""
@@ -209,6 +230,7 @@ class Controller:
             st.jobs = {j: t for j, t in st.jobs.items() if now - t < 3600}
             live.update(st.jobs)
         self.stragglers.keep_only(live)
+        self.ends.forget(live)
         for key in [k for k in self.declared if k[1] not in live]:
             del self.declared[key]
 
@@ -234,6 +256,7 @@ class Controller:
         taken = [(m, f) for m, f in taken if f["kind"] != "heartbeat"]   # liveness only: not stored, acked
         frames = [f for _, f in taken]
         extra += self._guard("stragglers", lambda: self.straggler_events(frames, now), [])
+        extra += self._guard("summaries", lambda: self.summaries(frames, now), [])
         refused = self.store_frames(taken, extra, now)
         kept = [f for (m, f) in taken if id(m) not in refused]
         if self.tsdb is not None and kept:

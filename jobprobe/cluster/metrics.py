@@ -58,6 +58,18 @@ class MetricsCollector:
         for job, j in list(ctl.meter.energy.items()):
             e.add_metric([job], j)
         yield e
+        done = list(ctl.ends.done.items())
+        g = GaugeMetricFamily("jobprobe_job_goodput_ratio", "the share of the job's wall time it spent computing, "
+                              "from its summary when its last node let it go (docs/TIMEUSE.md)", labels=["job"])
+        for job, s in done:
+            g.add_metric([job], s["goodput"])
+        yield g
+        g = GaugeMetricFamily("jobprobe_job_time_seconds", "the job's wall time by bucket (startup, computing, "
+                              "waiting_for_input, …), from its summary", labels=["job", "bucket"])
+        for job, s in done:
+            for bucket, v in s["buckets"].items():
+                g.add_metric([job, bucket], v)
+        yield g
         if ctl.meter.prices is not None:
             c = CounterMetricFamily("jobprobe_job_cost", "what the job cost (node-hours × the price file's per_hour, "
                                     "plus energy × electricity_per_kwh when set), since the controller started",

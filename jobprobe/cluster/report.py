@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import html
 import io
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -117,19 +116,6 @@ def from_files(paths: list[str]) -> Job:
     for p in paths:
         with open(p, "rb") as f:
             job.take(StreamReader(f))
-    job.sort()
-    return job
-
-
-def from_store(path: str, name: str) -> Job:
-    from jobprobe.cluster.store import Store
-    st = Store(path, readonly=True)
-    try:
-        _, rows = st.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (name,))
-    finally:
-        st.close()
-    job = Job(name)
-    job.take(json.loads(b) for (b,) in rows)
     job.sort()
     return job
 
@@ -328,7 +314,8 @@ def cost_html(c: dict | None) -> str:
             f"{rows}</table>")
 
 
-def render(job: Job, cost: dict | None = None) -> str:
+def render(job: Job, cost: dict | None = None, top: str = "") -> str:
+    """The page; `top` (HTML) opens it: the job's summary (jobprobe/cluster/summary.py html())."""
     if not job.nodes:
         from jobprobe.core.errors import BadInput
         raise BadInput(f"no sample frames{' of job ' + job.name if job.name else ''} to report on")
@@ -351,6 +338,7 @@ text-align: left; vertical-align: top; }} svg {{ max-width: 100%; height: auto; 
 <p class="meta">{len(job.nodes)} node(s): {html.escape(", ".join(sorted(job.nodes)))} ·
 {time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0))} – {time.strftime("%H:%M:%S", time.gmtime(t1))} UTC
 ({t1 - t0:.0f} s)</p>
+{top}
 {cost_html(cost)}
 <p class="verdict" id="verdict">{verdict(job)}</p>
 <h2>Timelines</h2>
@@ -363,7 +351,7 @@ cleared. Dotted: other events (a node lost or back, rules, …).</p>
 """
 
 
-def write(job: Job, out: str, cost: dict | None = None) -> int:
-    text = render(job, cost)
+def write(job: Job, out: str, cost: dict | None = None, top: str = "") -> int:
+    text = render(job, cost, top)
     Path(out).write_text(text)
     return len(text.encode())

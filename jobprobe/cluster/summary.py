@@ -35,10 +35,58 @@ def frames_of_store(path: str, job: str) -> list[dict]:
     from jobprobe.cluster.store import Store
     st = Store(path, readonly=True)
     try:
-        _, rows = st.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (job,))
+        return job_frames(st, job)
     finally:
         st.close()
+
+
+def job_frames(store: Any, job: str) -> list[dict]:
+    """A job's samples and events, every node's, from an open store."""
+    _, rows = store.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (job,))
     return [json.loads(b) for (b,) in rows]
+
+
+END_AFTER = 3           # intervals with no sample of a job from any of its nodes, they alive: the job has ended
+KEEP = 1000             # summaries kept for the controller's metrics (the newest)
+
+
+class JobEnds:
+    """The controller's view of when a job ends: every node that sent its samples is alive (still sending other
+    frames, heartbeats included) and none sent one of it for END_AFTER of its intervals. Each end is said once; a job
+    whose samples come again ends again later (its summary then covers its whole run)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, float]] = {}    # job → node → when its newest sample arrived
+        self.open: set[str] = set()                     # jobs with samples since their last end
+        self.done: dict[str, dict[str, Any]] = {}       # job → its newest summary, for metrics
+
+    def saw(self, frames: list[dict], now: float) -> None:
+        for f in frames:
+            if f.get("kind") == "sample":
+                self.seen.setdefault(f["job"], {})[f["node"]] = now
+                self.open.add(f["job"])
+
+    def ended(self, now: float, alive: Any, interval: Any) -> list[str]:
+        """Jobs that ended since the last call: `alive(node)` says a node is heard from, `interval(node)` its tick."""
+        out = []
+        for job in list(self.open):
+            nodes = self.seen.get(job, {})
+            if nodes and all(alive(n) and now - t > END_AFTER * interval(n) for n, t in nodes.items()):
+                self.open.discard(job)
+                out.append(job)
+        return out
+
+    def keep(self, job: str, summary: dict[str, Any]) -> None:
+        self.done.pop(job, None)
+        self.done[job] = summary
+        while len(self.done) > KEEP:
+            self.done.pop(next(iter(self.done)))
+
+    def forget(self, live: set[str]) -> None:
+        """Jobs no node reports any more (the controller's own hour): their tracks go, their summaries stay."""
+        for job in [j for j in self.seen if j not in live]:
+            del self.seen[job]
+            self.open.discard(job)
 
 
 def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
@@ -128,3 +176,16 @@ def text(s: dict[str, Any]) -> str:
     else:
         lines.append("no straggler named")
     return "\n".join(lines) + "\n"
+
+
+def html_table(s: dict[str, Any]) -> str:
+    """The summary at the top of the report: goodput and the buckets, largest first (every name escaped)."""
+    import html
+    if not s["nodes"]:
+        return ""
+    wall = s["wall_s"] or 1.0
+    rows = "".join(f"<tr><td>{html.escape(WORDS[b])}</td><td>{v:.1f} s</td><td>{100 * v / wall:.1f}%</td></tr>"
+                   for b, v in sorted(s["buckets"].items(), key=lambda kv: -kv[1]) if v > 0)
+    return (f'<section id="summary"><h2>Where the time went</h2><p>{s["wall_s"]:.0f} s of wall time, goodput '
+            f'<b>{100 * s["goodput"]:.0f}%</b> (docs/TIMEUSE.md)</p><table><tr><th>bucket</th><th>time</th>'
+            f'<th>share</th></tr>{rows}</table></section>')
