@@ -251,3 +251,26 @@ def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_
     t += 1
     send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
     assert len(summaries()) == 2 and summaries()[1]["wall_s"] > 12
+
+
+def test_a_job_too_large_to_sum_inline_gets_a_summary_that_says_so(tmp_path, monkeypatch):
+    """The controller reads a job's samples for its summary between two batches: past SUMMARY_MAX_SAMPLES it does
+    not (the pause would grow with the job), and its event says where the whole summary is to be had."""
+    import time
+    from types import SimpleNamespace
+
+    from jobprobe.cluster import controller
+    from jobprobe.cluster.store import Store
+    from jobprobe.core.frame import FrameBuilder, encode
+    monkeypatch.setattr(controller, "SUMMARY_MAX_SAMPLES", 5)
+    ctl = controller.Controller(Store(tmp_path / "s.db"), "nats://unused")
+    b, beat = FrameBuilder("a", "big", "r"), FrameBuilder("a", "node", "b")
+    wall = time.time()
+    frames = [b.sample(wall + i, 1.0, {"cgroup": {"cpu_user_ns": 10 ** 9}}, {"cgroup": "ok"}) for i in range(6)]
+    ctl.ingest([SimpleNamespace(subject="jobprobe.frames.a", data=encode(f)) for f in frames], now=100.0)
+    for k in range(1, 6):
+        ctl.ingest([SimpleNamespace(subject="jobprobe.frames.a", data=encode(beat.heartbeat(wall + 6 + k, 1.0, 0,
+                                                                                               False)))], now=100 + k)
+    (body,) = ctl.store.sql("SELECT body FROM events WHERE event = 'summary'")[1][0]
+    s = json.loads(body)
+    assert "6 samples" in s["skipped"] and "buckets" not in s and ctl.ends.done == {}

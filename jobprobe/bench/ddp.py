@@ -327,7 +327,8 @@ class Cluster:
 
 def demo(out: Path, cores: float = 0.25) -> int:
     """`make demo`'s last act: the DDP job on three namespace nodes, agents → NATS → controller, in step for 15 s,
-    then rank 1's CPU limited to `cores` mid-run — ends when the controller names the straggler (or after 60 s)."""
+    then rank 1's CPU limited to `cores` mid-run — ends when the controller names the straggler (or after 60 s),
+    with the job's summary 10 s later: where its time went, the straggler, the node-seconds the others waited."""
     from jobprobe.kernel.host import find_cgroup2_mount
     out.mkdir(parents=True, exist_ok=True)
     ddp = DdpJob(find_cgroup2_mount() or "/sys/fs/cgroup", seconds=600, parent="jobprobe-demo")
@@ -347,6 +348,11 @@ def demo(out: Path, cores: float = 0.25) -> int:
                   "the controller to name the straggler")[0]
         print(f"after {time.time() - t0:.1f} s, the job at {ddp.rates(0)[-1]:.0f} steps/s, the controller says: "
               f"{e['reason']} (waited for by {', '.join(e['waited_by']) or 'nobody'})", flush=True)
+        time.sleep(10)
+        from jobprobe.cluster import summary
+        print(f"\n== jobprobe summary --store {cluster.store} --job {cluster.job} (the run so far)", flush=True)
+        print(summary.text(summary.summarize(summary.frames_of_store(str(cluster.store), cluster.job), cluster.job)),
+              end="", flush=True)
         return 0
     finally:
         cluster.close()

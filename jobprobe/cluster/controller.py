@@ -44,6 +44,7 @@ MAX_JOBS_PER_NODE = 4096
 FORGET_NODE_S = 86400.0 # a node silent this long is forgotten (its node_lost was said long before)
 CONTROLLER_RUN = "controller"   # the run of the controller's own events; no node's frame may claim it
 REJECT_LOG_PER_MIN = 10
+SUMMARY_MAX_SAMPLES = 200_000   # a job's samples the controller reads for its summary event (~1 s per 10^4 here)
 
 
 @dataclass
@@ -211,6 +212,13 @@ class Controller:
             return st is not None and not st.lost and now - st.last <= LOST_AFTER * st.interval
         out = []
         for job in self.ends.ended(now, alive, lambda n: self.nodes[n].interval):
+            n = self.store.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
+            if n > SUMMARY_MAX_SAMPLES:     # read inline, between two batches: a bound on the pause it makes
+                log.info("job %s ended: %d samples, over the %d the controller sums inline", job, n,
+                         SUMMARY_MAX_SAMPLES)
+                out.append(self.node_event(min(self.ends.seen.get(job) or [NODE_JOB]), job, "summary", now,
+                                           {"skipped": f"{n} samples: run `jobprobe summary --store`"}))
+                continue
             s = summarize(job_frames(self.store, job), job)
             if not s["nodes"]:
                 continue

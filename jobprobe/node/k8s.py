@@ -170,6 +170,9 @@ class PodWatcher:
     def poll(self) -> None:
         """Attach the pods that ask for it, detach those that no longer do. Raises what fetch() raises."""
         pods = self.fetch()
+        if self.failing:      # said before anything is done with its answer
+            log.warning("%s at %s answers again", self.peer, self.url)
+            self.failing = None
         known = set(self.agent.registry)
         for uid, pod in pods.items():
             if uid in self.attached:
@@ -210,9 +213,7 @@ class PodWatcher:
         while not self.stop_event.is_set():
             try:
                 self.poll()
-                if self.failing:
-                    log.warning("%s at %s answers again", self.peer, self.url)
-                self.failing, wait = None, self.every
+                wait = self.every
                 backoff.reset()
             except (OSError, ValueError, urllib.error.URLError) as err:   # down, refused, garbage: try again later
                 kind = type(err).__name__
