@@ -106,8 +106,14 @@ FRAME = st.fixed_dictionaries({"kind": st.just("sample"), "t": st.one_of(st.floa
                                                          PROBE, max_size=4)})
 
 
+EVENT = st.fixed_dictionaries({"kind": st.just("event"), "t": st.one_of(st.floats(0, 1e6), FIELD),
+                               "event": st.sampled_from(["straggler", "straggler_end", "rule", "x"]),
+                               "node": st.sampled_from(["a", "b"]), "straggler": st.one_of(FIELD, st.just("a")),
+                               "since": FIELD, "reason": FIELD, "waited_by": st.one_of(FIELD, st.just(["b"]))})
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(FRAME, max_size=30))
+@given(st.lists(st.one_of(FRAME, EVENT), max_size=30))
 def test_any_frames_give_buckets_that_sum_to_the_wall_time(frames):
     d = decompose(frames, intervals=True)
     assert set(d["buckets"]) == set(BUCKETS)

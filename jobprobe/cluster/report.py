@@ -129,7 +129,9 @@ def straggler_periods(job: Job, opened: str = "straggler", closed: str = "stragg
     for e in job.events:
         if e.get("event") == opened:
             node = e.get("straggler", e.get("node"))
-            open_[node] = {"node": node, "start": float(e.get("since") or e.get("t")), "end": None,
+            since = e.get("since")
+            start = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else float(e["t"])
+            open_[node] = {"node": node, "start": start, "end": None,
                            "reason": e.get("reason", ""), "evidence": e.get("evidence", {}),
                            "causes": e.get("causes", []), "waited_by": e.get("waited_by", [])}
         elif e.get("event") == closed:

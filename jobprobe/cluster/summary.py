@@ -89,6 +89,13 @@ class JobEnds:
             self.open.discard(job)
 
 
+class Episodes:
+    """What report.straggler_periods reads of a job: its events in time order, and the end of its run."""
+
+    def __init__(self, events: list[dict], end: float):
+        self.events, self.span = events, (0.0, end)
+
+
 def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
     """The summary of one job's frames (every node's): see the module docstring; `nodes` holds each node's own."""
     frames = [f for f in frames if isinstance(f, dict)]
@@ -97,13 +104,15 @@ def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
         if usable(f):
             by_node[str(f.get("node", "?"))].append(f)
     nodes = {n: decompose(fs, intervals=True) for n, fs in sorted(by_node.items())}
-    job = report.Job(name)
-    job.take(frames)
-    job.sort()
-    periods = report.straggler_periods(job)
+    events = sorted((f for f in frames if f.get("kind") == "event" and num(f, "t") is not None),
+                    key=lambda e: num(e, "t"))
+    ends = [num(f, "t") for fs in by_node.values() for f in fs]
+    periods = [{**p, "node": str(p["node"]), "reason": str(p["reason"]),
+                "waited_by": [str(w) for w in p["waited_by"]] if isinstance(p["waited_by"], list) else []}
+               for p in report.straggler_periods(Episodes(events, max(ends) if ends else 0.0))]
+    name = name or next((str(f.get("job")) for f in frames if f.get("job") is not None), "")
     peers = to_peers(nodes, periods) if len(nodes) > 1 else {}
     starts = [num(f, "t") - (num(f, "dt") or 0.0) for fs in by_node.values() for f in fs]
-    ends = [num(f, "t") for fs in by_node.values() for f in fs]
     wall = (max(ends) - min(starts)) if ends else 0.0
     shares = dict.fromkeys(BUCKETS, 0.0)
     for d in nodes.values():
@@ -111,7 +120,7 @@ def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
             shares[b] += (d["buckets"][b] / d["wall_s"] if d["wall_s"] > 0 else float(b == "other")) / len(nodes)
     episodes = [{"node": p["node"], "start": p["start"], "end": p["end"], "s": round(p["end"] - p["start"], 1),
                  "reason": p["reason"], "waited_by": p["waited_by"]} for p in periods]
-    return {"job": job.name or name, "nodes": len(nodes), "start": min(starts) if starts else None,
+    return {"job": name, "nodes": len(nodes), "start": min(starts) if starts else None,
             "end": max(ends) if ends else None, "wall_s": round(wall, 3),
             "goodput": round(shares["computing"], 4),
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
