@@ -112,6 +112,9 @@ class GpuProbe(Probe):
         "gpus[].gpm_sm_occupancy_pct": Field("float", "%", "GPM: resident warps vs the maximum, over the interval"),
         "gpus[].gpm_tensor_active_pct": Field("float", "%", "GPM: tensor cores busy, over the interval"),
         "gpus[].gpm_dram_bw_pct": Field("float", "%", "GPM: DRAM bandwidth used vs peak, over the interval"),
+        "gpus[].ofu_pct": Field("float", "%", "OFU, Overall FLOP Utilization (arXiv 2605.20799): gpm_tensor_active_pct "
+                                "× sm_clock_mhz / the SM clock's maximum — the share of the GPU's peak tensor FLOP rate "
+                                "its tensor activity amounts to at the clock it ran; absent without GPM"),
         "gpus[].mig": Field("list[map]", "—", "only on a GPU in MIG mode: the job's MIG devices on it (fields "
                             "gpus[].mig[].*); the GPU's other values are the whole GPU's, shared with other instances"),
         "gpus[].mig[].slot": Field("int", "—", "MIG device index on its GPU"),

@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 UUID = ["GPU-8f6e2b1c-0000-4000-8000-00000000aaaa", "GPU-8f6e2b1c-0000-4000-8000-00000000bbbb"]
 TRUTH = [dict(uuid=UUID[0], name="NVIDIA H100 80GB HBM3", util="55 33", mem=f"{80 * GiB} {10 * GiB}",
-              clocks="1980 2619", power=312000, energy=5_000_000, temp=64, pcie="1000 2000", throttle="0x24",
-              ecc="3 1", remap="2 0 1 0", nvlink_tx="100 200", nvlink_rx="5 6", gpm=1,
+              clocks="1980 2619", max_sm_clock=2200, power=312000, energy=5_000_000, temp=64, pcie="1000 2000",
+              throttle="0x24", ecc="3 1", remap="2 0 1 0", nvlink_tx="100 200", nvlink_rx="5 6", gpm=1,
               gpm_values="2=45.5 3=30.25 5=12.0 10=60.0"),
          dict(uuid=UUID[1], name="NVIDIA H100 80GB HBM3", util="7 2", mem=f"{80 * GiB} {GiB}", clocks="345 2619",
+              max_sm_clock=1980,
               power=70000, energy=9_000_000, temp=31, pcie="0 0", throttle="0x1", ecc="0 0", remap="0 0 0 0",
               gpm=0)]
 
@@ -137,7 +138,7 @@ def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
         "energy_mj": 312_000, "ecc_corrected": 2, "ecc_uncorrected": 0,
         "nvlink_tx_bytes": (50 + 60) * 1024, "nvlink_rx_bytes": 3 * 1024,
         "gpm_sm_active_pct": 45.5, "gpm_sm_occupancy_pct": 30.25, "gpm_tensor_active_pct": 12.0,
-        "gpm_dram_bw_pct": 60.0, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
+        "gpm_dram_bw_pct": 60.0, "ofu_pct": 10.8, "xid_errors": 0, "shared": False, "job_procs": 1, "other_procs": 0,
         "job_mem_bytes": 3 * GiB, "procs": [{"pid": job.pid, "mem_bytes": 3 * GiB}], "sharing": "exclusive",
         "job_mem_share": 0.3, "job_sm_pct": 0, "job_mem_util_pct": 0, "job_enc_pct": 0, "job_dec_pct": 0,
         "others_sm_pct": 0, "util_samples": 0, "util_source": "ProcessesUtilizationInfo", "accounting": False,
@@ -149,6 +150,23 @@ def test_values_equal_the_fakes_ground_truth(fake, spawn, probes):
     out = probe.sample()
     g = out["gpus"][0]
     assert (g["energy_mj"], g["util_gpu_pct"], g["ecc_corrected"], g["nvlink_tx_bytes"]) == (1000, 90, 0, 0)
+
+
+def test_ofu_is_tensor_activity_at_the_clock_it_ran_over_the_clocks_maximum(fake, spawn, probes):
+    """OFU (arXiv 2605.20799): the same tensor activity at half the SM clock is half the FLOPs. Without GPM (GPU 1)
+    or without the clock's maximum (a driver that will not say), no OFU — never a guess."""
+    job = spawn()
+    fake.gpu(0, procs=f"{job.pid}:{GiB}").gpu(1, procs=f"{job.pid}:{GiB}").write()
+    probe = probes(PidTreeTarget([job.pid]))
+    fake.gpu(0, clocks="990 2619", gpm_values="2=80 3=50 5=60.0 10=20").write()
+    g0, g1 = probe.sample()["gpus"]
+    assert (g0["gpm_tensor_active_pct"], g0["sm_clock_mhz"], g0["ofu_pct"]) == (60.0, 990, 27.0)
+    assert "ofu_pct" not in g1 and "gpm_tensor_active_pct" not in g1
+    fake.gpu(0, max_sm_clock=0).write()            # asked once, at the start: the maximum stays known
+    assert probe.sample()["gpus"][0]["ofu_pct"] == 27.0
+    fresh = probes(PidTreeTarget([job.pid]))         # a new session finds no maximum: no OFU
+    fresh.sample()
+    assert "ofu_pct" not in fresh.sample()["gpus"][0]
 
 
 def test_nvlink_summed_per_link_where_the_driver_refuses_the_aggregate(fake, spawn, probes):

@@ -84,9 +84,15 @@ def test_a_gpu_job_is_paced_by_its_gpus_and_its_unexplained_shortfall_is_gpu_idl
                                                                                      "util_gpu_pct": 3}]}
         return f
     frames = [g(i + 1, 0.95) for i in range(10)] + [g(11, 0.45)]
+    for i, f in enumerate(frames):                 # OFU and SM activity on GPU 0 only, from the second interval
+        if i:
+            f["probes"]["gpu"]["gpus"][0].update(ofu_pct=20.0 + i, gpm_sm_active_pct=70.0)
     d = decompose(frames)
     assert d["pace"] == {"of": "gpu_busy", "steady": pytest.approx(1.9)}
     assert d["buckets"]["gpu_idle"] == pytest.approx(1 - 0.45 / 0.95)
+    assert d["gpu"] == {"ofu_pct": pytest.approx(sum(20.0 + i for i in range(1, 11)) / 10), "gpm_sm_active_pct": 70}
+    page = text(summarize(frames))
+    assert "OFU 26%, SM active 70%" in page, page
 
 
 def test_no_cpu_figure_at_all_is_other_not_a_guess():

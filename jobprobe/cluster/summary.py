@@ -126,7 +126,8 @@ def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
             "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
             "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
-                             "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()}}
+                             "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()},
+                             **({"gpu": {k: round(v, 2) for k, v in d["gpu"].items()}} if "gpu" in d else {})}
                          for n, d in nodes.items()}}
 
 
@@ -174,7 +175,10 @@ def text(s: dict[str, Any]) -> str:
         pace = d["pace"]
         what = "GPUs busy" if pace["of"] == "gpu_busy" else "CPU cores"
         steady = f"{pace['steady']:.2f} {what}" if pace["steady"] else f"no {what} figure"
-        lines.append(f"node {n}: goodput {100 * d['goodput']:.0f}%, steady pace {steady}")
+        gpu = d.get("gpu", {})
+        ofu = (f", OFU {gpu['ofu_pct']:.0f}%" if "ofu_pct" in gpu else "") + \
+            (f", SM active {gpu['gpm_sm_active_pct']:.0f}%" if "gpm_sm_active_pct" in gpu else "")
+        lines.append(f"node {n}: goodput {100 * d['goodput']:.0f}%, steady pace {steady}{ofu}")
     if s["stragglers"]:
         lines.append("")
         for p in s["stragglers"]:

@@ -28,6 +28,8 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
   waited for whom across the job's nodes, and a restart's lost work needs the run before it.
 
 The buckets of an interval sum to its dt; the job's buckets sum to its wall time (the sum of the intervals' dt).
+Beside them, `gpu`: the job's OFU (`gpu.gpus[].ofu_pct`: tensor activity at the clock it ran, over the clock's
+maximum) and GPM SM activity, averaged over its GPUs and its intervals after startup, where the GPUs report them.
 """
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def _gpu_busy(gpu: Any) -> float | None:
 class Tick:
     """One interval's figures: t, dt, pace (GPUs busy or CPU cores), the evidence (thread-ns, bytes)."""
 
-    __slots__ = ("t", "dt", "pace", "fig")
+    __slots__ = ("t", "dt", "pace", "fig", "gpu")
 
     def __init__(self, frame: dict, by: str):
         self.t = num(frame, "t") or 0.0
@@ -84,6 +86,7 @@ class Tick:
             u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
             cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
             self.pace = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        self.gpu = gpu_means(p.get("gpu"))
         self.fig: dict[str, float] = {}
         for name, d in (("sched", sc), ("cgroup", cg), ("pressure", pr)):
             for k in ("runq_lat_ns", "offcpu_io_ns", "offcpu_sleep_ns", "offcpu_wait_ns", "offcpu_lock_ns",
@@ -91,6 +94,17 @@ class Tick:
                 v = num(d, k)
                 if v is not None:
                     self.fig[f"{name}.{k}"] = max(v, 0.0)
+
+
+def gpu_means(gpu: Any) -> dict[str, float]:
+    """The interval's OFU and GPM SM activity, averaged over the job's GPUs that report them."""
+    gpus = gpu.get("gpus") if isinstance(gpu, dict) else None
+    out = {}
+    for key in ("ofu_pct", "gpm_sm_active_pct"):
+        vals = [v for g in gpus or () if (v := num(g, key)) is not None] if isinstance(gpus, list) else []
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    return out
 
 
 def paced_by(samples: list[dict]) -> str:
@@ -152,6 +166,11 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
             per.append({"t": k.t, "dt": k.dt, "buckets": {n: v for n, v in b.items() if v}})
     if out["wall_s"] > 0:
         out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
+    after = ticks[first + 1:] or ticks[first:]
+    for key in ("ofu_pct", "gpm_sm_active_pct"):      # over the job after its startup, weighted by dt
+        had = [(k.gpu[key], k.dt) for k in after if key in k.gpu]
+        if had and sum(dt for _, dt in had) > 0:
+            out.setdefault("gpu", {})[key] = sum(v * dt for v, dt in had) / sum(dt for _, dt in had)
     if intervals:
         out["intervals"] = per
     return out

@@ -96,6 +96,7 @@ class Nvml:
                 g.uuid = self.call(g, "uuid", fn=nv.nvmlDeviceGetUUID)
                 g.name = self.call(g, "name", fn=nv.nvmlDeviceGetName)
                 g.minor = self.call(g, "minor", fn=nv.nvmlDeviceGetMinorNumber)
+                g.sm_clock_max = self.call(g, "sm_clock_max", 1, fn=nv.nvmlDeviceGetMaxClockInfo)  # NVML_CLOCK_SM
                 g.migs = self._migs(g)
             except GpuLost:
                 g.lost = True
@@ -351,6 +352,8 @@ class Nvml:
                 out[k] = delta(v, g.prev[k])
         g.prev = now
         out.update(self._gpm(g))
+        if "gpm_tensor_active_pct" in out and out.get("sm_clock_mhz") and g.sm_clock_max:
+            out["ofu_pct"] = round(out["gpm_tensor_active_pct"] * out["sm_clock_mhz"] / g.sm_clock_max, 3)
         return out
 
     def _gpm(self, g: Gpu) -> dict[str, float]:

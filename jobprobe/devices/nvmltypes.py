@@ -57,6 +57,7 @@ class Gpu:
         self.name: str | None = None
         self.minor: int | None = None           # /dev/nvidiaN: what a v1 device cgroup lists as 195:N
         self.lost = False                         # fell off the bus: never asked anything again
+        self.sm_clock_max: int | None = None      # MHz, the SM clock's maximum: the clock peak FLOPs are rated at
         self.unsupported: set[str] = set()
         self.prev: dict[str, int] = {}           # counters at the last read, for deltas
         self.gpm: list | None = None             # [previous sample, spare sample] while GPM runs

@@ -64,7 +64,7 @@ struct mig {
 };
 struct dev {
     char uuid[96], name[96], unsupported[1024];
-    unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, power, temp, pcie_tx, pcie_rx, remap[4], nopersist;
+    unsigned minor, util_gpu, util_mem, clk_sm, clk_mem, clk_sm_max, power, temp, pcie_tx, pcie_rx, remap[4], nopersist;
     int lost, nlinks, no_aggregate, nprocs, ngprocs, nxids, gpm, ngpm;
     unsigned long long mem_total, mem_used, energy, throttle, ecc[2], nvl_tx[MAXLINK], nvl_rx[MAXLINK];
     unsigned long long xids[MAXXID];
@@ -134,6 +134,7 @@ static void load(void) {
         else if (!strcmp(key, "util")) sscanf(v, "%u %u", &d->util_gpu, &d->util_mem);
         else if (!strcmp(key, "mem")) sscanf(v, "%llu %llu", &d->mem_total, &d->mem_used);
         else if (!strcmp(key, "clocks")) sscanf(v, "%u %u", &d->clk_sm, &d->clk_mem);
+        else if (!strcmp(key, "max_sm_clock")) sscanf(v, "%u", &d->clk_sm_max);
         else if (!strcmp(key, "power")) d->power = atoi(v);
         else if (!strcmp(key, "energy")) d->energy = strtoull(v, NULL, 0);
         else if (!strcmp(key, "temp")) d->temp = atoi(v);
@@ -345,6 +346,13 @@ nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t h, int type, unsigned *mhz) {
     if (type == 1) *mhz = d->clk_sm;          /* NVML_CLOCK_SM */
     else if (type == 2) *mhz = d->clk_mem;    /* NVML_CLOCK_MEM */
     else return INVALID;
+    return OK;
+}
+nvmlReturn_t nvmlDeviceGetMaxClockInfo(nvmlDevice_t h, int type, unsigned *mhz) {
+    ENTER(h);
+    if (type != 1) return INVALID;            /* NVML_CLOCK_SM only, in this fake */
+    if (d->clk_sm_max == 0) return 3;         /* NVML_ERROR_NOT_SUPPORTED */
+    *mhz = d->clk_sm_max;
     return OK;
 }
 nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t h, unsigned *mw) { ENTER(h); *mw = d->power; return OK; }
