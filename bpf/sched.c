@@ -547,7 +547,14 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                     s->voluntary++;
             }
             if (!(state & STATE_EXITING) && s) {
+#ifdef JOB_DEEP_TRACE
+                /* a traced job's periods are stamped with the clock itself, as its syscalls are: the run queue's
+                 * stamp is the kernel's accounting instant, µs before the switch where __schedule skipped its
+                 * clock update (a wakeup's preemption), and a trace lays the two side by side */
+                u64 out = job_traced(slot) ? clock_ns(&now) : stamp_ns(prev, &now, 0);
+#else
                 u64 out = stamp_ns(prev, &now, 0);
+#endif
                 /* Preempted: runnable from this instant, so this is also its run-queue entry time. */
                 struct off_rec rec = {.out_ns = out, .enq_ns = state == 0 ? out : 0, .slot = slot,
                                       .reason = offcpu_reason(state, prev_tid, prev), .tid = prev_tid,
@@ -610,7 +617,8 @@ next:
 #endif
     struct off_rec *rec = rec_get(next);
     if (rec && (rec->out_ns || rec->enq_ns))   /* not a member: no entry; running already: consumed */
-        finish(rec, stamp_ns(next, &now, 1));   /* the switch's own stamp, the clock read to renew the offset */
+        finish(rec, rec->tgid ? clock_ns(&now)   /* traced: the clock itself (switched()) */
+                              : stamp_ns(next, &now, 1));   /* the switch's own stamp; the clock renews the offset */
     return 0;
 }
 
@@ -623,7 +631,7 @@ static inline void woken(task_key task)
     if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
         return;
     u64 clock = 0;
-    u64 now = stamp_ns(task, &clock, 0);
+    u64 now = rec->tgid ? clock_ns(&clock) : stamp_ns(task, &clock, 0);   /* traced: the clock (switched()) */
     /* always after the switch-out (the waker needs prev off its CPU or its rq lock); a vCPU's clock may differ by
      * a hair */
     if (now < rec->out_ns)

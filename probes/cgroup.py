@@ -143,6 +143,19 @@ class Throttle:
         return out
 
 
+def count_cpus(text: str | None) -> int | None:
+    """CPUs in a kernel CPU list ("0-3,8,10-11" → 7); None for nothing, or text that is not one."""
+    if not text or not text.strip():
+        return None
+    n = 0
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            return None
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
+
+
 class CgroupProbe(Probe):
     name = "cgroup"
     default = True
@@ -174,6 +187,10 @@ class CgroupProbe(Probe):
                                   "(throttled_usec; v1: throttled_time)"),
         "cpu_limit_cores": Field("float", "cores", "the group's CPU limit now (cpu.max, v1 cpu.cfs_quota_us / "
                                  "cfs_period_us); absent without a limit"),
+        "cpus_allowed": Field("int", "count", "CPUs the group may run on now (cgroup2 cpuset.cpus.effective); absent "
+                              "where the cpuset controller is not on for it", kind="gauge"),
+        "mem_limit_bytes": Field("int", "bytes", "the group's memory limit now (cgroup2 memory.max); absent without "
+                                 "a limit"),
     }
 
     def __init__(self, host=None):
@@ -194,7 +211,8 @@ class CgroupProbe(Probe):
     def start(self, target: Target) -> None:
         self.target = target
         self.cg = Path(target.cgroup_path) if target.cgroup_path else None
-        self.cgf = {n: str(self.cg / n) for n in ("memory.current", "memory.stat", "memory.peak",
+        self.cgf = {n: str(self.cg / n) for n in ("memory.current", "memory.stat", "memory.peak", "memory.max",
+                                                  "cpuset.cpus.effective",
                                                   "io.stat")} if self.cg is not None else {}
         if self.cg is not None and target.cpu_stat() is None:
             raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
@@ -235,6 +253,12 @@ class CgroupProbe(Probe):
                 peak = read_int(self.cgf["memory.peak"], optional)
                 if peak is not None:
                     cur["peak"] = peak
+                limit = read_int(self.cgf["memory.max"], optional)     # "max": no limit
+                if limit is not None:
+                    cur["memlim"] = limit
+            cpus = count_cpus(optional(self.cgf["cpuset.cpus.effective"]))
+            if cpus:
+                cur["cpus"] = cpus
             io = io_stat_bytes(self.cgf["io.stat"], optional)
             if io is not None:
                 cur["rd"], cur["wr"] = io
@@ -294,7 +318,9 @@ class CgroupProbe(Probe):
         return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
                 "mem_peak_bytes": self.peak, "mem_anon_bytes": cur["anon"], "mem_file_bytes": cur["file"],
                 "io_read_bytes": d("rd"), "io_write_bytes": d("wr"),
-                "nprocs": cur["nprocs"], "exits_uncounted": uncounted, **self.throttle.take()}
+                "nprocs": cur["nprocs"], "exits_uncounted": uncounted, **self.throttle.take(),
+                **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
+                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {})}
 
     def stop(self) -> None:
         self.target = None

@@ -78,6 +78,7 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
     mountinfo.write_text(f"41 31 0:38 / {mount} rw,relatime - cgroup2 cgroup2 rw\n")
     (grp / "cgroup.procs").write_text("10\n11\n")
     (grp / "cpu.stat").write_text("usage_usec 0\nuser_usec 0\nsystem_usec 0\n")
+    (grp / "cpuset.cpus.effective").write_text("0-2,5\n")
     proc = tmp_path / "proc"
     write_proc(proc, 10, 0, 0, 100, rd=0, wr=0)
     write_proc(proc, 11, 0, 0, 50, rd=0, wr=0)
@@ -90,11 +91,14 @@ def test_cgroup_probe_on_fixture_tree_hybrid_host(tmp_path):
     assert s["mem_bytes"] == (120 + 50) * PAGE and s["mem_peak_bytes"] == s["mem_bytes"]
     assert (s["mem_anon_bytes"], s["mem_file_bytes"]) == ((120 + 50 - 30) * PAGE, 30 * PAGE)
     assert (s["io_read_bytes"], s["io_write_bytes"], s["nprocs"]) == (4096, 8192, 2)
+    assert s["cpus_allowed"] == 4 and "mem_limit_bytes" not in s          # no memory controller: no limit to say
     (grp / "memory.current").write_text("1000\n")
+    (grp / "memory.max").write_text("4096000\n")
     (grp / "memory.peak").write_text("999999999\n")
     (grp / "memory.stat").write_text("anon 600\nfile 300\nkernel 100\nanon_thp 0\n")
     s = probe.sample()
     assert s["mem_bytes"] == 1000 and s["mem_peak_bytes"] == 999999999 and s["cpu_user_ns"] == 0
+    assert s["mem_limit_bytes"] == 4096000
     assert (s["mem_anon_bytes"], s["mem_file_bytes"]) == (600, 300)
 
 

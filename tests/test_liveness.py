@@ -107,7 +107,7 @@ def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path
     assert db.execute("SELECT event, job FROM events").fetchall() == [("summary", "j1")]   # no node_lost: the
     # beats kept it; j1, whose samples stopped while its node lived on, ended there (its summary)
     assert ctl.nodes["n1"].heartbeats == 10 and ctl.nodes["n1"].last == 105.0
-    assert ctl.counts["stored"] == 3 and ctl.counts["rejected"] == 0       # hello, sample, the summary
+    assert ctl.counts["stored"] == 2 and ctl.counts["rejected"] == 0
 
 
 def test_a_heartbeats_fields_are_checked(tmp_path):

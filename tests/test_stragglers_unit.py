@@ -322,3 +322,18 @@ def test_the_node_that_took_the_cpu_a_straggler_let_go_is_no_imbalance():
                 "c": {"wait": 0.7e9}}[n]
     ev = run(w, 200, fault)
     assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev
+
+
+def test_a_null_figure_is_no_figure_and_stops_nothing():
+    """A valid frame may hold null where its host cannot tell a figure (sched's runq_lat_ns here): the watch reads
+    it as absent — found by the hostile-bodies property test, where it raised inside the stragglers consumer."""
+    from jobprobe.cluster.causes import figures
+    from jobprobe.cluster.stragglers import StragglerWatch
+    probes = {"cgroup": {"cpu_user_ns": 4 * 10 ** 8, "cpu_system_ns": None}, "sched": {"runq_lat_ns": None,
+              "offcpu_lock_ns": 0, "offcpu_wait_ns": 5}, "gpu": {"gpus": [{"util_gpu_pct": None},
+                                                                      {"util_gpu_pct": 50, "sm_clock_mhz": None}]}}
+    assert figures(probes) == {"cpu_ns": 4 * 10 ** 8, "wait_ns": 5, "gpu_dt": 1.0, "gpu_util": 50.0, "gpu_clock": 0.0,
+                               "gpu_throttled": 0.0}
+    frame = {"kind": "sample", "node": "n1", "job": "j", "run": "r", "seq": 1, "t": 1.7e9, "dt": 1.0,
+             "probes": probes}
+    assert StragglerWatch().feed([frame]) == []

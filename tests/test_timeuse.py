@@ -286,3 +286,42 @@ def test_a_job_too_large_to_sum_inline_gets_a_summary_that_says_so(tmp_path, mon
     (body,) = ctl.store.sql("SELECT body FROM events WHERE event = 'summary'")[1][0]
     s = json.loads(body)
     assert "6 samples" in s["skipped"] and "buckets" not in s and ctl.ends.done == {}
+
+
+def test_efficiency_notes_from_what_was_granted_against_what_was_used(tmp_path):
+    """8 CPUs granted (a cpuset), 1.5 used; a 64 GiB limit, a 4 GiB peak; 4 GPUs, 1.2 busy: three notes with the
+    shipped thresholds; none where the job used its grant; a rules file's [efficiency] table moves the thresholds,
+    and a bad one is one line and exit 2 (the agent's rules loader refuses it too)."""
+    from jobprobe.core import efficiency
+    from jobprobe.node import rules
+
+    def job(cores, peak, busy):
+        out = []
+        for i in range(10):
+            f = sample(i + 1.0, cores, cgroup_cpus_allowed=8, cgroup_mem_limit_bytes=64 << 30,
+                       cgroup_mem_peak_bytes=peak)
+            f["probes"]["gpu"] = {"ngpus": 4, "gpus": [{"index": g, "util_gpu_pct": 100 * busy / 4} for g in range(4)]}
+            out.append(f)
+        return out
+    s = summarize(job(1.5, 4 << 30, 1.2))
+    assert s["per_node"]["a"]["granted"] == {"cpu_cores": 8, "mem_limit_bytes": 64 << 30, "gpus": 4}
+    assert s["per_node"]["a"]["used"] == {"cpu_cores": 1.5, "gpus_busy": 1.2, "mem_peak_bytes": 4 << 30}
+    cpu, mem, gpu = s["notes"]
+    assert "granted 8 cores, used 1.50 on average (19%)" in cpu and "granted 64.0 GiB, used 4.0 GiB" in mem
+    assert "4 GPUs, 1.20 busy on average (30%)" in gpu and "efficiency:" in text(s)
+    assert summarize(job(7.0, 40 << 30, 3.5))["notes"] == []
+    path = tmp_path / "r.toml"
+    path.write_text('[efficiency]\ncpu_used_min = 0.1\nmemory_used_min = 0.05\n\n[[rule]]\nname = "x"\n'
+                    'when = "rate(cgroup.cpu_user_ns) > 1"\n')
+    th = efficiency.load(str(path))
+    assert th == {"cpu_used_min": 0.1, "memory_used_min": 0.05, "gpu_used_min": 0.5}
+    assert [n.split(":")[1].strip() for n in summarize(job(1.5, 4 << 30, 1.2), "", th)["notes"]] == ["GPU"]
+    assert rules.load(str(path))[0].name == "x" and efficiency.load("default") == efficiency.DEFAULTS
+    frames = tmp_path / "f.jsonl"
+    for bad, says in (("cpu_used_min = 2", "expected a share in (0, 1]"), ("cpu_used_min = true", "share"),
+                      ("cpu = 0.5", "unknown key 'cpu'")):
+        path.write_text(f'[efficiency]\n{bad}\n\n[[rule]]\nname = "x"\nwhen = "rate(cgroup.cpu_user_ns) > 1"\n')
+        r = cli("summary", "--rules", str(path), str(frames))
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        with pytest.raises(Exception, match="efficiency"):
+            rules.load(str(path))

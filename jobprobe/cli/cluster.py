@@ -125,8 +125,10 @@ def cmd_report(args) -> int:
 
 def cmd_summary(args) -> int:
     from jobprobe.cluster import summary
+    from jobprobe.core import efficiency
+    th = efficiency.load(args.rules)       # a bad rules file: one line, before anything is read
     frames = _job_frames("summary", args)
-    s = summary.summarize(frames, args.job or "")
+    s = summary.summarize(frames, args.job or "", th)
     if not s["nodes"]:
         raise BadInput(f"summary: no sample frames of {'job ' + args.job if args.store else 'the files given'}")
     print(json.dumps(s, indent=1) if args.format == "json" else summary.text(s), end="\n" if args.format == "json"

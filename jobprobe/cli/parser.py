@@ -286,11 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
     rp.set_defaults(func=cluster.cmd_report)
     sm = sub.add_parser("summary", help="where a job's wall time went: goodput, the time buckets, its stragglers",
-                        usage="jobprobe summary (FILE… | --store PATH --job ID) [--format text|json]")
+                        usage="jobprobe summary (FILE… | --store PATH --job ID) [--format text|json] "
+                        "[--rules FILE]")
     sm.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
     sm.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
     sm.add_argument("--job", metavar="ID", help="the job, in the store")
     sm.add_argument("--format", choices=["text", "json"], default="text")
+    sm.add_argument("--rules", metavar="FILE|default", help="thresholds of the efficiency notes: the rules file's "
+                    "[efficiency] table (default: its shipped values)")
     sm.set_defaults(func=cluster.cmd_summary)
     return p
 

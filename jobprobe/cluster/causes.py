@@ -10,13 +10,41 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
 
 
 def figures(probes: dict) -> dict[str, float]:
-    """What one sample frame says, per figure (absent when its probe did not report it)."""
+    """What one sample frame says, per figure (absent when its probe did not report it, or reported null). Read
+    as it comes (this runs per frame of every node); a frame whose values are not all numbers where figures are
+    read (a null: a figure its host cannot tell) is read again with only its numbers."""
+    try:
+        out = _figures(probes)
+        if all(type(v) in (int, float) for v in out.values()):
+            return out
+    except (TypeError, AttributeError):
+        pass
+    return _figures(_numbers(probes))
+
+
+def _numbers(probes: Any) -> dict:
+    """Each probe's numbers only (and its `gpus` / `nics` records' numbers); NCCL RAS's status as it is."""
+    def nums(d: Any) -> dict:
+        return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
+            if isinstance(d, dict) else {}
+    out = {}
+    for name, d in (probes.items() if isinstance(probes, dict) else ()):
+        out[name] = dict(d) if name == "ncclras" and isinstance(d, dict) else nums(d)
+        for key in ("gpus", "nics"):
+            items = d.get(key) if isinstance(d, dict) else None
+            if isinstance(items, list):
+                out[name][key] = [nums(x) for x in items]
+    return out
+
+
+def _figures(probes: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     cg = probes.get("cgroup") or {}
     if "cpu_user_ns" in cg:

@@ -276,7 +276,7 @@ class Controller:
     def store_frames(self, taken: list[tuple[Any, dict]], extra: list[dict], now: float) -> set[int]:
         """The batch in one transaction; when it fails on a value, one frame at a time, refusing those the store
         will never take (ValueError, OverflowError, a constraint). Returns id()s of the refused messages."""
-        if self._store_one([f for _, f in taken] + extra, now) is None:
+        if self._store_one([f for _, f in taken] + extra, now, own=len(extra)) is None:
             return set()
         log.warning("the store refused a batch: storing it frame by frame")
         refused: set[int] = set()
@@ -286,17 +286,19 @@ class Controller:
                 refused.add(id(m))
                 self.refuse(m.subject, f.get("node"), f"the store: {type(err).__name__}: {err}", len(m.data))
         for ev in extra:
-            err = self._store_one([ev], now)
+            err = self._store_one([ev], now, own=1)
             if err is not None:
                 log.warning("controller event %s of job %s not stored: %s", ev.get("event"), ev.get("job"), err)
         return refused
 
-    def _store_one(self, frames: list[dict], now: float) -> Exception | None:
+    def _store_one(self, frames: list[dict], now: float, own: int = 0) -> Exception | None:
         """Store frames in one transaction: None, or the error of a value the store will not take. A database
         that cannot write at all (sqlite3.OperationalError: a full disk, a lock held too long) is not a frame's
-        fault: StoreDown, and nothing is acked."""
+        fault: StoreDown, and nothing is acked. `own`: how many of them are the controller's own events (always
+        new: their seq is the controller's), which the counts of nodes' frames leave out."""
         try:
-            self._count(self.store.add(frames, received=now))
+            stored, dups = self.store.add(frames, received=now)
+            self._count((stored - own, dups))
             return None
         except sqlite3.OperationalError as err:
             raise StoreDown(str(err)) from err

@@ -15,6 +15,7 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 from jobprobe.cluster import report
+from jobprobe.core import efficiency
 from jobprobe.core.timeuse import BUCKETS, decompose, num, usable
 
 WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "waiting for input",
@@ -96,8 +97,10 @@ class Episodes:
         self.events, self.span = events, (0.0, end)
 
 
-def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
-    """The summary of one job's frames (every node's): see the module docstring; `nodes` holds each node's own."""
+def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, float] | None = None) -> dict[str, Any]:
+    """The summary of one job's frames (every node's): see the module docstring; `per_node` holds each node's own,
+    `notes` the efficiency notes (jobprobe/core/efficiency.py; `thresholds` from a rules file, else its defaults)."""
+    th = thresholds or dict(efficiency.DEFAULTS)
     frames = [f for f in frames if isinstance(f, dict)]
     by_node: dict[str, list[dict]] = defaultdict(list)
     for f in frames:
@@ -125,9 +128,13 @@ def summarize(frames: Iterable[dict], name: str = "") -> dict[str, Any]:
             "goodput": round(shares["computing"], 4),
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
             "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
+            "notes": [f"node {n}: {line}" for n, d in nodes.items()
+                      for line in efficiency.notes(d.get("used", {}), d.get("granted", {}), th)],
             "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
                              "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()},
-                             **({"gpu": {k: round(v, 2) for k, v in d["gpu"].items()}} if "gpu" in d else {})}
+                             **({"gpu": {k: round(v, 2) for k, v in d["gpu"].items()}} if "gpu" in d else {}),
+                             "used": {k: round(v, 3) for k, v in d.get("used", {}).items()},
+                             "granted": {k: round(v, 3) for k, v in d.get("granted", {}).items()}}
                          for n, d in nodes.items()}}
 
 
@@ -179,6 +186,8 @@ def text(s: dict[str, Any]) -> str:
         ofu = (f", OFU {gpu['ofu_pct']:.0f}%" if "ofu_pct" in gpu else "") + \
             (f", SM active {gpu['gpm_sm_active_pct']:.0f}%" if "gpm_sm_active_pct" in gpu else "")
         lines.append(f"node {n}: goodput {100 * d['goodput']:.0f}%, steady pace {steady}{ofu}")
+    if s["notes"]:
+        lines += ["", "efficiency:"] + [f"  {line}" for line in s["notes"]]
     if s["stragglers"]:
         lines.append("")
         for p in s["stragglers"]:

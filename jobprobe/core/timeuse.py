@@ -73,19 +73,23 @@ def _gpu_busy(gpu: Any) -> float | None:
 class Tick:
     """One interval's figures: t, dt, pace (GPUs busy or CPU cores), the evidence (thread-ns, bytes)."""
 
-    __slots__ = ("t", "dt", "pace", "fig", "gpu")
+    __slots__ = ("t", "dt", "pace", "fig", "gpu", "cores", "busy", "grant")
 
     def __init__(self, frame: dict, by: str):
         self.t = num(frame, "t") or 0.0
         self.dt = max(0.0, num(frame, "dt") or 0.0)
         p = frame.get("probes") if isinstance(frame.get("probes"), dict) else {}
         cg, sc, pr = p.get("cgroup", {}), p.get("sched", {}), p.get("pressure", {})
-        if by == "gpu_busy":
-            self.pace = _gpu_busy(p.get("gpu"))
-        else:
-            u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
-            cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
-            self.pace = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
+        cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
+        self.cores = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        self.busy = _gpu_busy(p.get("gpu"))
+        self.pace = self.busy if by == "gpu_busy" else self.cores
+        gpu = p.get("gpu") if isinstance(p.get("gpu"), dict) else {}
+        self.grant = {k: v for k, v in (("cpu_cores", num(cg, "cpu_limit_cores") or num(cg, "cpus_allowed")),
+                                        ("mem_limit_bytes", num(cg, "mem_limit_bytes")),
+                                        ("mem_peak_bytes", num(cg, "mem_peak_bytes")),
+                                        ("gpus", num(gpu, "ngpus"))) if v is not None and v > 0}
         self.gpu = gpu_means(p.get("gpu"))
         self.fig: dict[str, float] = {}
         for name, d in (("sched", sc), ("cgroup", cg), ("pressure", pr)):
@@ -167,6 +171,7 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     if out["wall_s"] > 0:
         out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
     after = ticks[first + 1:] or ticks[first:]
+    out["used"], out["granted"] = used_and_granted(ticks, after)
     for key in ("ofu_pct", "gpm_sm_active_pct"):      # over the job after its startup, weighted by dt
         had = [(k.gpu[key], k.dt) for k in after if key in k.gpu]
         if had and sum(dt for _, dt in had) > 0:
@@ -200,6 +205,23 @@ class Bursts:
         cpu = min(k.dt, max(0.0, k.fig.get("cgroup.cpu_system_ns", 0.0) - usual) / 1e9)
         wait = max(0.0, k.fig.get("sched.offcpu_io_ns", 0.0) - self.io) / 1e9
         return min(k.dt, cpu + wait), cpu
+
+
+def used_and_granted(ticks: list[Tick], after: list[Tick]) -> tuple[dict[str, float], dict[str, float]]:
+    """What the job used (CPU cores and GPUs busy: means over its intervals after startup, weighted by dt; its memory
+    peak) and what it was granted (the latest CPU limit or cpuset, memory limit and GPU count seen)."""
+    used: dict[str, float] = {}
+    for key, attr in (("cpu_cores", "cores"), ("gpus_busy", "busy")):
+        had = [(getattr(k, attr), k.dt) for k in after if getattr(k, attr) is not None]
+        if had and sum(dt for _, dt in had) > 0:
+            used[key] = sum(v * dt for v, dt in had) / sum(dt for _, dt in had)
+    peaks = [k.grant["mem_peak_bytes"] for k in ticks if "mem_peak_bytes" in k.grant]
+    if peaks:
+        used["mem_peak_bytes"] = max(peaks)
+    granted: dict[str, float] = {}
+    for k in ticks:
+        granted.update({g: v for g, v in k.grant.items() if g != "mem_peak_bytes"})
+    return used, granted
 
 
 def split(k: Tick, short: float, steady: float, usual: dict[str, float], by: str, b: dict[str, float],

@@ -267,8 +267,10 @@ def load(spec: str) -> list[Rule]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise BadInput(f"rules {path}: {err}") from None
-    if set(data) - {"rule"} or not isinstance(data.get("rule"), list):
-        raise BadInput(f"rules {path}: expected [[rule]] tables only")
+    if set(data) - {"rule", "efficiency"} or not isinstance(data.get("rule"), list):
+        raise BadInput(f"rules {path}: expected [[rule]] tables (and an [efficiency] table) only")
+    from jobprobe.core.efficiency import thresholds
+    thresholds(data.get("efficiency"), f"rules {path}")     # the summary's: checked here too, one clear line
     out, seen = [], set()
     for i, item in enumerate(data["rule"]):
         name = str(item.get("name") or f"#{i + 1}")
