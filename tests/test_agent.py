@@ -176,7 +176,7 @@ def test_per_job_toggle_leaves_the_other_jobs_alone(agent, make_cgroup):
         # the next ticks' frames (waited for: a tick comes later beside other work, never sooner)
         fa = wait_for(lambda: [f for f in samples_of(agent, "tog-a") if f["status"].get("sched") == "off"])
         assert fa and "sched" not in fa[-1]["probes"], fa[-1:]
-        fb = samples_of(agent, "tog-b")
+        fb = wait_for(lambda: samples_of(agent, "tog-b"))        # (its first sample: a tick later when busy)
         assert fb[-1]["probes"]["sched"]["involuntary_switches"] >= 0 and fb[-1]["status"]["sched"] == "ok"
         # switched back on, it counts again, from then
         n = len(samples_of(agent, "tog-a"))

@@ -124,6 +124,7 @@ def test_the_cli_refuses_a_bad_rules_file_in_one_line(tmp_path):
 
 
 @pytest.mark.kernel
+@pytest.mark.serial      # its job must get its 0.2-core quota to be throttled half the time: a share of the machine
 def test_a_throttled_job_fires_cpu_throttled_with_the_kernels_figures(make_cgroup):
     """(A healthy job under the default rules fires nothing: tests/test_trace.py, the steady training job.)"""
     cg = make_cgroup()
