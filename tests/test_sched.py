@@ -781,6 +781,7 @@ def test_threads_killed_inside_a_futex_wait_leave_no_entry():
 
 
 @pytest.mark.kernel
+@pytest.mark.serial      # node-wide event counts: other tests' BPF programs and tracers move them
 def test_perf_users_still_see_sched_events_while_attached(by_source):
     """A classic tracepoint program returning 0 makes the kernel drop the event for perf too: perf stat reads 0
     sched_switch events node-wide while the classic programs (kernels before 5.18) are attached, as it read 0
