@@ -44,7 +44,7 @@ MAX_JOBS_PER_NODE = 4096
 FORGET_NODE_S = 86400.0 # a node silent this long is forgotten (its node_lost was said long before)
 CONTROLLER_RUN = "controller"   # the run of the controller's own events; no node's frame may claim it
 REJECT_LOG_PER_MIN = 10
-SUMMARY_MAX_SAMPLES = 50_000    # a job's samples the controller reads for its summary event, inline (0.65 s per 10^4 here)
+SUMMARY_MAX_SAMPLES = 50_000    # samples the controller reads for a summary event, inline (0.65 s per 10^4 here)
 
 
 @dataclass
