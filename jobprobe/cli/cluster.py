@@ -138,7 +138,7 @@ def cmd_summary(args) -> int:
 
 def _job_frames(cmd: str, args) -> list[dict]:
     """One job's frames: from frame files, or from the store with --job (a clear error for each way it fails)."""
-    from jobprobe.cluster import summary
+    from jobprobe.cluster import report, summary
     if bool(args.files) == bool(args.store):
         raise BadInput(f"{cmd}: give frame files, or --store PATH --job ID")
     if args.store:
@@ -150,7 +150,7 @@ def _job_frames(cmd: str, args) -> list[dict]:
     for f in args.files:
         if not os.path.isfile(f):
             raise BadInput(f"{cmd}: no frame file {f}")
-    return summary.frames_of_files(args.files)
+    return report.frames_of_files(args.files)
 
 
 def _store_of(path: str | None, files: list[str]):

@@ -212,18 +212,18 @@ class Controller:
             return st is not None and not st.lost and now - st.last <= LOST_AFTER * st.interval
         out = []
         for job in self.ends.ended(now, alive, lambda n: self.nodes[n].interval):
+            first = min(self.ends.seen.get(job) or [NODE_JOB])     # the event's node: the job's first by name
             n = self.store.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
             if n > SUMMARY_MAX_SAMPLES:     # read inline, between two batches: a bound on the pause it makes
                 log.info("job %s ended: %d samples, over the %d the controller sums inline", job, n,
                          SUMMARY_MAX_SAMPLES)
-                out.append(self.node_event(min(self.ends.seen.get(job) or [NODE_JOB]), job, "summary", now,
+                out.append(self.node_event(first, job, "summary", now,
                                            {"skipped": f"{n} samples: run `jobprobe summary --store`"}))
                 continue
             s = summarize(job_frames(self.store, job), job)
             if not s["nodes"]:
                 continue
             self.ends.keep(job, s)
-            first = min(self.ends.seen.get(job) or [NODE_JOB])
             log.info("job %s ended: %.0f s, goodput %.0f%%", job, s["wall_s"], 100 * s["goodput"])
             out.append(self.node_event(first, job, "summary", now, {k: v for k, v in s.items() if k != "job"}))
         return out

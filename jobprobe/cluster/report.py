@@ -110,12 +110,19 @@ class Job:
         return (min(ts), max(ts)) if ts else (0.0, 0.0)
 
 
-def from_files(paths: list[str]) -> Job:
+def frames_of_files(paths: list[str]) -> list[dict]:
+    """Every frame of the files, in their order (a file's last frame cut short is left out by the reader)."""
     from jobprobe.core.frame import StreamReader
-    job = Job()
+    out: list[dict] = []
     for p in paths:
         with open(p, "rb") as f:
-            job.take(StreamReader(f))
+            out.extend(fr for fr in StreamReader(f) if isinstance(fr, dict))
+    return out
+
+
+def from_files(paths: list[str]) -> Job:
+    job = Job()
+    job.take(frames_of_files(paths))
     job.sort()
     return job
 

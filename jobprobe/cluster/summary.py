@@ -23,15 +23,6 @@ WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "w
          "gpu_idle": "GPU idle", "lost": "lost to failures", "other": "other (not attributed)"}
 
 
-def frames_of_files(paths: list[str]) -> list[dict]:
-    from jobprobe.core.frame import StreamReader
-    out: list[dict] = []
-    for p in paths:
-        with open(p, "rb") as f:
-            out.extend(fr for fr in StreamReader(f) if isinstance(fr, dict))
-    return out
-
-
 def frames_of_store(path: str, job: str) -> list[dict]:
     from jobprobe.cluster.store import Store
     st = Store(path, readonly=True)
