@@ -74,6 +74,13 @@
 #define STATE_S 0x01           /* interruptible sleep */
 #define STATE_D 0x02           /* uninterruptible sleep */
 #define STATE_EXITING 0x30     /* X (dead) and Z (zombie): a task's last switch-out; it will never run again */
+/* Preempted on its way to sleep (raw and BTF programs: preempt set, its raw state not TASK_RUNNING): involuntary,
+ * off CPU as preempted, but not waiting on a run queue — it is picked again only to finish going to sleep, and
+ * the kernel's run_delay (sched_info_depart: task_is_running) and runqlat leave that time out too. A busy job's
+ * threads, preempted between prepare_to_wait and schedule(), waited there up to a time slice each (+0.5..4.5 µs
+ * per run-queue wait over the kernel's figure; a burner's neighbour, 4 ms in each 4 ms interval). The classic
+ * tracepoint reports every preemption as R+ and cannot tell. */
+#define STATE_PREEMPTED_ASLEEP 0x10000
 
 /* Why a thread left the CPU (off_rec.reason, in_call values). */
 #define R_PREEMPT 1
@@ -119,6 +126,8 @@ struct slot_stats {
     u64 voluntary;
     u64 involuntary;
     u64 runq_events;
+    u64 switch_ins_missed;     /* periods whose switch-in the program never saw, closed at a later switch-out */
+    u64 switch_in_missed_ns;   /* ... the time they were counted open after the thread was back on a CPU */
     u64 events[NTIMES];        /* finished off-CPU periods by reason (index R_*) */
     u64 done_ns[NTIMES];       /* finished time by category */
     u64 open_n[NTIMES];        /* periods open now (this CPU's share: opened here minus closed here) */
@@ -297,7 +306,7 @@ static inline u32 syscall_now(task_key task)
 /* Why `tid` (current, being switched out) leaves the CPU, from its reported state. */
 static inline u32 offcpu_reason(long state, u32 tid, task_key task)
 {
-    if (state == 0)
+    if (state == 0 || state == STATE_PREEMPTED_ASLEEP)
         return R_PREEMPT;
     if (state & STATE_D)
         return R_IO;
@@ -420,68 +429,72 @@ static inline u64 clock_ns(u64 *now)
     return *now;
 }
 
-#if defined(BTF_SCHED) && defined(RQ_CLOCK_OFF) && TASK_CFS_RQ_OFF >= 0 && CFS_RQ_RQ_OFF >= 0 && RQ_CLOCK_OFF >= 0
+#if defined(BTF_SCHED) && defined(RQ_CLOCK_OFF) && TASK_CFS_RQ_OFF >= 0 && CFS_RQ_RQ_OFF >= 0 && RQ_CLOCK_OFF >= 0 \
+    && RQ_CPU_OFF >= 0
 /* The instant a member leaves its CPU without reading the clock (BTF programs, where the kernel's BTF has the
  * path: task_struct.se.cfs_rq -> cfs_rq.rq -> rq.clock, CONFIG_FAIR_GROUP_SCHED). __schedule stamps the run
- * queue's clock (sched_clock, the stamp the kernel's own schedstat run_delay uses) just before this tracepoint; a
- * per-CPU offset turns it into CLOCK_MONOTONIC, bpf_ktime_get_ns's clock, that every other time here and user
- * space's tick use. The offset is CLOCK_MONOTONIC minus the stamp at each clock read this CPU makes for a
- * switch-in anyway (the least of them within CLOCK_EPOCH_NS: a stamp the kernel did not renew, a wakeup's that
- * preempted, only makes it larger), and is started afresh by a clock read when older than that: the two clocks
- * drift apart only by NTP's frequency correction (≤ 500 ppm, 5 µs over the epoch, typically ~0.1 µs). The
- * clock read was the dearest step of a member's switch-out (bpf_ktime_get_ns, ~75 ns in a 6.18 VM). */
-#define CLOCK_EPOCH_NS 10000000ULL
+ * queue's clock (sched_clock, the stamp the kernel's own schedstat run_delay uses) just before this tracepoint; an
+ * offset per run queue turns it into CLOCK_MONOTONIC, bpf_ktime_get_ns's clock, that every other time here and
+ * user space's tick use. The offset is learnt from the clock reads of the run queue's member switch-ins
+ * (CLOCK_MONOTONIC at the tracepoint minus the stamp: an upper bound of the true offset, by the pick's time):
+ * it is the least of them, allowed to grow since the last by 1/512 of the time between (~2000 ppm: the two clocks
+ * drift apart only by NTP's frequency correction, <= 500 ppm) — so it never lies below the true offset and stays
+ * within a few ns of the lowest recent read. A run queue with no read for CLOCK_STALE_NS starts afresh from the
+ * clock. A wait started by a wakeup on another CPU is stamped with the offset of the run queue it waits on, the
+ * one its switch-in uses: both ends of it then carry the same estimate, as the kernel's run_delay takes both from
+ * that run queue's clock. (One offset per CPU, each learnt alone and renewed every 10 ms by a single read, put
+ * the ends of a cross-CPU wait on two estimates µs apart: +0.1..3 µs per wait on a busy job.) The clock read was
+ * the dearest step of a member's switch-out (bpf_ktime_get_ns, ~75 ns in a 6.18 VM). */
+#define CLOCK_STALE_NS 10000000ULL
+#define CLOCK_DRIFT_SHIFT 9
 struct cpu_clock {
-    u64 off;                   /* CLOCK_MONOTONIC - rq->clock on this CPU */
-    u64 at;                    /* rq->clock when this epoch started; 0: none yet */
+    u64 off;                   /* CLOCK_MONOTONIC - rq->clock on this run queue */
+    u64 at;                    /* rq->clock at the last read; 0: none yet */
 };
-BPF_PERCPU_ARRAY(cpu_clock, struct cpu_clock, 1);
+BPF_ARRAY(cpu_clock, struct cpu_clock, SCHED_NCPU);   /* by the run queue's CPU */
 
-static inline u64 rq_clock_of(struct task_struct *t)
+static inline void *rq_of(struct task_struct *t)
 {
     /* direct loads through BTF pointers, each checked by the verifier against the running kernel's BTF (a fault
      * reads 0) */
     void *cfs = *(void **)((void *)t + TASK_CFS_RQ_OFF);
-    void *rq = *(void **)(cfs + CFS_RQ_RQ_OFF);
-    return *(u64 *)(rq + RQ_CLOCK_OFF);
+    return *(void **)(cfs + CFS_RQ_RQ_OFF);
 }
 
-/* `now` (just read from the clock) against this CPU's run-queue stamp `sc`: keep the least offset of the epoch. */
+/* `now` (just read from the clock) against run queue stamp `sc`: the least offset, grown by the drift allowance. */
 static inline void clock_seen(struct cpu_clock *c, u64 now, u64 sc)
 {
     u64 off = now - sc;
-    if (c->at == 0 || sc < c->at || sc - c->at >= CLOCK_EPOCH_NS) {
-        c->off = off;
-        c->at = sc;
-    } else if ((s64)(off - c->off) < 0) {
-        c->off = off;
+    if (c->at && sc >= c->at && sc - c->at < CLOCK_STALE_NS) {
+        u64 grown = c->off + ((sc - c->at) >> CLOCK_DRIFT_SHIFT);
+        if ((s64)(grown - off) < 0)
+            off = grown;
     }
+    c->off = off;
+    c->at = sc;
 }
 
 /* The instant of a scheduler event of `t` (a member leaving this CPU, or being woken): its run queue's stamp, which
  * the kernel renewed for this event, in CLOCK_MONOTONIC; or the clock itself (read into *now, for the rest of the
- * event) where this CPU's offset is too old or none can be had, or where `exact` asks for it (a switch-in: the
- * offset is renewed from it). A wakeup may run on another CPU than t's run queue: the offset is then the waker's
- * CPU's, right where the scheduler's clock agrees across CPUs (a stable TSC, kvm-clock), as the kernel's own
- * run_delay, stamped the same way, takes it to. A switch-in (`exact`) reads the clock to renew the offset, and
- * is stamped with the run queue's stamp too: the one __schedule took before its pick, where the kernel ends the
- * task's run_delay and starts its run time. The clock at this tracepoint reads later by the pick and the switch's
- * path (1.5..4 µs per switch on a 6.18 VM, more when the host is busy), which the waits would otherwise gain and
- * the kernel's figures do not. */
+ * event) where the run queue's offset is stale or none can be had. A switch-in (`exact`) reads the clock to renew
+ * the offset, and is stamped with the run queue's stamp too: the one __schedule took before its pick, where the
+ * kernel ends the task's run_delay and starts its run time. The clock at this tracepoint reads later by the pick
+ * and the switch's path (1.5..4 µs per switch on a 6.18 VM, more when the host is busy), which the waits would
+ * otherwise gain and the kernel's figures do not. A switch-in renews the offset even where this switch's
+ * switch-out read the clock already: were it stamped with that read instead, a CPU whose switches all go from one
+ * member to another would never renew its offset, and every wait on it would end at the tracepoint's clock. */
 static inline u64 stamp_ns(struct task_struct *t, u64 *now, int exact)
 {
-    u32 zero = 0;
-    struct cpu_clock *c = cpu_clock.lookup(&zero);
-    u64 sc = rq_clock_of(t);
+    void *rq = rq_of(t);
+    u64 sc = *(u64 *)(rq + RQ_CLOCK_OFF);
+    u32 cpu = *(int *)(rq + RQ_CPU_OFF);
+    struct cpu_clock *c = cpu_clock.lookup(&cpu);
     if (!exact) {
         if (*now)
             return *now;
-        if (c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_EPOCH_NS)
+        if (c && sc && c->at && sc >= c->at && sc - c->at < CLOCK_STALE_NS)
             return sc + c->off;
     }
-    /* A switch-in renews the offset even where this switch's switch-out read the clock already (its epoch had
-     * run out): were it stamped with that read instead, a CPU whose switches all go from one member to another
-     * would never renew its epoch again, and every wait on it would end at the tracepoint's clock. */
     if (*now == 0)
         *now = bpf_ktime_get_ns();
     if (c && sc) {
@@ -491,10 +504,49 @@ static inline u64 stamp_ns(struct task_struct *t, u64 *now, int exact)
     }
     return *now;
 }
+#if TASK_LAST_ARRIVAL_OFF >= 0
+/* User space's latest reading of any slot (CLOCK_MONOTONIC, the instant its open periods were counted up to). */
+BPF_ARRAY(read_at, u64, 1);
+
+/* Where a period of `t` (switching out now, at `out`; open since `from`) whose switch-in no program saw ends:
+ * when the kernel says `t` last came on a CPU (sched_info.last_arrival, its run queue's clock: CONFIG_SCHED_INFO),
+ * in CLOCK_MONOTONIC — but never before user space's latest reading, which counted the period as open up to then
+ * (closing it earlier would take back time an interval already reported). *over: the time counted open after the
+ * thread was back on its CPU (end - that instant); without the kernel's stamp, the period ends at `out` and all of
+ * it may be. */
+static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over)
+{
+    void *rq = rq_of(t);
+    u64 la = *(u64 *)((void *)t + TASK_LAST_ARRIVAL_OFF);
+    u32 cpu = *(int *)(rq + RQ_CPU_OFF), zero = 0;
+    struct cpu_clock *c = cpu_clock.lookup(&cpu);
+    u64 *read = read_at.lookup(&zero);
+    u64 in = c && c->at && la ? la + c->off : 0;
+    if (in < from || in > out) {
+        *over = out - from;
+        return out;
+    }
+    u64 end = read && *read > in && *read < out ? *read : in;
+    *over = end - in;
+    return end;
+}
+#else
+static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over)
+{
+    *over = out - from;
+    return out;
+}
+#endif
 #else
 static inline u64 stamp_ns(task_key t, u64 *now, int exact)
 {
     return clock_ns(now);
+}
+
+static inline u64 missed_end(task_key t, u64 from, u64 out, u64 *over)
+{
+    *over = out - from;
+    return out;
 }
 #endif
 
@@ -541,7 +593,7 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
             u32 key = slot;
             struct slot_stats *s = stats.lookup(&key);
             if (s) {
-                if (state == 0)
+                if (state == 0 || state == STATE_PREEMPTED_ASLEEP)
                     s->involuntary++;
                 else
                     s->voluntary++;
@@ -579,7 +631,16 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                 struct off_rec *old = rec_get(prev);
 #endif
                 if (old) {
-                    finish(old, out);   /* a no-op unless its switch-in was missed */
+                    if (old->out_ns || old->enq_ns) {
+                        /* Its switch-in was never seen: on this kernel a switch that ends a kernel worker's run
+                         * now and then reaches no program (no recursion miss counted; the worker exits later).
+                         * The period ends where the kernel says this thread last came on a CPU (missed_end);
+                         * counted. */
+                        u64 over = 0, from = old->enq_ns > old->out_ns ? old->enq_ns : old->out_ns;
+                        finish(old, missed_end(prev, from < out ? from : out, out, &over));
+                        s->switch_ins_missed++;
+                        s->switch_in_missed_ns += over;
+                    }
                     *old = rec;
                 } else if (rec_put(prev, &rec)) {
                     goto next;          /* the map is full: this period is not counted, and nothing is opened */
@@ -628,7 +689,9 @@ next:
 static inline void woken(task_key task)
 {
     struct off_rec *rec = rec_get(task);
-    if (!rec || rec->out_ns == 0 || rec->enq_ns)   /* not off CPU (a consumed entry of a running thread), or runnable */
+    /* not off CPU (a consumed entry of a running thread), or runnable; or preempted on its way to sleep, woken
+     * before it got there: on a run queue all along, and no wait the kernel counts (STATE_PREEMPTED_ASLEEP) */
+    if (!rec || rec->out_ns == 0 || rec->enq_ns || rec->reason == R_PREEMPT)
         return;
     u64 clock = 0;
     u64 now = rec->tgid ? clock_ns(&clock) : stamp_ns(task, &clock, 0);   /* traced: the clock (switched()) */
@@ -707,7 +770,7 @@ int on_wakeup_new(struct tracepoint__sched__sched_wakeup_new *args)
 static inline long reported_state(u64 preempt, u32 st)
 {
     if (preempt)
-        return 0;
+        return st ? STATE_PREEMPTED_ASLEEP : 0;
     if (st & RAW_TASK_DEAD)
         return REPORTED_DEAD;
     if (st == RAW_TASK_IDLE)

@@ -56,6 +56,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.node.probe import Field
 from jobprobe.node.bpfprobe import BpfProbe
+from jobprobe.kernel.bpfmap import possible_cpus
 from jobprobe.kernel.membership import Node
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
 from jobprobe.kernel.schedread import (COUNTERS, HELD, NBUCKETS, NTIMES, READ_TRIES, WORDS, SlotStats,
@@ -87,7 +88,8 @@ BTF_HANDLERS = (
 # CONFIG_FAIR_GROUP_SCHED there is no se.cfs_rq, and the clock is read instead.
 BTF_OFFSETS = (("TASK_PID_OFF", "task_struct.pid", 4, True), ("TASK_CGROUPS_OFF", "task_struct.cgroups", 8, True),
                ("TASK_CFS_RQ_OFF", "task_struct.se.cfs_rq", 8, False), ("CFS_RQ_RQ_OFF", "cfs_rq.rq", 8, False),
-               ("RQ_CLOCK_OFF", "rq.clock", 8, False))
+               ("RQ_CLOCK_OFF", "rq.clock", 8, False), ("RQ_CPU_OFF", "rq.cpu", 4, False),
+               ("TASK_LAST_ARRIVAL_OFF", "task_struct.sched_info.last_arrival", 8, False))
 SYSCALL_HANDLERS = (("raw_syscalls:sys_enter", "on_sys_enter"),)
 # With RAW_SCHED the syscall hook is a raw tracepoint program too: a classic one returning 0 hides every
 # raw_syscalls:sys_enter of the node from perf users (`perf trace`, `perf stat -e raw_syscalls:*`).
@@ -141,7 +143,11 @@ def btf_sched(host: Host) -> tuple[tuple[str, ...], str | None]:
         return (), "no kernel BTF (/sys/kernel/btf/vmlinux)"
     # the task_struct offsets are left for the loader to take from the kernel's BTF ("@btf:...", bpf_loader): the
     # agent never reads the ~6 MB of BTF itself (its heap kept ~8 MiB of the pass)
-    return ("-DBTF_SCHED", *(f"-D{define}=@btf{'' if needed else '?'}:{where}:{size}"
+    try:
+        ncpu = possible_cpus(host.sys)
+    except OSError:          # a host root without the file (a test's): the running kernel's
+        ncpu = possible_cpus()
+    return ("-DBTF_SCHED", f"-DSCHED_NCPU={ncpu}", *(f"-D{define}=@btf{'' if needed else '?'}:{where}:{size}"
                              for define, where, size, needed in BTF_OFFSETS)), None
 
 
@@ -162,6 +168,8 @@ def interval(now: dict[str, Any], before: dict[str, Any], syscall_reasons: bool 
         "offcpu_ns": sum(times[r] for r in REASONS) + times["wakeup"],
         "runq_lat_ns": times["runq"],
         "runq_events": d["runq_events"],
+        "switch_ins_missed": d["switch_ins_missed"],
+        "switch_in_missed_ns": d["switch_in_missed_ns"],
         "runq_lat_us_log2": hist,
         "runq_lat_p50_us": log2_percentile(hist, 0.50),
         "runq_lat_p99_us": log2_percentile(hist, 0.99),
@@ -233,6 +241,13 @@ def _fields() -> dict[str, Field]:
         "runq_lat_p99_us": Field("float", "us", "99th percentile run-queue latency (from the histogram; None if "
                                  "no events)"),
         "runq_events": Field("int", "count", "times a job thread went from runnable to running (waits that ended)"),
+        "switch_ins_missed": Field("int", "count", "off-CPU periods whose switch-in reached no program (now and then "
+                                   "the kernel delivers none for a switch away from a kernel worker), closed at the "
+                                   "thread's next switch-out"),
+        "switch_in_missed_ns": Field("int", "ns", "time those periods were counted off CPU (and waiting, where woken "
+                                     "or preempted) after the thread was back on a CPU: from the kernel's own stamp of "
+                                     "that switch-in (sched_info.last_arrival, BTF programs) to the last reading that "
+                                     "counted the period open; where no stamp can be had, the whole period"),
         "offcpu_wakeup_ns": Field("int", "ns", "off-CPU time from the wakeup of a sleep (io, lock, sleep, wait) to "
                                   "running again: waiting for a CPU after sleeping (within the interval)"),
         "torn_reads": Field("int", "count", "ticks whose copy of the kernel's counters stayed torn (a CPU wrote "
@@ -363,14 +378,23 @@ class SchedProbe(BpfProbe):
             def whole() -> tuple[bytes, int, int]:
                 t0 = time.monotonic_ns()
                 raw = table.array_raw()
-                return raw, t0, time.monotonic_ns()
+                t1 = time.monotonic_ns()
+                self.read_at(t1)
+                return raw, t0, t1
             raw, t0, t1 = tickmemo.get(("sched-slots", table), whole)
             size = WORDS * 8 * table.ncpus
             return raw[self.slot * size:(self.slot + 1) * size], t0, t1
         t0 = time.monotonic_ns()
         per_cpu = table.lookup(self.slot)
         t1 = time.monotonic_ns()
+        self.read_at(t1)
         return b"".join(bytes(v) for v in per_cpu), t0, t1
+
+    def read_at(self, t: int) -> None:
+        """Tell the programs the instant this reading counted open periods up to (bpf/sched.c missed_end)."""
+        table = self.loaded.maps.get("read_at")
+        if table is not None:
+            table.update(ct.c_uint32(0), ct.c_uint64(t))
 
     def reading(self) -> dict[str, Any]:
         """Cumulative counters of our slot, summed over CPUs, from a copy in which no CPU's words were being

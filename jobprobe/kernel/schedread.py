@@ -13,7 +13,8 @@ from typing import Any
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
 NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (the off-CPU reasons), T_WAKEUP 6
-COUNTERS = ("voluntary", "involuntary", "runq_events")   # bpf/sched.c struct slot_stats' scalars, in order
+# bpf/sched.c struct slot_stats' scalars, in order
+COUNTERS = ("voluntary", "involuntary", "runq_events", "switch_ins_missed", "switch_in_missed_ns")
 ARRAYS = ("events", "done_ns", "open_n", "open_ns")      # then its arrays of NTIMES (then runq_hist)
 MASK = (1 << 64) - 1
 
@@ -29,7 +30,7 @@ class SlotStats(ct.Structure):
 WORDS = ct.sizeof(SlotStats) // 8
 READ_TRIES = 4           # copies of a slot taken before a torn one is given up on for the tick
 # How far one period's stamps may sit from user space's clock: the run queue's clock turned into CLOCK_MONOTONIC
-# drifts ≤ 5 µs over an offset's epoch, and a wakeup on another CPU uses that CPU's offset (bpf/sched.c stamp_ns).
+# by an offset learnt from its recent switch-ins, which the two clocks' drift moves by µs (bpf/sched.c stamp_ns).
 STAMP_SKEW_NS = 100_000
 HELD = ("torn_reads", "impossible")   # readings not emitted, counted (cumulative in a reading, like COUNTERS)
 
