@@ -377,7 +377,15 @@ static inline void close_time(struct slot_stats *s, u32 t, u64 since, u64 until)
  * and the entry is marked consumed. The normal end of an off-CPU period is its switch-in; an entry found still
  * open at a thread's next switch-out or at its exit (a switch-in the kernel skipped: bpf_missed) closes there,
  * so that no period stays open forever. */
+static inline void finish_at(struct off_rec *rec, u64 now, u64 seen);
+
 static inline void finish(struct off_rec *rec, u64 now)
+{
+    finish_at(rec, now, now);
+}
+
+/* finish, with `seen` the end a deep trace's event of the period takes (missed_end). */
+static inline void finish_at(struct off_rec *rec, u64 now, u64 seen)
 {
     if (rec->out_ns == 0 && rec->enq_ns == 0)
         return;
@@ -399,7 +407,7 @@ static inline void finish(struct off_rec *rec, u64 now)
             s->events[rec->reason & (NTIMES - 1)]++;
 #ifdef JOB_DEEP_TRACE
             if (rec->tgid)
-                trace_offcpu(rec, end > now ? end : now);
+                trace_offcpu(rec, end > seen ? end : seen);
 #endif
         }
         if (rec->enq_ns) {
@@ -513,8 +521,8 @@ BPF_ARRAY(read_at, u64, 1);
  * in CLOCK_MONOTONIC — but never before user space's latest reading, which counted the period as open up to then
  * (closing it earlier would take back time an interval already reported). *over: the time counted open after the
  * thread was back on its CPU (end - that instant); without the kernel's stamp, the period ends at `out` and all of
- * it may be. */
-static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over)
+ * it may be. *seen: the end a deep trace's event of the period takes (the kernel's stamp: not a running total). */
+static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over, u64 *seen)
 {
     void *rq = rq_of(t);
     u64 la = *(u64 *)((void *)t + TASK_LAST_ARRIVAL_OFF);
@@ -524,16 +532,19 @@ static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over
     u64 in = c && c->at && la ? la + c->off : 0;
     if (in < from || in > out) {
         *over = out - from;
+        *seen = out;
         return out;
     }
     u64 end = read && *read > in && *read < out ? *read : in;
     *over = end - in;
+    *seen = in;
     return end;
 }
 #else
-static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over)
+static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over, u64 *seen)
 {
     *over = out - from;
+    *seen = out;
     return out;
 }
 #endif
@@ -543,9 +554,10 @@ static inline u64 stamp_ns(task_key t, u64 *now, int exact)
     return clock_ns(now);
 }
 
-static inline u64 missed_end(task_key t, u64 from, u64 out, u64 *over)
+static inline u64 missed_end(task_key t, u64 from, u64 out, u64 *over, u64 *seen)
 {
     *over = out - from;
+    *seen = out;
     return out;
 }
 #endif
@@ -636,8 +648,9 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                          * now and then reaches no program (no recursion miss counted; the worker exits later).
                          * The period ends where the kernel says this thread last came on a CPU (missed_end);
                          * counted. */
-                        u64 over = 0, from = old->enq_ns > old->out_ns ? old->enq_ns : old->out_ns;
-                        finish(old, missed_end(prev, from < out ? from : out, out, &over));
+                        u64 over = 0, seen = out, from = old->enq_ns > old->out_ns ? old->enq_ns : old->out_ns;
+                        u64 end = missed_end(prev, from < out ? from : out, out, &over, &seen);
+                        finish_at(old, end, seen);   /* a trace's event ends where the thread ran again */
                         s->switch_ins_missed++;
                         s->switch_in_missed_ns += over;
                     }

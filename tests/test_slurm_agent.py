@@ -201,8 +201,12 @@ def test_an_array_job_each_task_its_own_job(site):
         job = hello["job"]
         wait_for(lambda: agent.ended(job), 60, f"task {task} (job {job}) to end and be let go")
         own = int((jobs / f"array-{task}.out").read_text().split("cpu_ns=")[1].split()[0])
-        seen = cpu(agent.frames(job))
+        frames = agent.frames(job)
+        seen = cpu(frames)
         assert abs(seen - own) <= 40e6 + 0.02 * own, dict(task=task, own=own, seen=seen,
+                                                         samples=[(f["dt"], cpu([f]), f["probes"]["cgroup"]["nprocs"],
+                                                                   f["probes"]["cgroup"]["exits_uncounted"])
+                                                                  for f in frames if f["kind"] == "sample"],
                                                          from_start=hello.get("from_start"),
                                                          prolog=runs(cluster.base, "prolog", job),
                                                          log=(cluster.base / "agent.log").read_text()[-1500:])
