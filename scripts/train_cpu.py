@@ -49,7 +49,8 @@ class Clock:
     def __init__(self, a):
         self.a = a
         self.startup_s = self.input_s = self.checkpoint_s = 0.0
-        self.first = self.last = 0.0
+        self.first = self.last = self.saved = 0.0
+        self.input_at_save = 0.0        # input_s when the last checkpoint was written
 
     def first_step(self) -> None:
         self.startup_s = process_age_s()
@@ -67,16 +68,22 @@ class Clock:
 
     def after_step(self, step: int) -> None:
         a = self.a
-        if a.checkpoint_every and step % a.checkpoint_every == a.checkpoint_every - 1:
+        due = (a.checkpoint_every and step % a.checkpoint_every == a.checkpoint_every - 1) or \
+            (a.checkpoint_every_s and time.monotonic() - (self.saved or self.first) >= a.checkpoint_every_s)
+        if due:
             t = time.monotonic()
             checkpoint(a)
-            self.checkpoint_s += time.monotonic() - t
+            self.saved = time.monotonic()
+            self.checkpoint_s += self.saved - t
+            self.input_at_save = self.input_s
         self.last = time.monotonic()
 
     def line(self) -> str:
         compute = (self.last - self.first) - self.input_s - self.checkpoint_s
+        # computing since the last checkpoint ended (since the first step, without one): what a restart loses
+        unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
-                f"compute_s={compute:.3f}")
+                f"compute_s={compute:.3f} unsaved_s={unsaved:.3f}")
 
 
 def checkpoint(a) -> None:
@@ -197,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=0, metavar="S", help="stop after S seconds if steps remain")
     ap.add_argument("--startup-s", type=float, default=0, metavar="S", help="wait S seconds before the first step")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="a checkpoint every K steps")
+    ap.add_argument("--checkpoint-every-s", type=float, default=0, metavar="S",
+                    help="a checkpoint after the step that ends S seconds after the last one (or the first step)")
     ap.add_argument("--checkpoint-mib", type=int, default=64, metavar="M", help="its size (default 64 MiB)")
     ap.add_argument("--checkpoint-dir", default=".", help="where it is written (default: here)")
     a = ap.parse_args(argv)

@@ -568,3 +568,57 @@ def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_on
     samples = [f["probes"]["gate"]["calls"] for f in frames if f["kind"] == "sample"]
     assert samples == list(range(1, seen["calls"] + 1)) and seen["calls"] == 4, (samples, seen)   # 3 ticks + last
     assert [f["seq"] for f in frames] == list(range(len(frames)))
+
+
+def test_a_job_is_shown_ended_only_once_its_file_holds_its_last_frame(tmp_path, make_cgroup):
+    """`status` lists a job in `recent` (what an epilog, a test or an operator waits for) only after its last frame
+    is written and its sinks closed: a detach whose last sample is held up shows nothing ended meanwhile, and once
+    the job shows, its file ends with that last frame. (Listed before its last tick, a reader of the file found the
+    job's tail missing: a SLURM array task read 800 of its 1000 ms of CPU in CI.)"""
+    from jobprobe.node.probe import Field, Probe
+    last, go, entered = threading.Event(), threading.Event(), threading.Event()
+    calls = [0]
+
+    class Gate(Probe):
+        name = "gate"
+        fields = {"calls": Field("int", "count", "sample() calls so far")}
+
+        def start(self, target):
+            pass
+
+        def sample(self):
+            calls[0] += 1
+            if last.is_set():             # the detach's last sample: held until the test lets it go
+                entered.set()
+                go.wait(10)
+            return {"calls": calls[0]}
+
+    cfg = Config(interval=0.05, probes="gate", out=str(tmp_path / "out"))
+    a = Agent(cfg)
+    a.registry = {**a.registry, "gate": Gate}
+    cg = make_cgroup("ending")
+    proc = cg.spawn(["sleep", "30"])
+    result = {}
+    try:
+        assert a.attach(JobSpec(cgroup=str(cg.path), job="ending", probes="gate"))["state"] == "attached"
+        a.tick()
+        a.tick()
+        last.set()
+        detacher = threading.Thread(target=lambda: result.update(a.detach("ending")))
+        detacher.start()
+        assert entered.wait(10), "the detach never took its last sample"
+        time.sleep(0.1)
+        shown = [r["job"] for r in a.status()["recent"]]
+        again = a.detach("ending")        # an epilog's detach meanwhile: told it is ending, not refused
+        go.set()
+        detacher.join(10)
+    finally:
+        go.set()
+        a.close()
+        proc.kill()
+        proc.wait()
+    assert "ending" not in shown, shown
+    assert again["state"] == "already ended", again
+    assert result.get("state") == "detached" and "ending" in [r["job"] for r in a.status()["recent"]], result
+    samples = [f["probes"]["gate"]["calls"] for f in frames_of(a, "ending") if f["kind"] == "sample"]
+    assert samples == [1, 2, 3], samples

@@ -100,7 +100,8 @@ def site():
         wrapper = base / f"{name}.sh"
         wrapper.write_text(f"""#!/bin/sh
 t0=$(date +%s%N)
-JOBPROBE_SOCKET={base}/agent.sock {PYTHON} {REPO}/scripts/slurm/{name} 2>>{base}/{name}.err
+JOBPROBE_SOCKET={base}/agent.sock JOBPROBE_SUMMARY=1 JOBPROBE_BIN={REPO}/.venv/bin/jobprobe \
+SLURM_CONF={cluster.conf} {PYTHON} {REPO}/scripts/slurm/{name} 2>>{base}/{name}.err
 rc=$?
 echo "$SLURM_JOB_ID $rc $(( $(date +%s%N) - t0 ))" >> {base}/{name}.log
 exit $rc
@@ -179,6 +180,14 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
     for name in ("prolog", "epilog"):
         assert [rc for rc, _ in runs(cluster.base, name, job)] == [0], (name, runs(cluster.base, name, job))
         assert all(s < 5 for _, s in runs(cluster.base, name, job))
+    # the epilog (JOBPROBE_SUMMARY=1) left the job's summary beside its output, written as the job's user: the page
+    # `jobprobe summary` makes of the job's frames
+    page = jobs / f"jobprobe-{job}.txt"
+    assert page.exists(), (cluster.base / "epilog.err").read_text()[-1000:]
+    assert page.stat().st_uid == int(labels["uid"])
+    mine = subprocess.run([str(REPO / ".venv" / "bin" / "jobprobe"), "summary", str(agent.out / f"{job}.mpk")],
+                          capture_output=True, text=True, timeout=60)
+    assert page.read_text() == mine.stdout and f"job {job} on 1 node" in mine.stdout, (page.read_text(), mine)
 
 
 def test_an_array_job_each_task_its_own_job(site):

@@ -68,6 +68,37 @@ def test_a_stall_goes_to_input_a_checkpoint_to_checkpointing_a_limit_to_starved(
     assert set(by_t[11]) == {"computing", "waiting_for_input"} and set(by_t[17]) == {"computing", "checkpointing"}
 
 
+def run_of(frames: list[dict], run: str, t: float, from_start: bool = True) -> list[dict]:
+    """`frames` as one agent run's: its hello at `t` (the job's processes new, or already running), each frame
+    tagged with the run."""
+    return [{"kind": "hello", "node": "a", "job": "j", "t": t, "run": run, "from_start": from_start}] + \
+        [{**f, "run": run} for f in frames]
+
+
+def test_a_restarted_job_loses_the_work_since_its_last_checkpoint():
+    """Run 1: 2 s of startup, 10 s computing, a checkpoint, 6 s more, then the job dies and is started again (a
+    requeue: a new run whose processes are new) — its 6 s since the checkpoint are lost, its second startup is
+    startup again. An agent that restarts beside a job still running (from_start false) loses nothing."""
+    ck = dict(sched_offcpu_io_ns=0.5e9, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2e9, sched_runq_lat_ns=1e7,
+              cgroup_io_write_bytes=64 << 20)
+    first = [sample(1, 0.05), sample(2, 0.05)] + steady(10, 2) + [sample(13, 1.5, **ck)] + steady(6, 13)
+    second = [sample(21, 0.05), sample(22, 0.05)] + steady(8, 22)
+    frames = run_of(first, "r1", 0.0) + run_of(second, "r2", 20.0)
+    d = decompose(frames)
+    assert d["restarts"] == 1
+    assert d["buckets"]["lost"] == pytest.approx(6.0), d["buckets"]
+    assert d["buckets"]["startup"] == pytest.approx(4.0), d["buckets"]
+    assert 18.0 <= d["buckets"]["computing"] <= 19.0, d["buckets"]    # 10 + 8, and the checkpoint's second's share
+    assert sum(d["buckets"].values()) == pytest.approx(d["wall_s"])
+    # without a checkpoint, the whole first run's work is lost
+    plain = run_of([sample(1, 0.05)] + steady(10, 1), "r1", 0.0) + run_of([sample(21, 0.05)] + steady(5, 21), "r2", 20)
+    assert decompose(plain)["buckets"]["lost"] == pytest.approx(10.0)
+    # an agent restart: the same job's processes, watched by a new run — nothing lost, one startup
+    again = run_of(first, "r1", 0.0) + run_of(steady(8, 20), "r3", 20.0, from_start=False)
+    d = decompose(again)
+    assert d["restarts"] == 0 and d["buckets"]["lost"] == 0 and d["buckets"]["startup"] == pytest.approx(2.0)
+
+
 def test_a_figure_that_did_not_move_is_never_evidence():
     """A shortfall with every figure at its usual level: not attributed (other), whatever those levels are — a job
     that always waits on its loader's queue does not wait for input when it slows for a reason nobody measured."""
@@ -203,6 +234,36 @@ def test_a_training_job_with_known_badput(tmp_path):
     assert b["starved"] <= 0.05 * s["wall_s"] and b["other"] <= 0.05 * s["wall_s"], report
     page = cli("summary", str(out)).stdout
     assert f"goodput {100 * s['goodput']:.0f}%" in page and "waiting for input" in page and "checkpointing" in page
+
+
+@pytest.mark.kernel
+@pytest.mark.serial      # the job's pace is a share of the machine
+def test_a_job_started_again_loses_its_work_since_its_last_checkpoint(tmp_path):
+    """The reference job run twice under one name (`jobprobe run --job`: each run a new agent run, its processes
+    new — a requeue): the first checkpoints every 5 s and ends 14 s in, the second runs 8 s. `summary` of
+    both files: the first run's computing since its last checkpoint is lost, by the job's own clock of it, and the
+    second run's startup is startup again."""
+    runs = []
+    for i, seconds in enumerate((14, 8)):
+        out = tmp_path / f"run{i}.mpk"
+        r = cli("run", "--job", "requeued", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
+                str(ROOT / "scripts" / "train_cpu.py"), "--steps", "100000", "--seconds", str(seconds),
+                "--startup-s", "2", "--checkpoint-every-s", "5", "--checkpoint-mib", "48", "--checkpoint-dir",
+                str(tmp_path), "--threads", "2", timeout=240)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs.append((out, own_clock(r.stdout)))
+    s = json.loads(cli("summary", "--format", "json", str(runs[0][0]), str(runs[1][0])).stdout)
+    b, first, second = s["buckets"], runs[0][1], runs[1][1]
+    report = dict(first=first, second=second, buckets=b, restarts=s["restarts"])
+    print(report)
+    assert s["restarts"] == 1 and first["unsaved_s"] > 0.5, report
+    # lost: the first run's computing after its last checkpoint, as the job counted it (its last interval's share of
+    # it is cut at the tick: a second at most)
+    assert abs(b["lost"] - first["unsaved_s"]) <= 0.15 * first["unsaved_s"] + 1.0, report
+    assert abs(b["startup"] - first["startup_s"] - second["startup_s"]) <= 0.15 * (first["startup_s"] +
+                                                                                second["startup_s"]) + 1.0, report
+    alone = json.loads(cli("summary", "--format", "json", str(runs[0][0])).stdout)
+    assert alone["restarts"] == 0 and alone["buckets"]["lost"] == 0, alone     # a run nothing came after: none
 
 
 def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_path):

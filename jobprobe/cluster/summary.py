@@ -94,10 +94,13 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
     th = thresholds or dict(efficiency.DEFAULTS)
     frames = [f for f in frames if isinstance(f, dict)]
     by_node: dict[str, list[dict]] = defaultdict(list)
+    hellos: dict[str, list[dict]] = defaultdict(list)     # each run's hello: a job started again (decompose)
     for f in frames:
         if usable(f):
             by_node[str(f.get("node", "?"))].append(f)
-    nodes = {n: decompose(fs, intervals=True) for n, fs in sorted(by_node.items())}
+        elif f.get("kind") == "hello":
+            hellos[str(f.get("node", "?"))].append(f)
+    nodes = {n: decompose(hellos[n] + fs, intervals=True) for n, fs in sorted(by_node.items())}
     events = sorted((f for f in frames if f.get("kind") == "event" and num(f, "t") is not None),
                     key=lambda e: num(e, "t"))
     ends = [num(f, "t") for fs in by_node.values() for f in fs]
@@ -121,6 +124,7 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
             "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
             "notes": [f"node {n}: {line}" for n, d in nodes.items()
                       for line in efficiency.notes(d.get("used", {}), d.get("granted", {}), th)],
+            "restarts": max((d.get("restarts", 0) for d in nodes.values()), default=0),
             "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
                              "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()},
                              **({"gpu": {k: round(v, 2) for k, v in d["gpu"].items()}} if "gpu" in d else {}),
@@ -162,8 +166,11 @@ def text(s: dict[str, Any]) -> str:
     """The summary as a person reads it."""
     if not s["nodes"]:
         return f"job {s['job']}: no samples\n"
+    again = s.get("restarts") or 0
     lines = [f"job {s['job']} on {s['nodes']} node{'s' if s['nodes'] != 1 else ''}: {_hms(s['wall_s'])} wall "
-             f"({s['wall_s']:.1f} s), goodput {100 * s['goodput']:.0f}%", "", "where the time went:"]
+             f"({s['wall_s']:.1f} s), goodput {100 * s['goodput']:.0f}%"
+             + (f"; started again {again} time{'s' if again != 1 else ''}" if again else ""),
+             "", "where the time went:"]
     wall = s["wall_s"] or 1.0
     for b, v in sorted(s["buckets"].items(), key=lambda kv: -kv[1]):
         if v > 0 or b in ("computing", "other"):

@@ -24,8 +24,11 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
     shortfall the threads spent waiting, not on what: they add to the covered share, split as the others are.
   The shortfall is given out in the proportion of those figures, as far as they cover it (in thread-seconds: the
   shortfall × the steady pace); what they do not cover is *gpu_idle* for a GPU-paced job, else *other*.
-- *waiting_for_peers* and *lost* are never given from one node's frames: the controller gives the first from who
-  waited for whom across the job's nodes, and a restart's lost work needs the run before it.
+- *lost*: where the job started again (a new agent run whose hello says its processes were new: a SLURM requeue, a
+  restarted pod), the computing of the run before it since its last checkpoint (all of it, without one); each run
+  has its own startup.
+- *waiting_for_peers* is never given from one node's frames: the controller gives it from who waited for whom
+  across the job's nodes.
 
 The buckets of an interval sum to its dt; the job's buckets sum to its wall time (the sum of the intervals' dt).
 Beside them, `gpu`: the job's OFU (`gpu.gpus[].ofu_pct`: tensor activity at the clock it ran, over the clock's
@@ -130,12 +133,12 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     """The time use of one node's samples of one job (other kinds of frame are skipped): wall_s, goodput (0..1),
     buckets (seconds, every name of BUCKETS), pace (what it was measured in and the steady figure), startup_end (the
     UNIX time startup ended; None if it never did) and, with `intervals`, each interval's t, dt and buckets."""
+    frames = frames if isinstance(frames, list) else list(frames)
     samples = sorted((f for f in frames if usable(f)), key=lambda f: num(f, "t") or 0.0)
     by = paced_by(samples)
     ticks = [Tick(f, by) for f in samples]
     out: dict[str, Any] = {"wall_s": sum(k.dt for k in ticks), "buckets": dict.fromkeys(BUCKETS, 0.0),
-                           "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0}
-    per: list[dict] = []
+                           "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0, "restarts": 0}
     paced = [k.pace for k in ticks if k.pace is not None]
     steady = _pct(paced, STEADY_PCT)
     if not paced or steady <= 0:
@@ -146,39 +149,72 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     out["pace"]["steady"] = steady
     clean = [k for k in ticks if k.pace is not None and k.pace >= CLEAN * steady]
     usual = {f: _median([k.fig.get(f, 0.0) for k in clean]) for f in {f for k in ticks for f in k.fig}}
-    first = next(i for i, k in enumerate(ticks) if (k.pace or 0.0) >= STARTED * steady)
-    bursts = Bursts(ticks[first + 1:])
-    for i, k in enumerate(ticks):
-        b = dict.fromkeys(BUCKETS, 0.0)
-        pace = k.pace or 0.0
-        share = min(1.0, pace / steady)
-        if i == first:
-            out["startup_end"] = k.t
-            b["computing"], b["startup"] = k.dt * share, k.dt * (1 - share)
-        elif i < first:
-            b["startup"] = k.dt
-        else:
-            ck, cpu = bursts.checkpoint(k)
-            if by == "cpu_cores" and k.dt > 0:
-                share = min(1.0, max(0.0, pace - cpu / k.dt) / steady)
-            b["checkpointing"] = ck
-            b["computing"] = min(k.dt - ck, k.dt * share)
-            split(k, k.dt - ck - b["computing"], steady, usual, by, b, ck > 0)
+    runs = segments(frames, samples)
+    out["restarts"] = len(runs) - 1
+    # each run's startup ends at its first interval at STARTED of the steady pace (a run that never got there: all
+    # of it); the checkpoints are looked for after them
+    firsts = [next((i for i in run if (ticks[i].pace or 0.0) >= STARTED * steady), run[-1] + 1) for run in runs]
+    bursts = Bursts([ticks[i] for run, first in zip(runs, firsts) for i in run if i > first])
+    per = []
+    for run, first in zip(runs, firsts):
+        for i in run:
+            k = ticks[i]
+            b = dict.fromkeys(BUCKETS, 0.0)
+            pace = k.pace or 0.0
+            share = min(1.0, pace / steady)
+            if i == first:
+                if out["startup_end"] is None:
+                    out["startup_end"] = k.t
+                b["computing"], b["startup"] = k.dt * share, k.dt * (1 - share)
+            elif i < first:
+                b["startup"] = k.dt
+            else:
+                ck, cpu = bursts.checkpoint(k)
+                if by == "cpu_cores" and k.dt > 0:
+                    share = min(1.0, max(0.0, pace - cpu / k.dt) / steady)
+                b["checkpointing"] = ck
+                b["computing"] = min(k.dt - ck, k.dt * share)
+                split(k, k.dt - ck - b["computing"], steady, usual, by, b, ck > 0)
+            per.append(b)
+    for run in runs[:-1]:
+        # a run the job started again after: its work since its last checkpoint was lost (all of it, without one)
+        last = max((i for i in run if per[i]["checkpointing"] > 0), default=run[0] - 1)
+        for i in run:
+            if i > last:
+                per[i]["lost"] += per[i]["computing"]
+                per[i]["computing"] = 0.0
+    for b in per:
         for name, v in b.items():
             out["buckets"][name] += v
-        if intervals:
-            per.append({"t": k.t, "dt": k.dt, "buckets": {n: v for n, v in b.items() if v}})
+    if intervals:
+        out["intervals"] = [{"t": k.t, "dt": k.dt, "buckets": {n: v for n, v in b.items() if v}}
+                            for k, b in zip(ticks, per)]
     if out["wall_s"] > 0:
         out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
-    after = ticks[first + 1:] or ticks[first:]
+    after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first] or ticks
     out["used"], out["granted"] = used_and_granted(ticks, after)
     for key in ("ofu_pct", "gpm_sm_active_pct"):      # over the job after its startup, weighted by dt
         had = [(k.gpu[key], k.dt) for k in after if key in k.gpu]
         if had and sum(dt for _, dt in had) > 0:
             out.setdefault("gpu", {})[key] = sum(v * dt for v, dt in had) / sum(dt for _, dt in had)
-    if intervals:
-        out["intervals"] = per
     return out
+
+
+def segments(frames: list[dict], samples: list[dict]) -> list[list[int]]:
+    """The indexes of `samples` (in time order) by run of the job: a new run starts at the first sample of an agent
+    run (`run`) whose hello says the job's processes were new (`from_start`) — the job started again (a SLURM
+    requeue, a restarted pod), not an agent that came back to a job still running."""
+    fresh = {f.get("run") for f in frames if isinstance(f, dict) and f.get("kind") == "hello"
+             and f.get("from_start") is True and isinstance(f.get("run"), str)}
+    out: list[list[int]] = []
+    seen: set = set()
+    for i, f in enumerate(samples):
+        run = f.get("run") if isinstance(f.get("run"), str) else None
+        if not out or (run not in seen and run in fresh):
+            out.append([])
+        seen.add(run)
+        out[-1].append(i)
+    return out or [[]]
 
 
 class Bursts:

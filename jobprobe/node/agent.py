@@ -91,6 +91,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         self.starting: set[str] = set()
         self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
         self.recent: list[dict[str, Any]] = []                      # the last jobs that ended or were given up
+        self.leaving: dict[str, str] = {}   # jobs out of the table whose last frame and sinks are being finished
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.ready = threading.Event()    # cleared by the daemon while it loads its programs and restores its jobs
@@ -172,8 +173,10 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             job = self.jobs.get(name)
             if job is None:
                 ended = next((r for r in reversed(self.recent) if r["job"] == name), None)
+                if ended is None and name in self.leaving:
+                    ended = {"why": self.leaving[name]}
                 if ended is not None:   # it ended by itself (an epilog comes after the job's last process)
-                    return {"job": name, "state": "already ended", "why": ended["why"]}
+                    return {"job": name, "state": "already ended", "why": ended["why"], **self._file_of(name)}
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
             self._drop(job, why)      # out of the table first: later ticks do not sample it
         with job.lock:                # a tick that took it before waits here, then finds it released
@@ -182,8 +185,9 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             except Exception:
                 log.exception("last frame of %s", name)
             self._release(job)
+        self._remember(name, why)
         log.info("detached %s: %s", name, why)
-        return {"job": name, "state": "detached", "why": why}
+        return {"job": name, "state": "detached", "why": why, **self._file_of(name)}
 
     def _find(self, name: str) -> Job:
         """The attached job `name` (BadInput if none)."""
@@ -303,16 +307,18 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         """A job that ended by itself, after its last frame."""
         if self._drop(job, why):
             self._release(job)
+            self._remember(job.name, why)
             log.info("job %s ended: %s", job.name, why)
 
     def _drop(self, job: Job, why: str) -> bool:
-        """Out of the job table (and the state file), remembered with why; False if it was not there."""
+        """Out of the job table (and the state file), `leaving` until _remember; False if it was not there. A job
+        is remembered (status: `recent`) only once its sinks are closed: its file then holds its last frame."""
         with self.lock:
             if self.jobs.get(job.name) is not job:
                 return False
             del self.jobs[job.name]
+            self.leaving[job.name] = why
             self._save()
-            self._remember(job.name, why)
             return True
 
     @staticmethod
@@ -345,6 +351,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
 
     def _remember(self, name: str, why: str) -> None:
         with self.lock:
+            self.leaving.pop(name, None)
             self.recent.append({"job": name, "why": why, "t": time.time()})
             del self.recent[:-RECENT]
 

@@ -10,6 +10,7 @@ the agent calls _open_node_sinks when it is made.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from jobprobe.core.errors import BadInput
@@ -40,6 +41,14 @@ class NodeSinks:
         if self.cfg.prometheus:
             from jobprobe.exporters.prometheus import PromSink
             self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs)
+
+    def _file_of(self, job: str) -> dict[str, str]:
+        """{"file": the job's frame file} where the agent writes one (--out) and it exists; else {}."""
+        try:
+            path = job_path(self.cfg.out, job) if self.cfg.out else ""
+        except ValueError:
+            return {}
+        return {"file": path} if path and os.path.exists(path) else {}
 
     def _default_sinks(self, job: str) -> list:
         out: list = []
