@@ -572,8 +572,8 @@ def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_on
 
 def test_a_job_is_shown_ended_only_once_its_file_holds_its_last_frame(tmp_path, make_cgroup):
     """`status` lists a job in `recent` (what an epilog, a test or an operator waits for) only after its last frame
-    is written and its sinks closed: a detach whose last sample is held up shows nothing ended meanwhile, and once
-    the job shows, its file ends with that last frame. (Listed before its last tick, a reader of the file found the
+    is written and its sinks closed: a detach whose last sample is held up shows the job still in `jobs`, as
+    leaving, and nothing ended meanwhile; once the job shows ended, its file ends with that last frame. (Listed before its last tick, a reader of the file found the
     job's tail missing: a SLURM array task read 800 of its 1000 ms of CPU in CI.)"""
     from jobprobe.node.probe import Field, Probe
     last, go, entered = threading.Event(), threading.Event(), threading.Event()
@@ -609,6 +609,7 @@ def test_a_job_is_shown_ended_only_once_its_file_holds_its_last_frame(tmp_path, 
         assert entered.wait(10), "the detach never took its last sample"
         time.sleep(0.1)
         shown = [r["job"] for r in a.status()["recent"]]
+        listed = [j.get("leaving") for j in a.status()["jobs"] if j["job"] == "ending"]
         again = a.detach("ending")        # an epilog's detach meanwhile: told it is ending, not refused
         go.set()
         detacher.join(10)
@@ -617,7 +618,7 @@ def test_a_job_is_shown_ended_only_once_its_file_holds_its_last_frame(tmp_path, 
         a.close()
         proc.kill()
         proc.wait()
-    assert "ending" not in shown, shown
+    assert "ending" not in shown and listed == ["detached"], (shown, listed)   # still listed, as leaving
     assert again["state"] == "already ended", again
     assert result.get("state") == "detached" and "ending" in [r["job"] for r in a.status()["recent"]], result
     samples = [f["probes"]["gate"]["calls"] for f in frames_of(a, "ending") if f["kind"] == "sample"]

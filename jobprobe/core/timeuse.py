@@ -202,10 +202,12 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
 
 def segments(frames: list[dict], samples: list[dict]) -> list[list[int]]:
     """The indexes of `samples` (in time order) by run of the job: a new run starts at the first sample of an agent
-    run (`run`) whose hello says the job's processes were new (`from_start`) — the job started again (a SLURM
-    requeue, a restarted pod), not an agent that came back to a job still running."""
+    run (`run`) whose hello says the job's processes were new (`from_start`, or a command it launched itself:
+    `target.command`) — the job started again (a SLURM requeue, a restarted pod, `jobprobe run` again), not an
+    agent that came back to a job still running."""
     fresh = {f.get("run") for f in frames if isinstance(f, dict) and f.get("kind") == "hello"
-             and f.get("from_start") is True and isinstance(f.get("run"), str)}
+             and (f.get("from_start") is True or (isinstance(f.get("target"), dict) and "command" in f["target"]))
+             and isinstance(f.get("run"), str)}
     out: list[list[int]] = []
     seen: set = set()
     for i, f in enumerate(samples):

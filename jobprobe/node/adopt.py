@@ -25,7 +25,7 @@ class Adoption:
     def _save(self) -> None:
         if not self.persist:
             return
-        specs = [asdict(j.spec) for j in self.jobs.values() if j.spec is not None]
+        specs = [asdict(j.spec) for j in self.jobs.values() if j.spec is not None and not j.leaving]
         specs += [asdict(s) for s, _, _ in self.pending.values()]
         path = Path(self.cfg.state)
         try:

@@ -63,6 +63,7 @@ class Job:
         # taken alone or before the agent's lock (a job that ends in its tick leaves the table), never inside it.
         self.lock = threading.RLock()
         self.released = False       # its probes and sinks are let go: nothing may sample it any more
+        self.leaving = ""           # why it is being let go: its last frame and sinks are being finished
 
 
 class Agent(NodeSinks, TraceRequests, Adoption):
@@ -91,7 +92,6 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         self.starting: set[str] = set()
         self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
         self.recent: list[dict[str, Any]] = []                      # the last jobs that ended or were given up
-        self.leaving: dict[str, str] = {}   # jobs out of the table whose last frame and sinks are being finished
         self.lock = threading.RLock()
         self.stop_event = threading.Event()
         self.ready = threading.Event()    # cleared by the daemon while it loads its programs and restores its jobs
@@ -171,10 +171,9 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                 self._save()
                 return {"job": name, "state": "detached (was pending)"}
             job = self.jobs.get(name)
-            if job is None:
-                ended = next((r for r in reversed(self.recent) if r["job"] == name), None)
-                if ended is None and name in self.leaving:
-                    ended = {"why": self.leaving[name]}
+            if job is None or job.leaving:
+                ended = next((r for r in reversed(self.recent) if r["job"] == name), None) if job is None else \
+                    {"why": job.leaving}
                 if ended is not None:   # it ended by itself (an epilog comes after the job's last process)
                     return {"job": name, "state": "already ended", "why": ended["why"], **self._file_of(name)}
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
@@ -185,7 +184,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             except Exception:
                 log.exception("last frame of %s", name)
             self._release(job)
-        self._remember(name, why)
+        self._remember(name, why, job)
         log.info("detached %s: %s", name, why)
         return {"job": name, "state": "detached", "why": why, **self._file_of(name)}
 
@@ -235,6 +234,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         with self.lock:
             jobs = [{"job": j.name, "target": j.target.describe(), "probes": dict(j.sampler.status),
                      **({"note": j.spec.note} if j.spec is not None and j.spec.note else {}),
+                     **({"leaving": j.leaving} if j.leaving else {}),
                      "slot": self.node.slot_of(j.target), "attached_at": j.attached_at,
                      "frames": j.sampler.builder.seq, "sinks": sink_stats(j.sinks)} for j in self.jobs.values()]
             pending = [{"job": k, "waiting_s": round(max(0.0, d - self.clock()), 1), "why": w}
@@ -279,7 +279,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
     def _tick_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
             with job.lock:
-                if not job.released:
+                if not job.released and not job.leaving:
                     self._tick_job(job)
 
     def _tick_job(self, job: Job) -> None:
@@ -307,17 +307,17 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         """A job that ended by itself, after its last frame."""
         if self._drop(job, why):
             self._release(job)
-            self._remember(job.name, why)
+            self._remember(job.name, why, job)
             log.info("job %s ended: %s", job.name, why)
 
     def _drop(self, job: Job, why: str) -> bool:
-        """Out of the job table (and the state file), `leaving` until _remember; False if it was not there. A job
-        is remembered (status: `recent`) only once its sinks are closed: its file then holds its last frame."""
+        """`job` leaving (out of the state file; later ticks and requests leave it alone); False if it was not in
+        the table or is leaving already. It stays in the table (status: `jobs`) until _remember: a job is shown
+        ended (`recent`) only once its last frame is written and its sinks closed."""
         with self.lock:
-            if self.jobs.get(job.name) is not job:
+            if self.jobs.get(job.name) is not job or job.leaving:
                 return False
-            del self.jobs[job.name]
-            self.leaving[job.name] = why
+            job.leaving = why
             self._save()
             return True
 
@@ -349,9 +349,11 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                         if key in self.pending:
                             self.pending[key] = (spec, deadline, str(err))
 
-    def _remember(self, name: str, why: str) -> None:
+    def _remember(self, name: str, why: str, job: Job | None = None) -> None:
+        """`name` ended (status: `recent`), and `job`, let go, out of the table — in one step."""
         with self.lock:
-            self.leaving.pop(name, None)
+            if job is not None and self.jobs.get(name) is job:
+                del self.jobs[name]
             self.recent.append({"job": name, "why": why, "t": time.time()})
             del self.recent[:-RECENT]
 

@@ -36,8 +36,6 @@ def check_runnable(cmd: str, path: str | None = None) -> None:
 class CommandTarget(CgroupTarget):
     """`-- CMD ARGS…`: a fresh cgroup2 group that we create, CMD started inside it, the group removed at the end."""
 
-    from_start = True     # its processes are ours, new: a frame file of each run says the job started (again)
-
     def __init__(self, argv: list[str], mountinfo: str = "/proc/self/mountinfo", job: str | None = None,
                  parent: str = "jobprobe"):
         mount = find_cgroup2_mount(mountinfo)
