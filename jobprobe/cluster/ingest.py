@@ -35,6 +35,10 @@ SUBJECTS = "jobprobe.frames.>"
 DURABLE = "controller"
 BATCH = 512
 MAX_FRAME = 1 << 20     # bytes; the stream's max_msg_size and its nats-server's max_payload too
+# A fetched frame not acked within this long is delivered again: what a killed controller had fetched reaches the
+# one started after it then (a batch still being stored past it comes twice: the store's key makes that a no-op).
+# 30 s held a restarted controller's store short of a killed one's last batch for that long.
+ACK_WAIT_S = 10.0
 FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
 
 
@@ -89,7 +93,7 @@ async def subscribe(nc: Any, replicas: int) -> bool:
         await js.update_stream(config)
     except NotFoundError:
         await js.add_stream(config)
-    consumer = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+    consumer = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
                               max_ack_pending=20 * BATCH, filter_subject=SUBJECTS)
     try:
         await js.consumer_info(STREAM, DURABLE)
