@@ -208,14 +208,18 @@ class NatsSink:
         self.last_try_failed = False
         self.handler: Callable[[bytes], bytes] | None = None
         self.heartbeats_skipped = 0      # heartbeats not spooled: frames were waiting (heartbeat())
+        self.to_serve: list[str] = []    # subjects serve() was given: subscribed by the publisher's own thread
         self.thread = threading.Thread(target=self._run, name="nats", daemon=True)
         self.thread.start()
 
     def serve(self, subject: str, handler: Callable[[bytes], bytes]) -> None:
         """Answer requests on `subject` (the controller's, to this node) with handler(payload) → reply, in the
-        publisher's thread: a handler must answer at once (it schedules; it does not wait)."""
+        publisher's thread: a handler must answer at once (it schedules; it does not wait). The subscription is made
+        by that thread, which alone uses the connection (made here, it raced the thread's own connect: a refused
+        login closed the socket under the SUB, and the agent died at start with EBADF)."""
         self.handler = handler
-        self.wire.subscribe(subject)
+        self.to_serve.append(subject)
+        self.wake.set()
 
     # ---- the agent's side --------------------------------------------------------------------------------
     def for_job(self, job: str) -> "JobHandle":
@@ -285,6 +289,8 @@ class NatsSink:
                 if not connected:
                     wire.connect()
                     connected = True
+                while self.to_serve:     # sent now, and at every connect from now on (Wire.subs)
+                    wire.subscribe(self.to_serve.pop(0))
                 self.wake.clear()
                 self.woken = False       # before the take: a frame written after it wakes the wait below
                 batch = self.spool.take(WINDOW)

@@ -289,3 +289,36 @@ def test_the_agent_refuses_a_malformed_credentials_file_in_one_line(tmp_path):
                             str(tmp_path / "st.json"), "--spool", str(tmp_path / "spool")],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and str(creds) in r.stderr, r
+
+
+def test_the_sink_subscribes_what_it_serves_from_its_own_thread(tmp_path):
+    """NatsSink.serve() from the agent's thread while the publisher connects in its own: only the publisher's
+    thread writes to the connection — the SUB included (made from the agent's thread, it raced a refused login that
+    closed the socket under it: an agent died at start with EBADF) — and the served subject is subscribed."""
+    import threading
+    from jobprobe.exporters.nats import NatsSink
+    fake = FakeServer({"server_id": "fake", "max_payload": 65536, "headers": True})
+    t = threading.Thread(target=fake.accept)
+    t.start()
+    sink = NatsSink(fake.url, tmp_path / "spool", node="n1")
+    writers, send = [], sink.wire._send
+
+    def spy(data: bytes) -> None:
+        writers.append((threading.current_thread().name, data))
+        send(data)
+    sink.wire._send = spy
+    try:
+        t.join(5)
+        sink.serve("jobprobe.control.n1", lambda req: b"")
+        got = b""
+        fake.conn.settimeout(5)
+        while b"SUB jobprobe.control.n1" not in got:
+            got += fake.conn.recv(4096)
+        assert writers and {name for name, _ in writers} == {"nats"}, writers
+    finally:
+        sink.closing.set()
+        sink.wake.set()
+        sink.hurry.set()
+        sink.thread.join(5)
+        sink.spool.close()
+        fake.close()
