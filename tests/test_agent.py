@@ -503,15 +503,10 @@ def test_kept_files_first_read_by_many_threads_at_once_keep_one_fd_each():
     assert not ours() - before and procfs.OpenFiles.held == held
 
 
-def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_one_job(tmp_path, make_cgroup):
-    """The control thread's detach (its last frame) and the tick thread never sample one job at the same time —
-    each would count the same interval, and a probe's state is not made for two threads. A probe that holds the
-    tick inside its sample() shows it: the detach waits for that tick, takes its last frame after it, and nothing
-    samples the job after its release. (A probe toggle and a trace request take the same per-job lock.)"""
+def gate_agent(tmp_path, sample, stop=lambda: None) -> Agent:
+    """An agent (not running: the test ticks or runs it) whose one probe, `gate`, reports sample()'s return as
+    `calls` and calls stop() when released: a probe a test can hold up inside its sample."""
     from jobprobe.node.probe import Field, Probe
-    entered, go = threading.Event(), threading.Event()
-    seen = {"inside": 0, "most": 0, "calls": 0, "after_stop": 0, "stopped": False}
-    guard = threading.Lock()
 
     class Gate(Probe):
         name = "gate"
@@ -521,25 +516,40 @@ def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_on
             pass
 
         def sample(self):
-            with guard:
-                seen["inside"] += 1
-                seen["most"] = max(seen["most"], seen["inside"])
-                seen["calls"] += 1
-                seen["after_stop"] += seen["stopped"]
-                n = seen["calls"]
-            if n == 3:                    # the third tick holds on until the test lets it go
-                entered.set()
-                go.wait(10)
-            with guard:
-                seen["inside"] -= 1
-            return {"calls": n}
+            return {"calls": sample()}
 
         def stop(self):
-            seen["stopped"] = True
+            stop()
 
-    cfg = Config(interval=0.05, probes="gate", out=str(tmp_path / "out"))
-    a = Agent(cfg)
+    a = Agent(Config(interval=0.05, probes="gate", out=str(tmp_path / "out")))
     a.registry = {**a.registry, "gate": Gate}
+    return a
+
+
+def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_one_job(tmp_path, make_cgroup):
+    """The control thread's detach (its last frame) and the tick thread never sample one job at the same time —
+    each would count the same interval, and a probe's state is not made for two threads. A probe that holds the
+    tick inside its sample() shows it: the detach waits for that tick, takes its last frame after it, and nothing
+    samples the job after its release. (A probe toggle and a trace request take the same per-job lock.)"""
+    entered, go = threading.Event(), threading.Event()
+    seen = {"inside": 0, "most": 0, "calls": 0, "after_stop": 0, "stopped": False}
+    guard = threading.Lock()
+
+    def sample() -> int:
+        with guard:
+            seen["inside"] += 1
+            seen["most"] = max(seen["most"], seen["inside"])
+            seen["calls"] += 1
+            seen["after_stop"] += seen["stopped"]
+            n = seen["calls"]
+        if n == 3:                    # the third tick holds on until the test lets it go
+            entered.set()
+            go.wait(10)
+        with guard:
+            seen["inside"] -= 1
+        return n
+
+    a = gate_agent(tmp_path, sample, stop=lambda: seen.update(stopped=True))
     cg = make_cgroup("gated")
     proc = cg.spawn(["sleep", "30"])
     loop = threading.Thread(target=a.run, daemon=True)
@@ -573,29 +583,20 @@ def test_a_detach_during_the_jobs_tick_waits_for_it_and_no_two_threads_sample_on
 def test_a_job_is_shown_ended_only_once_its_file_holds_its_last_frame(tmp_path, make_cgroup):
     """`status` lists a job in `recent` (what an epilog, a test or an operator waits for) only after its last frame
     is written and its sinks closed: a detach whose last sample is held up shows the job still in `jobs`, as
-    leaving, and nothing ended meanwhile; once the job shows ended, its file ends with that last frame. (Listed before its last tick, a reader of the file found the
-    job's tail missing: a SLURM array task read 800 of its 1000 ms of CPU in CI.)"""
-    from jobprobe.node.probe import Field, Probe
+    leaving, and nothing ended meanwhile; once the job shows ended, its file ends with that last frame. (Listed
+    before its last tick, a reader of the file found the job's tail missing: a SLURM array task read 800 of its
+    1000 ms of CPU in CI.)"""
     last, go, entered = threading.Event(), threading.Event(), threading.Event()
     calls = [0]
 
-    class Gate(Probe):
-        name = "gate"
-        fields = {"calls": Field("int", "count", "sample() calls so far")}
+    def sample() -> int:
+        calls[0] += 1
+        if last.is_set():             # the detach's last sample: held until the test lets it go
+            entered.set()
+            go.wait(10)
+        return calls[0]
 
-        def start(self, target):
-            pass
-
-        def sample(self):
-            calls[0] += 1
-            if last.is_set():             # the detach's last sample: held until the test lets it go
-                entered.set()
-                go.wait(10)
-            return {"calls": calls[0]}
-
-    cfg = Config(interval=0.05, probes="gate", out=str(tmp_path / "out"))
-    a = Agent(cfg)
-    a.registry = {**a.registry, "gate": Gate}
+    a = gate_agent(tmp_path, sample)
     cg = make_cgroup("ending")
     proc = cg.spawn(["sleep", "30"])
     result = {}
