@@ -469,6 +469,13 @@ static inline void *rq_of(struct task_struct *t)
     return *(void **)(cfs + CFS_RQ_RQ_OFF);
 }
 
+/* The offset of run queue `rq` (its CPU's entry of cpu_clock); 0 where there is none. */
+static inline struct cpu_clock *clock_of(void *rq)
+{
+    u32 cpu = *(int *)(rq + RQ_CPU_OFF);
+    return cpu_clock.lookup(&cpu);
+}
+
 /* `now` (just read from the clock) against run queue stamp `sc`: the least offset, grown by the drift allowance. */
 static inline void clock_seen(struct cpu_clock *c, u64 now, u64 sc)
 {
@@ -495,8 +502,7 @@ static inline u64 stamp_ns(struct task_struct *t, u64 *now, int exact)
 {
     void *rq = rq_of(t);
     u64 sc = *(u64 *)(rq + RQ_CLOCK_OFF);
-    u32 cpu = *(int *)(rq + RQ_CPU_OFF);
-    struct cpu_clock *c = cpu_clock.lookup(&cpu);
+    struct cpu_clock *c = clock_of(rq);
     if (!exact) {
         if (*now)
             return *now;
@@ -524,10 +530,9 @@ BPF_ARRAY(read_at, u64, 1);
  * it may be. *seen: the end a deep trace's event of the period takes (the kernel's stamp: not a running total). */
 static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over, u64 *seen)
 {
-    void *rq = rq_of(t);
     u64 la = *(u64 *)((void *)t + TASK_LAST_ARRIVAL_OFF);
-    u32 cpu = *(int *)(rq + RQ_CPU_OFF), zero = 0;
-    struct cpu_clock *c = cpu_clock.lookup(&cpu);
+    u32 zero = 0;
+    struct cpu_clock *c = clock_of(rq_of(t));
     u64 *read = read_at.lookup(&zero);
     u64 in = c && c->at && la ? la + c->off : 0;
     if (in < from || in > out) {
@@ -540,20 +545,17 @@ static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over
     *seen = in;
     return end;
 }
-#else
-static inline u64 missed_end(struct task_struct *t, u64 from, u64 out, u64 *over, u64 *seen)
-{
-    *over = out - from;
-    *seen = out;
-    return out;
-}
+#define HAVE_MISSED_END
 #endif
 #else
 static inline u64 stamp_ns(task_key t, u64 *now, int exact)
 {
     return clock_ns(now);
 }
+#endif
 
+#ifndef HAVE_MISSED_END
+/* Without the kernel's stamp of a switch-in: the period ends at `out`, and all of it may have been run. */
 static inline u64 missed_end(task_key t, u64 from, u64 out, u64 *over, u64 *seen)
 {
     *over = out - from;

@@ -154,7 +154,8 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     # each run's startup ends at its first interval at STARTED of the steady pace (a run that never got there: all
     # of it); the checkpoints are looked for after them
     firsts = [next((i for i in run if (ticks[i].pace or 0.0) >= STARTED * steady), run[-1] + 1) for run in runs]
-    bursts = Bursts([ticks[i] for run, first in zip(runs, firsts) for i in run if i > first])
+    after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first]
+    bursts = Bursts(after)
     per = []
     for run, first in zip(runs, firsts):
         for i in run:
@@ -191,13 +192,19 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                             for k, b in zip(ticks, per)]
     if out["wall_s"] > 0:
         out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
-    after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first] or ticks
+    after = after or ticks
     out["used"], out["granted"] = used_and_granted(ticks, after)
     for key in ("ofu_pct", "gpm_sm_active_pct"):      # over the job after its startup, weighted by dt
-        had = [(k.gpu[key], k.dt) for k in after if key in k.gpu]
-        if had and sum(dt for _, dt in had) > 0:
-            out.setdefault("gpu", {})[key] = sum(v * dt for v, dt in had) / sum(dt for _, dt in had)
+        mean = _mean_by_dt([(k.gpu[key], k.dt) for k in after if key in k.gpu])
+        if mean is not None:
+            out.setdefault("gpu", {})[key] = mean
     return out
+
+
+def _mean_by_dt(had: list[tuple[float, float]]) -> float | None:
+    """The mean of (value, dt) pairs weighted by dt; None without any time."""
+    total = sum(dt for _, dt in had)
+    return sum(v * dt for v, dt in had) / total if total > 0 else None
 
 
 def segments(frames: list[dict], samples: list[dict]) -> list[list[int]]:
@@ -250,9 +257,9 @@ def used_and_granted(ticks: list[Tick], after: list[Tick]) -> tuple[dict[str, fl
     peak) and what it was granted (the latest CPU limit or cpuset, memory limit and GPU count seen)."""
     used: dict[str, float] = {}
     for key, attr in (("cpu_cores", "cores"), ("gpus_busy", "busy")):
-        had = [(getattr(k, attr), k.dt) for k in after if getattr(k, attr) is not None]
-        if had and sum(dt for _, dt in had) > 0:
-            used[key] = sum(v * dt for v, dt in had) / sum(dt for _, dt in had)
+        mean = _mean_by_dt([(getattr(k, attr), k.dt) for k in after if getattr(k, attr) is not None])
+        if mean is not None:
+            used[key] = mean
     peaks = [k.grant["mem_peak_bytes"] for k in ticks if "mem_peak_bytes" in k.grant]
     if peaks:
         used["mem_peak_bytes"] = max(peaks)

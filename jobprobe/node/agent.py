@@ -171,11 +171,12 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                 self._save()
                 return {"job": name, "state": "detached (was pending)"}
             job = self.jobs.get(name)
-            if job is None or job.leaving:
-                ended = next((r for r in reversed(self.recent) if r["job"] == name), None) if job is None else \
-                    {"why": job.leaving}
-                if ended is not None:   # it ended by itself (an epilog comes after the job's last process)
-                    return {"job": name, "state": "already ended", "why": ended["why"], **self._file_of(name)}
+            # it ended by itself, or is being let go (an epilog comes after the job's last process)
+            ended = job.leaving if job is not None else \
+                next((r["why"] for r in reversed(self.recent) if r["job"] == name), None)
+            if ended:
+                return {"job": name, "state": "already ended", "why": ended, **self._file_of(name)}
+            if job is None:
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
             self._drop(job, why)      # out of the table first: later ticks do not sample it
         with job.lock:                # a tick that took it before waits here, then finds it released
