@@ -244,6 +244,7 @@ for _ in range(4):                     # 0.3 s on the CPU, then 0.9 s asleep
 
 
 @pytest.mark.kernel
+@pytest.mark.serial   # its task clock against cpu.stat moves with the preemptions other tests' load brings (+7% once)
 def test_a_job_idle_between_bursts_is_not_read_while_quiet_and_loses_nothing(make_cgroup, monkeypatch):
     """Sampled every 0.2 s in agent ticks (tickmemo): in a tick where the group used no CPU (Target.quiet) its
     events are not read — fewer reads than samples × CPUs — and the sum of task_clock_ns still matches cpu.stat."""
