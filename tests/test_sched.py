@@ -1200,6 +1200,9 @@ os.waitpid(child, 0)
 
 
 @pytest.mark.kernel
+# (beside other tests' load its run-queue time once read 13% under run_delay — 450 vs 517 ms over 120094 waits —
+# cause not found yet: serial until it is, its bound unchanged)
+@pytest.mark.serial
 def test_a_cpu_switching_only_between_members_keeps_its_waits_on_the_kernels_stamps(probe, make_cgroup):
     """Two processes of the job pinned to one CPU, ping-ponging over pipes: every switch there goes from one member
     to the other, never through idle. Each wait still ends at the run queue's stamp (bpf/sched.c stamp_ns) — the
