@@ -96,7 +96,7 @@ struct off_rec {
     u32 reason;   /* R_*; 0 for a new task */
     u32 tid;      /* the thread's id (0 until its first switch-out when RAW_SCHED made it at wakeup_new) */
     u32 tgid;     /* set only for a period of a job in a deep-trace window (JOB_DEEP_TRACE): record it */
-    s32 kstack;   /* its stacks at switch-out (trace_stacks ids; negative: none) */
+    s32 kstack;   /* its stacks at switch-out (trace_kstacks, trace_ustacks ids; negative: none) */
     s32 ustack;
     u32 epoch;    /* BTF_SCHED: its slot's epoch when made (slot_epoch); a record of an earlier job counts nowhere */
     s32 mslot;    /* BTF_SCHED: the thread's membership slot (-1: none), kept for membership generation mgen */
@@ -221,12 +221,16 @@ BPF_PERCPU_ARRAY(idle_task, u64, 1);
 
 #ifdef JOB_DEEP_TRACE
 /* Deep-trace windows: each off-CPU period of a traced job's thread at least job_trace_min_ns() long, with the
- * kernel and user stacks it left the CPU with (48 frames each, innermost first). */
+ * kernel and user stacks it left the CPU with (48 frames each, innermost first). A stack map keeps the first stack
+ * that hashes to a bucket and refuses the others (-EEXIST): kernel stacks (a handful of distinct ones) and user
+ * stacks (hundreds: a busy interpreter is preempted anywhere) have a map each, so that a user stack never takes the
+ * bucket of a sleep's kernel stack. User space empties both once no window is open. */
 #define TRACE_OFFCPU 1
 struct deep_stack {
     u64 ip[48];
 };
-BPF_TABLE("stacktrace", int, struct deep_stack, trace_stacks, 4096);
+BPF_TABLE("stacktrace", int, struct deep_stack, trace_kstacks, 2048);
+BPF_TABLE("stacktrace", int, struct deep_stack, trace_ustacks, 4096);
 
 struct offcpu_event {
     struct trace_head h;
@@ -633,8 +637,8 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
 #ifdef JOB_DEEP_TRACE
                 if (job_traced(slot)) {
                     rec.tgid = bpf_get_current_pid_tgid() >> 32;
-                    rec.kstack = trace_stacks.get_stackid(ctx, 0);
-                    rec.ustack = trace_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+                    rec.kstack = trace_kstacks.get_stackid(ctx, 0);
+                    rec.ustack = trace_ustacks.get_stackid(ctx, BPF_F_USER_STACK);
                 }
 #endif
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a

@@ -313,23 +313,30 @@ class SchedProbe(BpfProbe):
     trace_min_ns = TRACE_OFFCPU_MIN_US * 1000
 
     def trace_take(self) -> tuple[list[Any], int]:
-        """The window's off-CPU periods, their stacks read (and taken out of the shared stack map) and each
-        process's maps read now, while it may still run, to name its user addresses later."""
+        """The window's off-CPU periods, their stacks read (and taken out of the stack maps) and each process's
+        maps read now, while it may still run, to name its user addresses later. Once no job of the load is in a
+        window, the stacks no record named (periods shorter than the threshold) go too: left, they would take
+        buckets from the next window's stacks."""
         records, dropped = super().trace_take()
-        stacks, maps = {}, {}
-        if records:
-            table = self.loaded.maps["trace_stacks"].typed(ct.c_int32, ct.c_uint64 * STACK_DEPTH)
-            for sid in {i for r in records for i in (r.kstack, r.ustack) if i >= 0}:
-                ips = table.lookup(sid)
-                if ips is not None:
-                    stacks[sid] = [ip for ip in ips if ip]
-                    table.delete(sid)
-            for tgid in {r.tgid for r in records}:
-                try:
-                    with open(f"{self.host.proc}/{tgid}/maps", "rb") as f:
-                        maps[tgid] = f.read()
-                except OSError:
-                    pass
+        stacks: dict[tuple[str, int], list[int]] = {}
+        maps = {}
+        with self.shared.lock:
+            for side, name in (("kernel", "trace_kstacks"), ("user", "trace_ustacks")) if self.deep else ():
+                table = self.loaded.maps[name].typed(ct.c_int32, ct.c_uint64 * STACK_DEPTH)
+                for sid in {r.kstack if side == "kernel" else r.ustack for r in records} - {-1}:
+                    ips = table.lookup(sid) if sid >= 0 else None
+                    if ips is not None:
+                        stacks[side, sid] = [ip for ip in ips if ip]
+                        table.delete(sid)
+                if not self.shared.extra.get("traced", 0):
+                    for sid in table.keys():
+                        table.delete(sid)
+        for tgid in {r.tgid for r in records}:
+            try:
+                with open(f"{self.host.proc}/{tgid}/maps", "rb") as f:
+                    maps[tgid] = f.read()
+            except OSError:
+                pass
         self._taken = (stacks, maps)
         return records, dropped
 
@@ -345,18 +352,18 @@ class SchedProbe(BpfProbe):
             args: dict[str, Any] = {"reason": reason}
             if r.enq_ns and r.reason != 1:
                 args["runq_us"] = round(max(0, r.in_ns - r.enq_ns) / 1e3, 1)
-            if ksyms is not None and r.kstack in stacks:
-                names = [ksyms.name(ip) for ip in stacks[r.kstack]]
+            if ksyms is not None and ("kernel", r.kstack) in stacks:
+                names = [ksyms.name(ip) for ip in stacks["kernel", r.kstack]]
                 while names and names[0].startswith("bpf_"):    # this program and the tracepoint's caller
                     names.pop(0)
                 args["kernel_stack"] = names
             for side, sid in (("kernel", r.kstack), ("user", r.ustack)):
                 if sid < -1:        # bpf_get_stackid refused it (-1: no stack asked for)
                     args[f"{side}_stack_lost"] = STACK_ERRORS.get(-sid, f"error {-sid}")
-            if r.ustack in stacks:
+            if ("user", r.ustack) in stacks:
                 if r.tgid not in users:
                     users[r.tgid] = UserSymbols(maps.get(r.tgid, b""), f"{self.host.proc}/{r.tgid}/root")
-                args["user_stack"] = [users[r.tgid].name(ip) for ip in stacks[r.ustack]]
+                args["user_stack"] = [users[r.tgid].name(ip) for ip in stacks["user", r.ustack]]
             out.append({"ph": "X", "cat": "off-cpu", "name": f"off-CPU: {reason}", "pid": r.tgid,
                         "tid": clock.kernel_tid(r.tid), **clock.span(r.out_ns, r.in_ns), "args": args})
         return out

@@ -519,12 +519,12 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
     # with BTF ones instead), and cpu_clock with BTF ones where the kernel's BTF has the run queue's clock (and
     # read_at where it has the kernel's stamp of a switch-in too); with a deep mode (5.8+) slots_traced,
-    # trace_ring, trace_refused and trace_stacks
+    # trace_ring, trace_refused, trace_kstacks and trace_ustacks
     rq_clock = probe.btf and "cpu_clock" in probe.loaded.maps
     read_at = "read_at" in probe.loaded.maps
     assert read_at <= rq_clock
     assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + read_at + \
-        4 * probe.deep
+        5 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}
     probe.stop()

@@ -545,9 +545,10 @@ def resume(job: subprocess.Popen) -> None:
     job.stdin.flush()
 
 
-def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
-    """The napper traced by sched's deep mode (no threshold) between two pauses: (records, dropped, voluntary
-    switches the kernel counted between the pauses, their instants t1 and t2, what `during(probe)` returned)."""
+def napper_window(tmp_path, during, cflags: tuple[str, ...] = (), min_ns: int = 0, after=None):
+    """The napper traced by sched's deep mode (threshold `min_ns`) between two pauses: (records, dropped, its
+    thread's records between the pauses, the voluntary switches the kernel counted between them, what
+    `during(probe)` returned — with what `after(probe)` returned once the window's records were taken)."""
     from probes.sched import SchedProbe
     from jobprobe.node.targets.pidtree import PidTreeTarget
     (tmp_path / "napper.py").write_text(NAPPER)
@@ -559,7 +560,7 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
     try:
         probe.start(PidTreeTarget([job.pid]))
         assert probe.deep, "sched has no deep mode here (Linux 5.8+ ring buffers)"
-        probe.trace_min_ns = 0
+        probe.trace_min_ns = min_ns
         probe.trace_on(True)
         paused(job)
         v1, t1 = voluntary_switches(job.pid), time.monotonic_ns()
@@ -569,8 +570,9 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = ()):
         v2, t2 = voluntary_switches(job.pid), time.monotonic_ns()
         resume(job)
         time.sleep(0.2)                                       # its pause's period ends (recorded or refused) now
+        probe.trace_on(False)                                 # (the order of the sampler's window end)
         records, dropped = probe.trace_take()
-        probe.trace_on(False)
+        got = (got, after(probe)) if after else got
     finally:
         probe.stop()
         if job.poll() is None:
@@ -632,6 +634,25 @@ def test_records_a_full_ring_refuses_are_counted(tmp_path):
           f"{switches}, recorded {len(voluntary)}")
     assert len(records) <= 64 and dropped > 1000
     assert len(voluntary) + dropped >= switches
+
+
+@pytest.mark.kernel
+def test_stacks_no_record_names_leave_the_maps_when_the_window_ends(tmp_path):
+    """Naps of 200 µs under a 50 ms threshold: every switch-out puts its stacks in the stack maps, but no period
+    is long enough to be recorded, so no record names them. Left there they would take buckets from the next
+    window's stacks (a stack map keeps the first stack of a bucket and refuses the next ones; a sleep's kernel
+    stack refused so lost 40% of one trace's): once the window ends, both maps are empty."""
+    names = ("trace_kstacks", "trace_ustacks")
+
+    def held(probe):
+        time.sleep(1.0)
+        return [len(probe.loaded.maps[n].keys()) for n in names]
+    records, dropped, mine, switches, (during, left) = napper_window(
+        tmp_path, held, min_ns=50_000_000, after=lambda probe: [len(probe.loaded.maps[n].keys()) for n in names])
+    print(f"stacks held during the window (kernel, user): {during}; left after it: {left}; "
+          f"{switches} voluntary switches, {len(mine)} periods recorded")
+    assert switches > 1000 and during[0] >= 1 and during[1] >= 1
+    assert left == [0, 0]
 
 
 @pytest.mark.integration
