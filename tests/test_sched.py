@@ -1200,15 +1200,14 @@ os.waitpid(child, 0)
 
 
 @pytest.mark.kernel
-# (beside other tests' load its run-queue time once read 13% under run_delay — 450 vs 517 ms over 120094 waits —
-# cause not found yet: serial until it is, its bound unchanged)
-@pytest.mark.serial
 def test_a_cpu_switching_only_between_members_keeps_its_waits_on_the_kernels_stamps(probe, make_cgroup):
     """Two processes of the job pinned to one CPU, ping-ponging over pipes: every switch there goes from one member
     to the other, never through idle. Each wait still ends at the run queue's stamp (bpf/sched.c stamp_ns) — the
     sum of the waits is the two processes' schedstat run_delay. (When a CPU's offset had gone stale, a switch-out
     read the clock and the switch-in once took that read instead of renewing the offset: from then on every wait on
-    the CPU ended at the tracepoint's clock, µs late each — +3.8 µs per wait in a CI run of the busy job above.)"""
+    the CPU ended at the tracepoint's clock, µs late each — +3.8 µs per wait in a CI run of the busy job above.)
+    The kernel's figure is taken over the same interval: the parent's run_delay before it includes its interpreter's
+    start, which beside other load waits tens of ms (the interval once read 13% under the whole-life figure)."""
     if os.cpu_count() < 2:
         pytest.skip("needs a second CPU to pin the job to")
     cg = make_cgroup()
@@ -1220,6 +1219,8 @@ def test_a_cpu_switching_only_between_members_keeps_its_waits_on_the_kernels_sta
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.1)                               # the CPU's epoch runs out while nothing of the job runs
     probe.sample()
+    # the parent's waits so far (its interpreter's start: beside load, tens of ms) are before the interval
+    start = schedstats([proc.pid])
     proc.stdin.write("go\n")
     proc.stdin.flush()
     done = proc.stdout.readline().split()
@@ -1227,12 +1228,14 @@ def test_a_cpu_switching_only_between_members_keeps_its_waits_on_the_kernels_sta
     time.sleep(0.05)                              # both blocked: no wait open
     s = probe.sample()
     ref = schedstats([proc.pid, int(done[1])])
-    run_delay = sum(w for _, w in ref.values())
+    run_delay = sum(w for _, w in ref.values()) - sum(w for _, w in start.values())
     proc.stdin.write("end\n")
     proc.stdin.flush()
     assert proc.wait(timeout=60) == 0
     waits, runq = s["runq_events"], s["runq_lat_ns"]
     print(f"{waits} waits: run-queue {runq / 1e6:.2f} ms, the kernel's run_delay {run_delay / 1e6:.2f} ms "
-          f"({(runq - run_delay) / max(waits, 1):+.0f} ns per wait)")
+          f"({(runq - run_delay) / max(waits, 1):+.0f} ns per wait); switch-ins missed {s['switch_ins_missed']} "
+          f"({s['switch_in_missed_ns'] / 1e6:.2f} ms)")
     assert waits >= 100_000, waits
-    assert abs(runq - run_delay) <= 0.02 * run_delay + 1_000_000 + 300 * waits, (runq, run_delay, waits)
+    # (1 ns per wait beside CPU, pipe and switch hogs; a period whose switch-in no program saw is counted apart)
+    assert abs(runq - run_delay) <= 0.01 * run_delay + 1_000_000 + s["switch_in_missed_ns"], (runq, run_delay, waits)
