@@ -6,6 +6,36 @@ from __future__ import annotations
 import random
 
 from jobprobe.cluster.stragglers import StragglerWatch, causes, figures, Window
+from jobprobe.core.schema import FIELDS
+
+
+def every_field() -> dict:
+    """A frame's probes with every field the schema declares (1 for a number, 1.0 for a float; one item in each
+    list of records, with every field of its own)."""
+    probes: dict = {}
+    for name, decl in FIELDS.items():
+        d = probes.setdefault(name, {})
+        for key, t in decl.items():
+            value = 1.0 if t == "float" else 1 if t == "int" else None
+            if value is None:
+                continue
+            if "[]." in key:
+                outer, inner = key.split("[].", 1)
+                d.setdefault(outer, [{}])[0][inner] = value
+            else:
+                d[key] = value
+    return probes
+
+
+def test_the_detector_reads_every_figure_from_fields_probes_send():
+    """A frame holding every declared field gives the detector every figure it compares (a figure read under a
+    name no probe sends — `memory_some_ns` for pressure's `mem_some_ns` — left memory stalls out of every
+    decision while the tests' own frames used the same wrong name)."""
+    got = figures(every_field())
+    want = {"cpu_ns", "throttled_ns", "limit", "runq_ns", "wait_ns", "mem_stall_ns", "io_stall_ns", "reclaim_ns",
+            "tx_bytes", "retrans", "rtt_w", "nic_held", "rail_slow", "rdma_fatal", "gpu_util", "gpu_clock",
+            "gpu_throttled"}
+    assert want <= set(got), sorted(want - set(got))
 
 
 def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
@@ -22,7 +52,9 @@ def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, 
     if rdma is not None:
         probes["rdma"] = rdma
     if mem_stall is not None:
-        probes["pressure"] = {"memory_some_ns": int(mem_stall), "io_some_ns": 0}
+        probes["pressure"] = {"mem_some_ns": int(mem_stall), "io_some_ns": 0}
+    for name, d in probes.items():      # only fields a probe sends (a name made up here once hid a detector's typo)
+        assert set(d) <= set(FIELDS[name]), (name, set(d) - set(FIELDS[name]))
     return {"v": 1, "kind": "sample", "node": node, "job": "j", "run": "r", "seq": int(t), "t": t, "dt": 1.0,
             "probes": probes}
 

@@ -64,7 +64,7 @@ def _figures(probes: dict) -> dict[str, float]:
                                        if k.startswith("nccl_") and k.endswith("_ns") and isinstance(v, (int, float)))
         out["wait_ns"] = max(out.get("wait_ns", 0), gpu_wait)   # the larger of the two, as a blocking wait is in both
     ps = probes.get("pressure") or {}
-    for key, name in (("memory_some_ns", "mem_stall_ns"), ("io_some_ns", "io_stall_ns")):
+    for key, name in (("mem_some_ns", "mem_stall_ns"), ("io_some_ns", "io_stall_ns")):
         if isinstance(ps.get(key), (int, float)):       # null where the kernel does not report it
             out[name] = ps[key]
     mem = probes.get("memory") or {}
