@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ifname", default=None, help="GLOO_SOCKET_IFNAME: the interface gloo talks over")
     ap.add_argument("--work", default=None, help="a file holding this rank's batch factor (read every 20 steps)")
+    ap.add_argument("--data", default=None, help="a file this rank reads --read-mb of per step, round and round "
+                    "(synchronous data loading in the training thread)")
+    ap.add_argument("--read-mb", type=int, default=8)
     a = ap.parse_args()
 
     if a.ifname:
@@ -52,7 +55,11 @@ def main() -> None:
     t0 = last = time.monotonic()
     steps = done = 0
     stop = torch.zeros(1)
+    data = open(a.data, "rb", buffering=0) if a.data else None
+    chunk = bytearray(a.read_mb << 20)
     while True:
+        if data is not None and data.readinto(chunk) < len(chunk):
+            data.seek(0)
         opt.zero_grad()
         # `factor` times the work per step: as many forward and backward passes on average, the extra ones with
         # their gradients accumulated locally (no all-reduce), as a bigger batch in micro-batches would be

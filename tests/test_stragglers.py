@@ -4,13 +4,14 @@ a bridge, each rank its own node (three agents) reporting over NATS to one contr
 
 One run, in phases, each fault on one rank and gone again before the next: balanced (no event); a CPU limit (that
 node named "CPU throttled", cleared when the limit goes); a noisy neighbour (the rank pinned beside a CPU hog: named
-for its run-queue wait, though its peers share a CPU); packet loss on its link; a slow link (tc tbf: named with
-network evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this
+for its run-queue wait, though its peers share a CPU); packet loss on its link; a memory limit under its data's page
+cache, and its data read from a slow disk (each rank reads 8 MiB of its own data per step: both named for I/O
+stalls); a slow link (tc tbf: named with network evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this
 machine its peers' waits rise too little against their noise to name it within a bound every time; the unit tests
 hold its verdict and the controller's event.)
 Each named within 30 s (`jobprobe bench stragglers` measures the times: docs/PERFORMANCE.md), with the right cause, and nobody else named at any time — the ranks that wait least of all.
-Independent checks: the ranks' own step rates show the job really slowed, the kernel's cpu.stat and tc's and
-iptables' counters show the cause really was there."""
+Independent checks: the ranks' own step rates show the job really slowed, the kernel's cpu.stat, memory.failcnt and
+blkio counts and tc's and iptables' counters show the cause really was there."""
 from __future__ import annotations
 
 import os
@@ -33,6 +34,12 @@ def scrape(port: int) -> dict[tuple, float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def blkio_read_bytes(ddp: DdpJob, rank: int) -> int:
+    """What rank's group read from disks so far (v1 blkio.throttle.io_service_bytes, its Read lines)."""
+    text = (ddp.v1x["blkio"][rank] / "blkio.throttle.io_service_bytes").read_text()
+    return sum(int(ln.split()[2]) for ln in text.splitlines() if ln.split()[1:2] == ["Read"])
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -47,7 +54,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
     import importlib.util
     assert importlib.util.find_spec("torch"), "PyTorch is not installed: `make test` installs it (scripts/setup.sh)"
     from conftest import free_port
-    ddp = DdpJob(cgroup2_mount, seconds=400)
+    ddp = DdpJob(cgroup2_mount, seconds=400, data_mb=128)
     metrics = free_port()
     cluster = Cluster(tmp_path, ddp, controller_args=("--metrics", f"127.0.0.1:{metrics}"))
     try:
@@ -111,11 +118,24 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # (e) 3% of what rank 0 sends dropped (rank 0 waits more than the others all run: its own usual gap)
         e = fault("the packet loss", "node-a", "straggler", lambda: ddp.lose(0, 0.03), lambda: ddp.lose(0, None),
                   {"net_retransmits", "net_rtt"})
+        # (f) rank 2's memory limited under its data's page cache (v1 memory.limit_in_bytes): each pass over its
+        # data reclaims its cache and reads it again from the disk — the kernel's own counts say so: the limit was
+        # hit (memory.failcnt) and the rank read far more than its data from the disk (blkio)
+        read0 = blkio_read_bytes(ddp, 2)
+        e = fault("the memory limit", "node-c", "straggler", lambda: ddp.squeeze(2, True),
+                  lambda: ddp.squeeze(2, False), {"io_pressure", "memory_pressure", "memory_reclaim"})
+        assert int((ddp.v1x["memory"][2] / "memory.failcnt").read_text()) > 0
+        assert blkio_read_bytes(ddp, 2) - read0 > 2 * (ddp.data_mb << 20), blkio_read_bytes(ddp, 2) - read0
+        # (g) rank 1's data not in memory, read from a disk throttled to 32 MB/s (v1 blkio)
+        read0 = blkio_read_bytes(ddp, 1)
+        e = fault("the slow reads", "node-b", "straggler", lambda: ddp.slow_reads(1, 32 << 20),
+                  lambda: ddp.slow_reads(1, None), {"io_pressure"})
+        assert blkio_read_bytes(ddp, 1) - read0 > 32 << 20
 
         # (b) rank 2's link shaped: 200 Mbit/s out of its namespace
         t0 = time.time()
         ddp.shape(2, "200mbit")
-        ev = until(lambda: cluster.events("straggler")[3:], 20, "a straggler named within 20 s of the shaping")
+        ev = until(lambda: cluster.events("straggler")[5:], 20, "a straggler named within 20 s of the shaping")
         e = ev[0]
         print(f"stragglers: named {e['straggler']} {time.time() - t0:.1f} s after the shaping: {e['reason']}")
         assert e["straggler"] == "node-c" and "nic_queue" in e["causes"] and "network" in e["reason"]
@@ -125,7 +145,8 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # nobody else named, ever
         assert named() == [
             ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-b"), ("straggler_end", "node-b"),
-            ("straggler", "node-a"), ("straggler_end", "node-a"), ("straggler", "node-c")], named()
+            ("straggler", "node-a"), ("straggler_end", "node-a"), ("straggler", "node-c"), ("straggler_end", "node-c"),
+            ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-c")], named()
     finally:
         cluster.close()
         ddp.close()

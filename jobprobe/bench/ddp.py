@@ -5,8 +5,11 @@ controller`, one agent per rank. What tests/test_stragglers.py and `jobprobe ben
 
 The faults a cluster sees, each on one rank: a CPU limit (`throttle`), a slow link (`shape`: tc tbf on its
 interface), a lossy link (`lose`: iptables statistic drop at its peers, as this kernel has no netem), a noisy neighbour
-(`neighbour`: the rank pinned to a CPU with a hog pinned beside it) and more work than its peers (`more_work`: a
-bigger batch, in micro-batches — the job's own imbalance, not a fault of its node)."""
+(`neighbour`: the rank pinned to a CPU with a hog pinned beside it), a memory limit under its data's page cache
+(`squeeze`: v1 memory.limit_in_bytes), throttled reads of data not in memory (`slow_reads`: v1 blkio throttle) and more
+work than its peers (`more_work`: a bigger batch, in micro-batches — the job's own imbalance, not a fault of its
+node). With `data_mb`, each rank reads `read_mb` of its own data file per step in its training thread (synchronous
+data loading), from the page cache while nothing is wrong."""
 from __future__ import annotations
 
 import itertools
@@ -78,12 +81,18 @@ class Nats:
 
 class DdpJob:
     def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0",
-                 batch: int = 256, parent: str = "jobprobe-test"):
+                 batch: int = 256, parent: str = "jobprobe-test", data_mb: int = 0, read_mb: int = 8,
+                 disk_mb_s: int = 200):
         """`width`, `batch`: the model's and the step's size — at 384 and 256 a step's compute outweighs its
         all-reduce here, so a rank given more work is seen to be slower (at batch 64 twice the passes hardly
-        showed). `parent`: the group the ranks' groups are made in."""
+        showed). `parent`: the group the ranks' groups are made in. `data_mb`: each rank's data file (0: none),
+        `read_mb` of it read per step, from a disk as fast as `disk_mb_s` (every rank's reads throttled so: this
+        VM's disk is the host's page cache, ~500 MB/s, and a rank re-reading its data from it was hardly slower)."""
         tag = f"{os.getpid() % 10000}x{next(_tags)}"
         self.world, self.seconds, self.width, self.subnet, self.batch = world, seconds, width, subnet, batch
+        self.data_mb, self.read_mb, self.disk_bps = data_mb, read_mb, disk_mb_s << 20
+        self.data: list[Path] = []
+        self.droppers: dict[int, Any] = {}                 # rank → the thread keeping its data out of memory
         self.bridge = f"jpbr{tag}"
         self.ns = [f"jpd{tag}n{i}" for i in range(world)]
         self.veth = [f"jvd{tag}n{i}" for i in range(world)]          # host side, on the bridge
@@ -91,6 +100,9 @@ class DdpJob:
         self.cg = [Path(cgroup2, parent, f"ddp-{tag}-rank{i}") for i in range(world)]
         v1 = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
         self.v1 = [Path(v1[0], parent, f"ddp-{tag}-rank{i}") for i in range(world)] if v1 else None
+        # v1 memory and blkio groups, where those controllers are on v1 (a hybrid host): the ranks join them too
+        self.v1x = {c: [Path(m[0], parent, f"ddp-{tag}-rank{i}") for i in range(world)]
+                    for c in ("memory", "blkio") if (m := find_cgroup_v1_mount("/proc/self/mountinfo", c))}
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.work: list[Path] = []
@@ -107,15 +119,26 @@ class DdpJob:
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             self.cg[i].mkdir(parents=True)
-            if self.v1:
-                self.v1[i].mkdir(parents=True)
+            for d in self.v1_groups(i):
+                d.mkdir(parents=True)
+
+    def v1_groups(self, rank: int) -> list[Path]:
+        return ([self.v1[rank]] if self.v1 else []) + [g[rank] for g in self.v1x.values()]
 
     def start(self, out_dir: Path, port: int = 29511) -> None:
         for i, ns in enumerate(self.ns):
             log = out_dir / f"rank{i}.log"
             self.logs.append(log)
             self.work.append(out_dir / f"rank{i}.work")
-            procs = [self.cg[i] / "cgroup.procs"] + ([self.v1[i] / "cgroup.procs"] if self.v1 else [])
+            procs = [self.cg[i] / "cgroup.procs"] + [d / "cgroup.procs" for d in self.v1_groups(i)]
+            data = []
+            if self.data_mb:
+                self.data.append(out_dir / f"rank{i}.data")
+                with open(self.data[i], "wb") as f:
+                    for _ in range(self.data_mb):
+                        f.write(os.urandom(1 << 20))
+                data = ["--data", str(self.data[i]), "--read-mb", str(self.read_mb)]
+                self.slow_reads(i, None)
 
             def enter(procs=procs):
                 for p in procs:
@@ -124,7 +147,7 @@ class DdpJob:
                 ["ip", "netns", "exec", ns, sys.executable, str(REPO / "scripts" / "ddp_job.py"), "--rank", str(i),
                  "--world", str(self.world), "--master", f"{self.addr[0]}:{port}", "--seconds", str(self.seconds),
                  "--width", str(self.width), "--batch", str(self.batch), "--ifname", "eth0",
-                 "--work", str(self.work[i])],
+                 "--work", str(self.work[i]), *data],
                 preexec_fn=enter, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO))
 
     def limit_dir(self, rank: int) -> Path:
@@ -190,6 +213,52 @@ class DdpJob:
             for r in range(self.world):
                 self.pin(r, every)
 
+    def squeeze(self, rank: int, on: bool, headroom_mb: int = 64) -> None:
+        """A memory limit under rank's data (v1 memory.limit_in_bytes: its anonymous memory + `headroom_mb`), its
+        data's pages dropped first so that its reads bring them back charged to it: each pass over the data then
+        reclaims its own page cache and reads again. Off: no limit."""
+        d = self.v1x["memory"][rank]
+        if on:
+            stat = dict(ln.split() for ln in (d / "memory.stat").read_text().splitlines())
+            self.drop(rank)
+            (d / "memory.limit_in_bytes").write_text(f"{int(stat['total_rss']) + (headroom_mb << 20)}\n")
+        else:
+            (d / "memory.limit_in_bytes").write_text("-1\n")
+
+    def slow_reads(self, rank: int, bps: int | None) -> None:
+        """rank's reads from its data's disk throttled to `bps` bytes/s (v1 blkio.throttle.read_bps_device), and its
+        data kept out of memory while so (dropped every 0.5 s: a data set larger than the page cache); None: back
+        to the disk's usual speed, the data cached again as it is read."""
+        import threading
+        st = os.stat(self.data[rank])
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        part = Path(f"/sys/dev/block/{dev}")
+        if (part / "partition").exists():          # the throttle is the whole disk's
+            dev = (part.resolve().parent / "dev").read_text().strip()
+        (self.v1x["blkio"][rank] / "blkio.throttle.read_bps_device").write_text(f"{dev} {bps or self.disk_bps}\n")
+        if bps and rank not in self.droppers:
+            stop = threading.Event()
+
+            def dropping() -> None:
+                while not stop.wait(0.5):
+                    self.drop(rank)
+            t = threading.Thread(target=dropping, daemon=True)
+            t.start()
+            self.drop(rank)
+            self.droppers[rank] = (t, stop)
+        elif not bps and rank in self.droppers:
+            t, stop = self.droppers.pop(rank)
+            stop.set()
+            t.join()
+
+    def drop(self, rank: int) -> None:
+        """rank's data file out of the page cache (what it reads next comes from the disk)."""
+        fd = os.open(self.data[rank], os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
     def pin(self, rank: int, cpus: set[int]) -> None:
         for pid in (self.cg[rank] / "cgroup.procs").read_text().split():
             for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
@@ -224,11 +293,13 @@ class DdpJob:
     def close(self) -> None:
         for rank in list(self.hogs):
             self.neighbour(rank, False)
+        for rank in list(self.droppers):
+            self.slow_reads(rank, None)
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        for d in self.cg + (self.v1 or []):
+        for d in self.cg + [g for i in range(self.world) for g in self.v1_groups(i)]:
             for _ in range(50):
                 try:
                     for pid in (d / "cgroup.procs").read_text().split():
@@ -239,7 +310,7 @@ class DdpJob:
                     break
                 except OSError:
                     time.sleep(0.1)
-        for d in {d.parent for d in self.cg + (self.v1 or [])}:
+        for d in {d.parent for d in self.cg + [g for i in range(self.world) for g in self.v1_groups(i)]}:
             try:
                 d.rmdir()            # the parent, once nothing else is in it (the tests' is shared: it stays)
             except OSError:
@@ -253,7 +324,7 @@ class Cluster:
     """One NATS server, one `jobprobe controller`, one agent per rank (each its own node name), attached to the
     ranks' cgroups as job `job` — what a real cluster runs, on one machine."""
 
-    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,nic,self",
+    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,nic,pressure,self",
                  controller_args: tuple[str, ...] = ()):
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
         self.nats = Nats(tmp)

@@ -42,10 +42,18 @@ FAULTS = {
                  "straggler", frozenset({"nic_queue", "net_rtt"})),
     "loss": Fault("lossy link (3% of its packets dropped)", lambda j, r: j.lose(r, 0.03), lambda j, r: j.lose(r, None),
                   "straggler", frozenset({"net_retransmits", "net_rtt"})),
+    "memory": Fault("memory limit under its data's page cache (v1, 64 MiB over its anonymous memory)",
+                    lambda j, r: j.squeeze(r, True), lambda j, r: j.squeeze(r, False), "straggler",
+                    frozenset({"memory_pressure", "memory_reclaim", "io_pressure"})),
+    "reads": Fault("slow reads of data not in memory (blkio 16 MB/s)", lambda j, r: j.slow_reads(r, 16 << 20),
+                   lambda j, r: j.slow_reads(r, None), "straggler", frozenset({"io_pressure"})),
     "imbalance": Fault("1.5x the batch (the job's own imbalance)", lambda j, r: j.more_work(r, 1.5),
                        lambda j, r: j.more_work(r, None), "imbalance"),
     "balanced": Fault("none (the job in step)", lambda j, r: None, lambda j, r: None, None),
 }
+
+
+DATA_FAULTS = ("memory", "reads")      # the ranks read a data file per step (DdpJob data_mb)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -110,7 +118,8 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted: the ranks run in cgroups")
-    ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench")
+    data = any(f in plan for f in DATA_FAULTS)
+    ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench", data_mb=256 if data else 0)
     cluster = Cluster(tmp, ddp)
     trials = []
     try:
