@@ -32,6 +32,9 @@ def main() -> None:
     ap.add_argument("--data", default=None, help="a file this rank reads --read-mb of per step, round and round "
                     "(synchronous data loading in the training thread)")
     ap.add_argument("--read-mb", type=int, default=8)
+    ap.add_argument("--gpu-ms", type=float, default=0.0, help="a blocking wait per step for a (fake) GPU's work")
+    ap.add_argument("--gpu-file", default=None, help="a file holding the factor of --gpu-ms (its GPU's slowness; "
+                    "read every 20 steps)")
     a = ap.parse_args()
 
     if a.ifname:
@@ -50,7 +53,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(a.batch, a.width)
     y = torch.randint(0, 10, (a.batch,))
-    factor, credit = 1.0, 0.0
+    factor, credit, gpu = 1.0, 0.0, 1.0
     loss_fn = nn.CrossEntropyLoss()
     t0 = last = time.monotonic()
     steps = done = 0
@@ -70,12 +73,15 @@ def main() -> None:
             with model.no_sync():
                 loss_fn(model(x), y).backward()
         loss_fn(model(x), y).backward()
+        if a.gpu_ms:
+            time.sleep(a.gpu_ms * gpu / 1000)
         opt.step()
         steps += 1
         if steps % 20 == 0:
             now = time.monotonic()
             print(f"rank {a.rank} step {steps}: {20 / (now - last):.1f} steps/s", flush=True)
             last = now
+            gpu = work_factor(a.gpu_file, gpu)
             f = work_factor(a.work, factor)
             if f != factor:
                 factor = f

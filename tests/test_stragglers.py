@@ -6,7 +6,8 @@ One run, in phases, each fault on one rank and gone again before the next: balan
 node named "CPU throttled", cleared when the limit goes); a noisy neighbour (the rank pinned beside a CPU hog: named
 for its run-queue wait, though its peers share a CPU); packet loss on its link; a memory limit under its data's page
 cache, and its data read from a slow disk (each rank reads 8 MiB of its own data per step: both named for I/O
-stalls); a slow link (tc tbf: named with network evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this
+stalls); a slow GPU (a fake libnvidia-ml per node: each rank waits 6 ms per step for its "GPU", twice that at half
+the clock, and its node's NVML reports the lower clock and a thermal reason); a slow link (tc tbf: named with network evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this
 machine its peers' waits rise too little against their noise to name it within a bound every time; the unit tests
 hold its verdict and the controller's event.)
 Each named within 30 s (`jobprobe bench stragglers` measures the times: docs/PERFORMANCE.md), with the right cause, and nobody else named at any time — the ranks that wait least of all.
@@ -54,9 +55,10 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
     import importlib.util
     assert importlib.util.find_spec("torch"), "PyTorch is not installed: `make test` installs it (scripts/setup.sh)"
     from conftest import free_port
-    ddp = DdpJob(cgroup2_mount, seconds=400, data_mb=128)
+    ddp = DdpJob(cgroup2_mount, seconds=400, data_mb=128, gpu_ms=6)
     metrics = free_port()
-    cluster = Cluster(tmp_path, ddp, controller_args=("--metrics", f"127.0.0.1:{metrics}"))
+    cluster = Cluster(tmp_path, ddp, probes="cgroup,sched,net,nic,pressure,gpu,self",
+                      controller_args=("--metrics", f"127.0.0.1:{metrics}"))
     try:
         cluster.start_agents()
         ddp.start(tmp_path)
@@ -131,11 +133,15 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         e = fault("the slow reads", "node-b", "straggler", lambda: ddp.slow_reads(1, 32 << 20),
                   lambda: ddp.slow_reads(1, None), {"io_pressure"})
         assert blkio_read_bytes(ddp, 1) - read0 > 32 << 20
+        # (h) rank 0's GPU (a fake one: no GPU here) at half its clock: its per-step wait doubles, its NVML says so
+        e = fault("the slow GPU", "node-a", "straggler", lambda: ddp.slow_gpu(0, True), lambda: ddp.slow_gpu(0, False),
+                  {"gpu_clock", "gpu_throttled"})
+        assert e["evidence"]["gpu_sm_clock_mhz"] < e["evidence"]["peers_gpu_sm_clock_mhz"], e["evidence"]
 
         # (b) rank 2's link shaped: 200 Mbit/s out of its namespace
         t0 = time.time()
         ddp.shape(2, "200mbit")
-        ev = until(lambda: cluster.events("straggler")[5:], 20, "a straggler named within 20 s of the shaping")
+        ev = until(lambda: cluster.events("straggler")[6:], 20, "a straggler named within 20 s of the shaping")
         e = ev[0]
         print(f"stragglers: named {e['straggler']} {time.time() - t0:.1f} s after the shaping: {e['reason']}")
         assert e["straggler"] == "node-c" and "nic_queue" in e["causes"] and "network" in e["reason"]
@@ -146,7 +152,8 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         assert named() == [
             ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-b"), ("straggler_end", "node-b"),
             ("straggler", "node-a"), ("straggler_end", "node-a"), ("straggler", "node-c"), ("straggler_end", "node-c"),
-            ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-c")], named()
+            ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-a"), ("straggler_end", "node-a"),
+            ("straggler", "node-c")], named()
     finally:
         cluster.close()
         ddp.close()

@@ -6,7 +6,8 @@ controller`, one agent per rank. What tests/test_stragglers.py and `jobprobe ben
 The faults a cluster sees, each on one rank: a CPU limit (`throttle`), a slow link (`shape`: tc tbf on its
 interface), a lossy link (`lose`: iptables statistic drop at its peers, as this kernel has no netem), a noisy neighbour
 (`neighbour`: the rank pinned to a CPU with a hog pinned beside it), a memory limit under its data's page cache
-(`squeeze`: v1 memory.limit_in_bytes), throttled reads of data not in memory (`slow_reads`: v1 blkio throttle) and more
+(`squeeze`: v1 memory.limit_in_bytes), throttled reads of data not in memory (`slow_reads`: v1 blkio throttle), a
+slow GPU (`slow_gpu`: a fake one, jobprobe/bench/fakegpu.py) and more
 work than its peers (`more_work`: a bigger batch, in micro-batches — the job's own imbalance, not a fault of its
 node). With `data_mb`, each rank reads `read_mb` of its own data file per step in its training thread (synchronous
 data loading), from the page cache while nothing is wrong."""
@@ -14,14 +15,13 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from jobprobe.bench.local import Nats, sh, until  # (the tests and the bench take Nats and until from here)
 from jobprobe.core.child import stop_child
 from jobprobe.kernel.host import find_cgroup_v1_mount
 
@@ -29,70 +29,22 @@ REPO = Path(__file__).resolve().parents[2]
 _tags = itertools.count()
 
 
-def sh(*argv: str) -> str:
-    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
-
-
-def until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    """cond()'s first truthy value within `timeout` s; else AssertionError naming `what`."""
-    end = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(every)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Nats:
-    """A nats-server with JetStream on a free loopback port, its data under `base` (started by start())."""
-
-    def __init__(self, base: Path):
-        self.base, self.port = base, free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, auth: str = "") -> None:
-        """`auth`: more of the server's configuration (an authorization block)."""
-        conf = self.base / "nats.conf"
-        conf.write_text(f'listen: "127.0.0.1:{self.port}"\njetstream {{ store_dir: "{self.base / "js"}" }}\n{auth}')
-        exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
-        self.proc = subprocess.Popen([exe, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        until(self.listening, 10, "nats-server to listen")
-
-    def listening(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_child(self.proc, 10)
-
-
 class DdpJob:
     def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0",
                  batch: int = 256, parent: str = "jobprobe-test", data_mb: int = 0, read_mb: int = 8,
-                 disk_mb_s: int = 200):
+                 disk_mb_s: int = 200, gpu_ms: float = 0):
         """`width`, `batch`: the model's and the step's size — at 384 and 256 a step's compute outweighs its
         all-reduce here, so a rank given more work is seen to be slower (at batch 64 twice the passes hardly
         showed). `parent`: the group the ranks' groups are made in. `data_mb`: each rank's data file (0: none),
         `read_mb` of it read per step, from a disk as fast as `disk_mb_s` (every rank's reads throttled so: this
-        VM's disk is the host's page cache, ~500 MB/s, and a rank re-reading its data from it was hardly slower)."""
+        VM's disk is the host's page cache, ~500 MB/s, and a rank re-reading its data from it was hardly slower).
+        `gpu_ms`: each rank waits this long per step for its fake GPU (jobprobe/bench/fakegpu.py; 0: none)."""
         tag = f"{os.getpid() % 10000}x{next(_tags)}"
         self.world, self.seconds, self.width, self.subnet, self.batch = world, seconds, width, subnet, batch
         self.data_mb, self.read_mb, self.disk_bps = data_mb, read_mb, disk_mb_s << 20
         self.data: list[Path] = []
         self.droppers: dict[int, Any] = {}                 # rank → the thread keeping its data out of memory
+        self.gpu_ms, self.gpus = gpu_ms, None
         self.bridge = f"jpbr{tag}"
         self.ns = [f"jpd{tag}n{i}" for i in range(world)]
         self.veth = [f"jvd{tag}n{i}" for i in range(world)]          # host side, on the bridge
@@ -139,6 +91,8 @@ class DdpJob:
                         f.write(os.urandom(1 << 20))
                 data = ["--data", str(self.data[i]), "--read-mb", str(self.read_mb)]
                 self.slow_reads(i, None)
+            if self.gpu_ms:
+                data += ["--gpu-ms", str(self.gpu_ms), "--gpu-file", str(self.fake_gpus(out_dir).factor[i])]
 
             def enter(procs=procs):
                 for p in procs:
@@ -149,6 +103,23 @@ class DdpJob:
                  "--width", str(self.width), "--batch", str(self.batch), "--ifname", "eth0",
                  "--work", str(self.work[i]), *data],
                 preexec_fn=enter, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=REPO))
+            if self.gpu_ms:
+                self.fake_gpus(out_dir).attach(i, self.procs[i].pid)    # (ip netns exec execs the rank: its pid)
+
+    def fake_gpus(self, out_dir: Path) -> Any:
+        """The ranks' fake GPUs (made once, in `out_dir`)."""
+        if self.gpus is None:
+            from jobprobe.bench.fakegpu import FakeGpus
+            self.gpus = FakeGpus(out_dir, self.world)
+        return self.gpus
+
+    def agent_env(self, rank: int, out_dir: Path) -> dict[str, str]:
+        """What rank's node's agent needs in its environment (its fake GPU, with `gpu_ms`)."""
+        return self.fake_gpus(out_dir).env(rank) if self.gpu_ms else {}
+
+    def slow_gpu(self, rank: int, on: bool) -> None:
+        """rank's GPU at half its clock (its per-step wait doubled), its NVML saying so; off: back to full."""
+        self.gpus.slow(rank, on)
 
     def limit_dir(self, rank: int) -> Path:
         """Where rank's CPU limit is set: its cgroup2 group when the cpu controller is on there, else v1."""
@@ -337,14 +308,15 @@ class Cluster:
         self.nodes = [f"node-{chr(ord('a') + i)}" for i in range(ddp.world)]
 
     def start_agents(self) -> None:
-        for node in self.nodes:
+        for i, node in enumerate(self.nodes):
             d = self.tmp / node
             d.mkdir(exist_ok=True)
             self.agents.append(subprocess.Popen(
                 [sys.executable, "-m", "jobprobe.cli", "agent", "--node", node, "--send", self.nats.url,
                  "--spool", str(d / "spool"), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
                  "--out", str(d / "out"), "--probes", self.probes, "--interval", "1"],
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab")))
+                cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"),
+                env={**os.environ, **self.ddp.agent_env(i, self.tmp)}))
 
     def attach(self) -> None:
         from jobprobe.node.control import call

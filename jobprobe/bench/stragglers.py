@@ -47,6 +47,9 @@ FAULTS = {
                     frozenset({"memory_pressure", "memory_reclaim", "io_pressure"})),
     "reads": Fault("slow reads of data not in memory (blkio 16 MB/s)", lambda j, r: j.slow_reads(r, 16 << 20),
                    lambda j, r: j.slow_reads(r, None), "straggler", frozenset({"io_pressure"})),
+    "gpu": Fault("slow GPU (a fake one: half its SM clock, a thermal clock-event reason)",
+                 lambda j, r: j.slow_gpu(r, True), lambda j, r: j.slow_gpu(r, False), "straggler",
+                 frozenset({"gpu_clock", "gpu_throttled"})),
     "imbalance": Fault("1.5x the batch (the job's own imbalance)", lambda j, r: j.more_work(r, 1.5),
                        lambda j, r: j.more_work(r, None), "imbalance"),
     "balanced": Fault("none (the job in step)", lambda j, r: None, lambda j, r: None, None),
@@ -54,6 +57,7 @@ FAULTS = {
 
 
 DATA_FAULTS = ("memory", "reads")      # the ranks read a data file per step (DdpJob data_mb)
+GPU_MS = 6.0                           # with "gpu": each rank's per-step wait for its (fake) GPU
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -118,9 +122,9 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
     mount = find_cgroup2_mount()
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted: the ranks run in cgroups")
-    data = any(f in plan for f in DATA_FAULTS)
-    ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench", data_mb=256 if data else 0)
-    cluster = Cluster(tmp, ddp)
+    data, gpu = any(f in plan for f in DATA_FAULTS), "gpu" in plan
+    ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench", data_mb=256 if data else 0, gpu_ms=GPU_MS if gpu else 0)
+    cluster = Cluster(tmp, ddp, probes="cgroup,sched,net,nic,pressure,self" + (",gpu" if gpu else ""))
     trials = []
     try:
         cluster.start_agents()

@@ -384,7 +384,8 @@ def _evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
                            ("runq_ns", 1e9, "runq_s_per_s"), ("wait_ns", 1e9, "wait_s_per_s"),
                            ("tx_bytes", 1, "tx_bytes_per_s"), ("rx_bytes", 1, "rx_bytes_per_s"),
                            ("retrans", 1, "retransmits_per_s"), ("nic_held", 1, "nic_queue_held_per_s"),
-                           ("nic_drops", 1, "nic_drops_per_s")):
+                           ("nic_drops", 1, "nic_drops_per_s"), ("mem_stall_ns", 1e9, "mem_stall_s_per_s"),
+                           ("io_stall_ns", 1e9, "io_stall_s_per_s"), ("reclaim_ns", 1e9, "reclaim_s_per_s")):
         v = w.rate(k)
         if v is None:
             continue
