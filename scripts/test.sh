@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # Run the whole suite (unit + kernel tier; the kernel tier needs root, which CI has). Arguments go to pytest.
 #
-# By default one serial run of everything (what CI does). JOBPROBE_TEST_WORKERS=N (4 on this kind of machine: the
-# tests wait on their workloads and servers most of the time) runs it in two phases, about twice as fast
-# (docs/PERFORMANCE.md, "The test suite"):
-#   1. every test not marked `serial`, on N pytest-xdist workers, one file per worker at a time, the longest files
-#      first (tests/conftest.py);
+# Two phases, about twice as fast as one serial run (docs/PERFORMANCE.md, "The test suite"):
+#   1. every test not marked `serial`, on JOBPROBE_TEST_WORKERS pytest-xdist workers (default 4: on this kind of
+#      machine the tests wait on their workloads and servers most of the time), one file per worker at a time, the
+#      longest files first (tests/conftest.py);
 #   2. the `serial` tests alone on the machine (what they assert is a share of it, a cost or a time).
-# CI stays serial until two-phase runs stop finding tests that other tests' load moves: three of the last five
-# found one or two (docs/PERFORMANCE.md).
+# JOBPROBE_TEST_WORKERS=0: one serial run of everything.
 # pytest's exit 5 ("no tests collected") is not a pass when nothing at all was collected: the suite is broken.
 set -u
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" != 0 ]; then
   echo "test.sh: not root: kernel-tier tests will be skipped (they run in CI, which is root)" >&2
 fi
-workers=${JOBPROBE_TEST_WORKERS:-0}
+workers=${JOBPROBE_TEST_WORKERS:-4}
 if [ "$workers" = 0 ]; then
   .venv/bin/python -m pytest -q -ra --durations=10 "$@"
   rc=$?
