@@ -1,6 +1,8 @@
 """cgroup — the job's own accounting: CPU time, memory, I/O bytes, read from the kernel's files.
 
-Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets; /proc/PID/{stat,statm}
+Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets (a hybrid host's v1
+memory group where it holds the job's processes alone: memory.usage_in_bytes, limit_in_bytes, max_usage_in_bytes,
+memory.stat); /proc/PID/{stat,statm}
 and /proc/PID/task/TID/{io,stat} for process-tree targets and for controllers that a hybrid (v1+v2) host keeps on
 v1; as root, the kernel's taskstats exit records (jobprobe/kernel/taskstats.py) for what a thread did between its
 last read and its exit. Kernel: cgroup2 cpu.stat needs 4.15+, memory.peak 5.19+ (older: the highest value seen).
@@ -62,6 +64,64 @@ def io_stat_bytes(path: Path, read: Reader = procfs.read_small) -> tuple[int, in
     return rd, wr
 
 
+def v1_groups(proc: str, mount: tuple[str, str], controller: str, pids: list[int]) -> list[tuple[str, str]]:
+    """[(v1 group, its directory)] of `controller` holding the job's processes (the first 64 looked at), sorted."""
+    found = {procfs.cgroup_v1_path(proc, p, controller) for p in pids[:64]}
+    point, root = mount
+
+    def where(g: str) -> str:
+        rel = g[len(root):] if root != "/" and g.startswith(root) else g
+        return str(Path(point) / rel.lstrip("/"))
+    return [(g, where(g)) for g in sorted(g for g in found if g)]
+
+
+class V1Memory:
+    """A hybrid host's v1 memory group of the job (cgroup2 has no memory controller there): its usage, limit, peak
+    and anonymous / page-cache split (memory.usage_in_bytes, limit_in_bytes, max_usage_in_bytes, memory.stat
+    total_rss / total_cache) — used only where the job's processes are in one group that holds nothing else (a
+    SLURM job's or a pod's own group; not a session or root group shared with other work, whose figures are not
+    the job's: then the processes' RSS is summed instead, as for a PID tree). Looked up again every
+    OPTIONAL_RECHECK_S."""
+
+    def __init__(self, files: procfs.OpenFiles, host=None):
+        self.files, self.host = files, host
+        self.dir: str | None = None
+        self.found_at = -1e9
+        self.mount: tuple[str, str] | None | bool = False
+
+    def read(self, pids: list[int]) -> dict[str, int] | None:
+        if self.mount is False:
+            from jobprobe.kernel.host import find_cgroup_v1_mount
+            self.mount = find_cgroup_v1_mount(self.host.mountinfo, "memory") if self.host else None
+        if not self.mount or not pids:
+            return None
+        now = time.monotonic()
+        if now - self.found_at > OPTIONAL_RECHECK_S:
+            self.found_at = now
+            groups = v1_groups(self.host.proc, self.mount, "memory", pids)
+            self.dir = None
+            if len(groups) == 1 and groups[0][0] != "/":
+                held = self.files.read(f"{groups[0][1]}/cgroup.procs", recheck=OPTIONAL_RECHECK_S) or ""
+                if {int(x) for x in held.split()} <= set(pids):
+                    self.dir = groups[0][1]
+        if self.dir is None:
+            return None
+        usage = read_int(f"{self.dir}/memory.usage_in_bytes", self.files.read)
+        stat = read_kv(f"{self.dir}/memory.stat", self.files.read)
+        if usage is None or stat is None:
+            self.dir, self.found_at = None, -1e9
+            return None
+        out = {"mem": usage, "anon": stat.get("total_rss", 0),
+               "file": stat.get("total_cache", 0)}
+        peak = read_int(f"{self.dir}/memory.max_usage_in_bytes", self.files.read)
+        if peak is not None:
+            out["peak"] = peak
+        limit = read_int(f"{self.dir}/memory.limit_in_bytes", self.files.read)
+        if limit is not None and limit < 1 << 62:       # (no limit reads as PAGE_COUNTER_MAX pages: ~2^63)
+            out["memlim"] = limit
+        return out
+
+
 class Throttle:
     """CPU bandwidth throttling of the job's group(s): what a CPU limit (cpu.max; v1 cpu.cfs_quota_us) did to it.
 
@@ -111,13 +171,7 @@ class Throttle:
         now = time.monotonic()
         if now - self.found_at > OPTIONAL_RECHECK_S or not self.groups:
             self.found_at = now
-            found = {procfs.cgroup_v1_path(self.host.proc, p, "cpu") for p in pids[:64]}
-            point, root = self.mount
-
-            def where(g: str) -> str:
-                rel = g[len(root):] if root != "/" and g.startswith(root) else g
-                return str(Path(point) / rel.lstrip("/"))
-            self.groups = [(g, where(g)) for g in sorted(g for g in found if g)]
+            self.groups = v1_groups(self.host.proc, self.mount, "cpu", pids)
         for g, d in self.groups:
             # jobs whose processes share a v1 group (a hybrid host's session or root group) read it once per tick
             got = tickmemo.get(("v1cpu", d), lambda: self._v1_group(d))
@@ -163,13 +217,15 @@ class CgroupProbe(Probe):
     fields = {
         "cpu_user_ns": Field("int", "ns", "CPU time in user mode this interval"),
         "cpu_system_ns": Field("int", "ns", "CPU time in kernel mode this interval"),
-        "mem_bytes": Field("int", "bytes", "memory now: memory.current, else the sum of the processes' RSS"),
-        "mem_peak_bytes": Field("int", "bytes", "highest memory so far: memory.peak, else the highest mem_bytes seen"),
+        "mem_bytes": Field("int", "bytes", "memory now: memory.current (a hybrid host: the job's own "
+                           "v1 memory group's memory.usage_in_bytes), else the sum of the processes' RSS"),
+        "mem_peak_bytes": Field("int", "bytes", "highest memory so far: memory.peak (v1: "
+                                "max_usage_in_bytes), else the highest mem_bytes seen"),
         "mem_anon_bytes": Field("int", "bytes", "of mem_bytes, anonymous memory (heap, stacks; what swap or the OOM "
-                                "killer would take): memory.stat anon, else the processes' RssAnon"),
+                                "killer would take): memory.stat anon (v1: total_rss), else the processes' RssAnon"),
         "mem_file_bytes": Field("int", "bytes", "of mem_bytes, file pages: the page cache charged to the job "
-                                "(memory.stat file), else the processes' mapped file pages; shared memory (tmpfs, "
-                                "MAP_SHARED anonymous) counts here in both"),
+                                "(memory.stat file; v1: total_cache), else the processes' mapped file pages; shared "
+                                "memory (tmpfs, MAP_SHARED anonymous) counts here in both"),
         "io_read_bytes": Field("int", "bytes", "bytes read from storage this interval (io.stat rbytes, else the "
                                "job's threads' /proc/PID/task/TID/io and, as root, their exit records)"),
         "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else the "
@@ -189,8 +245,8 @@ class CgroupProbe(Probe):
                                  "cfs_period_us); absent without a limit"),
         "cpus_allowed": Field("int", "count", "CPUs the group may run on now (cgroup2 cpuset.cpus.effective); absent "
                               "where the cpuset controller is not on for it", kind="gauge"),
-        "mem_limit_bytes": Field("int", "bytes", "the group's memory limit now (cgroup2 memory.max); absent without "
-                                 "a limit"),
+        "mem_limit_bytes": Field("int", "bytes", "the group's memory limit now (cgroup2 memory.max; a hybrid "
+                                 "host: the job's own v1 group's memory.limit_in_bytes); absent without a limit"),
     }
 
     def __init__(self, host=None):
@@ -207,6 +263,7 @@ class CgroupProbe(Probe):
         self._uncounted = 0               # ThreadAcct.uncounted at the last sample
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
         self.throttle = Throttle(self.files)
+        self.v1mem = V1Memory(self.files)
 
     def start(self, target: Target) -> None:
         self.target = target
@@ -222,6 +279,7 @@ class CgroupProbe(Probe):
         self.peak = 0
         self._uncounted = 0
         self.throttle = Throttle(self.files, self.host, from_zero=bool(getattr(target, "from_start", False)))
+        self.v1mem = V1Memory(self.files, self.host)
         # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
         # did before it, up to the processes' and the group's own totals. Else the first frame reports its interval.
         self.from_zero = bool(getattr(target, "from_start", False))
@@ -265,6 +323,9 @@ class CgroupProbe(Probe):
             need_proc = mem is None or io is None
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
+        if self.cg is not None and "mem" not in cur and (v1 := self.v1mem.read(pids)) is not None:
+            cur.update(v1)            # a hybrid host's v1 memory group, the job's own
+            need_proc = io is None
         if not self.throttle.is_v2:      # a hybrid host's v1 cpu controller, or a PID tree's groups
             self.throttle.v1(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1

@@ -21,6 +21,7 @@ from jobprobe.kernel.taskstats import ExitRecord
 from jobprobe.kernel import threadacct as threadacct_mod
 from jobprobe.kernel.threadacct import CLK_TCK, PAGE, PerPid, ThreadAcct, proc_counters
 from jobprobe.probes.cgroup import CgroupProbe, io_stat_bytes, read_kv
+from tests.test_memory import make_memcg  # noqa: F401 (a fixture)
 
 TICK_NS = 1_000_000_000 // CLK_TCK
 ROOT = Path(__file__).resolve().parent.parent
@@ -677,3 +678,68 @@ def test_a_cpu_limit_throttles_a_burner_and_the_probe_says_how_much(make_cgroup)
                 os.kill(int(pid), 9)
             time.sleep(0.1)
             v1.rmdir()
+
+
+V1MEM_JOB = r"""
+import os, sys
+buf = bytearray(64 << 20)
+for i in range(0, len(buf), 4096):
+    buf[i] = 1                                  # 64 MiB of anonymous memory, touched
+with open(sys.argv[1], "rb") as f:              # 48 MiB read into the page cache, charged to this group
+    while f.read(1 << 20):
+        pass
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.kernel
+def test_a_hybrid_hosts_v1_memory_group_gives_the_jobs_memory_and_its_limit(make_cgroup, make_memcg, tmp_path):
+    """On a host whose memory controller is on v1, a job in its own v1 memory group (limit 256 MiB) that holds
+    64 MiB of anonymous memory and read 48 MiB of a file: the probe's memory is the group's (page cache included,
+    which the processes' RSS leaves out), beside the kernel's own v1 files read right after, and its limit is the
+    group's. With a process outside the job in the same v1 group, its figures are not the job's: RSS again, no
+    limit."""
+    data = Path(f"/var/tmp/jobprobe-v1mem-{os.getpid()}.dat")
+    with open(data, "wb") as f:
+        f.write(os.urandom(48 << 20))
+        f.flush()
+        os.fsync(f.fileno())                                # (dirty pages would stay in the cache)
+    fd = os.open(data, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)     # read by the job, charged to its group
+    os.close(fd)
+    cg, memcg = make_cgroup(), make_memcg(256)
+    (tmp_path / "job.py").write_text(V1MEM_JOB)
+    job = subprocess.Popen([sys.executable, str(tmp_path / "job.py"), str(data)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, preexec_fn=lambda: (
+                               (cg.path / "cgroup.procs").write_text(str(os.getpid())),
+                               (memcg / "cgroup.procs").write_text(str(os.getpid()))))
+    other = None
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        probe = CgroupProbe()
+        probe.start(CgroupTarget(str(cg.path)))
+        s = probe.sample()
+        usage = int((memcg / "memory.usage_in_bytes").read_text())
+        stat = read_kv(str(memcg / "memory.stat"))
+        print(f"v1 memory: probe {s['mem_bytes'] >> 20} MiB (anon {s['mem_anon_bytes'] >> 20}, file "
+              f"{s['mem_file_bytes'] >> 20}), kernel {usage >> 20} MiB; limit {s.get('mem_limit_bytes')}")
+        assert s["mem_limit_bytes"] == 256 << 20
+        assert abs(s["mem_bytes"] - usage) <= 1 << 20 and abs(s["mem_file_bytes"] - stat["total_cache"]) <= 1 << 20
+        assert s["mem_anon_bytes"] >= 64 << 20 and s["mem_file_bytes"] >= 40 << 20, s
+        probe.stop()
+        # a process outside the job joins the v1 group: the group is no longer the job's alone
+        other = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: (memcg / "cgroup.procs").write_text(
+            str(os.getpid())))
+        probe = CgroupProbe()
+        probe.start(CgroupTarget(str(cg.path)))
+        s = probe.sample()
+        probe.stop()
+        assert "mem_limit_bytes" not in s and s["mem_file_bytes"] < 40 << 20, s   # RSS: the cache is not mapped
+    finally:
+        job.kill()
+        job.wait()
+        if other is not None:
+            other.kill()
+            other.wait()
+        data.unlink(missing_ok=True)

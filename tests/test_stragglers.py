@@ -126,7 +126,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         read0 = blkio_read_bytes(ddp, 2)
         e = fault("the memory limit", "node-c", "straggler", lambda: ddp.squeeze(2, True),
                   lambda: ddp.squeeze(2, False), {"io_pressure", "memory_pressure", "memory_reclaim"})
-        assert int((ddp.v1x["memory"][2] / "memory.failcnt").read_text()) > 0
+        assert int((ddp.v1x["memory"][2] / "memory.failcnt").read_text()) > 0 and "at its memory limit" in e["reason"]
         assert blkio_read_bytes(ddp, 2) - read0 > 2 * (ddp.data_mb << 20), blkio_read_bytes(ddp, 2) - read0
         # (g) rank 1's data not in memory, read from a disk throttled to 32 MB/s (v1 blkio)
         read0 = blkio_read_bytes(ddp, 1)

@@ -369,3 +369,18 @@ def test_a_null_figure_is_no_figure_and_stops_nothing():
     frame = {"kind": "sample", "node": "n1", "job": "j", "run": "r", "seq": 1, "t": 1.7e9, "dt": 1.0,
              "probes": probes}
     assert StragglerWatch().feed([frame]) == []
+
+
+def test_a_stall_at_the_memory_limit_says_so():
+    """A node stalled on I/O while its group sits at its memory limit (its page cache squeezed: its data read again
+    from the disk) is named for the I/O stall, and the reason says it is at its limit; a node under its limit with
+    the same stall is not said to be."""
+    def win(full: bool) -> Window:
+        cg = {"cpu_user_ns": 5e8, "cpu_system_ns": 0, "mem_bytes": (250 if full else 100) << 20,
+              "mem_limit_bytes": 256 << 20}
+        return Window(10.0, {k: 10 * v for k, v in figures({"cgroup": cg, "pressure": {"io_some_ns": 3e8}}).items()})
+    calm = Window(10.0, {"io_stall_ns": 0.0, "cpu_ns": 5e9})
+    for full in (True, False):
+        (c,) = causes(win(full), [calm, calm])
+        assert c.name == "io_pressure" and ("at its memory limit 100% of the time" in c.text) == full, c.text
+

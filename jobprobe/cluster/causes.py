@@ -53,6 +53,8 @@ def _figures(probes: dict) -> dict[str, float]:
         out["throttled_ns"] = cg["cpu_throttled_ns"]
     if "cpu_limit_cores" in cg:
         out["limit"] = cg["cpu_limit_cores"]
+    if cg.get("mem_limit_bytes") and "mem_bytes" in cg:      # a frame at 90% of its memory limit or more
+        out["mem_dt"], out["mem_full"] = 1.0, float(cg["mem_bytes"] >= 0.9 * cg["mem_limit_bytes"])
     sc = probes.get("sched") or {}
     if "runq_lat_ns" in sc:
         out["runq_ns"] = sc["runq_lat_ns"]
@@ -283,7 +285,8 @@ def values_of(w: Window) -> dict[str, float | None]:
             "gpu_throttled": share("gpu_throttled", "gpu_dt"), "rail_slow": share("rail_slow", "rail_dt"),
             "rdma_fatal": share("rdma_fatal", "rdma_dt"), "mem_stall": per_s("mem_stall_ns", 1e9),
             "io_stall": per_s("io_stall_ns", 1e9), "reclaim": per_s("reclaim_ns", 1e9), "wait": per_s("wait_ns", 1e9),
-            "cpu": per_s("cpu_ns", 1e9), "ras_behind": share("ras_behind", "ras_dt")}
+            "cpu": per_s("cpu_ns", 1e9), "ras_behind": share("ras_behind", "ras_dt"),
+            "mem_full": share("mem_full", "mem_dt")}
 
 
 # Figures in which a node is named when far above its peers' median: (figure, cause, at least, × the median,
@@ -305,6 +308,18 @@ ABOVE = (
     ("reclaim", "memory_reclaim", 0.05, 3, 0.025, False, 3,
      "threads stalled {x:.2f} s per s on reclaiming memory in its own threads; peers {m:.2f}"),
 )
+
+
+STALLS = ("memory_pressure", "io_pressure", "memory_reclaim")   # said with the memory limit, where it is at it
+
+
+def at_limit(cause: str, v: dict[str, float | None]) -> str:
+    """What a stall cause adds where the node's group sat at its memory limit most of the window."""
+    full = v.get("mem_full") or 0.0
+    if cause not in STALLS or full < 0.5:
+        return ""
+    return f"; at its memory limit {full:.0%} of the time (its page cache reclaimed: what it reads again comes " \
+           "from the disk)"
 
 
 def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
@@ -331,6 +346,7 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
         m, _, n = others.stats(key, x)
         if (n or not need_peers) and x >= mult * m + add * f:
             words = text.format(x=x, m=m, xk=x / 1000, mk=m / 1000, drops=me.rate("nic_drops") or 0)
+            words += at_limit(name, v)
             out.append(Cause(name, round(x, digits) if digits else round(x), round(m, digits) if digits else round(m),
                              words))
     gu = v["gpu_util"]

@@ -34,8 +34,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, causes, figures, median_or_zero, moved,
-                                     values_of)
+from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_limit, causes, figures, median_or_zero,
+                                     moved, values_of)
 
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
@@ -316,7 +316,8 @@ class StragglerWatch:
                     continue
                 m, _, _ = everyone.stats(key, x)
                 if x >= m:
-                    found.append(Cause(cause, round(x, 3), round(m, 3), what.format(x=x, b=b, m=m)))
+                    found.append(Cause(cause, round(x, 3), round(m, 3),
+                                       what.format(x=x, b=b, m=m) + at_limit(cause, mine)))
         if someone_waited_for and waits.waiting(n):
             return "", []                   # it waits for another: whatever else it shows is not why the job is slow
         if found:
