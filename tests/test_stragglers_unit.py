@@ -4,9 +4,12 @@ twice; noise in one window names nobody; a node whose probes lack a figure is no
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from jobprobe.cluster.stragglers import StragglerWatch, causes, figures, Window
 from jobprobe.core.schema import FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def every_field() -> dict:
@@ -384,3 +387,29 @@ def test_a_stall_at_the_memory_limit_says_so():
         (c,) = causes(win(full), [calm, calm])
         assert c.name == "io_pressure" and ("at its memory limit 100% of the time" in c.text) == full, c.text
 
+
+
+def test_the_replay_script_decides_as_the_controller_did_and_says_why(tmp_path):
+    """scripts/straggler_replay.py on a store holding a throttled node's frames: the same events as the detector fed
+    the frames directly, and a line per comparison of the node with its gap, its bound and its verdict."""
+    import importlib.util
+    import io
+
+    from jobprobe.cluster.store import Store
+    spec = importlib.util.spec_from_file_location("straggler_replay", ROOT / "scripts" / "straggler_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    frames = [frame(n, t, throttled=0.6e9 if n == "b" and 1060 <= t < 1120 else 0, limit=0.25 if n == "b" else None,
+                    wait=(0.05e9 if n == "b" else 0.7e9) if 1060 <= t < 1120 else 0.3e9)
+              for t in range(1000, 1200) for n in ("a", "b", "c")]
+    store = Store(tmp_path / "store.db")
+    store.add(frames)
+    store.close()
+    w = StragglerWatch()
+    direct = [e[:3] for f in frames for e in w.feed([f])]
+    out = io.StringIO()
+    replayed = [e[:3] for e in mod.replay(str(tmp_path / "store.db"), "j", node="b", since=1000.0, out=out)]
+    assert replayed == direct == [("b", "j", "straggler"), ("b", "j", "straggler_end")], (replayed, direct)
+    lines = out.getvalue().splitlines()
+    assert any(" b gap " in ln and "verdict straggler" in ln and "causes ['cpu_throttled']" in ln for ln in lines)
+    assert any("EVENT straggler b:" in ln for ln in lines) and not any(" a gap " in ln for ln in lines)
