@@ -323,8 +323,8 @@ class SchedProbe(BpfProbe):
         with self.shared.lock:
             for side, name in (("kernel", "trace_kstacks"), ("user", "trace_ustacks")) if self.deep else ():
                 table = self.loaded.maps[name].typed(ct.c_int32, ct.c_uint64 * STACK_DEPTH)
-                for sid in {r.kstack if side == "kernel" else r.ustack for r in records} - {-1}:
-                    ips = table.lookup(sid) if sid >= 0 else None
+                for sid in {x for r in records if (x := r.kstack if side == "kernel" else r.ustack) >= 0}:
+                    ips = table.lookup(sid)
                     if ips is not None:
                         stacks[side, sid] = [ip for ip in ips if ip]
                         table.delete(sid)

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import until
-from jobprobe.bench.ddp import Cluster, DdpJob
+from jobprobe.bench.ddp import PROBES, Cluster, DdpJob
 from test_nats import need_nats
 
 
@@ -57,7 +57,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
     from conftest import free_port
     ddp = DdpJob(cgroup2_mount, seconds=400, data_mb=128, gpu_ms=6)
     metrics = free_port()
-    cluster = Cluster(tmp_path, ddp, probes="cgroup,sched,net,nic,pressure,gpu,self",
+    cluster = Cluster(tmp_path, ddp, probes=PROBES + ",gpu",
                       controller_args=("--metrics", f"127.0.0.1:{metrics}"))
     try:
         cluster.start_agents()

@@ -24,8 +24,10 @@ from typing import Any
 from jobprobe.bench.local import Nats, sh, until  # (the tests and the bench take Nats and until from here)
 from jobprobe.core.child import stop_child
 from jobprobe.kernel.host import find_cgroup_v1_mount
+from jobprobe.probes.cgroup import read_kv
 
 REPO = Path(__file__).resolve().parents[2]
+PROBES = "cgroup,sched,net,nic,pressure,self"   # each node's agent's (a fake GPU's job adds gpu)
 _tags = itertools.count()
 
 
@@ -190,9 +192,9 @@ class DdpJob:
         reclaims its own page cache and reads again. Off: no limit."""
         d = self.v1x["memory"][rank]
         if on:
-            stat = dict(ln.split() for ln in (d / "memory.stat").read_text().splitlines())
+            rss = read_kv(str(d / "memory.stat"))["total_rss"]
             self.drop(rank)
-            (d / "memory.limit_in_bytes").write_text(f"{int(stat['total_rss']) + (headroom_mb << 20)}\n")
+            (d / "memory.limit_in_bytes").write_text(f"{rss + (headroom_mb << 20)}\n")
         else:
             (d / "memory.limit_in_bytes").write_text("-1\n")
 
@@ -270,7 +272,8 @@ class DdpJob:
             if p.poll() is None:
                 p.kill()
             p.wait()
-        for d in self.cg + [g for i in range(self.world) for g in self.v1_groups(i)]:
+        groups = self.cg + [g for i in range(self.world) for g in self.v1_groups(i)]
+        for d in groups:
             for _ in range(50):
                 try:
                     for pid in (d / "cgroup.procs").read_text().split():
@@ -281,7 +284,7 @@ class DdpJob:
                     break
                 except OSError:
                     time.sleep(0.1)
-        for d in {d.parent for d in self.cg + [g for i in range(self.world) for g in self.v1_groups(i)]}:
+        for d in {d.parent for d in groups}:
             try:
                 d.rmdir()            # the parent, once nothing else is in it (the tests' is shared: it stays)
             except OSError:
@@ -295,7 +298,7 @@ class Cluster:
     """One NATS server, one `jobprobe controller`, one agent per rank (each its own node name), attached to the
     ranks' cgroups as job `job` — what a real cluster runs, on one machine."""
 
-    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = "cgroup,sched,net,nic,pressure,self",
+    def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = PROBES,
                  controller_args: tuple[str, ...] = ()):
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
         self.nats = Nats(tmp)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from jobprobe.bench.ddp import Cluster, DdpJob, until
+from jobprobe.bench.ddp import PROBES, Cluster, DdpJob, until
 
 KINDS = ("straggler", "imbalance")
 
@@ -124,7 +124,7 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
         raise BadInput("no cgroup2 hierarchy mounted: the ranks run in cgroups")
     data, gpu = any(f in plan for f in DATA_FAULTS), "gpu" in plan
     ddp = DdpJob(mount, seconds=1e6, parent="jobprobe-bench", data_mb=256 if data else 0, gpu_ms=GPU_MS if gpu else 0)
-    cluster = Cluster(tmp, ddp, probes="cgroup,sched,net,nic,pressure,self" + (",gpu" if gpu else ""))
+    cluster = Cluster(tmp, ddp, probes=PROBES + (",gpu" if gpu else ""))
     trials = []
     try:
         cluster.start_agents()
