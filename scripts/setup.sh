@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up a node (or a developer machine) for jobprobe. Idempotent: run it as often as you like.
-#   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), linux-perf for cross-checks, SLURM and munge
-#     (the tests start a one-node cluster), prometheus-node-exporter (the peer in `jobprobe bench peers`),
-#     nats-server, prometheus and victoria-metrics (the tests start them on loopback), chromium (headless: the
-#     tests open `jobprobe report`'s page in it), iptables (packet loss on a rank's link in the straggler tests)
+#   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), python3-venv, linux-perf for cross-checks,
+#     SLURM and munge (the tests start a one-node cluster), prometheus-node-exporter (the peer in
+#     `jobprobe bench peers`), nats-server, prometheus and victoria-metrics (the tests start them on loopback), chromium (headless: the
+#     tests open `jobprobe report`'s page in it), iptables (packet loss on a rank's link in the straggler tests),
+#     mmdebstrap (the tests build the DaemonSet image's root filesystem: tests/test_image.py)
 #   - kernel headers for the running kernel, or the nearest packaged ones linked under /lib/modules/$(uname -r)
 #   - a .venv in which `import bcc` works, with jobprobe installed (editable) and the extras named in $EXTRAS
 # Usage: scripts/setup.sh [--torch] [--bench]   (--torch also installs PyTorch CPU for the reference job, best effort;
@@ -19,40 +20,11 @@ log() { printf 'setup: %s\n' "$*" >&2; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# ---- Debian packages -------------------------------------------------------------------------
-need=()
-for p in python3-bpfcc libbpfcc bpfcc-tools linux-perf iproute2 iptables slurm-wlm slurm-client munge \
-         prometheus-node-exporter fio stress-ng iperf3 nats-server prometheus victoria-metrics chromium; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
-done
-if [ ${#need[@]} -gt 0 ]; then
-  log "apt-get install ${need[*]}"
-  as_root apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
-
-# ---- kernel headers ----------------------------------------------------------------------------
-kver=$(uname -r)
-moddir=/lib/modules/$kver
-if [ ! -e "$moddir/build/include/linux/kconfig.h" ] && [ ! -e "$moddir/build/Makefile" ]; then
-  if apt-cache show "linux-headers-$kver" >/dev/null 2>&1; then
-    log "installing linux-headers-$kver"
-    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "linux-headers-$kver" >/dev/null
-  else
-    # No package for this kernel (custom or VM kernel): take the newest packaged cloud-amd64 headers and link them.
-    [ -n "$(apt-cache search --names-only '^linux-headers-[0-9].*-cloud-amd64$' 2>/dev/null)" ] || as_root apt-get update -qq
-    pick=$(apt-cache search --names-only '^linux-headers-[0-9].*-cloud-amd64$' | awk '{print $1}' \
-           | sed 's/^linux-headers-//; s/-cloud-amd64$//' | sort -V | tail -n 1)
-    [ -n "$pick" ] || { log "no kernel headers package found"; exit 1; }
-    if [ ! -d "/usr/src/linux-headers-$pick-cloud-amd64" ]; then
-      log "no headers packaged for $kver; installing the nearest: linux-headers-$pick-cloud-amd64"
-      DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends "linux-headers-$pick-cloud-amd64" >/dev/null
-    fi
-    as_root mkdir -p "$moddir"
-    as_root ln -sfn "/usr/src/linux-headers-$pick-cloud-amd64" "$moddir/build"
-    as_root ln -sfn "/usr/src/linux-headers-$pick-common" "$moddir/source"
-  fi
-fi
+# ---- Debian packages and kernel headers --------------------------------------------------------------
+. "$here/scripts/headers.sh"
+apt_install python3-bpfcc libbpfcc bpfcc-tools python3-venv linux-perf iproute2 iptables slurm-wlm slurm-client munge \
+  prometheus-node-exporter fio stress-ng iperf3 nats-server prometheus victoria-metrics chromium mmdebstrap
+kernel_headers
 
 # ---- tracefs / debugfs (bcc attaches tracepoints through them) -----------------------------------
 if [ "$(id -u)" = 0 ]; then
@@ -79,4 +51,4 @@ if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; th
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
 fi
 .venv/bin/python -c 'import bcc' || { log "bcc does not import in .venv"; exit 1; }
-log "ready: .venv ($(.venv/bin/python --version)), kernel headers at $(readlink -f "$moddir/build")"
+log "ready: .venv ($(.venv/bin/python --version)), kernel headers at $(readlink -f "/lib/modules/$(uname -r)/build")"
