@@ -49,10 +49,10 @@ SECONDS=0
 if [ "$system" = 1 ]; then
   . "$here/scripts/headers.sh"
   if [ "$role" = node ]; then
-    apt_install python3-bpfcc python3-venv
-    kernel_headers
+    apt_install python3-bpfcc python3-venv ca-certificates
+    kernel_headers unpack
   else
-    apt_install python3-venv nats-server
+    apt_install python3-venv ca-certificates nats-server
   fi
 fi
 py=/usr/bin/python3                      # the distribution's: bcc's Python module is installed for it

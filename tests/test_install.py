@@ -105,7 +105,7 @@ def test_the_node_installer_installs_the_agent_and_nothing_else(dist, tmp_path, 
     res = install("node", wheel, tmp_path)
     print(res.stderr.strip().splitlines()[-1])
     apt = [ln for ln in res.stderr.splitlines() if "apt-get install" in ln or "linux-headers" in ln]
-    assert all(set(ln.split("apt-get install ", 1)[1].split()) <= {"python3-bpfcc", "python3-venv"}
+    assert all(set(ln.split("apt-get install ", 1)[1].split()) <= {"python3-bpfcc", "python3-venv", "ca-certificates"}
                for ln in apt if "apt-get install " in ln), apt
     prefix = tmp_path / "opt"
     assert dists(prefix) == AGENT_DISTS | {"pip", "setuptools"}           # no nats-py, pytest, torch, matplotlib …
