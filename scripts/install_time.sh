@@ -27,7 +27,9 @@ bash /src/scripts/install.sh $role --wheel /src/dist/jobprobe-*.whl --no-start |
 echo "install took \$(( (\$(date +%s%N) - start) / 1000000 )) ms"
 [ "$role" = node ] || exit 0
 jobprobe run --probes sched,net,blockio --duration 1 --stdout json -- sleep 0.5 | python3 -c \
-  'import json, sys; print("the installed agent runs its probes:", json.loads(sys.stdin.readline())["probes"]); sys.stdin.read()'
+  'import json, sys
+print("the installed agent runs its probes:", json.loads(sys.stdin.readline())["probes"])
+sys.stdin.read()'
 EOF
 unshare --mount --propagation private sh -c "mount --bind $work/root $work/root &&
   mount -t proc proc $work/root/proc && mount --rbind /sys $work/root/sys && mount --rbind /dev $work/root/dev &&
@@ -41,6 +43,7 @@ echo "venv /opt/jobprobe: $(mb "$work/root/opt/jobprobe") MB"
 echo "kernel headers /usr/src: $(mb "$work/root/usr/src") MB"
 echo "bcc with LLVM/clang (libLLVM, libclang-cpp, libbcc): $(mb "$work/root"/usr/lib/x86_64-linux-gnu/libLLVM* \
   "$work/root"/usr/lib/llvm-* "$work/root"/usr/lib/x86_64-linux-gnu/libbcc*) MB"
-echo "the install added $((after - before)) MB in all; packages added: $(comm -13 "$work/before.txt" "$work/after.txt" | wc -l)"
+echo "the install added $((after - before)) MB in all;" \
+  "packages added: $(comm -13 "$work/before.txt" "$work/after.txt" | wc -l)"
 comm -13 "$work/before.txt" "$work/after.txt" | tr '\n' ' '
 echo

@@ -2,9 +2,9 @@
 # Set up a node (or a developer machine) for jobprobe. Idempotent: run it as often as you like.
 #   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), python3-venv, linux-perf for cross-checks,
 #     SLURM and munge (the tests start a one-node cluster), prometheus-node-exporter (the peer in
-#     `jobprobe bench peers`), nats-server, prometheus and victoria-metrics (the tests start them on loopback), chromium (headless: the
-#     tests open `jobprobe report`'s page in it), iptables (packet loss on a rank's link in the straggler tests),
-#     mmdebstrap (the tests build the DaemonSet image's root filesystem: tests/test_image.py)
+#     `jobprobe bench peers`), nats-server, prometheus and victoria-metrics (the tests start them on loopback),
+#     chromium (headless: the tests open `jobprobe report`'s page in it), iptables (packet loss on a rank's link in
+#     the straggler tests), mmdebstrap (the tests build the DaemonSet image's root filesystem: tests/test_image.py)
 #   - kernel headers for the running kernel, or the nearest packaged ones linked under /lib/modules/$(uname -r)
 #   - a .venv in which `import bcc` works, with jobprobe installed (editable) and the extras named in $EXTRAS
 # Usage: scripts/setup.sh [--torch] [--bench]   (--torch also installs PyTorch CPU for the reference job, best effort;
