@@ -22,7 +22,7 @@ from conftest import until, workload
 from image_build import build
 from jobprobe.core.frame import StreamReader
 from jobprobe.exporters.file import job_path
-from test_install import AGENT_DISTS
+from test_install import AGENT_DISTS, make
 from test_k8s_watch import ON, TOKEN, UIDS, Kubelet, pod, pod_list, self_signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +36,7 @@ def image(tmp_path_factory):
     """(root filesystem, entrypoint): the Containerfile's steps over the wheels `make wheels` made of this checkout."""
     base = tmp_path_factory.mktemp("image")
     dist = base / "dist"
-    subprocess.run(["make", "-s", "-C", str(REPO), "wheels", f"DIST={dist}"], check=True, timeout=600,
-                   capture_output=True)
+    make("wheels", dist)
     context = base / "context"              # the build context: the checkout, with that dist/ in it
     (context / "scripts").mkdir(parents=True)
     shutil.copy2(REPO / "scripts/image-install.sh", context / "scripts")

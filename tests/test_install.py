@@ -7,6 +7,7 @@ nothing; nothing is written outside the prefix and the directories it is given."
 from __future__ import annotations
 
 import configparser
+import fcntl
 import json
 import os
 import re
@@ -41,10 +42,19 @@ def requires() -> set[str]:
             if r.strip()}
 
 
+def make(target: str, out: Path) -> None:
+    """`make TARGET DIST=OUT` in the checkout, one at a time (each build writes the checkout's egg-info and the
+    first one makes .build-venv: two test files building at once on two workers would race)."""
+    with open(REPO / ".build-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["make", "-s", "-C", str(REPO), target, f"DIST={out}"], check=True, timeout=600,
+                       capture_output=True)
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run(["make", "-s", "-C", str(REPO), "dist", f"DIST={out}"], check=True, timeout=600, capture_output=True)
+    make("dist", out)
     return out
 
 
