@@ -2,12 +2,16 @@
 # `make demo`: run the CPU reference training job (~20 s) under jobprobe, a line per second, then decode the file;
 # the node agent with two jobs and a controller; last, a DDP job across three namespace nodes with one rank slowed,
 # ending on the straggler the controller names.
+# Usage: scripts/demo.sh [run|agent|stragglers]…   (default: all three; tests/test_demo.py runs `agent`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p out
 rm -f out/demo.mpk
 steps=${DEMO_STEPS:-45}
 sudo_=""; [ "$(id -u)" = 0 ] || sudo_="sudo"
+parts=" ${*:-run agent stragglers} "
+part() { [[ "$parts" == *" $1 "* ]]; }
+if part run; then
 echo "== jobprobe run --out out/demo.mpk --stdout -- python scripts/train_cpu.py --steps $steps"
 $sudo_ .venv/bin/jobprobe run --out out/demo.mpk --stdout -- .venv/bin/python scripts/train_cpu.py --steps "$steps"
 echo
@@ -17,6 +21,9 @@ echo "== jobprobe summary out/demo.mpk (where the job's wall time went)"
 .venv/bin/jobprobe summary out/demo.mpk
 echo
 echo "out/demo.mpk: $(stat -c %s out/demo.mpk) bytes; decode it with: .venv/bin/jobprobe read out/demo.mpk"
+fi
+
+if part agent; then
 
 echo
 echo "== the node agent: two jobs attached at run time, one set of kernel programs for both;"
@@ -27,10 +34,14 @@ nats=nats://127.0.0.1:${DEMO_NATS_PORT:-14222}
 rm -rf out/agent out/jobs.json out/controller out/spool
 .venv/bin/jobprobe controller --data out/controller --listen "${nats#nats://}" 2> out/controller.log &
 controller=$!
+agent=""
+trap '[ -z "$agent" ] || $sudo_ kill $agent 2>/dev/null || true; kill $controller 2>/dev/null || true' EXIT
+for _ in $(seq 300); do grep -q consuming out/controller.log 2>/dev/null && break; sleep 0.1; done
+# the controller's server lets in only the nodes it enrolled: this node's key (the last line printed)
+creds=$(.venv/bin/jobprobe controller enroll demo-node --data out/controller | tail -n 1)
 $sudo_ .venv/bin/jobprobe agent --socket "$sock" --state out/jobs.json --out out/agent --interval 1 \
-    --send "$nats" --spool out/spool &
+    --node demo-node --send "$nats" --nats-creds "$creds" --spool out/spool &
 agent=$!
-trap '$sudo_ kill $agent 2>/dev/null || true; kill $controller 2>/dev/null || true' EXIT
 for _ in $(seq 100); do .venv/bin/jobprobe status --socket "$sock" >/dev/null 2>&1 && break; sleep 0.1; done
 pids=()
 for j in demo-a demo-b; do
@@ -58,14 +69,17 @@ for j in demo-a demo-b; do $sudo_ rmdir "$cg2/jobprobe-demo/$j" 2>/dev/null || t
 $sudo_ rmdir "$cg2/jobprobe-demo" 2>/dev/null || true
 for j in demo-a demo-b; do
   echo "== out/agent/$j.mpk: sched and perf over the run"
-  .venv/bin/jobprobe read "out/agent/$j.mpk" --format summary | grep -E "^field|perf.task_clock_ns|sched.offcpu_ns|sched.runq_lat_ns" || true
+  .venv/bin/jobprobe read "out/agent/$j.mpk" --format summary |
+    grep -E "^field|perf.task_clock_ns|sched.offcpu_ns|sched.runq_lat_ns" || true
 done
 echo "== jobprobe report: one page per job, to open in a browser"
 .venv/bin/jobprobe report --store out/controller/store.db --job demo-a -o out/demo-a-report.html
 echo "   open out/demo-a-report.html"
 echo "== jobprobe summary --store: where demo-a's time went"
 .venv/bin/jobprobe summary --store out/controller/store.db --job demo-a
+fi
 
+part stragglers || exit 0
 echo
 echo "== a straggler: PyTorch DDP on three namespace nodes (an agent each) → NATS → controller; one rank slowed"
 rm -rf out/stragglers
