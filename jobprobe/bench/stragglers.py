@@ -10,6 +10,7 @@ wrong kind, is a false name; a balanced trial is the job left alone for as long,
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import statistics
@@ -102,6 +103,7 @@ def trial(cluster: Cluster, ddp: DdpJob, name: str, rank: int, rng: random.Rando
     return {"fault": name, "rank": rank, "node": node, "detected": ok, "latency_s": round(latency, 1) if ok else None,
             "right_cause": ok and (not fault.causes or bool(fault.causes & set(first.get("causes", ())))),
             "causes": first.get("causes", []) if first else [], "false_names": false,
+            "flaps": max(0, len(right) - 1),      # the right node named again within one fault: it ended too soon
             "events": [(e["event"], e.get("straggler") or e.get("node"), e.get("causes", [])) for e in events]}
 
 
@@ -137,12 +139,16 @@ def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: Tex
             trials.append(r)
             print(f"[{i + 1}/{len(plan)}] {name} on {r['node']}: "
                   f"{'named in %.1f s' % r['latency_s'] if r['detected'] else 'not named'}"
-                  f"{', causes ' + ','.join(r['causes']) if r['causes'] else ''}, {r['false_names']} false",
+                  f"{', causes ' + ','.join(r['causes']) if r['causes'] else ''}, {r['false_names']} false, "
+                  f"{r['flaps']} flaps",
                   file=progress, flush=True)
     finally:
         cluster.close()
         ddp.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.environ.get("JOBPROBE_KEEP"):       # its store, for scripts/straggler_replay.py
+            print(f"kept {tmp}", file=progress, flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
     return summarize(trials, runs)
 
 
@@ -154,7 +160,8 @@ def summarize(trials: list[dict], runs: int) -> dict:
         rows[name] = {"what": FAULTS[name].what, "trials": len(ts), "detected": sum(t["detected"] for t in ts),
                       "right_cause": sum(t["right_cause"] for t in ts),
                       "p50_s": percentile(lat, 50), "p90_s": percentile(lat, 90),
-                      "false_names": sum(t["false_names"] for t in ts)}
+                      "false_names": sum(t["false_names"] for t in ts),
+                      "flaps": sum(t.get("flaps", 0) for t in ts)}
     faulty = [t for t in trials if FAULTS[t["fault"]].kind]
     names = sum(t["detected"] for t in trials) + sum(t["false_names"] for t in trials)
     lat = [t["latency_s"] for t in trials if t["latency_s"] is not None]
@@ -168,11 +175,11 @@ def summarize(trials: list[dict], runs: int) -> dict:
 def markdown(res: dict) -> str:
     def f(x, fmt="{:.1f}"):
         return "—" if x is None else fmt.format(x)
-    out = ["| fault | trials | named (right rank and kind) | right cause | time to name p50 / p90 | false names |",
-           "|---|---|---|---|---|---|"]
+    out = ["| fault | trials | named (right rank and kind) | right cause | time to name p50 / p90 | false names | "
+           "named again (flaps) |", "|---|---|---|---|---|---|---|"]
     for name, r in res["rows"].items():
         out.append(f"| {name}: {r['what']} | {r['trials']} | {r['detected']} | {r['right_cause']} | "
-                   f"{f(r['p50_s'])} / {f(r['p90_s'])} s | {r['false_names']} |")
+                   f"{f(r['p50_s'])} / {f(r['p90_s'])} s | {r['false_names']} | {r.get('flaps', 0)} |")
     out.append(f"\nrecall {f(res['recall'], '{:.2f}')}, precision {f(res['precision'], '{:.2f}')}, time to name "
                f"p50 {f(res['p50_s'])} s, p90 {f(res['p90_s'])} s")
     return "\n".join(out)

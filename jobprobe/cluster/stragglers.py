@@ -21,9 +21,10 @@ per job, at every tick, it compares the nodes over the last `window` seconds (10
   the nodes that waited for it.
 
 An event opens after its verdict has held for `open_s` (7 s; one comparison without it forgiven), and closes
-(`straggler_end`, `imbalance_end`) after `close_s` (5 s) without it at the lower clearing bounds (being waited for
-alone does not hold a straggler open — one of its causes must): hysteresis and a minimum duration, so a burst of
-5 s or less (it holds in the newest slice for its length + 3 s) names nobody. A job whose nodes all look alike has no event. Figures absent from a node's frames
+(`straggler_end`, `imbalance_end`) after `close_s` (5 s) in which it did not hold at the lower clearing bounds over
+the window and its newest slice both (being waited for alone does not hold a straggler open — one of its causes
+must): hysteresis and a minimum duration, so a burst of 5 s or less (it holds in the newest slice for its length +
+3 s) names nobody, and an event ends ~3 + 5 s after its fault, not once the whole window has forgotten it. A job whose nodes all look alike has no event. Figures absent from a node's frames
 (no sched probe, no GPU) are simply not compared; without wait figures, a cause before the node has a baseline
 names it on its peers' comparison alone.
 """
@@ -151,15 +152,31 @@ class Slice:
         self.values: dict[str, dict[str, float | None]] = {}
         self.others: Others | None = None
 
-    def causes(self, n: str) -> set[str]:
+        self.waits: Waits | None = None
+
+    def _load(self) -> dict[str, Window]:
         if self.wins is None:     # a node with under 60% of the slice covered is left out
             self.wins = {m: w for m, nt in self.live.items()
                          if (w := nt.series.window(self.start, self.end)).wall_s >= 0.6 * (self.end - self.start)}
             self.values = {m: values_of(w) for m, w in self.wins.items()}
             self.others = Others(list(self.wins.values()), list(self.values.values()))
-        if n not in self.wins or len(self.wins) < 2:
+        return self.wins
+
+    def causes(self, n: str) -> set[str]:
+        wins = self._load()
+        if n not in wins or len(wins) < 2:
             return set()
-        return {c.name for c in causes(self.wins[n], self.others, mine=self.values[n])}
+        return {c.name for c in causes(wins[n], self.others, mine=self.values[n])}
+
+    def still(self, n: str, usual: dict[str, float | None]) -> bool:
+        """Whether node n's open event holds in the newest slice too (where the slice covers it and a peer): the
+        event ends `close_s` after it stops holding there, not once the whole window has forgotten the fault."""
+        wins = self._load()
+        if n not in wins or len(wins) < 2:
+            return True
+        if self.waits is None:
+            self.waits = Waits.of(self.values, self.others, usual)
+        return StragglerWatch._still(n, wins[n], self.others, self.values[n], self.live[n], self.waits)
 
 
 @dataclass
@@ -255,7 +272,7 @@ class StragglerWatch:
                         events.append((n, name, "straggler", self._body(n, w, wins, found, nt, waits)))
                     else:
                         events.append((n, name, "imbalance", self._imbalance_body(n, w, wins, values[n], nt, waits)))
-            elif self._still(n, w, everyone, values[n], nt, waits):
+            elif self._still(n, w, everyone, values[n], nt, waits) and recent.still(n, usual):
                 nt.quiet_since = None
             else:
                 nt.quiet_since = horizon if nt.quiet_since is None else nt.quiet_since
