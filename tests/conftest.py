@@ -37,8 +37,8 @@ def pytest_collection_modifyitems(config, items):
 SHARED_UNITS = {"test_slurm.py": "slurm", "test_slurm_agent.py": "slurm"}
 # The files that take longest (`--durations`, summed per file: 85–140 s alone), started first so that the workers
 # finish together instead of one of them running a long file at the end alone. Order only: nothing is skipped.
-LONG_FIRST = ("test_image.py", "test_sched.py", "test_trace.py", "test_nats.py", "test_cuda.py", "test_blockio.py", "test_hostile.py",
-              "test_agent.py", "test_net.py", "test_syscalls.py", "test_auth.py")
+LONG_FIRST = ("test_image.py", "test_sched.py", "test_trace.py", "test_nats.py", "test_cuda.py", "test_blockio.py",
+              "test_hostile.py", "test_agent.py", "test_net.py", "test_syscalls.py", "test_auth.py")
 
 
 def long_first(items: list) -> None:
