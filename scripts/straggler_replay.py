@@ -33,7 +33,9 @@ class Traced(S.StragglerWatch):
             cpu, base = mine.get("cpu"), nt.baseline("cpu")
             print(f"{self.t - self.since:7.1f} {n} gap {gap:+.3f} (bound {max(S.WAITED_S, S.WAITED_SHARE * med):.3f}) "
                   f"waited {waits.waited_for(n)} waiting {waits.waiting(n)} cpu {cpu if cpu is not None else 0:.3f} "
-                  f"base {base or 0:.3f} verdict {kind or '-'} causes {[c.name for c in found]} holding "
+                  f"base {base or 0:.3f} share {mine.get('cpu_share') or 0:.3f} "
+                  f"usual {nt.baseline('cpu_share') or 0:.3f} "
+                  f"verdict {kind or '-'} causes {[c.name for c in found]} holding "
                   f"{nt.kind or '-'}", file=self.out)
         return kind, found
 

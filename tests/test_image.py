@@ -23,7 +23,7 @@ from image_build import build
 from jobprobe.core.frame import StreamReader
 from jobprobe.exporters.file import job_path
 from test_install import AGENT_DISTS, make
-from test_k8s_watch import ON, TOKEN, UIDS, Kubelet, pod, pod_list, self_signed
+from test_k8s_watch import TOKEN, pod_a_listed, pod_list, self_signed
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.kernel, pytest.mark.integration,
@@ -108,13 +108,7 @@ def test_the_agent_in_the_image_probes_a_pod_on_the_host(image, make_cgroup, tmp
     run, frames_dir = tmp_path / "run", tmp_path / "var-lib"
     run.mkdir()
     frames_dir.mkdir()
-    group = make_cgroup().path / "kubepods.slice/kubepods-burstable.slice" / \
-        f"kubepods-burstable-pod{UIDS['a'].replace('-', '_')}.slice" / "cri-containerd-aaaa.scope"
-    group.mkdir(parents=True)
-    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: (group / "cgroup.procs").write_text(
-        str(os.getpid())))
-    api = Kubelet(tls=(cert, key))
-    api.answer = pod_list(pod("a", ON))
+    group, sleeper, api = pod_a_listed(make_cgroup().path, cert, key)
     mounts = {"/sys": "/sys", "/proc": "/proc", "/dev": "/dev", "/lib/modules": "/lib/modules",
               "/usr/src": "/usr/src", str(run): "/run/jobprobe", str(frames_dir): "/var/lib/jobprobe", str(sa): SA}
     # the root filesystem a mount of its own first, as a container runtime makes it (its / is a mount point: the

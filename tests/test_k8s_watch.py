@@ -111,6 +111,19 @@ class Kubelet:
         self.server.server_close()
 
 
+def pod_a_listed(root: Path, cert: Path, key: Path) -> tuple[Path, subprocess.Popen, Kubelet]:
+    """Pod a's container group under ROOT, laid out as the kubelet's systemd driver does, with a process in it; and
+    an API server over TLS (CERT, KEY) that lists pod a, annotated to be probed."""
+    group = root / "kubepods.slice/kubepods-burstable.slice" / \
+        f"kubepods-burstable-pod{UIDS['a'].replace('-', '_')}.slice" / "cri-containerd-aaaa.scope"
+    group.mkdir(parents=True)
+    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: (group / "cgroup.procs").write_text(
+        str(os.getpid())))
+    api = Kubelet(tls=(cert, key))
+    api.answer = pod_list(pod("a", ON))
+    return group, sleeper, api
+
+
 def self_signed(d: Path) -> tuple[Path, Path]:
     """A certificate for 127.0.0.1 signed by its own key: the peer's certificate and its CA at once."""
     d.mkdir(parents=True)
@@ -319,14 +332,7 @@ def test_the_agent_lists_its_nodes_pods_from_a_verified_api_server(make_cgroup, 
     HTTPS API server served by the test: the pod is attached from the node's list, every request carried the token
     to the verified peer and asked for this node only, and the pod is let go when it leaves the list."""
     cert, key, _ = tls
-    root = make_cgroup().path
-    group = root / "kubepods.slice/kubepods-burstable.slice" / \
-        f"kubepods-burstable-pod{UIDS['a'].replace('-', '_')}.slice" / "cri-containerd-aaaa.scope"
-    group.mkdir(parents=True)
-    sleeper = subprocess.Popen(["sleep", "600"], preexec_fn=lambda: (group / "cgroup.procs").write_text(
-        str(os.getpid())))
-    api = Kubelet(tls=(cert, key))
-    api.answer = pod_list(pod("a", ON))
+    group, sleeper, api = pod_a_listed(make_cgroup().path, cert, key)
     (tmp_path / "token").write_text(TOKEN)
     sock = tmp_path / "agent.sock"
     agent = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(sock), "--state",

@@ -344,6 +344,29 @@ def test_every_event_the_watch_makes_goes_through_the_controller_into_its_store(
     assert out[0]["verdict"] == "imbalance" and out[0]["waited_by"] == ["a", "b"]
 
 
+def test_more_work_on_a_machine_the_ranks_share_is_read_from_the_cpu_share():
+    """The DDP bench's numbers: three ranks on two CPUs, each thread-sleeping ~3 s/s; c given 1.5x the batch from
+    t = 1060 gets only 1.14x its CPU (0.49 -> 0.56 cores) while its peers' falls 5% (0.49 -> 0.465), and the others
+    wait 0.12 s/s more than it — under 5% of their wait, and its own CPU under 1.15x its baseline, which alone named
+    nobody. Its CPU over its peers' median rose 1.2x: an imbalance. The same job in step, where one rank's CPU share
+    wanders 1.1x and the gap 0.12 s/s for a while (seen in balanced runs), names nobody."""
+    def job(heavy: str | None, share: float, gap: float):
+        def special(n, t):
+            if not 1060 <= t < 1120:
+                return {"cpu": 0.49e9, "wait": 3.0e9}
+            if n == heavy:
+                return {"cpu": 0.49e9 * share ** 0.5 * 1.04, "wait": 3.0e9}
+            return {"cpu": 0.49e9 / share ** 0.5 * 1.04, "wait": 3.0e9 + gap * 1e9}
+        return special
+    w = StragglerWatch()
+    ev = run(w, 200, job("c", 1.21, 0.12))
+    assert named(ev) == [("c", "imbalance"), ("c", "imbalance_end")], ev
+    assert "1.2" in ev[0][4]["reason"] and w.named == 0, ev[0][4]["reason"]
+    assert ev[0][0] - 1060 <= 15, ev[0][0]            # the target: named within 15 s
+    w = StragglerWatch()
+    assert named(run(w, 200, job("c", 1.10, 0.12))) == []
+
+
 def test_the_node_that_took_the_cpu_a_straggler_let_go_is_no_imbalance():
     """b throttled from t = 1060 to 1120 (named); meanwhile a, on the same machine, gets the CPU b cannot use (0.9 ->
     1.1 cores) and waits less than c — 'waited for' with its CPU up, which alone would read as more work. While

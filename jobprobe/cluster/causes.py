@@ -371,3 +371,13 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
             if x >= top + 0.5 * f:
                 out.append(Cause(name, round(x, 2), round(m, 2), f"{what} {x:.0%} of the time; peers {m:.0%}"))
     return out
+
+
+def cpu_shares(values: dict[str, dict[str, float | None]], everyone: Others) -> Others:
+    """Each node's CPU over its peers' median, into its figures (`cpu_share`): what more work moves on a shared
+    machine, where the others' CPU falls as one rank's rises."""
+    for v in values.values():
+        cpu = v.get("cpu")
+        med = everyone.stats("cpu", cpu)[0] if cpu is not None else 0.0
+        v["cpu_share"] = cpu / med if cpu is not None and med > 0 else None
+    return everyone

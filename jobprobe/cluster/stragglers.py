@@ -17,8 +17,9 @@ per job, at every tick, it compares the nodes over the last `window` seconds (10
   evidence. A node the others wait for is also named for a run-queue wait or a stall that rose over its own baseline
   even where its peers' are as high (they may share its CPU: a noisy neighbour).
 - **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (the node is
-  waited for, no cause moved, its own CPU time rose: the job gave it more work — not its node's fault); each names
-  the nodes that waited for it.
+  waited for, no cause moved, its CPU over its peers' median rose 1.15x over its usual ratio, its own CPU up too:
+  the job gave it more work — not its node's fault; on a machine the ranks share, its peers' CPU falls as its own
+  rises, so the ratio moves where its own CPU alone hardly does); each names the nodes that waited for it.
 
 An event opens after its verdict has held for `open_s` (7 s; one comparison without it forgiven), and closes
 (`straggler_end`, `imbalance_end`) after `close_s` (5 s) in which it did not hold at the lower clearing bounds over
@@ -35,8 +36,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_limit, causes, figures, median_or_zero,
-                                     moved, values_of)
+from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_limit, causes, cpu_shares, figures,
+                                     median_or_zero, moved, values_of)
 
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
@@ -49,8 +50,11 @@ KEEP_S = 60.0             # frames kept per node (a little more than a window, f
 # the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
 WAITED_S = 0.05
 WAITED_SHARE = 0.05       # ... and this share of the peers' median wait (a median mostly of threads that always sleep)
-IMBALANCE_CPU = 1.15      # a waited-for node whose CPU rose this much over its baseline, nothing else moved (a
-                          # rank given 1.5x the batch on a busy 2-core machine: 1.2x; the others wait in the rest)
+IMBALANCE_SHARE = 1.15    # a node waited for, whose CPU over its peers' median rose this much over its usual
+                          # ratio, its own CPU up too, nothing else moved: more work (a rank given 1.5x the batch on
+                          # a 2-core machine three ranks share: its CPU 1.12-1.19x, its peers' down 3-8%, the ratio
+                          # 1.21-1.27x; in step the ratio wanders within 1.13x)
+IMBALANCE_CPU = 1.05      # ... its own CPU at least this much over its baseline (not only its peers' fallen)
 
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
@@ -159,7 +163,7 @@ class Slice:
             self.wins = {m: w for m, nt in self.live.items()
                          if (w := nt.series.window(self.start, self.end)).wall_s >= 0.6 * (self.end - self.start)}
             self.values = {m: values_of(w) for m, w in self.wins.items()}
-            self.others = Others(list(self.wins.values()), list(self.values.values()))
+            self.others = cpu_shares(self.values, Others(list(self.wins.values()), list(self.values.values())))
         return self.wins
 
     def causes(self, n: str) -> set[str]:
@@ -243,7 +247,7 @@ class StragglerWatch:
         self.evaluations += 1
         events = []
         values = {n: values_of(w) for n, w in wins.items()}
-        everyone = Others(list(wins.values()), list(values.values()))
+        everyone = cpu_shares(values, Others(list(wins.values()), list(values.values())))
         recent = Slice(live, horizon - self.slice, horizon)
         usual = {n: nt.baseline("gap") for n, nt in live.items()}
         waits = Waits.of(values, everyone, usual)
@@ -339,8 +343,7 @@ class StragglerWatch:
             return "", []                   # it waits for another: whatever else it shows is not why the job is slow
         if found:
             return "straggler", found
-        cpu, base = mine.get("cpu"), nt.baseline("cpu")
-        if waited and cpu is not None and base and cpu >= IMBALANCE_CPU * base:
+        if _more_work(n, mine, nt, waits, 1.0):
             return "imbalance", []
         return "", []
 
@@ -355,8 +358,7 @@ class StragglerWatch:
         long as the job runs. An imbalance: still waited for, its CPU still 1/2 of the rise over its baseline."""
         waited = waits.waited_for(n)
         if nt.kind == "imbalance":
-            cpu, base = mine.get("cpu"), nt.baseline("cpu")
-            return waited and (cpu is None or not base or cpu >= (1 + (IMBALANCE_CPU - 1) / 2) * base)
+            return _more_work(n, mine, nt, waits, 0.5)
         if causes(w, everyone, clearing=True, mine=mine):
             return True
         if not waited:
@@ -385,13 +387,29 @@ class StragglerWatch:
                         nt: NodeTrack, waits: Waits) -> dict[str, Any]:
         ev = _evidence(w, wins, n)
         cpu, base = mine.get("cpu") or 0.0, nt.baseline("cpu") or 0.0
+        share, sbase = mine.get("cpu_share") or 0.0, nt.baseline("cpu_share") or 0.0
         waited = waits.gap.get(n, (0.0, 0.0))[0]
         return {"node": n, "verdict": "imbalance", "since": round(nt.first_seen or 0.0, 3), "nodes": sorted(wins),
                 "reason": f"{n} has more work than its peers (the job's own imbalance, not its node): its CPU rose "
-                          f"to {cpu:.2f} cores from {base:.2f} with nothing on its node changed, and the others' "
-                          f"threads waited {waited:.2f} s/s more than its own",
+                          f"to {cpu:.2f} cores from {base:.2f} ({share:.2f}x its peers', usually {sbase:.2f}x) "
+                          f"with nothing on its node changed, and the others' threads waited {waited:.2f} s/s more "
+                          f"than its own",
                 "waited_by": waits.waited_by(n),
-                "evidence": {**ev, "cpu_cores_baseline": round(base, 4)}}
+                "evidence": {**ev, "cpu_cores_baseline": round(base, 4), "cpu_share": round(share, 3),
+                             "cpu_share_baseline": round(sbase, 3)}}
+
+
+def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Waits, part: float) -> bool:
+    """The job's own imbalance on node n: the others wait for it more than is usual (by WAITED_S; at least as much
+    as usual, `part` < 1: while it holds), its CPU over its peers' median `part` of IMBALANCE_SHARE's rise over its
+    usual ratio, and its own CPU `part` of IMBALANCE_CPU's over its baseline. Without a usual ratio or CPU yet: no."""
+    gap = waits.gap.get(n)
+    share, sbase, cpu, base = mine.get("cpu_share"), nt.baseline("cpu_share"), mine.get("cpu"), nt.baseline("cpu")
+    if share is None or not sbase or cpu is None or not base:
+        return False
+    waited = waits._behind(n) or gap is not None and gap[0] >= (WAITED_S if part >= 1 else 0.0)
+    return waited and share >= (1 + (IMBALANCE_SHARE - 1) * part) * sbase and \
+        cpu >= (1 + (IMBALANCE_CPU - 1) * part) * base
 
 
 def _evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
