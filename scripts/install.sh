@@ -43,6 +43,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -z "$wheel" ] || [ -f "$wheel" ] || die "no wheel at $wheel"
+[ "$(id -u)" = 0 ] || [ "$system" = 0 ] ||
+  die "run it as root: it installs distribution packages (--no-system skips them)"
+{ mkdir -p "$prefix" 2>/dev/null && [ -w "$prefix" ]; } || die "cannot write $prefix (run it as root, or give --prefix)"
 SECONDS=0
 
 # ---- distribution packages -----------------------------------------------------------------------------------

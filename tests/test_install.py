@@ -192,7 +192,12 @@ def test_the_controller_installer_brings_the_nats_client_and_not_bcc(dist, tmp_p
 def test_the_installer_refuses_what_it_does_not_know(tmp_path):
     for argv, needle in ((["agent"], "usage: scripts/install.sh node|controller"),
                          (["node", "--bogus"], "unknown option --bogus"),
-                         (["node", "--wheel", str(tmp_path / "none.whl")], "no wheel at")):
+                         (["node", "--wheel", str(tmp_path / "none.whl")], "no wheel at"),
+                         (["node", "--no-system", "--prefix", "/proc/jobprobe"], "cannot write /proc/jobprobe")):
         res = subprocess.run(["bash", str(REPO / "scripts/install.sh"), *argv], capture_output=True, text=True,
                              timeout=60)
         assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res
+    if os.geteuid() == 0:                   # not root: said, before anything is installed
+        res = subprocess.run(["bash", str(REPO / "scripts/install.sh"), "node"], capture_output=True, text=True,
+                             timeout=60, user="nobody", cwd="/")
+        assert res.returncode == 2 and "run it as root" in res.stderr, res
