@@ -25,9 +25,9 @@ An event opens after its verdict has held for `open_s` (7 s; one comparison with
 (`straggler_end`, `imbalance_end`) after `close_s` (5 s) in which it did not hold at the lower clearing bounds over
 the window and its newest slice both (being waited for alone does not hold a straggler open — one of its causes
 must): hysteresis and a minimum duration, so a burst of 5 s or less (it holds in the newest slice for its length +
-3 s) names nobody, and an event ends ~3 + 5 s after its fault, not once the whole window has forgotten it. A job whose nodes all look alike has no event. Figures absent from a node's frames
-(no sched probe, no GPU) are simply not compared; without wait figures, a cause before the node has a baseline
-names it on its peers' comparison alone.
+3 s) names nobody, and an event ends ~3 + 5 s after its fault, not once the whole window has forgotten it. A job
+whose nodes all look alike has no event. Figures absent from a node's frames (no sched probe, no GPU) are simply not
+compared; without wait figures, a cause before the node has a baseline names it on its peers' comparison alone.
 """
 from __future__ import annotations
 
@@ -119,8 +119,12 @@ class Waits:
         return None if g is None else g[0] + (usual or 0.0)
 
     def waited_for(self, n: str) -> bool:
+        return self.waited_by_more_than(n, max(WAITED_S, WAITED_SHARE * self.gap[n][1]) if n in self.gap else 0.0)
+
+    def waited_by_more_than(self, n: str, bound: float) -> bool:
+        """The others wait for n by `bound` s/s more than is usual for it, or NCCL says it is behind."""
         g = self.gap.get(n)
-        return g is not None and g[0] >= max(WAITED_S, WAITED_SHARE * g[1]) or self._behind(n)
+        return g is not None and g[0] >= bound or self._behind(n)
 
     def waiting(self, n: str) -> bool:
         g = self.gap.get(n)
@@ -355,7 +359,8 @@ class StragglerWatch:
         rise over the node's own baseline (a noisy neighbour, whose peers may be as high; half the rise held a run
         queue settling after the neighbour went). Being waited for
         alone does not hold it: a rank's place in the ring can leave it waiting a little less than its peers for as
-        long as the job runs. An imbalance: still waited for, its CPU still 1/2 of the rise over its baseline."""
+        long as the job runs. An imbalance: waited for at least as much as usual, its CPU share and its CPU still
+        half their rise (_more_work)."""
         waited = waits.waited_for(n)
         if nt.kind == "imbalance":
             return _more_work(n, mine, nt, waits, 0.5)
@@ -403,13 +408,11 @@ def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Wait
     """The job's own imbalance on node n: the others wait for it more than is usual (by WAITED_S; at least as much
     as usual, `part` < 1: while it holds), its CPU over its peers' median `part` of IMBALANCE_SHARE's rise over its
     usual ratio, and its own CPU `part` of IMBALANCE_CPU's over its baseline. Without a usual ratio or CPU yet: no."""
-    gap = waits.gap.get(n)
     share, sbase, cpu, base = mine.get("cpu_share"), nt.baseline("cpu_share"), mine.get("cpu"), nt.baseline("cpu")
     if share is None or not sbase or cpu is None or not base:
         return False
-    waited = waits._behind(n) or gap is not None and gap[0] >= (WAITED_S if part >= 1 else 0.0)
-    return waited and share >= (1 + (IMBALANCE_SHARE - 1) * part) * sbase and \
-        cpu >= (1 + (IMBALANCE_CPU - 1) * part) * base
+    return waits.waited_by_more_than(n, WAITED_S if part >= 1 else 0.0) and \
+        share >= (1 + (IMBALANCE_SHARE - 1) * part) * sbase and cpu >= (1 + (IMBALANCE_CPU - 1) * part) * base
 
 
 def _evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
