@@ -1,4 +1,5 @@
-# Sourced by scripts/setup.sh and scripts/install.sh: the running kernel's headers where bcc looks for them
+# Sourced by scripts/setup.sh and scripts/install.sh: what a venv needs from the distribution to run bcc —
+# link_bcc, and kernel_headers: the running kernel's headers where bcc looks for them
 # (/lib/modules/$(uname -r)/build), from the distribution's package for this kernel, or else the newest packaged
 # cloud-amd64 headers linked there (a custom or VM kernel has no package of its own; see docs/DEPLOY.md).
 # Needs: log(), as_root(). `kernel_headers unpack`: where the nearest headers are taken, unpack them (dpkg-deb -x)
@@ -40,6 +41,16 @@ kernel_headers() {
   as_root mkdir -p "$moddir"
   as_root ln -sfn "/usr/src/linux-headers-$pick-cloud-amd64" "$moddir/build"
   as_root ln -sfn "/usr/src/linux-headers-$pick-common" "$moddir/source"
+}
+
+# the distribution's bcc seen from the venv of PYTHON: its Python module (pure ctypes) linked in, not all of
+# dist-packages
+link_bcc() {
+  local site
+  [ -d /usr/lib/python3/dist-packages/bcc ] ||
+    { log "bcc's Python module is not installed (apt install python3-bpfcc)"; return 2; }
+  site=$("$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  [ -e "$site/bcc" ] || ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
 }
 
 # apt packages not yet installed, from the arguments, installed in one go

@@ -49,8 +49,8 @@ done
 SECONDS=0
 
 # ---- distribution packages -----------------------------------------------------------------------------------
+. "$here/scripts/headers.sh"
 if [ "$system" = 1 ]; then
-  . "$here/scripts/headers.sh"
   if [ "$role" = node ]; then
     apt_install python3-bpfcc python3-venv ca-certificates
     kernel_headers unpack
@@ -66,11 +66,7 @@ if [ ! -x "$prefix/bin/python" ]; then
   log "creating the virtual environment $prefix"
   "$py" -m venv "$prefix"
 fi
-site=$("$prefix/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ "$role" = node ]; then
-  [ -d /usr/lib/python3/dist-packages/bcc ] || die "bcc's Python module is not installed (apt install python3-bpfcc)"
-  [ -e "$site/bcc" ] || ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
-fi
+[ "$role" = controller ] || link_bcc "$prefix/bin/python" || exit 2
 pip=("$prefix/bin/python" -m pip -q --disable-pip-version-check)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

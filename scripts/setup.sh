@@ -37,9 +37,7 @@ if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$PY" -m venv .venv
 fi
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# bcc's Python module is pure ctypes; link only it (not all of dist-packages) into the venv.
-[ -e "$site/bcc" ] || ln -sfn /usr/lib/python3/dist-packages/bcc "$site/bcc"
+link_bcc .venv/bin/python
 stamp=.venv/.jobprobe-installed
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "pip install -e .[$EXTRAS]"
