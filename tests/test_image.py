@@ -7,7 +7,6 @@ a pod running on the host: the pod is attached, and its frames' CPU equals the p
 the agent's packages and nothing of the test or demo stack."""
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -22,7 +21,7 @@ from conftest import until, workload
 from image_build import build
 from jobprobe.core.frame import StreamReader
 from jobprobe.exporters.file import job_path
-from test_install import AGENT_DISTS, make
+from test_install import AGENT_DISTS, dists, make
 from test_k8s_watch import TOKEN, pod_a_listed, pod_list, self_signed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,10 +55,8 @@ def in_image(root: Path, *argv: str) -> str:
 def test_the_image_holds_the_agent_and_nothing_of_the_test_stack(image):
     root, entry = image
     assert entry == ["/opt/jobprobe/bin/jobprobe", "agent"]
-    dists = json.loads(in_image(root, "/opt/jobprobe/bin/python", "-c", "import importlib.metadata as m, json, re; "
-                                "print(json.dumps(sorted(re.sub('[-_.]+', '-', d.metadata['Name']).lower() "
-                                "for d in m.distributions())))"))
-    assert set(dists) == AGENT_DISTS, dists          # no pip, setuptools, pytest, torch, nats-py, matplotlib …
+    held = dists(["chroot", str(root), "/opt/jobprobe/bin/python"])
+    assert held == AGENT_DISTS, held          # no pip, setuptools, pytest, torch, nats-py, matplotlib …
     packages = set(in_image(root, "dpkg-query", "-W", "-f", "${Package}\n").split())
     assert "python3-bpfcc" in packages and not packages & {"python3-venv", "python3-pip", "perl", "usrmerge"}
     assert in_image(root, "jobprobe", "--version").startswith("jobprobe ")

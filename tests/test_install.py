@@ -97,8 +97,9 @@ def install(role: str, wheel: Path, base: Path, *extra: str) -> subprocess.Compl
     return res
 
 
-def dists(prefix: Path) -> set[str]:
-    out = subprocess.run([str(prefix / "bin/python"), "-c", "import importlib.metadata as m, json; "
+def dists(python: list[str]) -> set[str]:
+    """The distributions the environment of PYTHON (an argv: a venv's python, or one run in a chroot) holds."""
+    out = subprocess.run([*python, "-c", "import importlib.metadata as m, json; "
                           "print(json.dumps([d.metadata['Name'] for d in m.distributions()]))"],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     return {norm(n) for n in json.loads(out)}
@@ -118,7 +119,7 @@ def test_the_node_installer_installs_the_agent_and_nothing_else(dist, tmp_path, 
     assert all(set(ln.split("apt-get install ", 1)[1].split()) <= {"python3-bpfcc", "python3-venv", "ca-certificates"}
                for ln in apt if "apt-get install " in ln), apt
     prefix = tmp_path / "opt"
-    assert dists(prefix) == AGENT_DISTS | {"pip", "setuptools"}           # no nats-py, pytest, torch, matplotlib …
+    assert dists([str(prefix / "bin/python")]) == AGENT_DISTS | {"pip", "setuptools"}   # no nats-py, pytest, torch …
     site = next(prefix.glob("lib/python3*/site-packages"))
     assert os.readlink(site / "bcc") == "/usr/lib/python3/dist-packages/bcc"     # the distribution's bcc, only it
     unit = (tmp_path / "units/jobprobe-agent.service").read_text()
@@ -169,7 +170,7 @@ def test_the_controller_installer_brings_the_nats_client_and_not_bcc(dist, tmp_p
     before = host_state()
     install("controller", wheel, tmp_path, "--no-system")
     prefix = tmp_path / "opt"
-    assert dists(prefix) == AGENT_DISTS | {"nats-py", "pip", "setuptools"}
+    assert dists([str(prefix / "bin/python")]) == AGENT_DISTS | {"nats-py", "pip", "setuptools"}
     assert not list(prefix.glob("lib/python3*/site-packages/bcc"))
     unit = (tmp_path / "units/jobprobe-controller.service").read_text()
     assert f"ExecStart={tmp_path}/bin/jobprobe controller --data /var/lib/jobprobe/controller" in unit
