@@ -1,7 +1,8 @@
 """nats://HOST:PORT — frames to a NATS JetStream stream, through a bounded on-disk spool.
 
 One NatsSink per agent, shared by its jobs (each job writes through its own `for_job()` handle, which keeps that
-job's counters). A frame goes to subject `jobprobe.frames.<token>` (jobprobe/core/wire.py) with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
+job's counters). A frame goes to subject `jobprobe.frames.<job token>.<node token>` (jobprobe/core/wire.py), the
+node's heartbeat to `jobprobe.beat.<node token>`, each with header `Nats-Msg-Id: <node>/<job>/<run>/<seq>`,
 its unique key: the server drops a resend inside its duplicate window, so publishing again after a lost ack stores
 nothing twice.
 
@@ -39,7 +40,7 @@ import msgpack
 from jobprobe.transport.natswire import Wire
 from jobprobe.core.frame import encode
 from jobprobe.core.retry import Backoff
-from jobprobe.core.wire import frames_subject, inbox_prefix, msg_id
+from jobprobe.core.wire import BEATS, beat_subject, frames_subject, inbox_prefix, msg_id
 
 log = logging.getLogger("jobprobe.nats")
 
@@ -62,6 +63,7 @@ class Spool:
         self.pending: deque[tuple] = deque()   # (seg, start, end, msg id, subject, job, data, keep), in order
         self.lost: dict[str, int] = {}
         self.inflight = 0         # the first `inflight` pending records were handed to the server, not yet acked
+        self.written = self.settled = 0   # records appended and taken off `pending` (acked, lost, dropped): so far
         self.segments: list[int] = sorted(int(p.name[4:]) for p in self.dir.glob("seg-*") if p.name[4:].isdigit())
         self._load()
         self.seg = self.segments[-1] if self.segments else 0
@@ -95,11 +97,14 @@ class Spool:
             (self.dir / f"seg-{seg}").unlink(missing_ok=True)
         self.segments = [s for s in self.segments if s >= seg0]
 
-    def append(self, mid: str, subject: str, job: str, data: bytes, keep: bool = False) -> None:
+    def append(self, mid: str, subject: str, job: str, data: bytes, keep: bool = False) -> int:
+        """The record appended; its number (`written` after it: pending until `settled` reaches it)."""
         with self.lock:
             self._write(mid, subject, job, data, keep)
+            n = self.written
             while len(self.segments) > 1 and self._bytes() > self.max_bytes and self._drop_oldest():
                 pass
+            return n
 
     def _write(self, mid: str, subject: str, job: str, data: bytes, keep: bool) -> None:
         """One record at the end of the current segment (a new one past segment_bytes). Under the lock."""
@@ -112,6 +117,7 @@ class Spool:
                               0o600)
             self.size = 0
         os.write(self.fd, rec)
+        self.written += 1
         self.pending.append((self.seg, self.size, self.size + len(rec), mid, subject, job, data, keep))
         self.size += len(rec)
 
@@ -131,7 +137,9 @@ class Spool:
         for rec in self.pending:
             if rec[0] != seg:
                 rest.append(rec)
-            elif rec[7]:
+                continue
+            self.settled += 1
+            if rec[7]:
                 again.append(rec)               # a hello: written again at the end, not lost
             else:
                 self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
@@ -165,6 +173,7 @@ class Spool:
             for rec in recs:
                 if self.pending and self.pending[0] is rec:
                     self.pending.popleft()
+                    self.settled += 1
                     self.inflight = max(0, self.inflight - 1)
                     if id(rec) in lost_ids:
                         self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
@@ -207,7 +216,8 @@ class NatsSink:
         self.hurry = threading.Event()   # closing: the publisher tries now rather than after its backoff
         self.last_try_failed = False
         self.handler: Callable[[bytes], bytes] | None = None
-        self.heartbeats_skipped = 0      # heartbeats not spooled: frames were waiting (heartbeat())
+        self.heartbeats_skipped = 0      # heartbeats not spooled: the last one was still waiting (heartbeat())
+        self.beat_at = 0                 # the spool's `written` count with the last heartbeat spooled
         self.to_serve: list[str] = []    # subjects serve() was given: subscribed by the publisher's own thread
         self.thread = threading.Thread(target=self._run, name="nats", daemon=True)
         self.thread.start()
@@ -231,24 +241,24 @@ class NatsSink:
         c["queued"] += 1
         if self.compress:    # ~2.1 KB of msgpack → ~1.1 KB: under 2 KiB/s per node at 1 s (docs/PERFORMANCE.md)
             data = zlib.compress(data, 6)
-        self.spool.append(msg_id(frame), frames_subject(frame["node"]), job, data,
+        self.spool.append(msg_id(frame), frames_subject(frame["node"], job), job, data,
                           keep=frame.get("kind") == "hello")
         if not self.woken:   # once per burst: the publisher takes what came meanwhile
             self.woken = True
             self.wake.set()
 
     def heartbeat(self, frame: dict) -> bool:
-        """The node's heartbeat (kind `heartbeat`): worth something only fresh, so one behind frames still waiting
-        in the spool (an outage, a backlog) is skipped, not spooled — those frames show the node alive when they
-        arrive, and a pile of stale heartbeats would only delay them: at most one waits. A `stopping` heartbeat is
-        always spooled, after the jobs' last frames. Not in any job's counters. Returns whether it was spooled."""
-        if not frame.get("stopping") and self.spool.depth():
+        """The node's heartbeat (kind `heartbeat`, subject `jobprobe.beat.<token>`), each tick: worth something only
+        fresh, so while the last one still waits in the spool (an outage, a backlog) a new one is skipped, not
+        spooled — a pile of stale heartbeats would only delay the frames: at most one waits. A `stopping` heartbeat
+        is always spooled, after the jobs' last frames. Not in any job's counters. Returns whether it was spooled."""
+        if not frame.get("stopping") and self.spool.settled < self.beat_at:
             self.heartbeats_skipped += 1
             return False
         data = encode(frame)
         if self.compress:
             data = zlib.compress(data, 6)
-        self.spool.append(msg_id(frame), frames_subject(frame["node"]), frame["job"], data)
+        self.beat_at = self.spool.append(msg_id(frame), beat_subject(frame["node"]), frame["job"], data)
         if not self.woken:
             self.woken = True
             self.wake.set()
@@ -333,7 +343,8 @@ class NatsSink:
         max_payload, or refused by JetStream for good) settled as lost, so that they hold up nothing behind them."""
         wire = self.wire
         fits = [rec for rec in batch if wire.fits(rec[3], rec[6])]
-        acks = wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data, _ in fits], timeout=5) if fits else []
+        acks = wire.publish([(subj, mid, data) for _, _, _, mid, subj, _, data, _ in fits], timeout=5,
+                            optional=_is_beat) if fits else []
         refused = [(rec, ack["error"]) for rec, ack in zip(fits, acks) if "error" in ack]
         settled = {id(rec) for rec in fits} - {id(rec) for rec, _ in refused}
         lost = [rec for rec in batch if id(rec) not in settled]
@@ -402,3 +413,8 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self.sink.name}, {self.job})"
+
+
+def _is_beat(subject: str) -> bool:
+    """A heartbeat's subject: one no stream takes yet (no controller has made it) is dropped, never waited for."""
+    return subject.startswith(BEATS + ".")

@@ -102,10 +102,11 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
         nc = await _client(ctl.url, seeds["n1"], "_INBOX_JP.n1", errors)
         js = nc.jetstream()
         b = FrameBuilder("n1", "j", run="r")
-        ack = await js.publish("jobprobe.frames.n1", encode(b.sample(time.time(), 1.0, {}, {})))
+        ack = await js.publish("jobprobe.frames.j.n1", encode(b.sample(time.time(), 1.0, {}, {})))
         assert ack.stream == "JOBPROBE"
         forged = FrameBuilder("n2", "j", run="forged")
-        await nc.publish("jobprobe.frames.n2", encode(forged.sample(time.time(), 1.0, {}, {})))
+        await nc.publish("jobprobe.frames.j.n2", encode(forged.sample(time.time(), 1.0, {}, {})))
+        await nc.publish("jobprobe.beat.n2", encode(forged.heartbeat(time.time(), 1.0, 0)))
         for subject in ("jobprobe.frames.>", "_INBOX.>", "jobprobe.ctl.node.n2", ">"):
             await nc.subscribe(subject)
         for subject in ("jobprobe.ctl.trace", "jobprobe.ctl.node.n2", "$JS.API.STREAM.DELETE.JOBPROBE"):
@@ -116,7 +117,8 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
         return errors
     errors = asyncio.run(as_n1())
     text = "\n".join(errors).lower()
-    for what in ("Publish to \"jobprobe.frames.n2\"", "Subscription to \"jobprobe.frames.>\"",
+    for what in ("Publish to \"jobprobe.frames.j.n2\"", "Publish to \"jobprobe.beat.n2\"",
+                 "Subscription to \"jobprobe.frames.>\"",
                  "Subscription to \"_INBOX.>\"", "Subscription to \"jobprobe.ctl.node.n2\"",
                  "Publish to \"jobprobe.ctl.trace\"", "Publish to \"jobprobe.ctl.node.n2\"",
                  "Publish to \"$JS.API.STREAM.DELETE.JOBPROBE\""):

@@ -37,7 +37,7 @@ from conftest import free_port, until
 from jobprobe.cluster.controller import CONTROLLER_RUN, Controller
 from jobprobe.cluster.metrics import stats
 from jobprobe.core.errors import BadInput
-from jobprobe.core.wire import host_port
+from jobprobe.core.wire import frames_subject, host_port
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.cluster.store import Store
 
@@ -99,7 +99,7 @@ def named_cases() -> list[tuple[str, bytes]]:
 
 
 def msg(data: bytes, node: str = "n1") -> SimpleNamespace:
-    return SimpleNamespace(subject=f"jobprobe.frames.{node}", data=data)
+    return SimpleNamespace(subject=frames_subject(node, "j"), data=data)
 
 
 def answers(store_path: Path) -> None:
@@ -237,7 +237,7 @@ def vm_hwm_mib(pid: int) -> float:
 @need_nats
 def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_honest_frame(tmp_path):
     from jobprobe.transport.natswire import Wire
-    from jobprobe.core.wire import frames_subject, msg_id
+    from jobprobe.core.wire import msg_id
     port = free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 1048576\n'
@@ -259,11 +259,11 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
         bodies = hostile_bodies(10_000)
         sent_honest, peak = 0, 0.0
         for i in range(0, len(bodies), 250):
-            hostile.publish([(frames_subject("n1"), f"hostile/{i + k}", b) for k, b in enumerate(bodies[i:i + 250])],
+            hostile.publish([(frames_subject("n1", "j"), f"hostile/{i + k}", b) for k, b in enumerate(bodies[i:i + 250])],
                             timeout=30)
             for node, w in honest.items():
                 fr = sample(node=node, seq=sent_honest)
-                w.publish([(frames_subject(node), msg_id(fr), zlib.compress(encode(fr)))], timeout=10)
+                w.publish([(frames_subject(node, fr["job"]), msg_id(fr), zlib.compress(encode(fr)))], timeout=10)
             sent_honest += 1
             assert ctl.poll() is None, log.read_text()[-2000:]
             peak = max(peak, vm_hwm_mib(ctl.pid))

@@ -14,6 +14,7 @@ import pytest
 
 from conftest import until as wait_for
 from jobprobe.core.frame import FrameBuilder, MalformedFrame, encode
+from jobprobe.core.wire import beat_subject, subject_of
 
 
 def ctl_for(tmp_path):
@@ -96,10 +97,10 @@ def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path
     ctl = ctl_for(tmp_path)
     job, node = FrameBuilder("n1", "j1", "r1"), FrameBuilder("n1", "node", "b1")
     frames = [hello(job), sample(job)] + [beat(node) for _ in range(5)]
-    msgs = [SimpleNamespace(subject="jobprobe.frames.n1", data=encode(f)) for f in frames]
+    msgs = [SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames]
     assert ctl.ingest(msgs, now=100.0) == msgs                    # every message acked
     for k in range(1, 6):
-        ctl.ingest([SimpleNamespace(subject="jobprobe.frames.n1", data=encode(beat(node)))], now=100.0 + k)
+        ctl.ingest([], now=100.0 + k, beats=[SimpleNamespace(subject=beat_subject("n1"), data=encode(beat(node)))])
     ctl.ingest([], now=107.9)                                     # 2.9 intervals after the last heartbeat
     db = sqlite3.connect(tmp_path / "s.db")
     assert db.execute("SELECT kind, COUNT(*) FROM frames GROUP BY kind ORDER BY kind").fetchall() == \
@@ -113,16 +114,16 @@ def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path
 def test_a_heartbeats_fields_are_checked(tmp_path):
     ctl = ctl_for(tmp_path)
     node = FrameBuilder("n1", "node", "b1")
-    ctl.check("jobprobe.frames.n1", encode(beat(node, interval=3600, jobs=0, stopping=True)))
-    ctl.check("jobprobe.frames.n1", encode({k: v for k, v in beat(node).items() if k != "stopping"}))
+    ctl.check(beat_subject("n1"), encode(beat(node, interval=3600, jobs=0, stopping=True)))
+    ctl.check(beat_subject("n1"), encode({k: v for k, v in beat(node).items() if k != "stopping"}))
     for bad in ({"interval": 0}, {"interval": -1.0}, {"interval": 3601}, {"interval": "1"}, {"interval": None},
                 {"interval": True}, {"jobs": -1}, {"jobs": 1.5}, {"jobs": True}, {"jobs": None}, {"stopping": 1},
                 {"stopping": "yes"}):
         with pytest.raises(MalformedFrame, match="heartbeat field"):
-            ctl.check("jobprobe.frames.n1", encode({**beat(node), **bad}))
+            ctl.check(beat_subject("n1"), encode({**beat(node), **bad}))
     nan = msgpack.packb({**beat(node), "interval": float("nan")})
     with pytest.raises(MalformedFrame):
-        ctl.check("jobprobe.frames.n1", nan)
+        ctl.check(beat_subject("n1"), nan)
 
 
 # ---- the agent's side ----------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def spooled(spool) -> list[dict]:
     return [decode(zlib.decompress(rec[6])) for rec in spool.peek(1000)]
 
 
-def test_an_idle_agent_spools_one_heartbeat_per_tick_only_when_nothing_waits_and_announces_its_stop(tmp_path):
+def test_an_idle_agent_spools_one_heartbeat_per_tick_while_none_waits_and_announces_its_stop(tmp_path):
     from jobprobe.node.agent import Agent
     from jobprobe.node.config import Config
     cfg = Config(nats="nats://127.0.0.1:1", spool=str(tmp_path / "spool"), node="n1", interval=0.5,
@@ -141,7 +142,7 @@ def test_an_idle_agent_spools_one_heartbeat_per_tick_only_when_nothing_waits_and
     close_sink, agent.nats.close = agent.nats.close, lambda timeout=5.0: None   # the spool stays readable
     try:
         agent.tick()                       # no job: a heartbeat; the server is unreachable, so it waits
-        agent.tick()                       # something waits already: a stale heartbeat would help no one
+        agent.tick()                       # the last one waits still: a stale heartbeat would help no one
         agent.tick()
         got = spooled(agent.nats.spool)
         assert [(f["kind"], f["job"], f["interval"], f["jobs"], f["stopping"]) for f in got] == \

@@ -34,7 +34,7 @@ def test_a_token_reads_back_and_holds_no_separator_or_wildcard(name):
     tok = token(name)
     assert node_of(tok) == name
     assert set(tok) <= SUBJECT_KEEP | {"_"}
-    assert frames_subject(name).count(".") == 2
+    assert frames_subject(name, name if len(name) < 50 else "j").count(".") == 3
 
 
 @settings(max_examples=200, deadline=None)

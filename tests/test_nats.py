@@ -24,6 +24,7 @@ from conftest import free_port, make_certs, until as wait_for
 
 from jobprobe.bench.ddp import Nats as NatsServer  # a nats-server on loopback (the other tests import it from here)
 from jobprobe.core.frame import FrameBuilder, MalformedFrame, StreamReader, encode
+from jobprobe.core.wire import frames_subject
 
 REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
@@ -225,8 +226,8 @@ def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
 
 AUTH = """authorization {
   users = [
-    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.n1"], subscribe: ["_INBOX_JP.n1.>"]}}
-    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.n2"], subscribe: ["_INBOX_JP.n2.>"]}}
+    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.*.n1", "jobprobe.beat.n1"], subscribe: ["_INBOX_JP.n1.>"]}}
+    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.*.n2", "jobprobe.beat.n2"], subscribe: ["_INBOX_JP.n2.>"]}}
     {user: controller, password: s3cret-ctl}
   ]
 }
@@ -483,7 +484,7 @@ def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_sto
             data = encode(frame(seq=i))                                     # a good one, as agents send it or plain
             data = zlib.compress(data) if i % 16 == 7 else data
             n_good += 1
-        msgs.append(SimpleNamespace(subject="jobprobe.frames.n1", data=data))
+        msgs.append(SimpleNamespace(subject=frames_subject("n1", "j"), data=data))
     frames = ctl.take(msgs)
     store.add(frames)
     assert len(frames) == n_good and ctl.counts["rejected"] == 1000 - n_good
@@ -492,7 +493,7 @@ def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_sto
     assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == n_good
     assert db.execute("SELECT rejected FROM delivery WHERE node = 'n1'").fetchone()[0] == 1000 - n_good
     with pytest.raises(MalformedFrame, match="a node publishes its own frames"):
-        ctl.check("jobprobe.frames.n1", encode(frame(node="n2")))
+        ctl.check(frames_subject("n1", "j"), encode(frame(node="n2")))
     # stored twice: once
     assert store.add([frame(seq=7)]) == (0, 1)
 

@@ -253,7 +253,7 @@ def test_an_agent_with_an_nkey_flows_and_an_unknown_nkey_is_refused(tmp_path):
     site = Site(tmp_path)
     try:
         site.nats.start('authorization { users = [\n'
-                        f'  {{nkey: {public}, permissions: {{publish: ["jobprobe.frames.n1"], '
+                        f'  {{nkey: {public}, permissions: {{publish: ["jobprobe.frames.*.n1", "jobprobe.beat.n1"], '
                         f'subscribe: ["_INBOX_JP.n1.>"]}}}}\n'
                         '  {user: controller, password: s3cret-ctl}\n] }\n')
         files = {}

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobprobe.cluster.summary import summarize, text
+from jobprobe.core.wire import subject_of
 from jobprobe.core.timeuse import BUCKETS, decompose
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -284,8 +285,7 @@ def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_
     wall = time.time() - 1000.0                  # frames carry UNIX times; the controller's clock is `now`
 
     def send(frames, now):
-        return ctl.ingest([SimpleNamespace(subject=f"jobprobe.frames.{f['node']}", data=encode(f)) for f in frames],
-                          now=now)
+        return ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
 
     def summaries():
         return [json.loads(b) for (b,) in ctl.store.sql("SELECT body FROM events WHERE event = 'summary'")[1]]
@@ -340,10 +340,10 @@ def test_a_job_too_large_to_sum_inline_gets_a_summary_that_says_so(tmp_path, mon
     b, beat = FrameBuilder("a", "big", "r"), FrameBuilder("a", "node", "b")
     wall = time.time()
     frames = [b.sample(wall + i, 1.0, {"cgroup": {"cpu_user_ns": 10 ** 9}}, {"cgroup": "ok"}) for i in range(6)]
-    ctl.ingest([SimpleNamespace(subject="jobprobe.frames.a", data=encode(f)) for f in frames], now=100.0)
+    ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=100.0)
     for k in range(1, 6):
-        ctl.ingest([SimpleNamespace(subject="jobprobe.frames.a", data=encode(beat.heartbeat(wall + 6 + k, 1.0, 0,
-                                                                                               False)))], now=100 + k)
+        hb = beat.heartbeat(wall + 6 + k, 1.0, 0, False)
+        ctl.ingest([], now=100 + k, beats=[SimpleNamespace(subject=subject_of(hb), data=encode(hb))])
     (body,) = ctl.store.sql("SELECT body FROM events WHERE event = 'summary'")[1][0]
     s = json.loads(body)
     assert "6 samples" in s["skipped"] and "buckets" not in s and ctl.ends.done == {}

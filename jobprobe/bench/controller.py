@@ -24,6 +24,7 @@ from pathlib import Path
 from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.core.child import stop_child
 from jobprobe.core.frame import FrameBuilder, encode
+from jobprobe.core.wire import subject_of
 
 # A standard-collection sample as this machine's agent writes it (cgroup, sched, perf, blockio, net, pressure, self;
 # gpu unavailable here): the shape and size a node sends. Values are re-stamped per frame.
@@ -61,6 +62,7 @@ import nats
 sys.path.insert(0, sys.argv[1])
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.bench.controller import PROBES, STATUS
+from jobprobe.core.wire import subject_of
 url, nodes, seconds, rate, conns, ticks, run = (sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]),
                                                int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])
 async def main():
@@ -76,7 +78,7 @@ async def main():
             f = b.sample(time.time(), 1.0, PROBES, STATUS)
             data = zlib.compress(encode(f), 6)     # as agents send them
             js = jss[i % conns]
-            futs.append(js.publish(f"jobprobe.frames.{f['node']}", data,
+            futs.append(js.publish(subject_of(f), data,
                                    headers={"Nats-Msg-Id": f"{f['node']}/{f['job']}/{run}/{f['seq']}"}, timeout=30))
             if len(futs) >= 500:
                 await asyncio.gather(*futs)
@@ -99,7 +101,7 @@ def frame_wire_bytes() -> dict:
     f = FrameBuilder("node-0001", "job-12345", run="0123456789abcdef").sample(time.time(), 1.0, PROBES, STATUS)
     plain = encode(f)
     data = zlib.compress(plain, 6)       # as the agent sends it
-    subject = f"jobprobe.frames.{f['node']}"
+    subject = subject_of(f)
     headers = f"NATS/1.0\r\nNats-Msg-Id: {f['node']}/{f['job']}/{f['run']}/{f['seq']}\r\n\r\n"
     line = f"HPUB {subject} _INBOX.abcdefghijklmnopqrstuv.12345678 {len(headers)} {len(headers) + len(data)}\r\n"
     ack = 60   # the PubAck back: {"stream":"JOBPROBE","seq":N} and its MSG line

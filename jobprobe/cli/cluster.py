@@ -22,6 +22,10 @@ def cmd_controller(args) -> int:
     path = args.store or os.path.join(args.data, "store.db")
     if args.action == "enroll":
         return controller_enroll(args)
+    if args.action == "mappings":
+        from jobprobe.core.wire import mappings_conf
+        print(mappings_conf(args.partition[1]), end="")
+        return 0
     if args.node:
         raise BadInput(f"controller {args.action}: takes no node name (did you mean `controller enroll NODE`?)")
     if args.action == "stats":
@@ -52,14 +56,15 @@ def cmd_controller(args) -> int:
     url = args.nats
     creds = args.creds
     if url is None:
-        local = LocalNats(args.data, args.listen, args.tls_cert, args.tls_key, args.insecure_plaintext)
+        local = LocalNats(args.data, args.listen, args.tls_cert, args.tls_key, args.insecure_plaintext,
+                          partitions=args.partition[1])
         local.wait()
         url, creds = local.url, creds or local.creds
     elif args.tls_cert or args.insecure_plaintext:
         raise BadInput("--tls-cert and --insecure-plaintext are for the nats-server the controller starts (no --nats)")
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
-                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices)
+                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition)
     server = None
     if args.metrics:
         from jobprobe.cluster.metrics import serve_metrics

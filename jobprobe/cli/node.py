@@ -267,7 +267,7 @@ def send_doctor(args, node: str, result: dict) -> None:
         raise BadInput(f"doctor: --nats-creds: {err}") from None
     try:
         wire.connect()
-        wire.publish([(frames_subject(node), msg_id(fr), encode(fr))], timeout=10)
+        wire.publish([(frames_subject(node, fr["job"]), msg_id(fr), encode(fr))], timeout=10)
     except (OSError, NatsError) as err:
         raise BadInput(f"doctor: the result could not be sent to {args.controller}: {err}") from err
     finally:

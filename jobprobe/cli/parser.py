@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("controller", help="frames of every node from NATS JetStream into the store; `stats`: "
                         "freshness and delivery per node")
-    co.add_argument("action", nargs="?", choices=["run", "stats", "enroll"], default="run",
+    co.add_argument("action", nargs="?", choices=["run", "stats", "enroll", "mappings"], default="run",
                     help="run (default); stats; enroll NODE: write that node's NATS credentials (the path is the "
-                         "last line printed) and let the running server know")
+                         "last line printed) and let the running server know; mappings: the subject mapping a "
+                         "NATS server's config needs for --partition I/N")
     co.add_argument("node", nargs="?", metavar="NODE", help="enroll: the node's name, as its agent's --node")
     co.add_argument("--nats", metavar="URL", help="the JetStream servers (default: start a nats-server here)")
     co.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:4222",
@@ -122,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--insecure-plaintext", action="store_true", help="without --nats: listen on an address that "
                     "is not loopback without TLS (refused otherwise)")
     co.add_argument("--ca", metavar="FILE", help="CA of the NATS servers' TLS certificates")
+    co.add_argument("--partition", type=_partition, default=(0, 1), metavar="I/N",
+                    help="take partition I of N: the frames of the jobs the server maps there (docs/DEPLOY.md); "
+                         "two controllers of one partition: one active, one standing by (default 0/1)")
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
@@ -317,3 +321,11 @@ def toggles_as_options(argv: list[str]) -> list[str]:
     if argv[:1] == ["probes"] and "--job" in argv:
         return [f"--toggle={a}" if a[:1] in "+-" and a[1:2].isalpha() else a for a in argv]
     return argv
+
+
+def _partition(text: str) -> tuple[int, int]:
+    """--partition I/N → (I, N)."""
+    i, sep, n = text.partition("/")
+    if not (sep and i.isascii() and i.isdigit() and n.isascii() and n.isdigit() and 0 <= int(i) < int(n) <= 1024):
+        raise argparse.ArgumentTypeError(f"{text!r}: give I/N, 0 ≤ I < N ≤ 1024 (e.g. 0/4)")
+    return int(i), int(n)

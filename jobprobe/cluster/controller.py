@@ -7,10 +7,16 @@ and logged (`rejects`), and acked: it will never become valid. Each consumer of 
 cost meter, the TSDB writer, the store) has its own error boundary: one failing on a frame neither stops the loop
 nor the others (docs/SECURITY.md). A store that cannot write at all raises StoreDown: nothing of the batch is acked.
 
-Freshness: per node, when its newest frame arrived. An agent with no job attached sends a `heartbeat` each tick
-(used for freshness only, never stored), and one marked `stopping` when it stops cleanly: liveness does not depend on
-having jobs, and a stopped node is not lost. A node silent for 3 of its intervals (and not stopped) gets a `node_lost`
-event for each job live when it went silent — or one of job `node` when none was; its next frame a `node_back`.
+Freshness: per node, when its newest frame or heartbeat arrived. Every agent sends a `heartbeat` each tick on its
+node's beat subject (read by every controller, used for freshness only, never stored), saying how many jobs it has
+attached, and one marked `stopping` when it stops cleanly: liveness does not depend on having jobs, nor on which
+partition a job's frames go to, and a stopped node is not lost. A node silent for 3 of its intervals (and not
+stopped) gets a `node_lost` event for each job of this controller's partition live when it went silent — or, when
+none was, one of job `node` from the controller whose partition owns the node (`owns_node`); its next frame or
+heartbeat a `node_back`.
+
+Partitions (`--partition I/N`, jobprobe/core/wire.py): the server maps each frame by its job's token to one of N
+partitions; this controller takes partition I's frames, all of every job in it.
 
 Elsewhere in jobprobe/cluster/: trace.py answers `jobprobe trace --job` across the nodes, natsserver.py runs the
 controller's own nats-server when no --nats is given, metrics.py gives the controller's numbers (--metrics, `stats`).
@@ -32,7 +38,7 @@ from jobprobe.cluster.stragglers import StragglerWatch
 from jobprobe.cluster.summary import JobEnds, job_frames, summarize
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import NODE_JOB, MalformedFrame
-from jobprobe.core.wire import FRAMES, token
+from jobprobe.core.wire import job_token, parse_subject, partition, token
 
 log = logging.getLogger("jobprobe.cluster.controller")
 
@@ -64,8 +70,13 @@ class Controller:
     them from the stream."""
 
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
-                 ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None):
+                 ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None,
+                 part: tuple[int, int] = (0, 1)):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
+        if not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1] <= 1024):
+            raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
+        self.part = part              # (I, N): this controller takes partition I of N (N = 1: every frame)
+        self.active = False           # it holds its partition's lease (jobprobe/cluster/lease.py): it consumes
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
         self._reject_window = [0.0, 0]          # (start, refused in it): what was logged this minute
@@ -73,8 +84,7 @@ class Controller:
         self.consumer_errors: dict[str, int] = {}      # consumer (stragglers, cost, tsdb, freshness) → errors
         self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
         self.stop_event = asyncio.Event()
-        self.stragglers = StragglerWatch()
-        self.ends = JobEnds()                  # when each job's last node let it go: its `summary` event
+        self.reset()
         from jobprobe.cluster.cost import Meter, load as load_prices
         self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics
         self.tsdb = None
@@ -84,12 +94,28 @@ class Controller:
                 raise BadInput(f"--tsdb {tsdb}: expected victoriametrics://HOST:PORT[/insert/TENANT/prometheus]")
             self.tsdb = VictoriaMetrics(tsdb, schema_from_store(store))
 
+    def reset(self) -> None:
+        """What the controller knows of the nodes, forgotten: at start, and when it becomes its partition's active
+        controller (what it knew while standing by is stale: its nodes would all seem silent)."""
+        self.nodes.clear()
+        self.declared.clear()
+        self.stragglers = StragglerWatch()
+        self.ends = JobEnds()                  # when each job's last node let it go: its `summary` event
+
+    def owns_job(self, job: str) -> bool:
+        """Whether the job's frames come to this controller's partition."""
+        return self.part[1] == 1 or partition(job_token(job), self.part[1]) == self.part[0]
+
+    def owns_node(self, node: str) -> bool:
+        """Whether this controller says a node with no job of its partition is lost (one controller per node)."""
+        return self.part[1] == 1 or partition(token(node), self.part[1]) == self.part[0]
+
     # ---- one message -------------------------------------------------------------------------------------
     def check(self, subject: str, data: bytes) -> dict:
         """The frame in a message, or MalformedFrame saying why it is refused: inflated within MAX_INFLATED bytes,
         decoded within framecheck's bounds on objects, every value checked (framecheck.check, against the run's
-        declared schema when its hello was seen), from the node its subject names, not claiming the controller's
-        own run."""
+        declared schema when its hello was seen), on its own subject (_subject_fits), not claiming the
+        controller's own run."""
         if len(data) > MAX_FRAME:
             raise MalformedFrame(f"{len(data)} bytes: larger than {MAX_FRAME}")
         if data[:1] == b"\x78":          # zlib (the agents' default); a msgpack map never starts with 0x78
@@ -104,9 +130,7 @@ class Controller:
         key = (obj.get("node"), obj.get("job"), obj.get("run")) if isinstance(obj, dict) else None
         frame = framecheck.check(obj, self.declared.get(key) if key and all(isinstance(k, str) for k in key)
                                  else None)
-        if not subject.startswith(FRAMES + ".") or _token_or_none(frame["node"]) != subject[len(FRAMES) + 1:]:
-            raise MalformedFrame(f"node {frame['node'][:80]!r} on subject {subject[:120]!r}: a node publishes its "
-                                 "own frames")
+        self._subject_fits(subject, frame)
         if frame.get("run") == CONTROLLER_RUN:
             raise MalformedFrame("a node's frame claims the controller's run (its events are the controller's)")
         if frame["kind"] == "hello" and isinstance(frame.get("schema"), dict):
@@ -115,6 +139,29 @@ class Controller:
             while len(self.declared) > MAX_RUNS:        # the oldest run's declarations go first
                 self.declared.pop(next(iter(self.declared)))
         return frame
+
+    def _subject_fits(self, subject: str, frame: dict) -> None:
+        """MalformedFrame unless the subject is the frame's own: its node's (a node publishes its own frames), its
+        job's (the job decides the partition), in this controller's partition; a heartbeat on the beat subject and
+        nothing else there."""
+        try:
+            part, job_tok, node_tok = parse_subject(subject)
+        except ValueError as err:
+            raise MalformedFrame(str(err)) from None
+        if _token_or_none(frame["node"]) != node_tok:
+            raise MalformedFrame(f"node {frame['node'][:80]!r} on subject {subject[:120]!r}: a node publishes its "
+                                 "own frames")
+        if (job_tok is None) != (frame["kind"] == "heartbeat"):
+            raise MalformedFrame(f"a {frame['kind']} on subject {subject[:120]!r}: heartbeats, and only they, go "
+                                 "on the beat subject")
+        if job_tok is None:
+            return
+        if job_token(frame["job"]) != job_tok:
+            raise MalformedFrame(f"job {frame['job'][:80]!r} on subject {subject[:120]!r}: a frame goes on its "
+                                 "job's subject")
+        if (part is not None) if self.part[1] == 1 else (part != self.part[0] or not self.owns_job(frame["job"])):
+            raise MalformedFrame(f"subject {subject[:120]!r} is not partition {self.part[0]}/{self.part[1]}'s, or "
+                                 "not its job's partition")
 
     def take(self, msgs: list[Any]) -> list[dict]:
         """Validate a batch; refuse what is not a frame. Returns the frames to store."""
@@ -127,8 +174,7 @@ class Controller:
             try:
                 good.append((m, self.check(m.subject, m.data)))
             except MalformedFrame as err:
-                node = m.subject[len(FRAMES) + 1:] if m.subject.startswith(FRAMES + ".") else None
-                self.refuse(m.subject, node, str(err), len(m.data))
+                self.refuse(m.subject, _node_or_none(m.subject), str(err), len(m.data))
         return good
 
     def refuse(self, subject: str, node: str | None, why: str, size: int) -> None:
@@ -149,9 +195,11 @@ class Controller:
             log.warning("refused a frame on %s: %s", subject[:200], why)
 
     def seen(self, frames: list[dict], now: float) -> list[dict]:
-        """Freshness upkeep: any frame, a heartbeat included, says its node is alive; a heartbeat says that no job
-        of it is attached (or, `stopping`, that its agent stopped cleanly: the node is then never lost, and its next
-        frame ends the stop without a node_back). Returns the node_back events the frames call for."""
+        """Freshness upkeep: any frame, a heartbeat included, says its node is alive; a heartbeat with no job
+        attached ends what the node had live, one `stopping` says its agent stopped cleanly (the node is then never
+        lost, and its next heartbeat or a new run's hello ends the stop without a node_back; a job's other frames do
+        not: the last ones of a stopped agent may come after its stop, through the stream). Returns the node_back
+        events the frames call for."""
         out = []
         for f in frames:
             st = self.nodes.setdefault(f["node"], NodeState())
@@ -166,11 +214,14 @@ class Controller:
                 st.lost_jobs = []
                 log.warning("node %s is back", f["node"])
             st.last = now
-            st.stopped = beat and f.get("stopping") is True
             if beat:
+                st.stopped = f.get("stopping") is True
                 st.heartbeats += 1
-                st.live.clear()         # its agent has no job attached: what it had ended
+                if not f.get("jobs"):
+                    st.live.clear()     # its agent has no job attached: what it had ended
                 continue
+            if f["kind"] == "hello":
+                st.stopped = False      # a run begins: an agent (re)started
             st.jobs.pop(f["job"], None)
             st.jobs[f["job"]] = now
             st.live.add(f["job"])
@@ -183,16 +234,18 @@ class Controller:
     def lost_nodes(self, now: float) -> list[dict]:
         """node_lost for each node silent LOST_AFTER of its intervals (not one that announced its stop), once,
         per job live when it went silent (its frames came since its last heartbeat, within LIVE_JOB_INTERVALS of
-        its last frame) — or, when none was, for the node itself (job "node")."""
+        its last frame) — or, when none was, for the node itself (job "node"), by the controller that owns it."""
         out = []
         for node, st in self.nodes.items():
             if not st.lost and not st.stopped and st.last and now - st.last > LOST_AFTER * st.interval:
                 st.lost = True
                 since = st.last - LIVE_JOB_INTERVALS * st.interval
-                st.lost_jobs = [j for j in st.live if st.jobs.get(j, 0.0) >= since] or [NODE_JOB]
+                st.lost_jobs = [j for j in st.live if st.jobs.get(j, 0.0) >= since] or \
+                    ([NODE_JOB] if self.owns_node(node) else [])
                 out += [self.node_event(node, job, "node_lost", now, silent_s=round(now - st.last, 3))
                         for job in st.lost_jobs]
-                log.warning("node %s lost: silent for %.1f s", node, now - st.last)
+                if st.lost_jobs:
+                    log.warning("node %s lost: silent for %.1f s", node, now - st.last)
         return out
 
     def straggler_events(self, frames: list[dict], now: float) -> list[dict]:
@@ -253,12 +306,12 @@ class Controller:
         """Consume the stream until stop_event is set (jobprobe/cluster/ingest.py)."""
         await serve(self)
 
-    def ingest(self, msgs: list[Any], now: float) -> list[Any]:
-        """One fetched batch: checked, fed to every consumer — each behind its own error boundary, so that one
-        failing on a frame neither stops the loop nor the other consumers —, stored. Returns the messages to ack
-        (all of them: stored, or refused for good). Raises StoreDown when the store cannot take anything (a full
-        disk, a lock): then nothing is acked."""
-        taken = self._take(msgs)
+    def ingest(self, msgs: list[Any], now: float, beats: list[Any] = ()) -> list[Any]:
+        """One fetched batch, and the heartbeats that came meanwhile: checked, fed to every consumer — each behind
+        its own error boundary, so that one failing on a frame neither stops the loop nor the other consumers —,
+        stored. Returns the messages to ack (all of `msgs`: stored, or refused for good). Raises StoreDown when the
+        store cannot take anything (a full disk, a lock): then nothing is acked."""
+        taken = self._take(list(beats) + list(msgs))
         frames = [f for _, f in taken]
         extra = self._guard("freshness", lambda: self.seen(frames, now) + self.lost_nodes(now), [])
         taken = [(m, f) for m, f in taken if f["kind"] != "heartbeat"]   # liveness only: not stored, acked
@@ -317,9 +370,17 @@ class Controller:
         except Exception as err:
             self.counts["consumer_errors"] += 1
             self.consumer_errors[consumer] = self.consumer_errors.get(consumer, 0) + 1
-            subject = f"{FRAMES}.{_token_or_none(frame['node']) or '_'}" if frame else f"({consumer})"
+            subject = f"(node {frame['node'][:80]!r}, job {frame['job'][:80]!r})" if frame else f"({consumer})"
             self.refuse(subject, frame.get("node") if frame else None, f"{consumer}: {type(err).__name__}: {err}", 0)
             return default
+
+
+def _node_or_none(subject: str) -> str | None:
+    """The node token a frame's subject names, or None."""
+    try:
+        return parse_subject(subject)[2]
+    except ValueError:
+        return None
 
 
 def _token_or_none(node: str) -> str | None:

@@ -1,15 +1,26 @@
-"""The controller's JetStream side: its connection, the JOBPROBE stream and the durable pull consumer on it, and the
-loop that takes every frame once — fetch → check → consume → commit → ack.
+"""The controller's JetStream side: its connection, its partition's stream and the durable pull consumer on it, the
+lease that makes it its partition's active controller, and the loop that takes every frame once — fetch → check →
+consume → commit → ack.
 
-Agents publish each frame to `jobprobe.frames.<node>` (exporters/nats.py). The stream keeps those subjects (file
-storage, a 2-minute duplicate window, frames kept until acked by the controller or a week old); the controller
-reads it through a durable pull consumer in batches bounded in bytes as well as messages (Puller). Each batch goes
-to Controller.ingest (jobprobe/cluster/controller.py: checked, fed to every consumer, committed to the store) and
-only then is acked. A controller killed at any moment loses nothing (what was not acked is delivered again) and
-stores nothing twice (the store's key is (node, job, run, seq)); a store that cannot write (StoreDown) gets
-nothing acked, and the batch comes again.
+Agents publish each frame to `jobprobe.frames.<job>.<node>` (exporters/nats.py; jobprobe/core/wire.py). The stream
+(JOBPROBE; JOBPROBE_P<I> for partition I, which keeps `jobprobe.part.I.frames.>`) keeps them (file storage, a 2-minute
+duplicate window, frames kept until acked by the controller or a week old); the controller reads it through a
+durable pull consumer in batches bounded in bytes as well as messages (Puller). Each batch goes to Controller.ingest
+(jobprobe/cluster/controller.py: checked, fed to every consumer, committed to the store) and only then is acked. A
+controller killed at any moment loses nothing (what was not acked is delivered again) and stores nothing twice (the
+store's key is (node, job, run, seq)); a store that cannot write (StoreDown) gets nothing acked, and the batch comes
+again.
 
-The same connection answers `jobprobe trace --job` requests (jobprobe/cluster/trace.py).
+Heartbeats (`jobprobe.beat.<node>`) go to the small JOBPROBE_BEATS stream (each node's newest one) so that an agent's
+publish is acked (an agent drops a heartbeat no stream takes, never waits on it); every controller reads them as they come through a plain subscription — liveness is
+worth something only fresh, and every partition needs every node's.
+
+Only the holder of the partition's lease (jobprobe/cluster/lease.py) fetches; another controller of the partition
+stands by, connected, and takes over from the durable consumer's position when the lease comes free. Both use the
+partition's one store (the key makes a batch stored by the one and delivered again to the other a no-op).
+
+The same connection answers `jobprobe trace --job` requests for the jobs of its partition, while active
+(jobprobe/cluster/trace.py).
 """
 from __future__ import annotations
 
@@ -20,9 +31,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from jobprobe.cluster import trace
+from jobprobe.cluster.lease import TRY_S, Lease
 from jobprobe.core.errors import BadInput
 from jobprobe.core.retry import Backoff
-from jobprobe.core.wire import CLUSTER_TRACE
+from jobprobe.core.wire import BEATS, CLUSTER_TRACE, FRAMES, PARTS
 from jobprobe.transport.credentials import auth_options
 
 if TYPE_CHECKING:
@@ -31,7 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("jobprobe.cluster.ingest")
 
 STREAM = "JOBPROBE"
-SUBJECTS = "jobprobe.frames.>"
+SUBJECTS = f"{FRAMES}.>"
+BEATS_STREAM = "JOBPROBE_BEATS"
 DURABLE = "controller"
 BATCH = 512
 MAX_FRAME = 1 << 20     # bytes; the stream's max_msg_size and its nats-server's max_payload too
@@ -40,10 +53,16 @@ MAX_FRAME = 1 << 20     # bytes; the stream's max_msg_size and its nats-server's
 # 30 s held a restarted controller's store short of a killed one's last batch for that long.
 ACK_WAIT_S = 10.0
 FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
+MAX_BEATS_WAITING = 200_000   # heartbeats held between two batches (a flood beyond it is dropped: liveness only)
 
 
 class StoreDown(Exception):
     """The store cannot take frames now (not the frames' fault): nothing is acked."""
+
+
+def stream_of(part: tuple[int, int]) -> tuple[str, str]:
+    """The stream and the subjects of partition (I, N)."""
+    return (STREAM, SUBJECTS) if part[1] == 1 else (f"{STREAM}_P{part[0]}", f"{PARTS}.{part[0]}.frames.>")
 
 
 async def serve(ctl: "Controller") -> None:
@@ -60,14 +79,20 @@ async def serve(ctl: "Controller") -> None:
                             "reconnect_time_wait": 0.5, "max_reconnect_attempts": -1, "name": "jobprobe-controller",
                             "error_cb": said}
     opts.update(auth_options(ctl.creds, ctl.ca))
-    nc, sub = None, None
+    nc, sub, lease = None, None, None
+    stream, subjects = stream_of(ctl.part)
     backoff = Backoff(initial=0.5, maximum=5.0)
-    while sub is None:   # a server still starting, a JetStream cluster still electing its leader: wait
+    while lease is None:   # a server still starting, a JetStream cluster still electing its leader: wait
         try:
             if nc is None:
                 nc = await nats.connect(**opts)
-            sub = await (Puller(nc, STREAM, DURABLE).start() if await subscribe(nc, ctl.replicas) else None)
+            if sub is None:
+                sub = await (Puller(nc, stream, DURABLE).start() if await subscribe(nc, ctl.replicas, stream,
+                                                                                     subjects) else None)
+            lease = Lease(nc.jetstream(), f"p{ctl.part[0]}", ctl.replicas)
+            await lease.open()
         except Exception as err:
+            lease = None
             if ctl.stop_event.is_set():
                 return
             wait = backoff.next()
@@ -75,37 +100,71 @@ async def serve(ctl: "Controller") -> None:
             await asyncio.sleep(wait)
 
     async def on_trace(msg: Any) -> None:
-        await trace.answer(ctl.nodes, nc, msg)
+        if ctl.active:
+            await trace.answer(ctl.nodes, nc, msg, ctl.owns_job)
+    beats: list[Any] = []
+
+    async def on_beat(msg: Any) -> None:
+        if ctl.active and len(beats) < MAX_BEATS_WAITING:
+            beats.append(msg)
     await nc.subscribe(CLUSTER_TRACE, cb=on_trace)
-    log.warning("controller: consuming %s from %s into %s", SUBJECTS, ctl.url, ctl.store.path)
-    await consume(ctl, nc, sub)
+    await nc.subscribe(f"{BEATS}.>", cb=on_beat)
+    log.warning("controller %d/%d: connected to %s (lease %s)", *ctl.part, ctl.url, lease.holder)
+    try:
+        await consume(ctl, nc, sub, lease, beats)
+    finally:
+        await lease.release()
+        await nc.close()          # everything taken was acked; what was not is delivered again next time
+        if ctl.tsdb is not None:
+            ctl.tsdb.close()
 
 
-async def subscribe(nc: Any, replicas: int) -> bool:
-    """The stream (made, or brought to this config) and the durable consumer on it (made when missing)."""
+async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str = SUBJECTS) -> bool:
+    """The frames' stream (made, or brought to this config), the durable consumer on it (made when missing), and
+    the heartbeats' stream."""
     from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
     from nats.js.errors import NotFoundError
     js = nc.jetstream()
-    config = StreamConfig(name=STREAM, subjects=[SUBJECTS], duplicate_window=120.0, max_age=7 * 86400.0,
-                          max_msg_size=MAX_FRAME, num_replicas=replicas)
-    try:
-        await js.stream_info(STREAM)
-        await js.update_stream(config)
-    except NotFoundError:
-        await js.add_stream(config)
+    beats = StreamConfig(name=BEATS_STREAM, subjects=[f"{BEATS}.>"], duplicate_window=30.0, max_age=60.0,
+                         max_msgs_per_subject=1, max_msg_size=4096, num_replicas=replicas)
+    for config in (StreamConfig(name=stream, subjects=[subjects], duplicate_window=120.0, max_age=7 * 86400.0,
+                                max_msg_size=MAX_FRAME, num_replicas=replicas), beats):
+        try:
+            await js.stream_info(config.name)
+            await js.update_stream(config)
+        except NotFoundError:
+            await js.add_stream(config)
     consumer = ConsumerConfig(durable_name=DURABLE, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S,
-                              max_ack_pending=20 * BATCH, filter_subject=SUBJECTS)
+                              max_ack_pending=20 * BATCH, filter_subject=subjects)
     try:
-        await js.consumer_info(STREAM, DURABLE)
+        await js.consumer_info(stream, DURABLE)
     except NotFoundError:
-        await js.add_consumer(STREAM, consumer)
+        await js.add_consumer(stream, consumer)
     return True
 
 
-async def consume(ctl: "Controller", nc: Any, pull: "Puller") -> None:
-    """Batch after batch until ctl.stop_event: ctl.ingest, then the acks; once a minute, retention and forgetting."""
-    next_sweep = time.time() + 60
+async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: list[Any]) -> None:
+    """Batch after batch until ctl.stop_event, while the lease is ours: ctl.ingest, then the acks; once a minute,
+    retention and forgetting. Without the lease: standing by, trying to take it every TRY_S."""
+    next_sweep, said = time.time() + 60, False
     while not ctl.stop_event.is_set():
+        if not await lease.keep():
+            if ctl.active:
+                log.warning("controller %d/%d: the lease is lost: standing by", *ctl.part)
+                ctl.active = False
+            if not await lease.take():
+                if not said:
+                    log.warning("controller %d/%d: standing by (another controller holds the lease)", *ctl.part)
+                    said = True
+                try:
+                    await asyncio.wait_for(ctl.stop_event.wait(), TRY_S)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            ctl.reset()
+            ctl.active, said = True, False
+            log.warning("controller %d/%d: active: consuming %s into %s", *ctl.part, pull.subject.split(".")[-2],
+                        ctl.store.path)
         try:
             msgs = await pull.fetch(BATCH, FETCH_BYTES, timeout=0.5)
         except Exception as err:       # the server restarting: the client reconnects
@@ -113,8 +172,9 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller") -> None:
             await asyncio.sleep(0.5)
             msgs = []
         now = time.time()
+        got, beats[:] = beats[:], []
         try:
-            done = ctl.ingest(msgs, now)
+            done = ctl.ingest(msgs, now, got)
         except StoreDown as err:       # nothing acked: the server delivers them again
             log.warning("the store refused a batch (%s); %d frames will be delivered again", err, len(msgs))
             for m in msgs:
@@ -130,9 +190,6 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller") -> None:
                 log.warning("retention: %s: %s", type(err).__name__, err)
             ctl.forget(now)
             next_sweep = now + 60
-    await nc.close()          # everything taken was acked; what was not is delivered again next time
-    if ctl.tsdb is not None:
-        ctl.tsdb.close()
 
 
 async def _quietly(coro: Any) -> None:

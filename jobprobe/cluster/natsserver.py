@@ -1,5 +1,6 @@
 """The controller's own nats-server: with no --nats, `jobprobe controller` starts one with JetStream in its data
-directory, listening on --listen — one command for a small cluster.
+directory, listening on --listen — one command for a small cluster. With --partition I/N (N > 1) it maps each frame
+to its job's partition (jobprobe/core/wire.py); the controllers of the other partitions connect to it with --nats.
 
 It is authenticated (jobprobe/transport/natsauth.py: the controller's nkey and one per node enrolled with
 `jobprobe controller enroll NODE`, whose permissions write_auth puts in the server's auth.conf), TLS or loopback
@@ -19,7 +20,7 @@ from pathlib import Path
 from jobprobe.cluster.ingest import MAX_FRAME
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
-from jobprobe.core.wire import host_port
+from jobprobe.core.wire import host_port, mappings_conf
 from jobprobe.transport.credentials import is_loopback
 from jobprobe.transport.natsauth import Auth, server_pid, write_secret
 
@@ -36,7 +37,7 @@ class LocalNats:
     port is refused, never used."""
 
     def __init__(self, data_dir: str | Path, listen: str = "127.0.0.1:4222", tls_cert: str | None = None,
-                 tls_key: str | None = None, insecure_plaintext: bool = False):
+                 tls_key: str | None = None, insecure_plaintext: bool = False, partitions: int = 1):
         exe = shutil.which("nats-server") or "/usr/sbin/nats-server"
         if not os.path.exists(exe):
             raise BadInput("nats-server is not installed (Debian package nats-server; scripts/setup.sh installs it)")
@@ -67,7 +68,8 @@ class LocalNats:
         listen_at = f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}"
         self.conf.write_text(f'listen: "{listen_at}"\nmax_payload: {MAX_FRAME}\n'
                              f'pid_file: "{self.data / "nats-server.pid"}"\n'
-                             f'jetstream {{\n  store_dir: "{d}"\n}}\n{tls}include "auth.conf"\n')
+                             f'jetstream {{\n  store_dir: "{d}"\n}}\n{tls}{mappings_conf(partitions)}'
+                             'include "auth.conf"\n')
         write_auth(self.data)
         os.chmod(self.conf, 0o600)
         self.log = open(os.open(self.data / "nats-server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,

@@ -58,10 +58,14 @@ async def cluster_trace(nodes: dict[str, "NodeState"], nc: Any, req: dict) -> di
             "job": job, "at": at, "duration_s": duration, "nodes": dict(zip(names, answers))}
 
 
-async def answer(nodes: dict[str, "NodeState"], nc: Any, msg: Any) -> None:
-    """One request on jobprobe.ctl.trace: its JSON asked of the nodes (cluster_trace), the outcome the reply."""
+async def answer(nodes: dict[str, "NodeState"], nc: Any, msg: Any, mine: Any = lambda job: True) -> None:
+    """One request on jobprobe.ctl.trace: its JSON asked of the nodes (cluster_trace), the outcome the reply. A
+    request for a job that is not `mine` (another partition's) is left to its controller."""
     try:
         req = json.loads(msg.data)
+        job = req.get("job") if isinstance(req, dict) else None
+        if isinstance(job, str) and job and not mine(job):
+            return
         out = await cluster_trace(nodes, nc, req if isinstance(req, dict) else {})
     except ValueError as err:
         out = {"ok": False, "error": f"not JSON: {err}"}

@@ -6,8 +6,9 @@ node). A tick samples every job at once and sends one frame per job. Jobs arrive
 attach(spec), detach(job), probes(job, "+x,-y"); a job whose processes have all exited is detached by itself after
 its last frame. `jobprobe run` is this agent with one job; `jobprobe agent` adds the control socket
 (jobprobe/node/control.py) and the state file from which a restarted agent attaches the jobs still running.
-With a NATS sink, an agent with no job attached sends the node's `heartbeat` each tick (the controller's liveness
-does not depend on jobs), and one marked `stopping` when it stops cleanly, after its jobs' last frames.
+With a NATS sink, the agent sends the node's `heartbeat` each tick, with or without jobs (every controller reads them:
+liveness does not depend on jobs, nor on which partition a job's frames go to), and one marked `stopping` when it
+stops cleanly, after its jobs' last frames.
 
 Nothing of a dead agent stays in the kernel: every program, link and map is held by the agent's file descriptors (the
 loaders pin maps only inside a mount namespace that dies with them), so SIGKILL releases everything.

@@ -69,13 +69,15 @@ class NodeSinks:
             out.append(self.prom.for_job(job))   # updates a few totals under a lock: no queue needed
         return out
 
-    def _heartbeat(self, stopping: bool = False, jobs: int = 0) -> None:
-        """The node's liveness to the controller, while no job is attached (a job's frames show it alive
-        otherwise): a heartbeat frame each tick; `stopping`, once, at a clean stop (then no more)."""
+    def _heartbeat(self, stopping: bool = False, jobs: int | None = None) -> None:
+        """The node's liveness to every controller, with or without jobs (a job's frames reach only its own
+        partition's controller): a heartbeat frame each tick, saying how many jobs are attached; `stopping`, once,
+        at a clean stop (then no more)."""
         with self.lock:
-            if self.beat is None or (self.jobs and not stopping):
+            if self.beat is None:
                 return
-            beat = self.beat.heartbeat(time.time(), self.cfg.interval, jobs, stopping)
+            n = len(self.jobs) if jobs is None else jobs
+            beat = self.beat.heartbeat(time.time(), self.cfg.interval, n, stopping)
             if stopping:
                 self.beat = None
         try:

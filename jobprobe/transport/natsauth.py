@@ -24,7 +24,7 @@ from pathlib import Path
 
 from jobprobe.core.errors import BadInput
 from jobprobe.transport.credentials import new_user_nkey
-from jobprobe.core.wire import CONTROL, FRAMES, inbox_prefix, token
+from jobprobe.core.wire import BEATS, CONTROL, FRAMES, PARTS, inbox_prefix, token
 
 
 def write_secret(path: Path, text: str) -> None:
@@ -103,7 +103,7 @@ class Auth:
 def node_permissions(node: str) -> dict:
     """What one node's identity may do (the module's docstring says why each)."""
     tok = token(node)
-    return {"publish": {"allow": [f"{FRAMES}.{tok}"]},
+    return {"publish": {"allow": [f"{FRAMES}.*.{tok}", f"{PARTS}.*.frames.*.{tok}", f"{BEATS}.{tok}"]},
             "subscribe": {"allow": [f"{CONTROL}.{tok}", f"{inbox_prefix(node)}.>"]},
             "allow_responses": {"max": 1, "expires": "1m"}}
 

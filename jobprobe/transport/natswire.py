@@ -33,6 +33,7 @@ import logging
 import os
 import socket
 import time
+from typing import Callable
 from urllib.parse import SplitResult, urlsplit
 
 from jobprobe.transport.credentials import Credentials, NatsError, client_tls, refuse_plaintext_password
@@ -176,11 +177,14 @@ class Wire:
         """Whether the server takes this message (its headers and payload within the server's max_payload)."""
         return len(_headers(mid)) + len(data) <= self.max_payload
 
-    def publish(self, msgs: list[tuple[str, str, bytes]], timeout: float = 5.0) -> list[dict]:
+    def publish(self, msgs: list[tuple[str, str, bytes]], timeout: float = 5.0,
+                optional: Callable[[str], bool] | None = None) -> list[dict]:
         """Publish (subject, msg id, payload)s to JetStream and wait for every ack; returns the PubAcks in order.
         A refusal that no retry can change (PERMANENT_REFUSALS: the message is too large for the stream) is
         returned in its message's place as the PubAck it is ({"error": …}); any other refusal raises, as does an
-        ack not back within `timeout`. Every message must fit (fits()): a larger one would end the connection."""
+        ack not back within `timeout`. A message on a subject `optional` says yes to that no stream takes (no
+        responders) is returned as {"dropped": "no responders"} rather than raising: worth sending only now.
+        Every message must fit (fits()): a larger one would end the connection."""
         big = [mid for _, mid, data in msgs if not self.fits(mid, data)]
         if big:
             raise TooLarge(f"{len(big)} messages exceed the server's max_payload ({self.max_payload}), {big[0]} "
@@ -206,6 +210,11 @@ class Wire:
             if not reply.startswith(prefix):
                 continue                          # a late ack of an earlier batch that timed out
             i = int(reply[len(prefix):])
+            if status == "503" and optional is not None and optional(msgs[i][0]):
+                if acks[i] is None:
+                    acks[i] = {"dropped": "no responders"}
+                    left -= 1
+                continue
             if status == "503":
                 raise NoResponders(f"no stream takes {msgs[i][0]} (no responders)")
             ack = json.loads(payload) if payload else {}
