@@ -74,3 +74,23 @@ def test_an_empty_or_non_string_name_is_refused(bad):
 def test_a_node_name_too_long_for_a_subject_is_refused():
     with pytest.raises(ValueError, match="too long"):
         token("é" * MAX_TOKEN)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(names, tricky), st.one_of(names, tricky), st.integers(1, 64))
+def test_a_subject_reads_back_as_its_partition_job_and_node(node, job, n):
+    """frames_subject and the server's mapping (wire.mappings: `jobprobe.part.<partition>.frames.…`) parse back to
+    the tokens they were made of; the beat subject too; a subject of neither is refused."""
+    from jobprobe.core.wire import PARTS, beat_subject, job_token, parse_subject, partition
+    assume(fits(node))
+    plain = frames_subject(node, job)
+    assert parse_subject(plain) == (None, job_token(job), token(node))
+    i = partition(job_token(job), n)
+    assert 0 <= i < n
+    mapped = f"{PARTS}.{i}.frames.{job_token(job)}.{token(node)}"
+    assert parse_subject(mapped) == (i, job_token(job), token(node))
+    assert parse_subject(beat_subject(node)) == (None, None, token(node))
+    for bad in (f"{PARTS}.{i}.beat.{token(node)}", f"jobprobe.frames.{token(node)}", plain + ".x",
+                f"{PARTS}.x.frames.{job_token(job)}.{token(node)}", "jobprobe.ctl.trace"):
+        with pytest.raises(ValueError):
+            parse_subject(bad)

@@ -60,6 +60,7 @@ class NodeState:
     lost: bool = False
     stopped: bool = False                 # its agent announced a clean stop (a heartbeat `stopping`): never lost
     heartbeats: int = 0                   # heartbeats received (not stored)
+    beat_jobs: int = 0                    # the jobs its agent had attached, as its last heartbeat said
     jobs: dict[str, float] = field(default_factory=dict)   # job → when last seen
     live: set[str] = field(default_factory=set)            # jobs whose frames came since its last heartbeat
     lost_jobs: list[str] = field(default_factory=list)     # the jobs its node_lost named (its node_back names them)
@@ -217,6 +218,7 @@ class Controller:
             if beat:
                 st.stopped = f.get("stopping") is True
                 st.heartbeats += 1
+                st.beat_jobs = f.get("jobs") or 0
                 if not f.get("jobs"):
                     st.live.clear()     # its agent has no job attached: what it had ended
                 continue
@@ -234,14 +236,15 @@ class Controller:
     def lost_nodes(self, now: float) -> list[dict]:
         """node_lost for each node silent LOST_AFTER of its intervals (not one that announced its stop), once,
         per job live when it went silent (its frames came since its last heartbeat, within LIVE_JOB_INTERVALS of
-        its last frame) — or, when none was, for the node itself (job "node"), by the controller that owns it."""
+        its last frame) — or, when none was, for the node itself (job "node"), by the controller that owns it, when
+        its agent had no job attached (with jobs, their partitions' controllers name it)."""
         out = []
         for node, st in self.nodes.items():
             if not st.lost and not st.stopped and st.last and now - st.last > LOST_AFTER * st.interval:
                 st.lost = True
                 since = st.last - LIVE_JOB_INTERVALS * st.interval
                 st.lost_jobs = [j for j in st.live if st.jobs.get(j, 0.0) >= since] or \
-                    ([NODE_JOB] if self.owns_node(node) else [])
+                    ([NODE_JOB] if self.owns_node(node) and (self.part[1] == 1 or not st.beat_jobs) else [])
                 out += [self.node_event(node, job, "node_lost", now, silent_s=round(now - st.last, 3))
                         for job in st.lost_jobs]
                 if st.lost_jobs:

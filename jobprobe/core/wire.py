@@ -106,7 +106,7 @@ def parse_subject(subject: str) -> tuple[int | None, str | None, str]:
     for any other subject."""
     parts = subject.split(".")
     part = None
-    if subject.startswith(PARTS + ".") and len(parts) == 7 and parts[3] == "frames" and parts[2].isascii() \
+    if subject.startswith(PARTS + ".") and len(parts) == 6 and parts[3] == "frames" and parts[2].isascii() \
             and parts[2].isdigit() and len(parts[2]) < 6:
         part, parts = int(parts[2]), ["jobprobe", "frames"] + parts[4:]
     if len(parts) == 4 and parts[:2] == ["jobprobe", "frames"]:
