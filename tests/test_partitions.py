@@ -203,3 +203,83 @@ def test_four_partitions_by_job_a_standby_takes_over_nothing_lost_nothing_stored
         cl.close()
     tail = "".join(cl.log(victim, k).read_text() for k in (0, 1))
     assert re.search(r"active: consuming JOBPROBE_P1", tail), tail[-2000:]
+
+
+def test_several_partitions_stores_read_as_one(tmp_path):
+    """`jobprobe query` (and report, summary) given several stores, or their directory, sees one store: every
+    table and view over all of them; a job's field from whichever holds it; delivery summed per node."""
+    from jobprobe.cluster.store import Store
+    d = tmp_path / "stores"
+    jobs = jobs_over_partitions(per=1)
+    for i, job in enumerate(jobs):
+        st = Store(d / f"p{i}.db")
+        b = FrameBuilder("gpu-000", job, run="r")
+        st.add([b.sample(1000.0 + k, 1.0, {"cgroup": {"cpu_user_ns": 10 ** 6 * (i + 1) * k}}, {"cgroup": "ok"})
+                for k in range(3)])
+        st.close()
+
+    def query(*args: str) -> list[str]:
+        r = subprocess.run([*JOBPROBE, "query", *args, "--format", "csv"], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().splitlines()[1:]
+    assert query("--store", str(d), "--sql", "SELECT job, COUNT(*) FROM samples GROUP BY job ORDER BY job") == \
+        [f"{j},3" for j in sorted(jobs)]
+    assert query("--store", str(d), "--sql", "SELECT node, frames FROM delivery") == ["gpu-000,12"]
+    two = [str(d / "p1.db"), str(d / "p3.db")]
+    assert query("--store", two[0], "--store", two[1], "--job", jobs[3], "--field", "cgroup.cpu_user_ns")[-1] \
+        .endswith(",8000000")
+    r = subprocess.run([*JOBPROBE, "query", "--store", str(tmp_path / "none"), "--sql", "SELECT 1"], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no store" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_lease_has_one_holder_and_a_dead_holders_lease_passes_on(tmp_path):
+    """The lease (jobprobe/cluster/lease.py) on a real JetStream key-value bucket: one holder at a time; the holder
+    counts itself out before its key can expire, so it has stopped before a standby can take it; a holder that
+    stops renewing loses it within LEASE_S; a clean release passes it at once; a restarted controller on the host
+    of a holder whose process is gone takes it at once."""
+    import asyncio
+    import socket as sk
+    from jobprobe.bench.local import Nats
+    from jobprobe.cluster import lease as L
+    srv = Nats(tmp_path)
+    srv.start()
+
+    async def run() -> None:
+        import nats
+        nc = await nats.connect(srv.url)
+        js = nc.jetstream()
+        a, b = L.Lease(js, "p0", holder="h1:1:a"), L.Lease(js, "p0", holder="h2:1:b")
+        await a.open()
+        await b.open()
+        assert await a.take() and not await b.take()
+        for _ in range(3):
+            await asyncio.sleep(L.RENEW_S)
+            assert await a.keep() and not await b.take()
+        stopped = time.monotonic()               # a stops renewing (a hung or dead controller)
+        while not await b.take():
+            assert time.monotonic() - stopped < L.LEASE_S + 2 * L.TRY_S, "the lease never passed on"
+            await asyncio.sleep(0.1)
+        took = time.monotonic()
+        assert not a.held() and a.until <= took    # a counted itself out before b could have it
+        assert not await a.keep()                  # and its next renewal is refused
+        await b.release()
+        assert await a.take()
+        dead = L.Lease(js, "p1", holder=f"{sk.gethostname()}:999999:x")     # a pid that is not running
+        await dead.open()
+        assert await dead.take()
+        fresh = L.Lease(js, "p1")
+        await fresh.open()
+        assert await fresh.take()                  # its predecessor on this host is gone: at once
+        alive = L.Lease(js, "p2", holder=f"{sk.gethostname()}:1:x")          # pid 1 runs
+        await alive.open()
+        assert await alive.take()
+        other = L.Lease(js, "p2")
+        await other.open()
+        assert not await other.take()
+        await nc.close()
+    try:
+        asyncio.run(run())
+    finally:
+        srv.stop()

@@ -1,6 +1,8 @@
 """Stragglers named on a real distributed job: PyTorch DDP (gloo, CPU), three ranks in three network namespaces on
-a bridge, each rank its own node (three agents) reporting over NATS to one controller — all real
-(jobprobe/bench/ddp.py, which `jobprobe bench stragglers` runs many times at random).
+a bridge, each rank its own node (three agents) reporting over NATS — all real (jobprobe/bench/ddp.py, which
+`jobprobe bench stragglers` runs many times at random) — to four controllers, the server mapping each job's frames to
+its partition: the job's three nodes would fall in different partitions by node, and its stragglers are named by
+its partition's controller, and by no other.
 
 One run, in phases, each fault on one rank and gone again before the next: balanced (no event); a CPU limit (that
 node named "CPU throttled", cleared when the limit goes); a noisy neighbour (the rank pinned beside a CPU hog: named
@@ -58,7 +60,9 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
     ddp = DdpJob(cgroup2_mount, seconds=400, data_mb=128, gpu_ms=6)
     metrics = free_port()
     cluster = Cluster(tmp_path, ddp, probes=PROBES + ",gpu",
-                      controller_args=("--metrics", f"127.0.0.1:{metrics}"))
+                      controller_args=("--metrics", f"127.0.0.1:{metrics}"), partitions=4)
+    from jobprobe.core.wire import partition, token
+    assert len({partition(token(n), 4) for n in cluster.nodes}) > 1    # by node, the job would have been split
     try:
         cluster.start_agents()
         ddp.start(tmp_path)
@@ -154,6 +158,11 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
             ("straggler", "node-a"), ("straggler_end", "node-a"), ("straggler", "node-c"), ("straggler_end", "node-c"),
             ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-a"), ("straggler_end", "node-a"),
             ("straggler", "node-c")], named()
+        import sqlite3                             # named by its partition's controller alone
+        for other in (s for s in cluster.stores if s != cluster.store):
+            db = sqlite3.connect(f"file:{other}?mode=ro", uri=True)
+            assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 0, other
+            db.close()
     finally:
         cluster.close()
         ddp.close()

@@ -65,10 +65,20 @@ from jobprobe.bench.controller import PROBES, STATUS
 from jobprobe.core.wire import subject_of
 url, nodes, seconds, rate, conns, ticks, run = (sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]),
                                                int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])
+creds = sys.argv[9] if len(sys.argv) > 9 and sys.argv[9] else None
+sizes = [int(x) for x in sys.argv[10].split(",")] if len(sys.argv) > 10 else None
+def job_of(i):   # jobs of the given sizes in turn (nodes 0..7 the first job of 8, …), else 97 jobs round robin
+    if not sizes:
+        return f"job{i % 97}"
+    k = start = 0
+    while start + sizes[k % len(sizes)] <= i:
+        start += sizes[k % len(sizes)]
+        k += 1
+    return f"job{k}"
 async def main():
-    ncs = [await nats.connect(url) for _ in range(conns)]
+    ncs = [await nats.connect(url, **({"nkeys_seed": creds} if creds else {})) for _ in range(conns)]
     jss = [nc.jetstream() for nc in ncs]
-    builders = [FrameBuilder(f"sim{i:05d}", f"job{i % 97}", run=run) for i in range(nodes)]
+    builders = [FrameBuilder(f"sim{i:05d}", job_of(i), run=run) for i in range(nodes)]
     sent = 0
     t0 = time.monotonic()
     tick = 0

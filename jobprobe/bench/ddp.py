@@ -295,18 +295,26 @@ class DdpJob:
 
 
 class Cluster:
-    """One NATS server, one `jobprobe controller`, one agent per rank (each its own node name), attached to the
-    ranks' cgroups as job `job` — what a real cluster runs, on one machine."""
+    """One NATS server, one `jobprobe controller` (or one per partition, `partitions`: the server maps each job's
+    frames to its partition), one agent per rank (each its own node name), attached to the ranks' cgroups as job
+    `job` — what a real cluster runs, on one machine. `store`: the job's partition's store; `controller_args` go to
+    its controller."""
 
     def __init__(self, tmp: Path, ddp: DdpJob, job: str = "ddp", probes: str = PROBES,
-                 controller_args: tuple[str, ...] = ()):
+                 controller_args: tuple[str, ...] = (), partitions: int = 1):
+        from jobprobe.core.wire import job_token, mappings_conf, partition
         self.tmp, self.ddp, self.job, self.probes = tmp, ddp, job, probes
         self.nats = Nats(tmp)
-        self.nats.start()
-        self.store = tmp / "store.db"
-        self.controller = subprocess.Popen(
-            [sys.executable, "-m", "jobprobe.cli", "controller", "--nats", self.nats.url, "--store", str(self.store),
-             *controller_args], cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp / "controller.log", "ab"))
+        self.nats.start(mappings_conf(partitions))
+        mine = partition(job_token(job), partitions)
+        self.stores = [tmp / ("store.db" if partitions == 1 else f"p{i}.db") for i in range(partitions)]
+        self.store = self.stores[mine]
+        self.controllers = [subprocess.Popen(
+            [sys.executable, "-m", "jobprobe.cli", "controller", "--nats", self.nats.url, "--store", str(store),
+             "--partition", f"{i}/{partitions}", *(controller_args if i == mine else ())], cwd=REPO,
+            stdout=subprocess.DEVNULL, stderr=open(tmp / f"controller{'' if partitions == 1 else i}.log", "ab"))
+            for i, store in enumerate(self.stores)]
+        self.controller = self.controllers[mine]
         self.agents: list[subprocess.Popen] = []
         self.nodes = [f"node-{chr(ord('a') + i)}" for i in range(ddp.world)]
 
@@ -367,7 +375,8 @@ class Cluster:
                 p.terminate()
         for p in self.agents:
             stop_child(p, 30)
-        stop_child(self.controller, 30)
+        for c in self.controllers:
+            stop_child(c, 30)
         self.nats.stop()
 
 

@@ -149,9 +149,10 @@ def _job_frames(cmd: str, args) -> list[dict]:
     if args.store:
         if not args.job:
             raise BadInput(f"{cmd}: --store needs --job ID")
-        if not os.path.exists(args.store):
-            raise BadInput(f"{cmd}: no store at {args.store}")
-        return summary.frames_of_store(args.store, args.job)
+        try:
+            return summary.frames_of_store(args.store, args.job)
+        except (FileNotFoundError, ValueError) as err:
+            raise BadInput(f"{cmd}: {err}") from None
     for f in args.files:
         if not os.path.isfile(f):
             raise BadInput(f"{cmd}: no frame file {f}")
@@ -175,9 +176,9 @@ def cmd_query(args) -> int:
     import sqlite3
     from jobprobe.cluster.store import Store
     try:
-        store = Store(args.store, readonly=True)
-    except FileNotFoundError as err:
-        raise BadInput(str(err)) from None
+        store = Store(args.store or ["/var/lib/jobprobe/controller/store.db"], readonly=True)
+    except (FileNotFoundError, ValueError, sqlite3.Error) as err:
+        raise BadInput(f"query: {err}") from None
     if args.summary or args.prices:
         from jobprobe.cluster import cost
         if not args.job:

@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     qu = sub.add_parser("query", help="read the controller's store: SQL, or one field of a job over time",
                         usage="jobprobe query --store PATH (--sql QUERY | --job ID --field PROBE.FIELD [--node N]) "
                               "[--format table|jsonl|csv]")
-    qu.add_argument("--store", metavar="PATH", default="/var/lib/jobprobe/controller/store.db")
+    qu.add_argument("--store", metavar="PATH", action="append", help="the controller's store (default "
+                    "/var/lib/jobprobe/controller/store.db); again, or a directory, for several partitions' stores "
+                    "read as one")
     qg = qu.add_mutually_exclusive_group(required=True)
     qg.add_argument("--sql", metavar="QUERY")
     qg.add_argument("--job", metavar="ID")
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--nodes", type=int, default=2000)
     bc.add_argument("--seconds", type=float, default=30.0)
     bc.add_argument("--burst-frames", type=int, default=60_000)
+    bc.add_argument("--partitions", type=int, default=1, metavar="N", help="N > 1: N partitions by job, two "
+                    "controllers each, the nodes in jobs of 8–512, one active controller SIGKILLed mid-run")
     bc.add_argument("--json", metavar="FILE")
 
     acc = bsub.add_parser("accuracy", help="each figure summed over a job's frames beside the workload's own count "
@@ -284,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="one self-contained HTML page of a job: a verdict, per-node timelines, "
                         "stragglers and events", usage="jobprobe report (FILE… | --store PATH --job ID) -o OUT.html")
     rp.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
-    rp.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
+    rp.add_argument("--store", metavar="PATH", action="append", help="the controller's store (with --job); "
+                    "again, or a directory, for several partitions' stores")
     rp.add_argument("--job", metavar="ID", help="the job, in the store")
     rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
     rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
@@ -293,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                         usage="jobprobe summary (FILE… | --store PATH --job ID) [--format text|json] "
                         "[--rules FILE]")
     sm.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
-    sm.add_argument("--store", metavar="PATH", help="the controller's store (with --job)")
+    sm.add_argument("--store", metavar="PATH", action="append", help="the controller's store (with --job); "
+                    "again, or a directory, for several partitions' stores")
     sm.add_argument("--job", metavar="ID", help="the job, in the store")
     sm.add_argument("--format", choices=["text", "json"], default="text")
     sm.add_argument("--rules", metavar="FILE|default", help="thresholds of the efficiency notes: the rules file's "

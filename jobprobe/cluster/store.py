@@ -15,6 +15,11 @@ Tables and views:
 - `rejects(received, subject, node, reason, size)` — frames refused (malformed, wrong node for the subject).
 - `delivery(node, …)` — per node: frames stored, duplicates, rejected, newest frame time, last received, lost.
 Controller-made events (`node_lost`, `node_back`) are frames of run `controller` in `frames`.
+
+Partitions (`jobprobe controller --partition I/N`): each partition has its own store (the two controllers of a
+partition share it). A reader given several stores — `Store([p0.db, p1.db, …], readonly=True)`, or a directory of
+them — sees them as one: the same tables and views, made of every store's (UNION ALL: a job's frames are all in one
+partition's store, so nothing is counted twice), `delivery` summed per node. SQLite attaches at most MAX_STORES.
 """
 from __future__ import annotations
 
@@ -45,24 +50,44 @@ CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NU
 """
 
 
+MAX_STORES = 10     # SQLite's limit on attached databases
+
+
+def store_files(path: str | Path | list) -> list[str]:
+    """The store files a reader was given: a file, a directory (every *.db in it), or a list of either."""
+    if isinstance(path, (list, tuple)):
+        return [f for p in path for f in store_files(p)]
+    if Path(path).is_dir():
+        found = sorted(str(p) for p in Path(path).glob("*.db"))
+        if not found:
+            raise FileNotFoundError(f"no store (*.db) in {path}")
+        return found
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no store at {path}")
+    return [str(path)]
+
+
 class Store:
-    def __init__(self, path: str | Path, readonly: bool = False):
-        self.path = str(path)
+    def __init__(self, path: str | Path | list, readonly: bool = False):
         if readonly:
-            if not Path(self.path).exists():
-                raise FileNotFoundError(f"no store at {self.path}")
-            self.db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
-        else:
-            # frames hold other users' command lines and stacks: the store is its owner's alone (SQLite makes the
-            # -wal and -shm files with the database's own mode)
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
-            os.chmod(self.path, 0o600)
-            self.db = sqlite3.connect(self.path, timeout=30)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
-            self.db.executescript(SCHEMA)
-            self.db.commit()
+            files = store_files(path)
+            self.path = ",".join(files)
+            if len(files) == 1:
+                self.db = sqlite3.connect(f"file:{files[0]}?mode=ro", uri=True, timeout=30)
+            else:
+                self.db = _union(files)
+            return
+        self.path = str(path)
+        # frames hold other users' command lines and stacks: the store is its owner's alone (SQLite makes the
+        # -wal and -shm files with the database's own mode)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        os.chmod(self.path, 0o600)
+        self.db = sqlite3.connect(self.path, timeout=30)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
+        self.db.executescript(SCHEMA)
+        self.db.commit()
 
     # ---- writing (the controller) --------------------------------------------------------------------------
     def add(self, frames: Iterable[dict], received: float | None = None) -> tuple[int, int]:
@@ -130,3 +155,28 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _union(files: list[str]) -> sqlite3.Connection:
+    """One read-only connection over several stores: each attached, and TEMP views of the same names as a store's
+    tables and views over all of them."""
+    if len(files) > MAX_STORES:
+        raise ValueError(f"{len(files)} stores: at most {MAX_STORES} can be read as one (query them in groups)")
+    db = sqlite3.connect("file::memory:", uri=True, timeout=30)
+    for k, f in enumerate(files):
+        db.execute("ATTACH DATABASE ? AS ?", (f"file:{f}?mode=ro", f"p{k}"))
+
+    def every(table: str) -> str:
+        return " UNION ALL ".join(f"SELECT * FROM p{k}.{table}" for k in range(len(files)))
+    db.executescript(f"""
+        CREATE TEMP VIEW frames AS {every('frames')};
+        CREATE TEMP VIEW rejects AS {every('rejects')};
+        CREATE TEMP VIEW delivery AS SELECT node, SUM(frames) AS frames, SUM(duplicates) AS duplicates,
+            SUM(rejected) AS rejected, MAX(newest_t) AS newest_t, MAX(last_received) AS last_received,
+            SUM(lost) AS lost FROM ({every('delivery')}) GROUP BY node;
+        CREATE TEMP VIEW samples AS
+            SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
+        CREATE TEMP VIEW events AS
+            SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
+            WHERE kind = 'event';""")
+    return db

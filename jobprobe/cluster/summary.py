@@ -23,7 +23,7 @@ WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "w
          "gpu_idle": "GPU idle", "lost": "lost to failures", "other": "other (not attributed)"}
 
 
-def frames_of_store(path: str, job: str) -> list[dict]:
+def frames_of_store(path: Any, job: str) -> list[dict]:
     from jobprobe.cluster.store import Store
     st = Store(path, readonly=True)
     try:

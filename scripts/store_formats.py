@@ -1,0 +1,182 @@
+"""What a store costs per sample, by format, on real frames: the numbers the store's format is chosen by.
+
+    python scripts/store_formats.py FRAMES.mpk… [--json OUT]
+
+The sample frames of the files (an agent's --out, `jobprobe run --out`) are written in each format into a scratch
+directory and the bytes on disk divided by the samples:
+- sqlite-json: today's store (jobprobe/cluster/store.py: each frame a JSON body, its indexes);
+- sqlite-wide: one typed column per numeric field (lists flattened, field.0, field.1, …), the rest JSON;
+- sqlite-blocks: one row per node, job, run and minute; each field's values of that minute one column — integers
+  delta-encoded, floats as they are — zlib-compressed into a BLOB, the rest zlib'd msgpack;
+- parquet-zstd, duckdb: the wide table in those formats, when pyarrow / duckdb are installed.
+MB per node-day = bytes per sample × 86 400 / 10⁶ (one sample a second).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sqlite3
+import sys
+import tempfile
+import zlib
+from pathlib import Path
+
+import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from jobprobe.cluster.report import frames_of_files  # noqa: E402
+from jobprobe.cluster.store import Store  # noqa: E402
+
+
+def flat(probes: dict) -> tuple[dict, dict]:
+    """(numeric leaves as probe.field[.i] → number or None, the rest as probe.field → value)."""
+    nums, rest = {}, {}
+    for p, fields in probes.items():
+        if not isinstance(fields, dict):
+            rest[p] = fields
+            continue
+        for k, v in fields.items():
+            name = f"{p}.{k}"
+            if v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+                nums[name] = v
+            elif isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                for i, x in enumerate(v):
+                    nums[f"{name}.{i}"] = x
+            else:
+                rest[name] = v
+    return nums, rest
+
+
+def size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.parent.glob(path.name + "*"))
+
+
+def sqlite_json(samples: list[dict], d: Path) -> int:
+    st = Store(d / "json.db")
+    st.add(samples)
+    st.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    st.db.execute("VACUUM")
+    st.close()
+    return size(d / "json.db")
+
+
+def wide_rows(samples: list[dict]) -> tuple[list[str], list[tuple]]:
+    cols: dict[str, bool] = {}       # name → every value an int
+    flats = []
+    for f in samples:
+        nums, rest = flat(f["probes"])
+        for k, v in nums.items():
+            cols[k] = cols.get(k, True) and (v is None or isinstance(v, int))
+        flats.append((f, nums, rest))
+    names = sorted(cols)
+    rows = [(f["node"], f["job"], f.get("run", ""), f["seq"], f["t"], f["dt"],
+             *[nums.get(c) for c in names], json.dumps(rest, separators=(",", ":"), default=str) if rest else None)
+            for f, nums, rest in flats]
+    return ["node", "job", "run", "seq", "t", "dt", *names, "rest"], rows, cols
+
+
+def sqlite_wide(samples: list[dict], d: Path) -> int:
+    names, rows, ints = wide_rows(samples)
+    db = sqlite3.connect(d / "wide.db")
+    decl = ", ".join(f'"{c}" {"INTEGER" if ints.get(c, True) else "REAL"}' for c in names[6:-1])
+    db.execute(f'CREATE TABLE s(node TEXT, job TEXT, run TEXT, seq INTEGER, t REAL, dt REAL, {decl}, rest TEXT, '
+               'PRIMARY KEY (node, job, run, seq)) WITHOUT ROWID')
+    db.executemany(f"INSERT INTO s VALUES ({','.join('?' * len(names))})", rows)
+    db.commit()
+    db.execute("VACUUM")
+    db.close()
+    return size(d / "wide.db")
+
+
+def block(values: list, integer: bool) -> bytes:
+    """One field's values over a block: integers delta-encoded (None as a mask), floats as they are."""
+    mask = bytes(v is None for v in values)
+    if integer:
+        prev, deltas = 0, []
+        for v in values:
+            x = 0 if v is None else v
+            deltas.append(x - prev)
+            prev = x
+        body = msgpack.packb(deltas)
+    else:
+        body = msgpack.packb([0.0 if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
+                              for v in values])
+    return zlib.compress((b"\1" + mask if any(mask) else b"\0") + body, 6)
+
+
+def sqlite_blocks(samples: list[dict], d: Path, seconds: int = 60) -> int:
+    names, rows, ints = wide_rows(samples)
+    groups: dict[tuple, list[tuple]] = {}
+    for r in rows:
+        groups.setdefault((r[0], r[1], r[2], int(r[4] // seconds)), []).append(r)
+    db = sqlite3.connect(d / "blocks.db")
+    db.execute("CREATE TABLE b(node TEXT, job TEXT, run TEXT, minute INTEGER, n INTEGER, seq0 INTEGER, t BLOB, "
+               "cols BLOB, rest BLOB, PRIMARY KEY (node, job, run, minute)) WITHOUT ROWID")
+    for (node, job, run, minute), rs in groups.items():
+        cols = {c: block([r[6 + i] for r in rs], ints.get(c, True)) for i, c in enumerate(names[6:-1])}
+        db.execute("INSERT INTO b VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                   (node, job, run, minute, len(rs), rs[0][3], block([round(r[4] * 1000) for r in rs], True),
+                    msgpack.packb(cols), zlib.compress(msgpack.packb([r[-1] for r in rs]), 6)))
+    db.commit()
+    db.execute("VACUUM")
+    db.close()
+    return size(d / "blocks.db")
+
+
+def parquet(samples: list[dict], d: Path) -> int | None:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        return None
+    names, rows, _ = wide_rows(samples)
+    table = pa.table({c: [r[i] for r in rows] for i, c in enumerate(names)})
+    pq.write_table(table, d / "s.parquet", compression="zstd", row_group_size=1 << 20)
+    return (d / "s.parquet").stat().st_size
+
+
+def duck(samples: list[dict], d: Path) -> int | None:
+    try:
+        import duckdb
+    except ImportError:
+        return None
+    names, rows, ints = wide_rows(samples)
+    con = duckdb.connect(str(d / "s.duckdb"))
+    decl = ", ".join(f'"{c}" {"BIGINT" if ints.get(c, True) else "DOUBLE"}' for c in names[6:-1])
+    con.execute(f"CREATE TABLE s(node VARCHAR, job VARCHAR, run VARCHAR, seq BIGINT, t DOUBLE, dt DOUBLE, {decl}, "
+                "rest VARCHAR)")
+    con.executemany(f"INSERT INTO s VALUES ({','.join('?' * len(names))})", rows)
+    con.execute("CHECKPOINT")
+    con.close()
+    return size(d / "s.duckdb")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--json", metavar="OUT")
+    args = ap.parse_args()
+    samples = [f for f in frames_of_files(args.files) if f.get("kind") == "sample"]
+    if not samples:
+        print("no sample frames in the files", file=sys.stderr)
+        return 2
+    out = {"samples": len(samples), "fields": len(wide_rows(samples[:1])[0]) - 7}
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for name, fn in (("sqlite-json", sqlite_json), ("sqlite-wide", sqlite_wide), ("sqlite-blocks", sqlite_blocks),
+                         ("parquet-zstd", parquet), ("duckdb", duck)):
+            n = fn(samples, d)
+            if n is not None:
+                out[name] = {"bytes_per_sample": round(n / len(samples), 1),
+                             "mb_per_node_day": round(n / len(samples) * 86400 / 1e6, 1)}
+                print(f"{name:14} {n / len(samples):8.1f} B/sample  {n / len(samples) * 86400 / 1e6:7.1f} MB/node-day",
+                      flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
