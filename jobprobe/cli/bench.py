@@ -42,12 +42,13 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "controller":
         from pathlib import Path
-        from jobprobe.bench import controller as ctl_bench
-        if args.partitions > 1:
-            from jobprobe.bench import failover as ctl_bench   # noqa: F811 — the same face: a dict, its markdown
-            res = ctl_bench.bench_failover(args.nodes, args.seconds, args.partitions, progress=sys.stderr)
+        from jobprobe.bench import controller, failover
+        if args.partitions > 1:         # the same face: a dict, its markdown
+            ctl_bench, res = failover, failover.bench_failover(args.nodes, args.seconds, args.partitions,
+                                                               progress=sys.stderr)
         else:
-            res = ctl_bench.bench_controller(args.nodes, args.seconds, args.burst_frames, progress=sys.stderr)
+            ctl_bench, res = controller, controller.bench_controller(args.nodes, args.seconds, args.burst_frames,
+                                                                     progress=sys.stderr)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(ctl_bench.markdown(res))
