@@ -64,7 +64,8 @@ def cmd_controller(args) -> int:
         raise BadInput("--tls-cert and --insecure-plaintext are for the nats-server the controller starts (no --nats)")
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
-                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition)
+                     replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition,
+                     raw_s=args.raw_minutes * 60)
     server = None
     if args.metrics:
         from jobprobe.cluster.metrics import serve_metrics

@@ -72,11 +72,12 @@ class Controller:
 
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
                  ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None,
-                 part: tuple[int, int] = (0, 1)):
+                 part: tuple[int, int] = (0, 1), raw_s: float = 600.0):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         if not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1] <= 1024):
             raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
         self.part = part              # (I, N): this controller takes partition I of N (N = 1: every frame)
+        self.raw_s = raw_s            # samples kept whole as JSON this long, then compacted (jobprobe/cluster/compact.py)
         self.active = False           # it holds its partition's lease (jobprobe/cluster/lease.py): it consumes
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
@@ -269,7 +270,7 @@ class Controller:
         out = []
         for job in self.ends.ended(now, alive, lambda n: self.nodes[n].interval):
             first = min(self.ends.seen.get(job) or [NODE_JOB])     # the event's node: the job's first by name
-            n = self.store.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
+            n = self.store.count_samples(job)
             if n > SUMMARY_MAX_SAMPLES:     # read inline, between two batches: a bound on the pause it makes
                 log.info("job %s ended: %d samples, over the %d the controller sums inline", job, n,
                          SUMMARY_MAX_SAMPLES)

@@ -27,7 +27,6 @@ run are lost work, in `revoked_node_hours` and their money.
 from __future__ import annotations
 
 import fnmatch
-import json
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -147,7 +146,7 @@ def _waiting_spans(store: Any, job: str) -> dict[str, list[tuple[float, float]]]
 
 def summary(store: Any, job: str, prices: Prices | None = None) -> dict[str, Any]:
     """The job's cost block: per node and in all (see the module's docs)."""
-    _, rows = store.sql("SELECT node, run, t, dt, body FROM samples WHERE job = ? ORDER BY t", (job,))
+    rows = store.samples_of(job)           # raw and compacted (jobprobe/cluster/compact.py)
     if not rows:
         raise BadInput(f"no samples of job {job!r} in the store")
     waiting = _waiting_spans(store, job)
@@ -155,8 +154,8 @@ def summary(store: Any, job: str, prices: Prices | None = None) -> dict[str, Any
     idle_bound = prices.idle_gpu_util_pct if prices else 10.0
     nodes: dict[str, dict[str, Any]] = {}
     runs: dict[tuple[str, str], list[float]] = {}          # (node, run) → [first t, last t, node seconds]
-    for node, run, t, dt, body in rows:
-        b = json.loads(body)
+    for b in rows:
+        node, run, t, dt = b["node"], b.get("run", ""), b["t"], b["dt"]
         p = b.get("probes") or {}
         n = nodes.setdefault(node, {"node_s": 0.0, "gpu_s": 0.0, "idle_gpu_s": 0.0, "waiting_gpu_s": 0.0,
                                     "cpu_energy_j": 0.0, "gpu_energy_j": 0.0, "gpu_names": set(), "labels": {},
@@ -214,7 +213,7 @@ def summary(store: Any, job: str, prices: Prices | None = None) -> dict[str, Any
         elif prices is not None:
             unpriced.append(node)
         out_nodes[node] = o
-    t0, t1 = rows[0][2] - rows[0][3], rows[-1][2]
+    t0, t1 = rows[0]["t"] - rows[0]["dt"], rows[-1]["t"]
     hours = max(t1 - t0, 1e-9) / 3600
     out: dict[str, Any] = {"job": job, "run_hours": hours, "nodes": out_nodes, **total}
     if prices is not None:

@@ -146,7 +146,7 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
 async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: list[Any]) -> None:
     """Batch after batch until ctl.stop_event, while the lease is ours: ctl.ingest, then the acks; once a minute,
     retention and forgetting. Without the lease: standing by, trying to take it every TRY_S."""
-    next_sweep, said = time.time() + 60, False
+    next_sweep, next_compact, said = time.time() + 60, time.time() + 10, False
     while not ctl.stop_event.is_set():
         if not await lease.keep():
             if ctl.active:
@@ -183,6 +183,12 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
             continue
         for m in done:                 # only now: what is acked is in the store, or refused for good
             await _quietly(m.ack())
+        if now > next_compact:     # samples past the raw window into blocks, a bounded step between batches
+            try:
+                next_compact = now + (0.0 if ctl.store.compact(now, ctl.raw_s) else 10.0)
+            except Exception as err:
+                log.warning("compaction: %s: %s", type(err).__name__, err)
+                next_compact = now + 60.0
         if now > next_sweep:
             try:
                 ctl.store.forget_before(now - ctl.retention_s)

@@ -24,11 +24,14 @@ partition's store, so nothing is counted twice), `delivery` summed per node. SQL
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Iterable
+
+from jobprobe.cluster import compact
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS frames(
@@ -74,8 +77,10 @@ class Store:
             self.path = ",".join(files)
             if len(files) == 1:
                 self.db = sqlite3.connect(f"file:{files[0]}?mode=ro", uri=True, timeout=30)
+                self.books = [compact.Paths(self.db)]
             else:
                 self.db = _union(files)
+                self.books = [compact.Paths(self.db, f"p{k}") for k in range(len(files))]
             return
         self.path = str(path)
         # frames hold other users' command lines and stacks: the store is its owner's alone (SQLite makes the
@@ -86,8 +91,9 @@ class Store:
         self.db = sqlite3.connect(self.path, timeout=30)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
-        self.db.executescript(SCHEMA)
+        self.db.executescript(SCHEMA + compact.SCHEMA)
         self.db.commit()
+        self.books = [compact.Paths(self.db)]
 
     # ---- writing (the controller) --------------------------------------------------------------------------
     def add(self, frames: Iterable[dict], received: float | None = None) -> tuple[int, int]:
@@ -103,7 +109,12 @@ class Store:
                     (f["node"], f["job"], f.get("run", ""), f["seq"], f["kind"], float(f["t"]), float(f["dt"]), now,
                      json.dumps(f, separators=(",", ":"), default=str, allow_nan=False)))
                 n = per_node.setdefault(f["node"], [0, 0, 0.0])
-                if cur.rowcount:
+                if cur.rowcount and f["kind"] == "sample" and compact.seen_in_blocks(
+                        self.db, self.books[0], f["node"], f["job"], f.get("run", ""), f["seq"]):
+                    self.db.execute("DELETE FROM frames WHERE node = ? AND job = ? AND run = ? AND seq = ?",
+                                    (f["node"], f["job"], f.get("run", ""), f["seq"]))
+                    cur = None     # compacted already: a duplicate
+                if cur is not None and cur.rowcount:
                     stored += 1
                     n[0] += 1
                     if f["kind"] == "sample":
@@ -134,6 +145,14 @@ class Store:
                               (node, job)).fetchone()
         return 0 if row[0] is None else row[0] + 1
 
+    def compact(self, now: float, raw_s: float = compact.RAW_S) -> int:
+        """One step of moving samples past the raw window into blocks and rollups (compact.compact_step): how many
+        samples moved (0: none left). Then each level's retention."""
+        moved = compact.compact_step(self.db, self.books[0], now - raw_s)
+        if not moved:
+            compact.forget_levels(self.db, now)
+        return moved
+
     def forget_before(self, t: float) -> int:
         """Retention: frames older than t (their own time) go. How many."""
         with self.db:
@@ -149,9 +168,33 @@ class Store:
         """One probe field of a job's samples over time: `cgroup.cpu_user_ns` is probes.cgroup.cpu_user_ns."""
         if not all(part.replace("_", "").replace("-", "").isalnum() for part in field.split(".")):
             raise ValueError(f"not a field name: {field!r} (probe.field, e.g. cgroup.cpu_user_ns)")
-        q = ("SELECT node, run, seq, t, dt, json_extract(body, ?) AS value FROM samples WHERE job = ?"
-             + (" AND node = ?" if node else "") + " ORDER BY t, node")
-        return self.sql(q, [f"$.probes.{field}", job] + ([node] if node else []))
+        path = ("probes", *field.split("."))
+        rows = []
+        for f in self.samples_of(job, node, only=[path]):
+            v = f
+            for k in path:
+                v = v.get(k) if isinstance(v, dict) else None
+            rows.append((f["node"], f.get("run", ""), f["seq"], f["t"], f["dt"], v))
+        return ["node", "run", "seq", "t", "dt", "value"], rows
+
+    def samples_of(self, job: str, node: str | None = None, since: float = -math.inf, until: float = math.inf,
+                   only: list[tuple] | None = None) -> list[dict]:
+        """A job's sample frames, whole (or only the leaves under `only`'s paths, with their keys), raw and
+        compacted, from every store read, in time order."""
+        out = [f for book in self.books for f in compact.samples(self.db, book, job, node, since, until, only)]
+        return sorted(out, key=lambda f: (f["t"], f["node"])) if len(self.books) > 1 else out
+
+    def count_samples(self, job: str) -> int:
+        """How many samples of a job the store holds, raw and compacted."""
+        n = self.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'blocks'").fetchone():
+            n += self.sql("SELECT COALESCE(SUM(n), 0) FROM blocks WHERE level = 1 AND job = ?", (job,))[1][0][0]
+        return n
+
+    def rollups(self, job: str, level: int, node: str | None = None) -> list[dict]:
+        """A job's rollups at level 10 or 60 (compact.levels), from every store read."""
+        return sorted((r for book in self.books for r in compact.levels(self.db, book, job, level, node)),
+                      key=lambda r: (r["t"], r["node"]))
 
     def close(self) -> None:
         self.db.close()

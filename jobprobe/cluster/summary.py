@@ -33,9 +33,10 @@ def frames_of_store(path: Any, job: str) -> list[dict]:
 
 
 def job_frames(store: Any, job: str) -> list[dict]:
-    """A job's samples and events, every node's, from an open store."""
-    _, rows = store.sql("SELECT body FROM frames WHERE job = ? AND kind IN ('sample', 'event') ORDER BY t", (job,))
-    return [json.loads(b) for (b,) in rows]
+    """A job's samples (raw and compacted) and events, every node's, from an open store, in time order."""
+    _, rows = store.sql("SELECT body FROM frames WHERE job = ? AND kind = 'event' ORDER BY t", (job,))
+    out = store.samples_of(job) + [json.loads(b) for (b,) in rows]
+    return sorted(out, key=lambda f: f["t"])
 
 
 END_AFTER = 3           # intervals with no sample of a job from any of its nodes, they alive: the job has ended

@@ -1,0 +1,222 @@
+"""The store past its raw window: samples compacted into column blocks, rolled up, kept per level.
+
+Samples arrive as whole frames (JSON bodies in `frames`, the raw window: the last `raw_s`, 10 minutes by default).
+Past it, the controller's sweep moves them, a minute of one (node, job, run) at a time, into `blocks` — level 1:
+the frames themselves, lossless (jobprobe/cluster/blocks.py; ~22 MB per node-day at 1 s, docs/PERFORMANCE.md) — and
+rolls them up into level 10 and level 60 blocks: per bucket of 10 s or 1 min, each numeric field's sum, min and max
+and the bucket's sample count and summed `dt` (a mean is sum/n, a rate sum/dt). Each level has its own retention
+(LEVELS: 1 s kept a day, 10 s a week, 1 min 90 days). A path of a frame's leaves is stored once, in `paths`; blocks
+name it by number.
+
+Exactly once still holds past the raw window: a sample whose key is in a level-1 block already is a duplicate
+(Store.add asks `seen_in_blocks`), and a late sample of a minute already compacted becomes a block of its own (its
+rollup buckets are merged into the ones already there).
+"""
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+from typing import Any, Iterable
+
+from jobprobe.cluster import blocks
+
+BLOCK_S = 60                                # a level-1 block: one minute of one node's job
+LEVELS = {1: 86400.0, 10: 7 * 86400.0, 60: 90 * 86400.0}    # level (its step, s) → how long it is kept
+RAW_S = 600.0                               # whole frames kept as JSON this long
+GROUPS_PER_STEP = 200                       # (node, job, run, minute)s compacted per call: a bounded pause
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS paths(id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS blocks(level INTEGER NOT NULL, node TEXT NOT NULL, job TEXT NOT NULL, run TEXT NOT NULL,
+    seq0 INTEGER NOT NULL, seq1 INTEGER NOT NULL, t0 REAL NOT NULL, t1 REAL NOT NULL, n INTEGER NOT NULL,
+    data BLOB NOT NULL, PRIMARY KEY (level, node, job, run, seq0)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS blocks_job ON blocks(job, level, t1);
+CREATE INDEX IF NOT EXISTS blocks_t ON blocks(level, t1);
+"""
+
+
+class Paths:
+    """The store's codebook: a leaf's path ↔ its number (made on first use, in the store's transaction)."""
+
+    def __init__(self, db: sqlite3.Connection, schema: str = "main"):
+        self.db, self.schema = db, schema
+        self.ids: dict[tuple, int] = {}
+        self.paths: dict[int, tuple] = {}
+        self.load()
+
+    def load(self) -> None:
+        try:
+            rows = self.db.execute(f"SELECT id, path FROM {self.schema}.paths").fetchall()
+        except sqlite3.OperationalError:       # a store made before blocks: none
+            rows = []
+        for i, p in rows:
+            self.ids[tuple(json.loads(p))] = i
+            self.paths[i] = tuple(json.loads(p))
+
+    def id(self, path: tuple) -> int:
+        i = self.ids.get(path)
+        if i is None:
+            i = self.db.execute("INSERT INTO paths(path) VALUES (?)", (json.dumps(list(path)),)).lastrowid
+            self.ids[path], self.paths[i] = i, path
+        return i
+
+    def path(self, i: int) -> tuple:
+        if i not in self.paths:
+            self.load()
+        return self.paths[i]
+
+
+def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
+    """Move up to GROUPS_PER_STEP minutes of samples older than `before` (their own time) out of `frames` into
+    level-1 blocks and their rollups, in one transaction. How many samples were moved (0: nothing left)."""
+    groups = db.execute(
+        "SELECT node, job, run, CAST(t / ? AS INTEGER) AS m FROM frames WHERE kind = 'sample' AND t < ? "
+        "GROUP BY node, job, run, m LIMIT ?", (BLOCK_S, before, GROUPS_PER_STEP)).fetchall()
+    moved = 0
+    with db:
+        for node, job, run, m in groups:
+            rows = db.execute("SELECT seq, body FROM frames WHERE node = ? AND job = ? AND run = ? AND kind = "
+                              "'sample' AND t >= ? AND t < ? AND t < ? ORDER BY seq",
+                              (node, job, run, m * BLOCK_S, (m + 1) * BLOCK_S, before)).fetchall()
+            if not rows:
+                continue
+            frames = [json.loads(b) for _, b in rows]
+            _put(db, 1, node, job, run, frames[0]["seq"], frames[-1]["seq"], frames[0]["t"], frames[-1]["t"],
+                 len(frames), blocks.encode(frames, book.id))
+            for level in (10, 60):
+                for bucket, rec in rollup(frames, level).items():
+                    _merge_rollup(db, book, level, node, job, run, bucket, rec)
+            db.executemany("DELETE FROM frames WHERE node = ? AND job = ? AND run = ? AND seq = ?",
+                           [(node, job, run, s) for s, _ in rows])
+            moved += len(rows)
+    return moved
+
+
+def _put(db: sqlite3.Connection, level: int, node: str, job: str, run: str, seq0: int, seq1: int, t0: float,
+         t1: float, n: int, data: bytes) -> None:
+    db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (level, node, job, run, seq0, seq1, t0, t1, n, data))
+
+
+def numeric(frame: dict) -> Iterable[tuple[tuple, float]]:
+    """(path, value) of a sample's finite numbers under `probes` (bools and lists left out)."""
+    for path, v in blocks.leaves(frame.get("probes") or {}, ("probes",)):
+        if blocks.finite(v):
+            yield path, v
+
+
+def rollup(frames: list[dict], level: int) -> dict[int, dict]:
+    """Per bucket of `level` s (its number: t // level): n, dt (summed), t0/t1 (first/last sample's t), and per
+    numeric field its sum, min and max — as a frame-like map {probes: {probe: {field: {sum, min, max}}}}."""
+    out: dict[int, dict] = {}
+    for f in frames:
+        b = int(f["t"] // level)
+        r = out.setdefault(b, {"t": b * level, "n": 0, "dt": 0.0, "t0": f["t"], "t1": f["t"], "probes": {}})
+        r["n"] += 1
+        r["dt"] += float(f.get("dt") or 0.0)
+        r["t0"], r["t1"] = min(r["t0"], f["t"]), max(r["t1"], f["t"])
+        for path, v in numeric(f):
+            node = r
+            for k in path[:-1]:
+                node = node.setdefault(k, {})
+            agg = node.get(path[-1])
+            if agg is None:
+                node[path[-1]] = {"sum": v, "min": v, "max": v}
+            else:
+                agg["sum"] += v
+                agg["min"] = min(agg["min"], v)
+                agg["max"] = max(agg["max"], v)
+    return out
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Two rollups of one bucket as one (a late sample's, and the one already stored)."""
+    out = {"t": a["t"], "n": a["n"] + b["n"], "dt": a["dt"] + b["dt"], "t0": min(a["t0"], b["t0"]),
+           "t1": max(a["t1"], b["t1"]), "probes": {}}
+
+    def walk(x: dict, y: dict, into: dict) -> None:
+        for k in set(x) | set(y):
+            u, v = x.get(k), y.get(k)
+            if isinstance(u, dict) and "sum" in u and (v is None or "sum" in v) or \
+                    isinstance(v, dict) and "sum" in v and u is None:
+                if u is None or v is None:
+                    into[k] = dict(u or v)
+                else:
+                    into[k] = {"sum": u["sum"] + v["sum"], "min": min(u["min"], v["min"]),
+                               "max": max(u["max"], v["max"])}
+            else:
+                walk(u or {}, v or {}, into.setdefault(k, {}))
+    walk(a.get("probes", {}), b.get("probes", {}), out["probes"])
+    return out
+
+
+def _merge_rollup(db: sqlite3.Connection, book: Paths, level: int, node: str, job: str, run: str, bucket: int,
+                  rec: dict) -> None:
+    row = db.execute("SELECT data FROM blocks WHERE level = ? AND node = ? AND job = ? AND run = ? AND seq0 = ?",
+                     (level, node, job, run, bucket)).fetchone()
+    if row is not None:
+        rec = _merge(blocks.decode(row[0], paths=book.path)[0], rec)
+    _put(db, level, node, job, run, bucket, bucket, rec["t0"], rec["t1"], rec["n"], blocks.encode([rec], book.id))
+
+
+def seen_in_blocks(db: sqlite3.Connection, book: Paths, node: str, job: str, run: str, seq: int) -> bool:
+    """Whether a sample of this key is in a level-1 block already (a resend after its minute was compacted)."""
+    key = (node, job, run)
+    row = db.execute("SELECT MAX(seq1) FROM (SELECT seq1 FROM blocks WHERE level = 1 AND node = ? AND job = ? AND "
+                     "run = ? ORDER BY seq0 DESC LIMIT 1)", key).fetchone()
+    if row[0] is None or row[0] < seq:        # past the run's newest block: new (the common case, one seek)
+        return False
+    return any(seq in blocks.column(data, book.ids.get(("seq",), -1)) for (data,) in db.execute(
+        "SELECT data FROM blocks WHERE level = 1 AND node = ? AND job = ? AND run = ? AND seq0 <= ? AND seq1 >= ?",
+        key + (seq, seq)))
+
+
+def forget_levels(db: sqlite3.Connection, now: float) -> int:
+    """Each level's blocks older than its retention go. How many."""
+    with db:
+        return sum(db.execute("DELETE FROM blocks WHERE level = ? AND t1 < ?", (level, now - keep)).rowcount
+                   for level, keep in LEVELS.items())
+
+
+def samples(db: sqlite3.Connection, book: Paths, job: str, node: str | None = None, since: float = -math.inf,
+            until: float = math.inf, only: list[tuple] | None = None) -> list[dict]:
+    """A job's samples (of one node, within [since, until] when given), raw and compacted, in time order; from
+    the store `book.schema` of the connection."""
+    sch = book.schema
+    q = f"SELECT body FROM {sch}.frames WHERE kind = 'sample' AND job = ? AND t >= ? AND t <= ?"
+    args: list[Any] = [job, since, until]
+    if node is not None:
+        q, args = q + " AND node = ?", args + [node]
+    out = [json.loads(b) for (b,) in db.execute(q, args)]
+    if not _has_blocks(db, sch):
+        return sorted(out, key=lambda f: (f["t"], f["node"]))
+    q = f"SELECT data FROM {sch}.blocks WHERE level = 1 AND job = ? AND t1 >= ? AND t0 <= ?"
+    args = [job, since, until]
+    if node is not None:
+        q, args = q + " AND node = ?", args + [node]
+    keep = None if only is None else [("node",), ("job",), ("run",), ("seq",), ("t",), ("dt",), ("kind",)] + only
+    for (data,) in db.execute(q, args):
+        out += [f for f in blocks.decode(data, keep, book.path) if since <= f["t"] <= until]
+    out.sort(key=lambda f: (f["t"], f["node"]))
+    return out
+
+
+def levels(db: sqlite3.Connection, book: Paths, job: str, level: int, node: str | None = None) -> list[dict]:
+    """A job's rollups at `level` (10 or 60), every node's: {node, run, t, t0, t1, n, dt, probes: {…: {sum, min,
+    max}}}, in time order."""
+    if not _has_blocks(db, book.schema):
+        return []
+    q = f"SELECT node, run, data FROM {book.schema}.blocks WHERE level = ? AND job = ?"
+    args: list[Any] = [level, job]
+    if node is not None:
+        q, args = q + " AND node = ?", args + [node]
+    out = []
+    for n, run, data in db.execute(q + " ORDER BY t0", args):
+        (rec,) = blocks.decode(data, paths=book.path)
+        out.append({"node": n, "run": run, **rec})
+    return out
+
+
+def _has_blocks(db: sqlite3.Connection, schema: str) -> bool:
+    return db.execute(f"SELECT 1 FROM {schema}.sqlite_master WHERE name = 'blocks'").fetchone() is not None

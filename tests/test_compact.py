@@ -1,0 +1,132 @@
+"""The store past its raw window (jobprobe/cluster/compact.py, jobprobe/cluster/blocks.py): column blocks give back
+the frames they took, exactly; rollups equal the raw samples aggregated by hand; exactly once holds across the
+compaction; each level goes at its own retention."""
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings, strategies as st
+
+from jobprobe.cluster import blocks, compact
+from jobprobe.cluster.store import Store
+from jobprobe.core.frame import FrameBuilder
+
+T0 = 1_790_000_000.0
+keys = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
+                    st.floats(allow_nan=False), st.text(max_size=8))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(keys, inner, max_size=4)), max_leaves=12)
+frame_like = st.dictionaries(keys, values, max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(frame_like, min_size=1, max_size=12))
+def test_a_block_gives_back_exactly_the_frames_it_took(frames):
+    """Any maps at all — ints past 64 bits, floats, None, bools, strings, ragged lists, empty maps, keys missing in
+    some frames — come back equal and of the same types, whole and with a codebook of paths."""
+    assert blocks.decode(blocks.encode(frames)) == frames
+    book: dict[tuple, int] = {}
+    rev: dict[int, tuple] = {}
+
+    def ids(p: tuple) -> int:
+        if p not in book:
+            book[p] = len(book)
+            rev[book[p]] = p
+        return book[p]
+    assert blocks.decode(blocks.encode(frames, ids), paths=rev.__getitem__) == frames
+    out = blocks.decode(blocks.encode(frames, ids), paths=rev.__getitem__)
+    for a, b in zip(out, frames):       # the same types, not only equal values (1 == 1.0 == True)
+        assert repr(a) == repr(b) or sorted(map(repr, a.items())) == sorted(map(repr, b.items()))
+
+
+def samples(node: str, job: str, n: int, start: float = T0, seq0: int = 0, run: str = "r1") -> list[dict]:
+    rnd = random.Random(hash((node, job, start)) & 0xffff)
+    b = FrameBuilder(node, job, run=run)
+    b.seq = seq0
+    out = []
+    for k in range(n):
+        out.append(b.sample(start + k, 1.0, {
+            "cgroup": {"cpu_user_ns": rnd.randrange(10 ** 8, 10 ** 9), "mem_bytes": 1 << 30},
+            "sched": {"runq_lat_p99_us": rnd.uniform(1, 500), "runq_lat_us_log2": [rnd.randrange(100) for _ in range(8)]},
+            "net": {"top_peers": [{"addr": "10.0.0.2", "tx_bytes": rnd.randrange(1000)}], "source": "skb"},
+            "gpu": {"util_pct": None}}, {"cgroup": "ok", "sched": "ok", "net": "ok", "gpu": "unavailable"}))
+    return out
+
+
+def test_compacted_samples_come_back_whole_and_once(tmp_path):
+    st_ = Store(tmp_path / "s.db")
+    raw = samples("a", "j", 150) + samples("b", "j", 150)
+    st_.add(raw)
+    before = st_.samples_of("j")
+    assert len(before) == 300
+    while st_.compact(T0 + 1500):
+        pass
+    assert st_.sql("SELECT COUNT(*) FROM frames WHERE kind = 'sample'")[1] == [(0,)]
+    assert st_.sql("SELECT COUNT(*) FROM blocks WHERE level = 1")[1][0][0] >= 6     # a minute a block
+    after = st_.samples_of("j")
+    assert after == before == sorted(raw, key=lambda f: (f["t"], f["node"]))
+    assert st_.count_samples("j") == 300
+    cols, rows = st_.field("j", "cgroup.cpu_user_ns", node="a")
+    assert [r[5] for r in rows] == [f["probes"]["cgroup"]["cpu_user_ns"] for f in raw[:150]]
+    # a resend of compacted samples stores nothing; a late one (its seq never came) is kept, and compacted too
+    assert st_.add(raw[:20] + raw[200:210]) == (0, 30)
+    late = samples("a", "j", 1, start=T0 + 400, seq0=10 ** 6)
+    assert st_.add(late) == (1, 0)
+    while st_.compact(T0 + 1500):
+        pass
+    assert len(st_.samples_of("j")) == 301 and st_.add(late) == (0, 1)
+    st_.close()
+    # a reader of the file sees the same
+    ro = Store(tmp_path / "s.db", readonly=True)
+    assert ro.samples_of("j", node="b") == raw[150:]
+    ro.close()
+
+
+def test_rollups_equal_the_raw_samples_aggregated_by_hand(tmp_path):
+    st_ = Store(tmp_path / "s.db")
+    raw = samples("a", "j", 185, start=T0 + 7)      # buckets cut mid-way, at both ends
+    late = samples("a", "j", 1, start=T0 + 33.5, seq0=5000)   # a late sample in a bucket compacted before it
+    st_.add(raw)
+    while st_.compact(T0 + 1500):
+        pass
+    st_.add(late)
+    while st_.compact(T0 + 1500):
+        pass
+    every = raw + late
+    for level in (10, 60):
+        got = {r["t"]: r for r in st_.rollups("j", level)}
+        by_hand: dict[float, list[dict]] = {}
+        for f in every:
+            by_hand.setdefault(math.floor(f["t"] / level) * level, []).append(f)
+        assert sorted(got) == sorted(by_hand)
+        for t, fs in by_hand.items():
+            r = got[t]
+            assert r["n"] == len(fs) and r["dt"] == sum(f["dt"] for f in fs)
+            assert (r["t0"], r["t1"]) == (min(f["t"] for f in fs), max(f["t"] for f in fs))
+            for probe, field in (("cgroup", "cpu_user_ns"), ("cgroup", "mem_bytes"), ("sched", "runq_lat_p99_us")):
+                vals = [f["probes"][probe][field] for f in fs]
+                agg = r["probes"][probe][field]
+                assert agg["min"] == min(vals) and agg["max"] == max(vals)
+                assert math.isclose(agg["sum"], sum(vals), rel_tol=1e-12)
+            assert "gpu" not in r["probes"] and "net" not in r["probes"]     # None and lists: not rolled up
+
+
+def test_each_level_goes_at_its_own_retention(tmp_path):
+    st_ = Store(tmp_path / "s.db")
+    raw = samples("a", "j", 120)
+    st_.add(raw)
+    while st_.compact(T0 + 800):
+        pass
+    count = {lv: st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)}
+    minutes, tens = len({f["t"] // 60 for f in raw}), len({f["t"] // 10 for f in raw})
+    assert count == {1: minutes, 10: tens, 60: minutes}
+    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[1] + 1)           # a day on: the 1 s level gone
+    assert [st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)] == \
+        [0, tens, minutes]
+    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[10] + 1)
+    assert [st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)] == \
+        [0, 0, minutes]
+    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[60] + 1)
+    assert st_.sql("SELECT COUNT(*) FROM blocks")[1] == [(0,)]
