@@ -7,7 +7,10 @@ directory and the bytes on disk divided by the samples:
 - sqlite-json: today's store (jobprobe/cluster/store.py: each frame a JSON body, its indexes);
 - sqlite-wide: one typed column per numeric field (lists flattened, field.0, field.1, …), the rest JSON;
 - sqlite-blocks: one row per node, job, run and minute; each field's values of that minute one column — integers
-  delta-encoded, floats as they are — zlib-compressed into a BLOB, the rest zlib'd msgpack;
+  delta-encoded, floats as they are — zlib-compressed into a BLOB, the rest zlib'd msgpack (column names in
+  every block);
+- store-compacted: the store itself past its raw window (jobprobe/cluster/compact.py: lossless column blocks a
+  minute long, paths in a codebook, floats byte-transposed), with its 10 s and 1 min rollups counted apart;
 - parquet-zstd, duckdb: the wide table in those formats, when pyarrow / duckdb are installed.
 MB per node-day = bytes per sample × 86 400 / 10⁶ (one sample a second).
 """
@@ -124,6 +127,24 @@ def sqlite_blocks(samples: list[dict], d: Path, seconds: int = 60) -> int:
     return size(d / "blocks.db")
 
 
+def store_compacted(samples: list[dict], d: Path) -> tuple[int, dict]:
+    """(bytes per sample of the store's level-1 blocks, {level: of its rollups}): the blocks table's pages (after a
+    VACUUM) shared out between the levels by their bytes, its indexes' with them. Left out: what a store holds once
+    whatever its size (the codebook of paths, empty tables' pages)."""
+    st = Store(d / "compact.db")
+    st.add(samples)
+    now = max(f["t"] for f in samples) + 7200
+    while st.compact(now, raw_s=0):
+        pass
+    st.db.execute("VACUUM")
+    pages = dict(st.db.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall())
+    levels = dict(st.db.execute("SELECT level, SUM(LENGTH(data)) FROM blocks GROUP BY level").fetchall())
+    st.close()
+    block_pages = sum(pages.get(t, 0) for t in ("blocks", "blocks_job", "blocks_t"))
+    share = {lv: round(block_pages * levels.get(lv, 0) / max(1, sum(levels.values()))) for lv in (1, 10, 60)}
+    return share[1], {lv: share[lv] for lv in (10, 60)}
+
+
 def parquet(samples: list[dict], d: Path) -> int | None:
     try:
         import pyarrow as pa
@@ -165,8 +186,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         for name, fn in (("sqlite-json", sqlite_json), ("sqlite-wide", sqlite_wide), ("sqlite-blocks", sqlite_blocks),
-                         ("parquet-zstd", parquet), ("duckdb", duck)):
+                         ("store-compacted", store_compacted), ("parquet-zstd", parquet), ("duckdb", duck)):
             n = fn(samples, d)
+            if isinstance(n, tuple):
+                n, ups = n
+                for lv, b in ups.items():
+                    keep = {10: 7, 60: 90}[lv]
+                    out[f"rollup_{lv}s"] = {"bytes_per_sample": round(b / len(samples), 1),
+                                            "mb_per_node_day": round(b / len(samples) * 86400 / 1e6, 2),
+                                            "kept_days": keep}
+                    print(f"  rollup {lv:>2} s  {b / len(samples):8.1f} B/sample  {b / len(samples) * 86400 / 1e6:7.2f} "
+                          f"MB/node-day (kept {keep} days: {b / len(samples) * 86400 / 1e6 * keep:.1f} MB per node)",
+                          flush=True)
             if n is not None:
                 out[name] = {"bytes_per_sample": round(n / len(samples), 1),
                              "mb_per_node_day": round(n / len(samples) * 86400 / 1e6, 1)}

@@ -1,16 +1,17 @@
 """The store past its raw window: samples compacted into column blocks, rolled up, kept per level.
 
 Samples arrive as whole frames (JSON bodies in `frames`, the raw window: the last `raw_s`, 10 minutes by default).
-Past it, the controller's sweep moves them, a minute of one (node, job, run) at a time, into `blocks` — level 1:
-the frames themselves, lossless (jobprobe/cluster/blocks.py; ~22 MB per node-day at 1 s, docs/PERFORMANCE.md) — and
-rolls them up into level 10 and level 60 blocks: per bucket of 10 s or 1 min, each numeric field's sum, min and max
-and the bucket's sample count and summed `dt` (a mean is sum/n, a rate sum/dt). Each level has its own retention
+Past it, the controller's sweep moves them, five minutes of one (node, job, run) at a time, into `blocks` — level 1:
+the frames themselves, lossless (jobprobe/cluster/blocks.py; docs/PERFORMANCE.md, "The store"). Once an hour of a
+run is all in level-1 blocks, it is rolled up into one level-10 and one level-60 block: per bucket of 10 s or 1 min,
+each numeric field's sum, min and max and the bucket's sample count and summed `dt` (a mean is sum/n, a rate
+sum/dt) — an hour a block, so that a rollup costs a few bytes per bucket. Each level has its own retention
 (LEVELS: 1 s kept a day, 10 s a week, 1 min 90 days). A path of a frame's leaves is stored once, in `paths`; blocks
 name it by number.
 
 Exactly once still holds past the raw window: a sample whose key is in a level-1 block already is a duplicate
-(Store.add asks `seen_in_blocks`), and a late sample of a minute already compacted becomes a block of its own (its
-rollup buckets are merged into the ones already there).
+(Store.add asks `seen_in_blocks`); a late sample of a span already compacted becomes a block of its own, and its
+hour's rollups are made again.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from typing import Any, Iterable
 
 from jobprobe.cluster import blocks
 
-BLOCK_S = 60                                # a level-1 block: one minute of one node's job
+BLOCK_S = 300                              # a level-1 block: five minutes of one node's job (a minute: 1.4× the bytes)
+HOUR = 3600.0                               # a rollup block: one hour of one node's job, at each level
 LEVELS = {1: 86400.0, 10: 7 * 86400.0, 60: 90 * 86400.0}    # level (its step, s) → how long it is kept
 RAW_S = 600.0                               # whole frames kept as JSON this long
-GROUPS_PER_STEP = 200                       # (node, job, run, minute)s compacted per call: a bounded pause
+GROUPS_PER_STEP = 100                       # (node, job, run, span)s compacted per call: a bounded pause
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS paths(id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE);
@@ -68,8 +70,9 @@ class Paths:
 
 
 def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
-    """Move up to GROUPS_PER_STEP minutes of samples older than `before` (their own time) out of `frames` into
+    """Move up to GROUPS_PER_STEP blocks' worth (BLOCK_S each) of samples older than `before` (their own time) out of `frames` into
     level-1 blocks and their rollups, in one transaction. How many samples were moved (0: nothing left)."""
+    before = math.floor(before / BLOCK_S) * BLOCK_S      # whole spans only: a block is never cut short
     groups = db.execute(
         "SELECT node, job, run, CAST(t / ? AS INTEGER) AS m FROM frames WHERE kind = 'sample' AND t < ? "
         "GROUP BY node, job, run, m LIMIT ?", (BLOCK_S, before, GROUPS_PER_STEP)).fetchall()
@@ -84,13 +87,33 @@ def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
             frames = [json.loads(b) for _, b in rows]
             _put(db, 1, node, job, run, frames[0]["seq"], frames[-1]["seq"], frames[0]["t"], frames[-1]["t"],
                  len(frames), blocks.encode(frames, book.id))
-            for level in (10, 60):
-                for bucket, rec in rollup(frames, level).items():
-                    _merge_rollup(db, book, level, node, job, run, bucket, rec)
+            db.execute("DELETE FROM blocks WHERE level IN (10, 60) AND node = ? AND job = ? AND run = ? AND "
+                       "seq0 = ?", (node, job, run, int(frames[0]["t"] // HOUR)))    # a late span: made again
             db.executemany("DELETE FROM frames WHERE node = ? AND job = ? AND run = ? AND seq = ?",
                            [(node, job, run, s) for s, _ in rows])
             moved += len(rows)
     return moved
+
+
+def rollup_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
+    """Roll up to GROUPS_PER_STEP hours of runs whose level-1 blocks are complete (the hour ended before `before`)
+    and not rolled up yet: one level-10 and one level-60 block each (seq0: the hour's number). How many."""
+    hours = db.execute(
+        "SELECT node, job, run, CAST(t0 / ? AS INTEGER) AS h FROM blocks WHERE level = 1 AND t1 < ? "
+        "GROUP BY node, job, run, h EXCEPT SELECT node, job, run, seq0 FROM blocks WHERE level = 10 LIMIT ?",
+        (HOUR, math.floor(before / HOUR) * HOUR, GROUPS_PER_STEP)).fetchall()
+    with db:
+        for node, job, run, h in hours:
+            frames = []
+            for (data,) in db.execute("SELECT data FROM blocks WHERE level = 1 AND node = ? AND job = ? AND run = ? "
+                                      "AND t0 >= ? AND t0 < ?", (node, job, run, h * HOUR, (h + 1) * HOUR)):
+                frames += blocks.decode(data, [("t",), ("dt",), ("probes",)], book.path)
+            frames.sort(key=lambda f: f["t"])
+            for level in (10, 60):
+                recs = [r for _, r in sorted(rollup(frames, level).items())]
+                _put(db, level, node, job, run, h, h, recs[0]["t0"], recs[-1]["t1"], len(recs),
+                     blocks.encode(recs, book.id))
+    return len(hours)
 
 
 def _put(db: sqlite3.Connection, level: int, node: str, job: str, run: str, seq0: int, seq1: int, t0: float,
@@ -130,38 +153,8 @@ def rollup(frames: list[dict], level: int) -> dict[int, dict]:
     return out
 
 
-def _merge(a: dict, b: dict) -> dict:
-    """Two rollups of one bucket as one (a late sample's, and the one already stored)."""
-    out = {"t": a["t"], "n": a["n"] + b["n"], "dt": a["dt"] + b["dt"], "t0": min(a["t0"], b["t0"]),
-           "t1": max(a["t1"], b["t1"]), "probes": {}}
-
-    def walk(x: dict, y: dict, into: dict) -> None:
-        for k in set(x) | set(y):
-            u, v = x.get(k), y.get(k)
-            if isinstance(u, dict) and "sum" in u and (v is None or "sum" in v) or \
-                    isinstance(v, dict) and "sum" in v and u is None:
-                if u is None or v is None:
-                    into[k] = dict(u or v)
-                else:
-                    into[k] = {"sum": u["sum"] + v["sum"], "min": min(u["min"], v["min"]),
-                               "max": max(u["max"], v["max"])}
-            else:
-                walk(u or {}, v or {}, into.setdefault(k, {}))
-    walk(a.get("probes", {}), b.get("probes", {}), out["probes"])
-    return out
-
-
-def _merge_rollup(db: sqlite3.Connection, book: Paths, level: int, node: str, job: str, run: str, bucket: int,
-                  rec: dict) -> None:
-    row = db.execute("SELECT data FROM blocks WHERE level = ? AND node = ? AND job = ? AND run = ? AND seq0 = ?",
-                     (level, node, job, run, bucket)).fetchone()
-    if row is not None:
-        rec = _merge(blocks.decode(row[0], paths=book.path)[0], rec)
-    _put(db, level, node, job, run, bucket, bucket, rec["t0"], rec["t1"], rec["n"], blocks.encode([rec], book.id))
-
-
 def seen_in_blocks(db: sqlite3.Connection, book: Paths, node: str, job: str, run: str, seq: int) -> bool:
-    """Whether a sample of this key is in a level-1 block already (a resend after its minute was compacted)."""
+    """Whether a sample of this key is in a level-1 block already (a resend after its span was compacted)."""
     key = (node, job, run)
     row = db.execute("SELECT MAX(seq1) FROM (SELECT seq1 FROM blocks WHERE level = 1 AND node = ? AND job = ? AND "
                      "run = ? ORDER BY seq0 DESC LIMIT 1)", key).fetchone()
@@ -213,8 +206,7 @@ def levels(db: sqlite3.Connection, book: Paths, job: str, level: int, node: str 
         q, args = q + " AND node = ?", args + [node]
     out = []
     for n, run, data in db.execute(q + " ORDER BY t0", args):
-        (rec,) = blocks.decode(data, paths=book.path)
-        out.append({"node": n, "run": run, **rec})
+        out += [{"node": n, "run": run, **rec} for rec in blocks.decode(data, paths=book.path)]
     return out
 
 

@@ -146,9 +146,12 @@ class Store:
         return 0 if row[0] is None else row[0] + 1
 
     def compact(self, now: float, raw_s: float = compact.RAW_S) -> int:
-        """One step of moving samples past the raw window into blocks and rollups (compact.compact_step): how many
-        samples moved (0: none left). Then each level's retention."""
+        """One step of moving samples past the raw window into blocks (compact.compact_step), else of rolling up
+        the hours complete (compact.rollup_step): how much was done (0: nothing left). Then each level's
+        retention."""
         moved = compact.compact_step(self.db, self.books[0], now - raw_s)
+        if not moved:
+            moved = compact.rollup_step(self.db, self.books[0], now - raw_s)
         if not moved:
             compact.forget_levels(self.db, now)
         return moved
