@@ -132,3 +132,41 @@ def test_each_level_goes_at_its_own_retention(tmp_path):
         [0, 0, hours]
     compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[60] + 1)
     assert st_.sql("SELECT COUNT(*) FROM blocks")[1] == [(0,)]
+
+
+def test_a_field_over_a_window_and_the_hottest_nodes_read_raw_and_compacted_alike(tmp_path):
+    """field() and top() over a window: the same rows whether the samples are raw or in blocks, and equal to the
+    samples filtered and summed by hand; and through `jobprobe query --top`."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    st_ = Store(tmp_path / "s.db")
+    raw = [f for n in ("a", "b", "c") for f in samples(n, f"j{n}", 700)]
+    st_.add(raw)
+    lo, hi = T0 + 100, T0 + 650
+
+    def by_hand_top() -> list[tuple]:
+        per: dict[str, list] = {}
+        for f in raw:
+            if lo <= f["t"] <= hi:
+                v = f["probes"]["cgroup"]["cpu_user_ns"]
+                a = per.setdefault(f["node"], [0, v, 0])
+                a[0], a[1], a[2] = a[0] + v, max(a[1], v), a[2] + 1
+        return sorted(((k, *v) for k, v in per.items()), key=lambda r: -r[1])
+    want_field = [(f["node"], "r1", f["seq"], f["t"], f["dt"], f["probes"]["cgroup"]["cpu_user_ns"]) for f in raw
+                  if f["job"] == "jb" and lo <= f["t"] <= hi]
+    raw_field, raw_top = st_.field("jb", "cgroup.cpu_user_ns", since=lo, until=hi)[1], st_.top("cgroup.cpu_user_ns",
+                                                                                               lo, hi)[1]
+    while st_.compact(T0 + 5000):
+        pass
+    assert st_.sql("SELECT COUNT(*) FROM frames WHERE kind = 'sample'")[1] == [(0,)]
+    assert st_.field("jb", "cgroup.cpu_user_ns", since=lo, until=hi)[1] == raw_field == want_field
+    assert st_.top("cgroup.cpu_user_ns", lo, hi)[1] == raw_top == by_hand_top()
+    st_.close()
+    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "query", "--store", str(tmp_path / "s.db"), "--top",
+                        "cgroup.cpu_user_ns", "--last", str(10 ** 10), "--format", "csv"],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert [ln.split(",")[0] for ln in r.stdout.split()[1:]] == [row[0] for row in sorted(
+        ((n, sum(f["probes"]["cgroup"]["cpu_user_ns"] for f in raw if f["node"] == n)) for n in "abc"),
+        key=lambda x: -x[1])]

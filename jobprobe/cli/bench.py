@@ -40,6 +40,16 @@ def cmd_bench(args) -> int:
             Path(args.json).write_text(json.dumps(res, indent=1))
         print(agent_bench.markdown(res))
         return 0
+    if args.bench == "store":
+        from pathlib import Path
+        from jobprobe.bench import storebench
+        if args.nodes < 8 or args.hours < 1:
+            raise BadInput("bench store: at least 8 nodes (one job) and 1 hour")
+        res = storebench.bench_store(args.nodes, args.hours, args.workdir, progress=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        print(storebench.markdown(res))
+        return 0
     if args.bench == "controller":
         from pathlib import Path
         from jobprobe.bench import controller, failover

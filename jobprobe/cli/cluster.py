@@ -188,12 +188,16 @@ def cmd_query(args) -> int:
         print(json.dumps(s, indent=1) if args.format == "jsonl" else cost.text(s))
         return 0
     try:
+        import time
+        since = time.time() - args.last if args.last else float("-inf")
         if args.sql:
             cols, rows = store.sql(args.sql)
+        elif args.top:
+            cols, rows = store.top(args.top, time.time() - (args.last or 3600.0))
         else:
             if not args.field:
                 raise BadInput("--job needs --field PROBE.FIELD (e.g. cgroup.cpu_user_ns)")
-            cols, rows = store.field(args.job, args.field, args.node)
+            cols, rows = store.field(args.job, args.field, args.node, since)
     except (sqlite3.Error, ValueError) as err:
         raise BadInput(f"query: {err}") from None
     if args.format == "jsonl":

@@ -140,16 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     co.set_defaults(func=cluster.cmd_controller)
 
     qu = sub.add_parser("query", help="read the controller's store: SQL, or one field of a job over time",
-                        usage="jobprobe query --store PATH (--sql QUERY | --job ID --field PROBE.FIELD [--node N]) "
-                              "[--format table|jsonl|csv]")
+                        usage="jobprobe query --store PATH (--sql QUERY | --job ID --field PROBE.FIELD [--node N] | "
+                              "--top PROBE.FIELD) [--last S] [--format table|jsonl|csv]")
     qu.add_argument("--store", metavar="PATH", action="append", help="the controller's store (default "
                     "/var/lib/jobprobe/controller/store.db); again, or a directory, for several partitions' stores "
                     "read as one")
     qg = qu.add_mutually_exclusive_group(required=True)
     qg.add_argument("--sql", metavar="QUERY")
     qg.add_argument("--job", metavar="ID")
+    qg.add_argument("--top", metavar="PROBE.FIELD", help="the nodes with the most of a field over --last (every "
+                    "job's samples): the cluster's hottest nodes")
     qu.add_argument("--field", metavar="PROBE.FIELD")
     qu.add_argument("--node", metavar="N")
+    qu.add_argument("--last", type=float, metavar="S", help="--field, --top: only the last S seconds (--top: "
+                    "default 3600)")
     qu.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
     qu.add_argument("--summary", action="store_true", help="with --job: the job's cost block (node-hours, GPU-hours, "
                     "energy, waste; money with --prices)")
@@ -259,6 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--partitions", type=int, default=1, metavar="N", help="N > 1: N partitions by job, two "
                     "controllers each, the nodes in jobs of 8–512, one active controller SIGKILLed mid-run")
     bc.add_argument("--json", metavar="FILE")
+
+    bst = bsub.add_parser("store", help="the store's queries over a simulated day of a cluster, generated straight "
+                          "into its format: a job's field over an hour, the hottest node over an hour")
+    bst.add_argument("--nodes", type=int, default=200)
+    bst.add_argument("--hours", type=float, default=24.0)
+    bst.add_argument("--workdir", metavar="DIR", help="keep the store there (default: a scratch directory, removed)")
+    bst.add_argument("--json", metavar="FILE")
 
     acc = bsub.add_parser("accuracy", help="each figure summed over a job's frames beside the workload's own count "
                           "(dd's bytes, getrusage, its calls), N runs per case beside a neighbour load "

@@ -158,11 +158,17 @@ def decode(block: bytes, only: Iterable[tuple] | None = None, paths: Any = None)
 def column(block: bytes, key: Any) -> list:
     """One leaf's n values (None where missing or None) — the fast path of a field over time. `key`: its path
     (a list), or its number in the codebook the block was encoded with."""
+    return columns(block, [key])[0]
+
+
+def columns(block: bytes, keys: list) -> list[list]:
+    """Several leaves' values (column() of each), the block read once."""
     n, cols = msgpack.unpackb(block, raw=False, use_list=True)
+    found = {}
     for p, kind, data in cols:
-        if p == key:
-            return _values(kind, data, n)[0]
-    return [None] * n
+        if p in keys:
+            found[p if not isinstance(p, list) else tuple(p)] = _values(kind, data, n)[0]
+    return [found.get(k if not isinstance(k, list) else tuple(k), [None] * n) for k in keys]
 
 
 def finite(v: Any) -> bool:

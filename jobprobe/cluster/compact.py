@@ -210,5 +210,57 @@ def levels(db: sqlite3.Connection, book: Paths, job: str, level: int, node: str 
     return out
 
 
+def column_over(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until: float,
+                job: str | None = None, node: str | None = None) -> list[tuple]:
+    """One leaf of the samples within [since, until] (of a job, of a node, when given), raw and compacted:
+    (node, job, run, seq, t, dt, value) rows, inflating only the columns it reads from each block."""
+    sch = book.schema
+    where, args = "kind = 'sample' AND t >= ? AND t <= ?", [since, until]
+    for col, v in (("job", job), ("node", node)):
+        if v is not None:
+            where, args = where + f" AND {col} = ?", args + [v]
+    out = list(db.execute(f"SELECT node, job, run, seq, t, dt, json_extract(body, ?) FROM {sch}.frames "
+                          f"WHERE {where}", ["$." + ".".join(path)] + args))
+    if not _has_blocks(db, sch):
+        return out
+    where = "level = 1 AND t1 >= ? AND t0 <= ?" + (" AND job = ?" if job is not None else "") + \
+        (" AND node = ?" if node is not None else "")
+    ids = [book.ids.get(p, -1) for p in (("seq",), ("t",), ("dt",), path)]
+    for n, j, run, data in db.execute(f"SELECT node, job, run, data FROM {sch}.blocks WHERE {where}",
+                                      [v for v in (since, until, job, node) if v is not None]):
+        seqs, ts, dts, vals = blocks.columns(data, ids)
+        out += [(n, j, run, q, t, dt, v) for q, t, dt, v in zip(seqs, ts, dts, vals) if since <= t <= until]
+    return out
+
+
+def totals(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until: float) -> dict[str, list]:
+    """Per node, over every job's samples within [since, until], raw and compacted: [sum, max, samples] of one
+    numeric leaf — a block wholly inside the window summed at once, without a row per sample."""
+    out: dict[str, list] = {}
+
+    def add(node: str, vals: list) -> None:
+        vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if vals:
+            a = out.setdefault(node, [0, vals[0], 0])
+            a[0] += sum(vals)
+            a[1] = max(a[1], max(vals))
+            a[2] += len(vals)
+    sch = book.schema
+    for node, v in db.execute(f"SELECT node, json_extract(body, ?) FROM {sch}.frames WHERE kind = 'sample' AND "
+                              "t >= ? AND t <= ?", ("$." + ".".join(path), since, until)):
+        add(node, [v])
+    if not _has_blocks(db, sch):
+        return out
+    vid, tid = book.ids.get(path, -1), book.ids.get(("t",), -1)
+    for node, t0, t1, data in db.execute(f"SELECT node, t0, t1, data FROM {sch}.blocks WHERE level = 1 AND "
+                                         "t1 >= ? AND t0 <= ?", (since, until)):
+        if since <= t0 and t1 <= until:
+            add(node, blocks.column(data, vid))
+        else:
+            ts, vals = blocks.columns(data, [tid, vid])
+            add(node, [v for t, v in zip(ts, vals) if since <= t <= until])
+    return out
+
+
 def _has_blocks(db: sqlite3.Connection, schema: str) -> bool:
     return db.execute(f"SELECT 1 FROM {schema}.sqlite_master WHERE name = 'blocks'").fetchone() is not None

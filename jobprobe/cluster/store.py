@@ -167,18 +167,27 @@ class Store:
         cols = [d[0] for d in cur.description or ()]
         return cols, cur.fetchall()
 
-    def field(self, job: str, field: str, node: str | None = None) -> tuple[list[str], list[tuple]]:
-        """One probe field of a job's samples over time: `cgroup.cpu_user_ns` is probes.cgroup.cpu_user_ns."""
-        if not all(part.replace("_", "").replace("-", "").isalnum() for part in field.split(".")):
-            raise ValueError(f"not a field name: {field!r} (probe.field, e.g. cgroup.cpu_user_ns)")
-        path = ("probes", *field.split("."))
-        rows = []
-        for f in self.samples_of(job, node, only=[path]):
-            v = f
-            for k in path:
-                v = v.get(k) if isinstance(v, dict) else None
-            rows.append((f["node"], f.get("run", ""), f["seq"], f["t"], f["dt"], v))
+    def field(self, job: str, field: str, node: str | None = None, since: float = -math.inf,
+              until: float = math.inf) -> tuple[list[str], list[tuple]]:
+        """One probe field of a job's samples over time, raw and compacted: `cgroup.cpu_user_ns` is
+        probes.cgroup.cpu_user_ns."""
+        path = _field_path(field)
+        rows = [(n, run, seq, t, dt, v) for book in self.books
+                for n, _, run, seq, t, dt, v in compact.column_over(self.db, book, path, since, until, job, node)]
+        rows.sort(key=lambda r: (r[3], r[0]))
         return ["node", "run", "seq", "t", "dt", "value"], rows
+
+    def top(self, field: str, since: float, until: float = math.inf, n: int = 10) -> tuple[list[str], list[tuple]]:
+        """The nodes with the most of a field over [since, until], every job's samples: (node, sum, max, samples)
+        — the cluster's hottest nodes by CPU, memory, I/O…"""
+        path = _field_path(field)
+        per: dict[str, list] = {}
+        for book in self.books:
+            for node, (total, peak, k) in compact.totals(self.db, book, path, since, until).items():
+                a = per.setdefault(node, [0, peak, 0])
+                a[0], a[1], a[2] = a[0] + total, max(a[1], peak), a[2] + k
+        rows = sorted(((k, *v) for k, v in per.items()), key=lambda r: -r[1])[:n]
+        return ["node", "sum", "max", "samples"], rows
 
     def samples_of(self, job: str, node: str | None = None, since: float = -math.inf, until: float = math.inf,
                    only: list[tuple] | None = None) -> list[dict]:
@@ -201,6 +210,12 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+def _field_path(field: str) -> tuple:
+    if not all(part.replace("_", "").replace("-", "").isalnum() for part in field.split(".")):
+        raise ValueError(f"not a field name: {field!r} (probe.field, e.g. cgroup.cpu_user_ns)")
+    return ("probes", *field.split("."))
 
 
 def _union(files: list[str]) -> sqlite3.Connection:
