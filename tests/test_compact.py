@@ -170,3 +170,35 @@ def test_a_field_over_a_window_and_the_hottest_nodes_read_raw_and_compacted_alik
     assert [ln.split(",")[0] for ln in r.stdout.split()[1:]] == [row[0] for row in sorted(
         ((n, sum(f["probes"]["cgroup"]["cpu_user_ns"] for f in raw if f["node"] == n)) for n in "abc"),
         key=lambda x: -x[1])]
+
+
+def test_the_sql_face_sees_compacted_samples_of_the_window_asked(tmp_path):
+    """`jobprobe query --sql … --last S`: `samples` and `frames` hold the compacted samples of the window too, once
+    each, bodies equal to the frames; without --last, the raw window's only."""
+    import json
+    st_ = Store(tmp_path / "s.db")
+    raw = samples("a", "j", 900) + samples("b", "j", 900)
+    st_.add(raw)
+    while st_.compact(T0 + 900 + 600 - 300):      # the last 300 s stay raw
+        pass
+    st_.close()
+    ro = Store(tmp_path / "s.db", readonly=True)
+    left = ro.sql("SELECT COUNT(*) FROM samples")[1][0][0]
+    assert 0 < left < 1800
+    assert ro.expand(T0 + 100) == sum(1 for f in raw if f["t"] >= T0 + 100) - left
+    got = ro.sql("SELECT body FROM samples WHERE t >= ? ORDER BY t, node", (T0 + 100,))[1]
+    assert [json.loads(b) for (b,) in got] == sorted((f for f in raw if f["t"] >= T0 + 100),
+                                                      key=lambda f: (f["t"], f["node"]))
+    assert ro.sql("SELECT COUNT(*), COUNT(DISTINCT node || '/' || seq) FROM frames WHERE kind = 'sample'")[1] == \
+        [(len(got), len(got))]
+    ro.close()
+
+
+def test_the_store_bench_generates_a_store_its_queries_read_whole(tmp_path):
+    """`jobprobe bench store`, small: the generated store answers its two queries with every sample of the hour
+    (the bench asserts the counts), and the hottest node is one of its nodes."""
+    from jobprobe.bench import storebench
+    res = storebench.bench_store(nodes=16, hours=2, workdir=str(tmp_path))
+    assert res["samples"] == 16 * 2 * 3600 and res["job_field_hour_8_nodes"]["rows"] == 8 * 3600
+    assert res["hottest_node_hour"]["node"].startswith("sim")
+    assert "hottest node" in storebench.markdown(res)

@@ -191,6 +191,8 @@ def cmd_query(args) -> int:
         import time
         since = time.time() - args.last if args.last else float("-inf")
         if args.sql:
+            if args.last:           # compacted samples of that window in the SQL face too
+                store.expand(since)
             cols, rows = store.sql(args.sql)
         elif args.top:
             cols, rows = store.top(args.top, time.time() - (args.last or 3600.0))

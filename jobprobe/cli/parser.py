@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     qu.add_argument("--field", metavar="PROBE.FIELD")
     qu.add_argument("--node", metavar="N")
     qu.add_argument("--last", type=float, metavar="S", help="--field, --top: only the last S seconds (--top: "
-                    "default 3600)")
+                    "default 3600); --sql: `samples` and `frames` hold the samples of the last S seconds past the raw "
+                    "window too (without it: the raw window's)")
     qu.add_argument("--format", choices=["table", "jsonl", "csv"], default="table")
     qu.add_argument("--summary", action="store_true", help="with --job: the job's cost block (node-hours, GPU-hours, "
                     "energy, waste; money with --prices)")

@@ -173,15 +173,15 @@ def forget_levels(db: sqlite3.Connection, now: float) -> int:
 
 
 def samples(db: sqlite3.Connection, book: Paths, job: str, node: str | None = None, since: float = -math.inf,
-            until: float = math.inf, only: list[tuple] | None = None) -> list[dict]:
-    """A job's samples (of one node, within [since, until] when given), raw and compacted, in time order; from
-    the store `book.schema` of the connection."""
+            until: float = math.inf, only: list[tuple] | None = None, raw: bool = True) -> list[dict]:
+    """A job's samples (of one node, within [since, until] when given), raw (unless not `raw`) and compacted, in
+    time order; from the store `book.schema` of the connection."""
     sch = book.schema
     q = f"SELECT body FROM {sch}.frames WHERE kind = 'sample' AND job = ? AND t >= ? AND t <= ?"
     args: list[Any] = [job, since, until]
     if node is not None:
         q, args = q + " AND node = ?", args + [node]
-    out = [json.loads(b) for (b,) in db.execute(q, args)]
+    out = [json.loads(b) for (b,) in db.execute(q, args)] if raw else []
     if not _has_blocks(db, sch):
         return sorted(out, key=lambda f: (f["t"], f["node"]))
     q = f"SELECT data FROM {sch}.blocks WHERE level = 1 AND job = ? AND t1 >= ? AND t0 <= ?"

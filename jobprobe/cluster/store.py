@@ -208,6 +208,34 @@ class Store:
         return sorted((r for book in self.books for r in compact.levels(self.db, book, job, level, node)),
                       key=lambda r: (r["t"], r["node"]))
 
+    def expand(self, since: float, until: float = math.inf, job: str | None = None) -> int:
+        """A reader's SQL face over compacted samples too: the samples of [since, until] (of one job) decoded from
+        their blocks into a TEMP table, and `frames`, `samples`, `events` (TEMP views of the same names) over the
+        raw ones and those. How many samples it decoded."""
+        self.db.execute("CREATE TEMP TABLE IF NOT EXISTS compacted(node TEXT, job TEXT, run TEXT, seq INTEGER, "
+                        "kind TEXT, t REAL, dt REAL, received REAL, body TEXT)")
+        n = 0
+        for book in self.books:
+            if not compact._has_blocks(self.db, book.schema):
+                continue
+            q = f"SELECT DISTINCT job FROM {book.schema}.blocks WHERE level = 1 AND t1 >= ? AND t0 <= ?"
+            for j in ([job] if job is not None else [r[0] for r in self.db.execute(q, (since, until))]):
+                rows = [(f["node"], f["job"], f.get("run", ""), f["seq"], "sample", f["t"], f["dt"], None,
+                         json.dumps(f, separators=(",", ":"), default=str))
+                        for f in compact.samples(self.db, book, j, since=since, until=until, raw=False)]
+                self.db.executemany("INSERT INTO temp.compacted VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+                n += len(rows)
+        raw = " UNION ALL ".join(f"SELECT * FROM {b.schema}.frames" for b in self.books)
+        self.db.executescript(f"""
+            DROP VIEW IF EXISTS temp.frames; DROP VIEW IF EXISTS temp.samples; DROP VIEW IF EXISTS temp.events;
+            CREATE TEMP VIEW frames AS {raw} UNION ALL SELECT * FROM temp.compacted;
+            CREATE TEMP VIEW samples AS
+                SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
+            CREATE TEMP VIEW events AS
+                SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
+                WHERE kind = 'event';""")
+        return n
+
     def close(self) -> None:
         self.db.close()
 
