@@ -13,6 +13,11 @@ directory and the bytes on disk divided by the samples:
   minute long, paths in a codebook, floats byte-transposed), with its 10 s and 1 min rollups counted apart;
 - parquet-zstd, duckdb: the wide table in those formats, when pyarrow / duckdb are installed.
 MB per node-day = bytes per sample × 86 400 / 10⁶ (one sample a second).
+
+`--gpus N` adds to each sample the gpu probe's section of N GPUs of a training node (this machine has none):
+every field of probes/gpu.py's `gpus[]`, values moving as a busy H100's do — utilization, power, energy, PCIe and
+NVLink rates and the job's floats changing every second, clocks mostly steady, temperatures drifting, errors 0 —
+synthetic, so its figure is an estimate, labelled as such.
 """
 from __future__ import annotations
 
@@ -173,16 +178,56 @@ def duck(samples: list[dict], d: Path) -> int | None:
     return size(d / "s.duckdb")
 
 
+def with_gpus(samples: list[dict], n: int) -> list[dict]:
+    """The samples with a synthetic gpu section of n GPUs (see the module's docstring)."""
+    import random
+    rnd = random.Random(11)
+    temp = [65.0] * n
+    out = []
+    for f in samples:
+        gpus = []
+        for i in range(n):
+            temp[i] = min(85.0, max(45.0, temp[i] + rnd.uniform(-0.4, 0.4)))
+            util = min(100, max(0, int(rnd.gauss(93, 5))))
+            power = int(rnd.gauss(550_000, 60_000))
+            gpus.append({
+                "index": i, "uuid": f"GPU-6f3c2a8e-1b4d-4c5e-9f0a-{i:012d}", "name": "NVIDIA H100 80GB HBM3",
+                "rule": "process", "lost": False, "shared": False, "job_procs": 1, "other_procs": 0,
+                "job_mem_bytes": 71_000_000_000 + rnd.choice((0, 0, 0, 2 << 20)),
+                "procs": [{"pid": 41000 + i, "mem_bytes": 71_000_000_000}], "sharing": "exclusive",
+                "job_mem_share": 71_000_000_000 / 85_520_809_984, "job_sm_pct": util * rnd.uniform(0.97, 1.0),
+                "job_mem_util_pct": rnd.uniform(30, 50), "job_enc_pct": 0.0, "job_dec_pct": 0.0,
+                "others_sm_pct": 0.0, "util_samples": rnd.choice((5, 6)), "util_source": "ProcessesUtilizationInfo",
+                "job_energy_mj": power * rnd.uniform(0.98, 1.02), "energy_split": "exclusive", "accounting": False,
+                "exited": [], "util_gpu_pct": util, "util_mem_pct": int(rnd.gauss(40, 8)),
+                "mem_used_bytes": 71_500_000_000 + rnd.choice((0, 0, 0, 2 << 20)), "mem_total_bytes": 85_520_809_984,
+                "sm_clock_mhz": 1980 if rnd.random() < 0.9 else 1755, "mem_clock_mhz": 2619, "power_mw": power,
+                "energy_mj": int(power * rnd.uniform(0.98, 1.02)), "temp_c": int(temp[i]),
+                "pcie_tx_bytes_per_s": int(rnd.uniform(1e8, 5e9)), "pcie_rx_bytes_per_s": int(rnd.uniform(1e8, 5e9)),
+                "nvlink_tx_bytes": int(rnd.gauss(9e10, 1e10)), "nvlink_rx_bytes": int(rnd.gauss(9e10, 1e10)),
+                "clock_event_reasons": 0, "clock_event_names": [], "ecc_corrected": 0, "ecc_uncorrected": 0,
+                "remapped_rows_corrected": 0, "remapped_rows_uncorrected": 0, "remap_pending": False,
+                "remap_failure": False, "xid_errors": 0, "gpm_sm_active_pct": rnd.uniform(80, 99),
+                "gpm_sm_occupancy_pct": rnd.uniform(40, 60), "gpm_tensor_active_pct": rnd.uniform(50, 80),
+                "gpm_dram_bw_pct": rnd.uniform(30, 60), "ofu_pct": rnd.uniform(50, 80), "mig": []})
+        probes = {**f["probes"], "gpu": {"gpus": gpus, "ngpus": n, "node_gpus": n}}
+        out.append({**f, "probes": probes, "status": {**f.get("status", {}), "gpu": "ok"}})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+")
     ap.add_argument("--json", metavar="OUT")
+    ap.add_argument("--gpus", type=int, default=0, metavar="N", help="add a synthetic gpu section of N GPUs")
     args = ap.parse_args()
     samples = [f for f in frames_of_files(args.files) if f.get("kind") == "sample"]
+    if args.gpus:
+        samples = with_gpus(samples, args.gpus)
     if not samples:
         print("no sample frames in the files", file=sys.stderr)
         return 2
-    out = {"samples": len(samples), "fields": len(wide_rows(samples[:1])[0]) - 7}
+    out = {"samples": len(samples), "fields": len(wide_rows(samples[:1])[0]) - 7, "synthetic_gpus": args.gpus}
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         for name, fn in (("sqlite-json", sqlite_json), ("sqlite-wide", sqlite_wide), ("sqlite-blocks", sqlite_blocks),

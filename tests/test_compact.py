@@ -111,7 +111,11 @@ def test_rollups_equal_the_raw_samples_aggregated_by_hand(tmp_path):
                 agg = r["probes"][probe][field]
                 assert agg["min"] == min(vals) and agg["max"] == max(vals)
                 assert math.isclose(agg["sum"], sum(vals), rel_tol=1e-12)
-            assert "gpu" not in r["probes"] and "net" not in r["probes"]     # None and lists: not rolled up
+            assert "gpu" not in r["probes"] and set(r["probes"]["net"]) == {"top_peers"}   # None, strings: not
+            peer = [f["probes"]["net"]["top_peers"][0]["tx_bytes"] for f in fs]    # a list of maps: by index
+            assert r["probes"]["net"]["top_peers"][0]["tx_bytes"] == \
+                {"sum": sum(peer), "min": min(peer), "max": max(peer)}
+            assert "runq_lat_us_log2" not in r["probes"]["sched"]                   # lists of numbers: not
 
 
 def test_each_level_goes_at_its_own_retention(tmp_path):

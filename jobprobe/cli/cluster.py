@@ -49,6 +49,8 @@ def cmd_controller(args) -> int:
                 print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
                                                           else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
         return 0
+    if not (args.raw_minutes >= 0 and args.stream_hours > 0):
+        raise BadInput("--raw-minutes: 0 or more; --stream-hours: more than 0")
     if args.prices:
         from jobprobe.cluster.cost import load as load_prices
         load_prices(args.prices)         # a bad price file: one line, before anything starts
@@ -65,7 +67,7 @@ def cmd_controller(args) -> int:
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition,
-                     raw_s=args.raw_minutes * 60)
+                     raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600)
     server = None
     if args.metrics:
         from jobprobe.cluster.metrics import serve_metrics

@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="its nats-server's data and the default store (default /var/lib/jobprobe/controller)")
     co.add_argument("--store", metavar="PATH", help="the store (default DATA/store.db)")
     co.add_argument("--retention-days", type=float, default=7.0, metavar="D", help="frames older go (default 7)")
+    co.add_argument("--stream-hours", type=float, default=168.0, metavar="H", help="how long the stream keeps "
+                    "frames no controller took (its max_age; default 168: a week)")
     co.add_argument("--raw-minutes", type=float, default=10.0, metavar="M", help="samples kept whole as JSON this "
                     "long, then compacted into column blocks and 10 s / 1 min rollups (default 10)")
     co.add_argument("--creds", metavar="FILE", help="the controller's NATS credentials (as the agent's --nats-creds; "

@@ -37,12 +37,25 @@ def _inflate(data: bytes) -> bytes:
     return zlib.decompress(data, -15)
 
 
+LEN = -1        # a path's last element for a list of maps' length (its elements' paths go on with their index)
+
+
+def _map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(x, str) for x in v)
+
+
 def leaves(obj: dict, path: tuple = ()) -> Iterable[tuple[tuple, Any]]:
-    """(path, value) of every leaf of a map: a non-empty map is walked into, anything else is a leaf."""
+    """(path, value) of every leaf of a map: a non-empty map is walked into, and a non-empty list of maps too —
+    its length at path + (LEN,), each element's leaves under path + (index,) (one GPU's fields, one peer's, a
+    column each); anything else is a leaf. Map keys are strings, so a number in a path is a list's."""
     for k, v in obj.items():
         p = path + (k,)
-        if isinstance(v, dict) and v and all(isinstance(x, str) for x in v):
+        if v and _map(v):
             yield from leaves(v, p)
+        elif isinstance(v, list) and v and all(_map(e) for e in v):
+            yield p + (LEN,), len(v)
+            for i, e in enumerate(v):
+                yield from leaves(e, p + (i,))
         else:
             yield p, v
 
@@ -152,7 +165,17 @@ def decode(block: bytes, only: Iterable[tuple] | None = None, paths: Any = None)
             for k in path[:-1]:
                 node = node.setdefault(k, {})
             node[path[-1]] = v
-    return out
+    return [_lists(f) for f in out]
+
+
+def _lists(d: dict) -> Any:
+    """A decoded map with the lists of maps made lists again (a map holding LEN: its elements by index)."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            d[k] = _lists(v)
+    if LEN in d:
+        return [d.get(i, {}) for i in range(d[LEN])]
+    return d
 
 
 def column(block: bytes, key: Any) -> list:

@@ -5,7 +5,7 @@ Past it, the controller's sweep moves them, five minutes of one (node, job, run)
 the frames themselves, lossless (jobprobe/cluster/blocks.py; docs/PERFORMANCE.md, "The store"). Once an hour of a
 run is all in level-1 blocks, it is rolled up into one level-10 and one level-60 block: per bucket of 10 s or 1 min,
 each numeric field's sum, min and max and the bucket's sample count and summed `dt` (a mean is sum/n, a rate
-sum/dt) — an hour a block, so that a rollup costs a few bytes per bucket. Each level has its own retention
+sum/dt; a list of maps' fields by index: GPU i's) — an hour a block, so that a rollup costs a few bytes per bucket. Each level has its own retention
 (LEVELS: 1 s kept a day, 10 s a week, 1 min 90 days). A path of a frame's leaves is stored once, in `paths`; blocks
 name it by number.
 
@@ -123,9 +123,10 @@ def _put(db: sqlite3.Connection, level: int, node: str, job: str, run: str, seq0
 
 
 def numeric(frame: dict) -> Iterable[tuple[tuple, float]]:
-    """(path, value) of a sample's finite numbers under `probes` (bools and lists left out)."""
+    """(path, value) of a sample's finite numbers under `probes` (bools and lists of numbers left out; a list of
+    maps' elements in, by index: one GPU's fields)."""
     for path, v in blocks.leaves(frame.get("probes") or {}, ("probes",)):
-        if blocks.finite(v):
+        if blocks.finite(v) and path[-1] != blocks.LEN:
             yield path, v
 
 

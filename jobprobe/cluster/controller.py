@@ -72,11 +72,12 @@ class Controller:
 
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
                  ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None,
-                 part: tuple[int, int] = (0, 1), raw_s: float = 600.0):
+                 part: tuple[int, int] = (0, 1), raw_s: float = 600.0, stream_s: float = 7 * 86400.0):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         if not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1] <= 1024):
             raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
         self.part = part              # (I, N): this controller takes partition I of N (N = 1: every frame)
+        self.stream_s = stream_s      # how long the stream keeps a frame the controller has not taken (max_age)
         self.raw_s = raw_s            # samples kept whole as JSON this long, then compacted (jobprobe/cluster/compact.py)
         self.active = False           # it holds its partition's lease (jobprobe/cluster/lease.py): it consumes
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)

@@ -87,8 +87,8 @@ async def serve(ctl: "Controller") -> None:
             if nc is None:
                 nc = await nats.connect(**opts)
             if sub is None:
-                sub = await (Puller(nc, stream, DURABLE).start() if await subscribe(nc, ctl.replicas, stream,
-                                                                                     subjects) else None)
+                sub = await (Puller(nc, stream, DURABLE).start() if await subscribe(
+                    nc, ctl.replicas, stream, subjects, ctl.stream_s) else None)
             lease = Lease(nc.jetstream(), f"p{ctl.part[0]}", ctl.replicas)
             await lease.open()
         except Exception as err:
@@ -119,7 +119,8 @@ async def serve(ctl: "Controller") -> None:
             ctl.tsdb.close()
 
 
-async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str = SUBJECTS) -> bool:
+async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str = SUBJECTS,
+                    max_age: float = 7 * 86400.0) -> bool:
     """The frames' stream (made, or brought to this config), the durable consumer on it (made when missing), and
     the heartbeats' stream."""
     from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
@@ -127,7 +128,7 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
     js = nc.jetstream()
     beats = StreamConfig(name=BEATS_STREAM, subjects=[f"{BEATS}.>"], duplicate_window=30.0, max_age=60.0,
                          max_msgs_per_subject=1, max_msg_size=4096, num_replicas=replicas)
-    for config in (StreamConfig(name=stream, subjects=[subjects], duplicate_window=120.0, max_age=7 * 86400.0,
+    for config in (StreamConfig(name=stream, subjects=[subjects], duplicate_window=120.0, max_age=max_age,
                                 max_msg_size=MAX_FRAME, num_replicas=replicas), beats):
         try:
             await js.stream_info(config.name)
