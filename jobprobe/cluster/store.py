@@ -33,6 +33,17 @@ from typing import Any, Iterable
 
 from jobprobe.cluster import compact
 
+SAMPLES = "SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample'"
+EVENTS = ("SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames "
+          "WHERE kind = 'event'")
+
+
+def views(create: str) -> str:
+    """The `samples` and `events` views over whatever `frames` is where they are made (`create`: "CREATE VIEW IF
+    NOT EXISTS" in a store, "CREATE TEMP VIEW" in a reader over several stores or compacted samples)."""
+    return f"{create} samples AS {SAMPLES};\n{create} events AS {EVENTS};"
+
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS frames(
     node TEXT NOT NULL, job TEXT NOT NULL, run TEXT NOT NULL, seq INTEGER NOT NULL,
@@ -40,17 +51,13 @@ CREATE TABLE IF NOT EXISTS frames(
     PRIMARY KEY (node, job, run, seq)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS frames_t ON frames(t);
 CREATE INDEX IF NOT EXISTS frames_job ON frames(job, t);
-CREATE VIEW IF NOT EXISTS samples AS
-    SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
-CREATE VIEW IF NOT EXISTS events AS
-    SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
-    WHERE kind = 'event';
+{views}
 CREATE TABLE IF NOT EXISTS rejects(received REAL NOT NULL, subject TEXT, node TEXT, reason TEXT NOT NULL,
     size INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NULL DEFAULT 0,
     duplicates INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0, newest_t REAL, last_received REAL,
     lost INTEGER NOT NULL DEFAULT 0);
-"""
+""".replace("{views}", views("CREATE VIEW IF NOT EXISTS"))
 
 
 MAX_STORES = 10     # SQLite's limit on attached databases
@@ -229,11 +236,7 @@ class Store:
         self.db.executescript(f"""
             DROP VIEW IF EXISTS temp.frames; DROP VIEW IF EXISTS temp.samples; DROP VIEW IF EXISTS temp.events;
             CREATE TEMP VIEW frames AS {raw} UNION ALL SELECT * FROM temp.compacted;
-            CREATE TEMP VIEW samples AS
-                SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
-            CREATE TEMP VIEW events AS
-                SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
-                WHERE kind = 'event';""")
+            {views("CREATE TEMP VIEW")}""")
         return n
 
     def close(self) -> None:
@@ -263,9 +266,5 @@ def _union(files: list[str]) -> sqlite3.Connection:
         CREATE TEMP VIEW delivery AS SELECT node, SUM(frames) AS frames, SUM(duplicates) AS duplicates,
             SUM(rejected) AS rejected, MAX(newest_t) AS newest_t, MAX(last_received) AS last_received,
             SUM(lost) AS lost FROM ({every('delivery')}) GROUP BY node;
-        CREATE TEMP VIEW samples AS
-            SELECT node, job, run, seq, t, dt, received, body FROM frames WHERE kind = 'sample';
-        CREATE TEMP VIEW events AS
-            SELECT node, job, run, seq, t, received, json_extract(body, '$.event') AS event, body FROM frames
-            WHERE kind = 'event';""")
+        {views("CREATE TEMP VIEW")}""")
     return db
