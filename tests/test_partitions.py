@@ -146,10 +146,10 @@ def test_four_partitions_by_job_a_standby_takes_over_nothing_lost_nothing_stored
                                 encode(stray))], timeout=10)
         victim = 1
         killed_at, took_over = None, None
-        for t in range(30):
+        for t in range(22):
             for n in nodes:
                 n.tick()
-            if t == 10:                          # mid-run: the active controller of one partition dies
+            if t == 6:                           # mid-run: the active controller of one partition dies
                 k = cl.active(victim)
                 cl.procs[victim, k].kill()
                 cl.procs[victim, k].wait()
