@@ -40,7 +40,7 @@ import msgpack
 from jobprobe.transport.natswire import Wire
 from jobprobe.core.frame import encode
 from jobprobe.core.retry import Backoff
-from jobprobe.core.wire import BEATS, beat_subject, frames_subject, inbox_prefix, msg_id
+from jobprobe.core.wire import BEATS, FRAMES, beat_subject, frames_subject, inbox_prefix, job_token, msg_id
 
 log = logging.getLogger("jobprobe.nats")
 
@@ -88,6 +88,7 @@ class Spool:
                 for rec in unpacker:
                     end = unpacker.tell()
                     if (seg, pos) >= (seg0, off0) and isinstance(rec, list) and len(rec) in (4, 5):
+                        rec[1] = _upgraded(rec[1], rec[2])
                         self.pending.append((seg, pos, end, *rec[:4], bool(rec[4]) if len(rec) == 5 else False))
                     pos = end
             except (ValueError, msgpack.UnpackException):
@@ -413,6 +414,15 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self.sink.name}, {self.job})"
+
+
+def _upgraded(subject: str, job: str) -> str:
+    """A record spooled by an agent of before frames carried their job in the subject (`jobprobe.frames.<node>`):
+    its subject now (`jobprobe.frames.<job>.<node>`), so that a stream takes it."""
+    parts = subject.split(".") if isinstance(subject, str) else []
+    if len(parts) == 3 and subject.startswith(FRAMES + ".") and isinstance(job, str) and job:
+        return f"{FRAMES}.{job_token(job)}.{parts[2]}"
+    return subject
 
 
 def _is_beat(subject: str) -> bool:

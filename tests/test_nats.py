@@ -536,6 +536,21 @@ def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bo
     assert sp.inflight == 0 and sent[0] not in sp.peek(10)
 
 
+def test_a_spool_left_by_an_agent_of_before_job_subjects_goes_out_on_them(tmp_path):
+    """Records spooled on `jobprobe.frames.<node>` (an agent before frames carried their job in the subject) are
+    read back on `jobprobe.frames.<job>.<node>`, which a stream takes; newer subjects are left as they are."""
+    from jobprobe.core.wire import beat_subject
+    from jobprobe.exporters.nats import Spool
+    sp = Spool(tmp_path / "sp")
+    sp.append("a", "jobprobe.frames.gpu-1", "train.7", b"x")
+    sp.append("b", frames_subject("gpu-1", "train.7"), "train.7", b"x")
+    sp.append("c", beat_subject("gpu-1"), "node", b"x")
+    sp.close()
+    sp = Spool(tmp_path / "sp")
+    assert [r[4] for r in sp.peek(10)] == ["jobprobe.frames.train_2e7.gpu-1"] * 2 + ["jobprobe.beat.gpu-1"]
+    sp.close()
+
+
 def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_the_start_included(tmp_path):
     """A run whose first 5 frames never arrived, and whose frames that carried 50 of its 150 dropped frames' counts
     were dropped too: the running total says 150, seq says 5 missing, the start's gap is 5 intervals."""
