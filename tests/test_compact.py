@@ -116,6 +116,9 @@ def test_rollups_equal_the_raw_samples_aggregated_by_hand(tmp_path):
             assert r["probes"]["net"]["top_peers"][0]["tx_bytes"] == \
                 {"sum": sum(peer), "min": min(peer), "max": max(peer)}
             assert "runq_lat_us_log2" not in r["probes"]["sched"]                   # lists of numbers: not
+        rows = st_.rolled("j", "cgroup.cpu_user_ns", level)[1]                  # query --field --level
+        assert [(t, n, total) for _, _, t, n, total, _, _, _ in rows] == [
+            (t, len(fs), sum(f["probes"]["cgroup"]["cpu_user_ns"] for f in fs)) for t, fs in sorted(by_hand.items())]
 
 
 def test_each_level_goes_at_its_own_retention(tmp_path):
@@ -206,3 +209,21 @@ def test_the_store_bench_generates_a_store_its_queries_read_whole(tmp_path):
     assert res["samples"] == 16 * 2 * 3600 and res["job_field_hour_8_nodes"]["rows"] == 8 * 3600
     assert res["hottest_node_hour"]["node"].startswith("sim")
     assert "hottest node" in storebench.markdown(res)
+
+
+def test_a_field_inside_a_list_of_maps_reads_by_index_raw_compacted_and_rolled_up(tmp_path):
+    """`gpu.gpus.1.power_mw`: GPU 1's power, from raw frames (SQLite's JSON path with [1]), from blocks (its own
+    column) and from the rollups alike."""
+    st_ = Store(tmp_path / "s.db")
+    b = FrameBuilder("a", "j", run="r")
+    raw = [b.sample(T0 + k, 1.0, {"gpu": {"gpus": [{"index": i, "power_mw": 1000 * k + i} for i in range(2)]}},
+                    {"gpu": "ok"}) for k in range(400)]
+    st_.add(raw)
+    want = [1000 * k + 1 for k in range(400)]
+    assert [r[5] for r in st_.field("j", "gpu.gpus.1.power_mw")[1]] == want
+    while st_.compact(T0 + 5000):
+        pass
+    assert st_.sql("SELECT COUNT(*) FROM frames WHERE kind = 'sample'")[1] == [(0,)]
+    assert [r[5] for r in st_.field("j", "gpu.gpus.1.power_mw")[1]] == want
+    assert sum(r[4] for r in st_.rolled("j", "gpu.gpus.1.power_mw", 60)[1]) == sum(want)
+    assert st_.top("gpu.gpus.1.power_mw", T0, T0 + 399)[1] == [("a", sum(want), max(want), 400)]

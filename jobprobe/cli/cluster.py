@@ -201,7 +201,10 @@ def cmd_query(args) -> int:
         else:
             if not args.field:
                 raise BadInput("--job needs --field PROBE.FIELD (e.g. cgroup.cpu_user_ns)")
-            cols, rows = store.field(args.job, args.field, args.node, since)
+            if args.level:
+                cols, rows = store.rolled(args.job, args.field, args.level, args.node, since)
+            else:
+                cols, rows = store.field(args.job, args.field, args.node, since)
     except (sqlite3.Error, ValueError) as err:
         raise BadInput(f"query: {err}") from None
     if args.format == "jsonl":

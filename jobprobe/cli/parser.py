@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "job's samples): the cluster's hottest nodes")
     qu.add_argument("--field", metavar="PROBE.FIELD")
     qu.add_argument("--node", metavar="N")
+    qu.add_argument("--level", type=int, choices=[10, 60], help="--field from the rollups of 10 s or 1 min buckets "
+                    "(kept a week, 90 days): per bucket n, sum, min, max, mean")
     qu.add_argument("--last", type=float, metavar="S", help="--field, --top: only the last S seconds (--top: "
                     "default 3600); --sql: `samples` and `frames` hold the samples of the last S seconds past the raw "
                     "window too (without it: the raw window's)")

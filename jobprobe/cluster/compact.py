@@ -221,7 +221,7 @@ def column_over(db: sqlite3.Connection, book: Paths, path: tuple, since: float, 
         if v is not None:
             where, args = where + f" AND {col} = ?", args + [v]
     out = list(db.execute(f"SELECT node, job, run, seq, t, dt, json_extract(body, ?) FROM {sch}.frames "
-                          f"WHERE {where}", ["$." + ".".join(path)] + args))
+                          f"WHERE {where}", [json_path(path)] + args))
     if not _has_blocks(db, sch):
         return out
     where = "level = 1 AND t1 >= ? AND t0 <= ?" + (" AND job = ?" if job is not None else "") + \
@@ -248,7 +248,7 @@ def totals(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until
             a[2] += len(vals)
     sch = book.schema
     for node, v in db.execute(f"SELECT node, json_extract(body, ?) FROM {sch}.frames WHERE kind = 'sample' AND "
-                              "t >= ? AND t <= ?", ("$." + ".".join(path), since, until)):
+                              "t >= ? AND t <= ?", (json_path(path), since, until)):
         add(node, [v])
     if not _has_blocks(db, sch):
         return out
@@ -261,6 +261,11 @@ def totals(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until
             ts, vals = blocks.columns(data, [tid, vid])
             add(node, [v for t, v in zip(ts, vals) if since <= t <= until])
     return out
+
+
+def json_path(path: tuple) -> str:
+    """A leaf's path as SQLite's JSON path: `$.probes.gpu.gpus[0].power_mw`."""
+    return "$" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
 
 
 def _has_blocks(db: sqlite3.Connection, schema: str) -> bool:

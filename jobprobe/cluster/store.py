@@ -203,6 +203,22 @@ class Store:
         out = [f for book in self.books for f in compact.samples(self.db, book, job, node, since, until, only)]
         return sorted(out, key=lambda f: (f["t"], f["node"])) if len(self.books) > 1 else out
 
+    def rolled(self, job: str, field: str, level: int, node: str | None = None,
+               since: float = -math.inf) -> tuple[list[str], list[tuple]]:
+        """One field of a job from its rollups (level 10 or 60): per node and bucket, n, sum, min, max, mean."""
+        path = _field_path(field)
+        rows = []
+        for r in self.rollups(job, level, node):
+            if r["t"] + level <= since:
+                continue
+            agg = r
+            for k in path:
+                agg = agg.get(k) if isinstance(agg, dict) else None
+            if isinstance(agg, dict) and "sum" in agg:
+                rows.append((r["node"], r["run"], r["t"], r["n"], agg["sum"], agg["min"], agg["max"],
+                             agg["sum"] / r["n"]))
+        return ["node", "run", "t", "n", "sum", "min", "max", "mean"], rows
+
     def count_samples(self, job: str) -> int:
         """How many samples of a job the store holds, raw and compacted."""
         n = self.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
@@ -246,7 +262,7 @@ class Store:
 def _field_path(field: str) -> tuple:
     if not all(part.replace("_", "").replace("-", "").isalnum() for part in field.split(".")):
         raise ValueError(f"not a field name: {field!r} (probe.field, e.g. cgroup.cpu_user_ns)")
-    return ("probes", *field.split("."))
+    return ("probes", *(int(p) if p.isdigit() else p for p in field.split(".")))   # 0: a list's first
 
 
 def _union(files: list[str]) -> sqlite3.Connection:
