@@ -58,7 +58,7 @@ def samples(node: str, job: str, n: int, start: float = T0, seq0: int = 0, run: 
 def test_compacted_samples_come_back_whole_and_once(tmp_path):
     st_ = Store(tmp_path / "s.db")
     raw = samples("a", "j", 150) + samples("b", "j", 150)
-    st_.add(raw)
+    st_.add(raw, received=T0 + 1000)
     before = st_.samples_of("j")
     assert len(before) == 300
     while st_.compact(T0 + 5000):
@@ -72,12 +72,12 @@ def test_compacted_samples_come_back_whole_and_once(tmp_path):
     cols, rows = st_.field("j", "cgroup.cpu_user_ns", node="a")
     assert [r[5] for r in rows] == [f["probes"]["cgroup"]["cpu_user_ns"] for f in raw[:150]]
     # a resend of compacted samples stores nothing; a late one (its seq never came) is kept, and compacted too
-    assert st_.add(raw[:20] + raw[200:210]) == (0, 30)
+    assert st_.add(raw[:20] + raw[200:210], received=T0 + 1000) == (0, 30)
     late = samples("a", "j", 1, start=T0 + 400, seq0=10 ** 6)
-    assert st_.add(late) == (1, 0)
+    assert st_.add(late, received=T0 + 1000) == (1, 0)
     while st_.compact(T0 + 5000):
         pass
-    assert len(st_.samples_of("j")) == 301 and st_.add(late) == (0, 1)
+    assert len(st_.samples_of("j")) == 301 and st_.add(late, received=T0 + 1000) == (0, 1)
     st_.close()
     # a reader of the file sees the same
     ro = Store(tmp_path / "s.db", readonly=True)
@@ -89,10 +89,10 @@ def test_rollups_equal_the_raw_samples_aggregated_by_hand(tmp_path):
     st_ = Store(tmp_path / "s.db")
     raw = samples("a", "j", 185, start=T0 + 7)      # buckets cut mid-way, at both ends
     late = samples("a", "j", 1, start=T0 + 33.5, seq0=5000)   # a late sample in a bucket compacted before it
-    st_.add(raw)
+    st_.add(raw, received=T0 + 1000)
     while st_.compact(T0 + 5000):
         pass
-    st_.add(late)
+    st_.add(late, received=T0 + 1000)
     while st_.compact(T0 + 5000):
         pass
     every = raw + late
@@ -124,7 +124,7 @@ def test_rollups_equal_the_raw_samples_aggregated_by_hand(tmp_path):
 def test_each_level_goes_at_its_own_retention(tmp_path):
     st_ = Store(tmp_path / "s.db")
     raw = samples("a", "j", 120)
-    st_.add(raw)
+    st_.add(raw, received=T0 + 1000)
     while st_.compact(T0 + 5000):
         pass
     count = {lv: st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)}
@@ -149,7 +149,7 @@ def test_a_field_over_a_window_and_the_hottest_nodes_read_raw_and_compacted_alik
     from pathlib import Path
     st_ = Store(tmp_path / "s.db")
     raw = [f for n in ("a", "b", "c") for f in samples(n, f"j{n}", 700)]
-    st_.add(raw)
+    st_.add(raw, received=T0 + 1000)
     lo, hi = T0 + 100, T0 + 650
 
     def by_hand_top() -> list[tuple]:
@@ -185,7 +185,7 @@ def test_the_sql_face_sees_compacted_samples_of_the_window_asked(tmp_path):
     import json
     st_ = Store(tmp_path / "s.db")
     raw = samples("a", "j", 900) + samples("b", "j", 900)
-    st_.add(raw)
+    st_.add(raw, received=T0)
     while st_.compact(T0 + 900 + 600 - 300):      # the last 300 s stay raw
         pass
     st_.close()
@@ -218,7 +218,7 @@ def test_a_field_inside_a_list_of_maps_reads_by_index_raw_compacted_and_rolled_u
     b = FrameBuilder("a", "j", run="r")
     raw = [b.sample(T0 + k, 1.0, {"gpu": {"gpus": [{"index": i, "power_mw": 1000 * k + i} for i in range(2)]}},
                     {"gpu": "ok"}) for k in range(400)]
-    st_.add(raw)
+    st_.add(raw, received=T0 + 1000)
     want = [1000 * k + 1 for k in range(400)]
     assert [r[5] for r in st_.field("j", "gpu.gpus.1.power_mw")[1]] == want
     while st_.compact(T0 + 5000):
@@ -227,3 +227,17 @@ def test_a_field_inside_a_list_of_maps_reads_by_index_raw_compacted_and_rolled_u
     assert [r[5] for r in st_.field("j", "gpu.gpus.1.power_mw")[1]] == want
     assert sum(r[4] for r in st_.rolled("j", "gpu.gpus.1.power_mw", 60)[1]) == sum(want)
     assert st_.top("gpu.gpus.1.power_mw", T0, T0 + 399)[1] == [("a", sum(want), max(want), 400)]
+
+
+def test_samples_received_late_stay_whole_for_the_raw_window_after_they_came(tmp_path):
+    """A backfill (or a node whose clock is behind): samples whose own time is long past, received now, are not
+    compacted until the raw window has passed since they came."""
+    st_ = Store(tmp_path / "s.db")
+    old = samples("a", "j", 120)                          # T0…: ten hours before it came
+    now = T0 + 36_000
+    st_.add(old, received=now)
+    assert st_.compact(now) == 0 and st_.compact(now + compact.RAW_S - 1) == 0
+    assert st_.sql("SELECT COUNT(*) FROM samples")[1] == [(120,)]
+    while st_.compact(now + compact.RAW_S + 1):
+        pass
+    assert st_.sql("SELECT COUNT(*) FROM samples")[1] == [(0,)] and st_.samples_of("j") == old

@@ -61,7 +61,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
     metrics = free_port()
     cluster = Cluster(tmp_path, ddp, probes=PROBES + ",gpu",
                       controller_args=("--metrics", f"127.0.0.1:{metrics}"), partitions=4)
-    from jobprobe.core.wire import partition, token
+    from jobprobe.core.wire import job_token, partition, token
     assert len({partition(token(n), 4) for n in cluster.nodes}) > 1    # by node, the job would have been split
     try:
         cluster.start_agents()
@@ -94,6 +94,8 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         assert m[("jobprobe_straggler", (("job", "ddp"), ("node", "node-b")))] == 1
         assert all(m[("jobprobe_node_last_frame_age_seconds", (("node", n),))] < 5 for n in cluster.nodes), m
         assert m[("jobprobe_stragglers_named_total", ())] == 1
+        mine = f"{partition(job_token('ddp'), 4)}/4"                                  # the job's partition's
+        assert m[("jobprobe_controller_active", (("partition", mine),))] == 1
         n1 = len(ddp.rates(0))
         time.sleep(3)
         slowed = rate(ddp, n1 - 1)

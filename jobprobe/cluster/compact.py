@@ -70,17 +70,18 @@ class Paths:
 
 
 def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
-    """Move up to GROUPS_PER_STEP blocks' worth (BLOCK_S each) of samples older than `before` (their own time) out of `frames` into
-    level-1 blocks and their rollups, in one transaction. How many samples were moved (0: nothing left)."""
-    before = math.floor(before / BLOCK_S) * BLOCK_S      # whole spans only: a block is never cut short
+    """Move up to GROUPS_PER_STEP blocks' worth (BLOCK_S each) of samples out of `frames` into level-1 blocks, in
+    one transaction: those whose span of time ended before `before` and that were received before it too (a node's
+    backfill, or a clock behind, stays whole for the raw window after it came). How many were moved (0: none)."""
+    span_end = math.floor(before / BLOCK_S) * BLOCK_S    # whole spans only: a block is never cut short
     groups = db.execute(
-        "SELECT node, job, run, CAST(t / ? AS INTEGER) AS m FROM frames WHERE kind = 'sample' AND t < ? "
-        "GROUP BY node, job, run, m LIMIT ?", (BLOCK_S, before, GROUPS_PER_STEP)).fetchall()
+        "SELECT node, job, run, CAST(t / ? AS INTEGER) AS m FROM frames WHERE kind = 'sample' AND t < ? AND "
+        "received < ? GROUP BY node, job, run, m LIMIT ?", (BLOCK_S, span_end, before, GROUPS_PER_STEP)).fetchall()
     moved = 0
     with db:
         for node, job, run, m in groups:
             rows = db.execute("SELECT seq, body FROM frames WHERE node = ? AND job = ? AND run = ? AND kind = "
-                              "'sample' AND t >= ? AND t < ? AND t < ? ORDER BY seq",
+                              "'sample' AND t >= ? AND t < ? AND received < ? ORDER BY seq",
                               (node, job, run, m * BLOCK_S, (m + 1) * BLOCK_S, before)).fetchall()
             if not rows:
                 continue

@@ -34,6 +34,10 @@ class MetricsCollector:
         for consumer, n in list(ctl.consumer_errors.items()):
             c.add_metric([consumer], n)
         yield c
+        g = GaugeMetricFamily("jobprobe_controller_active", "1 while this controller holds its partition's lease "
+                              "and consumes; 0 while it stands by", labels=["partition"])
+        g.add_metric([f"{ctl.part[0]}/{ctl.part[1]}"], 1 if ctl.active else 0)
+        yield g
         g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
         g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost and not st.stopped))
         g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))
