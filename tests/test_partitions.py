@@ -283,3 +283,17 @@ def test_a_lease_has_one_holder_and_a_dead_holders_lease_passes_on(tmp_path):
         asyncio.run(run())
     finally:
         srv.stop()
+
+
+def test_a_partition_given_wrong_is_one_line_and_exit_2_and_the_mapping_block_is_the_servers(tmp_path):
+    """`--partition` takes I/N with 0 ≤ I < N ≤ 1024, anything else a one-line refusal (exit 2); `controller
+    mappings` prints the block a nats-server takes (the test above ran the server with it)."""
+    for bad in ("4/4", "-1/4", "1", "a/b", "0/0", "0/2000", "1/4/2", " 1/4"):
+        r = subprocess.run([*JOBPROBE, "controller", "--partition", bad, "--store", str(tmp_path / "s.db")],
+                           cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--partition" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+    r = subprocess.run([*JOBPROBE, "controller", "mappings", "--partition", "0/4"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ('mappings = {\n  "jobprobe.frames.*.*": '
+                        '"jobprobe.part.{{partition(4,1)}}.frames.{{wildcard(1)}}.{{wildcard(2)}}"\n}\n')
