@@ -109,7 +109,8 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
         await nc.publish("jobprobe.beat.n2", encode(forged.heartbeat(time.time(), 1.0, 0)))
         for subject in ("jobprobe.frames.>", "_INBOX.>", "jobprobe.ctl.node.n2", ">"):
             await nc.subscribe(subject)
-        for subject in ("jobprobe.ctl.trace", "jobprobe.ctl.node.n2", "$JS.API.STREAM.DELETE.JOBPROBE"):
+        for subject in ("jobprobe.ctl.trace", "jobprobe.ctl.node.n2", "$JS.API.STREAM.DELETE.JOBPROBE",
+                        "$KV.jobprobe_leases.p0"):
             await nc.publish(subject, json.dumps({"job": "j"}).encode())
         await nc.flush()
         await asyncio.sleep(0.5)
@@ -121,7 +122,7 @@ def test_a_node_publishes_and_reads_only_its_own_subjects(ctl):
                  "Subscription to \"jobprobe.frames.>\"",
                  "Subscription to \"_INBOX.>\"", "Subscription to \"jobprobe.ctl.node.n2\"",
                  "Publish to \"jobprobe.ctl.trace\"", "Publish to \"jobprobe.ctl.node.n2\"",
-                 "Publish to \"$JS.API.STREAM.DELETE.JOBPROBE\""):
+                 "Publish to \"$JS.API.STREAM.DELETE.JOBPROBE\"", "Publish to \"$KV.jobprobe_leases.p0\""):
         assert what.lower() in text, f"not refused: {what}\n{text}"
     until(lambda: ctl.stored("SELECT COUNT(*) FROM frames WHERE node = 'n1'")[0][0] == 1, 10, "n1's frame stored")
     assert ctl.stored("SELECT COUNT(*) FROM frames WHERE node = 'n2'")[0][0] == 0
