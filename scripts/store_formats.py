@@ -240,7 +240,8 @@ def main() -> int:
                     out[f"rollup_{lv}s"] = {"bytes_per_sample": round(b / len(samples), 1),
                                             "mb_per_node_day": round(b / len(samples) * 86400 / 1e6, 2),
                                             "kept_days": keep}
-                    print(f"  rollup {lv:>2} s  {b / len(samples):8.1f} B/sample  {b / len(samples) * 86400 / 1e6:7.2f} "
+                    per = b / len(samples)
+                    print(f"  rollup {lv:>2} s  {per:8.1f} B/sample  {per * 86400 / 1e6:7.2f} "
                           f"MB/node-day (kept {keep} days: {b / len(samples) * 86400 / 1e6 * keep:.1f} MB per node)",
                           flush=True)
             if n is not None:

@@ -49,7 +49,8 @@ def samples(node: str, job: str, n: int, start: float = T0, seq0: int = 0, run: 
     for k in range(n):
         out.append(b.sample(start + k, 1.0, {
             "cgroup": {"cpu_user_ns": rnd.randrange(10 ** 8, 10 ** 9), "mem_bytes": 1 << 30},
-            "sched": {"runq_lat_p99_us": rnd.uniform(1, 500), "runq_lat_us_log2": [rnd.randrange(100) for _ in range(8)]},
+            "sched": {"runq_lat_p99_us": rnd.uniform(1, 500),
+                      "runq_lat_us_log2": [rnd.randrange(100) for _ in range(8)]},
             "net": {"top_peers": [{"addr": "10.0.0.2", "tx_bytes": rnd.randrange(1000)}], "source": "skb"},
             "gpu": {"util_pct": None}}, {"cgroup": "ok", "sched": "ok", "net": "ok", "gpu": "unavailable"}))
     return out

@@ -259,7 +259,8 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
         bodies = hostile_bodies(10_000)
         sent_honest, peak = 0, 0.0
         for i in range(0, len(bodies), 250):
-            hostile.publish([(frames_subject("n1", "j"), f"hostile/{i + k}", b) for k, b in enumerate(bodies[i:i + 250])],
+            hostile.publish([(frames_subject("n1", "j"), f"hostile/{i + k}", b)
+                             for k, b in enumerate(bodies[i:i + 250])],
                             timeout=30)
             for node, w in honest.items():
                 fr = sample(node=node, seq=sent_honest)

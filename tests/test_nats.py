@@ -226,8 +226,10 @@ def test_a_full_spool_drops_the_oldest_and_counts_exactly_what_is_missing(site):
 
 AUTH = """authorization {
   users = [
-    {user: n1, password: s3cret-n1, permissions: {publish: ["jobprobe.frames.*.n1", "jobprobe.beat.n1"], subscribe: ["_INBOX_JP.n1.>"]}}
-    {user: n2, password: s3cret-n2, permissions: {publish: ["jobprobe.frames.*.n2", "jobprobe.beat.n2"], subscribe: ["_INBOX_JP.n2.>"]}}
+    {user: n1, password: s3cret-n1,
+     permissions: {publish: ["jobprobe.frames.*.n1", "jobprobe.beat.n1"], subscribe: ["_INBOX_JP.n1.>"]}}
+    {user: n2, password: s3cret-n2,
+     permissions: {publish: ["jobprobe.frames.*.n2", "jobprobe.beat.n2"], subscribe: ["_INBOX_JP.n2.>"]}}
     {user: controller, password: s3cret-ctl}
   ]
 }

@@ -169,7 +169,8 @@ def test_four_partitions_by_job_a_standby_takes_over_nothing_lost_nothing_stored
             by = {}
             for _, job, _, seq in missing:
                 by.setdefault(partition(job_token(job), N), []).append((job, seq))
-            raise AssertionError(f"{len(missing)} of {len(sent)} not stored: {dict((k, sorted(v)[:5]) for k, v in by.items())}"
+            first = {k: sorted(v)[:5] for k, v in by.items()}
+            raise AssertionError(f"{len(missing)} of {len(sent)} not stored: {first}"
                                  + "".join(f"\n--- {i}-{k}\n" + cl.log(i, k).read_text()[-1500:]
                                            for i in by for k in (0, 1))) from None
         got = stored()

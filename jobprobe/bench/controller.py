@@ -154,7 +154,8 @@ def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, w
 
         def start_controller() -> subprocess.Popen:
             p = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", nats_srv.url,
-                                  "--creds", nats_srv.creds, "--store", str(store)], cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                  "--creds", nats_srv.creds, "--store", str(store)], cwd=root,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(2.0)
             return p
         ctl = start_controller()
@@ -162,8 +163,8 @@ def _bench_controller(nodes: int, seconds: float, burst_frames: int, progress, w
         def generate(n: int, secs: float, rate: float, conns: int, ticks: int = 0) -> dict:
             # each phase its own run id: its frames' keys (and Nats-Msg-Ids) are new ones
             out = subprocess.run([sys.executable, "-c", GENERATOR, root, nats_srv.url, str(n), str(secs), str(rate),
-                                  str(conns), str(ticks), os.urandom(8).hex(), nats_srv.creds], capture_output=True, text=True,
-                                 timeout=secs * 10 + 600)
+                                  str(conns), str(ticks), os.urandom(8).hex(), nats_srv.creds],
+                                 capture_output=True, text=True, timeout=secs * 10 + 600)
             if out.returncode != 0:
                 raise RuntimeError(f"generator: {out.stderr[-2000:]}")
             return json.loads(out.stdout.strip().splitlines()[-1])

@@ -2,12 +2,12 @@
 
 Samples arrive as whole frames (JSON bodies in `frames`, the raw window: the last `raw_s`, 10 minutes by default).
 Past it, the controller's sweep moves them, five minutes of one (node, job, run) at a time, into `blocks` — level 1:
-the frames themselves, lossless (jobprobe/cluster/blocks.py; docs/PERFORMANCE.md, "The store"). Once an hour of a
-run is all in level-1 blocks, it is rolled up into one level-10 and one level-60 block: per bucket of 10 s or 1 min,
-each numeric field's sum, min and max and the bucket's sample count and summed `dt` (a mean is sum/n, a rate
-sum/dt; a list of maps' fields by index: GPU i's) — an hour a block, so that a rollup costs a few bytes per bucket. Each level has its own retention
-(LEVELS: 1 s kept a day, 10 s a week, 1 min 90 days). A path of a frame's leaves is stored once, in `paths`; blocks
-name it by number.
+the frames themselves, lossless (jobprobe/cluster/blocks.py; docs/PERFORMANCE.md, "The store"). Once an hour of a run
+is all in level-1 blocks, it is rolled up into one level-10 and one level-60 block: per bucket of 10 s or 1 min, each
+numeric field's sum, min and max and the bucket's sample count and summed `dt` (a mean is sum/n, a rate sum/dt; a
+list of maps' fields by index: GPU i's) — an hour a block, so that a rollup costs a few bytes per bucket. Each level
+has its own retention (LEVELS: 1 s kept a day, 10 s a week, 1 min 90 days). A path of a frame's leaves is stored
+once, in `paths`; blocks name it by number.
 
 Exactly once still holds past the raw window: a sample whose key is in a level-1 block already is a duplicate
 (Store.add asks `seen_in_blocks`); a late sample of a span already compacted becomes a block of its own, and its

@@ -78,7 +78,7 @@ class Controller:
             raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
         self.part = part              # (I, N): this controller takes partition I of N (N = 1: every frame)
         self.stream_s = stream_s      # how long the stream keeps a frame the controller has not taken (max_age)
-        self.raw_s = raw_s            # samples kept whole as JSON this long, then compacted (jobprobe/cluster/compact.py)
+        self.raw_s = raw_s            # samples kept whole as JSON this long, then compacted (cluster/compact.py)
         self.active = False           # it holds its partition's lease (jobprobe/cluster/lease.py): it consumes
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}

@@ -12,8 +12,8 @@ store's key is (node, job, run, seq)); a store that cannot write (StoreDown) get
 again.
 
 Heartbeats (`jobprobe.beat.<node>`) go to the small JOBPROBE_BEATS stream (each node's newest one) so that an agent's
-publish is acked (an agent drops a heartbeat no stream takes, never waits on it); every controller reads them as they come through a plain subscription — liveness is
-worth something only fresh, and every partition needs every node's.
+publish is acked (an agent drops a heartbeat no stream takes, never waits on it); every controller reads them as they
+come through a plain subscription — liveness is worth something only fresh, and every partition needs every node's.
 
 Only the holder of the partition's lease (jobprobe/cluster/lease.py) fetches; another controller of the partition
 stands by, connected, and takes over from the durable consumer's position when the lease comes free. Both use the
