@@ -6,7 +6,8 @@
     sleepwake N USEC        N sleeps of USEC microseconds (N voluntary context switches, give or take)
     switches N USEC         sleepwake, then print this process's own "voluntary nonvoluntary" switch counts
                             from /proc/self/status (the kernel's count, an independent check for probes)
-    forktree DEPTH SECONDS  a chain of DEPTH processes, each forking the next after 0.2 s, all burning
+    forktree DEPTH SECONDS  a chain of DEPTH processes, each forking the next after 0.2 s, each burning SECONDS of
+                            CPU (not of wall time: beside other work each still burns all of it)
     exit CODE               exit with CODE
 """
 import os
@@ -45,7 +46,7 @@ def forktree(depth: int, seconds: float) -> None:
     if depth > 1 and os.fork() == 0:
         forktree(depth - 1, seconds)
         os._exit(0)
-    burn(seconds)
+    burn_cpu(seconds)
     try:
         while True:
             os.wait()
