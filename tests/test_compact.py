@@ -37,8 +37,16 @@ def test_a_block_gives_back_exactly_the_frames_it_took(frames):
         return book[p]
     assert blocks.decode(blocks.encode(frames, ids), paths=rev.__getitem__) == frames
     out = blocks.decode(blocks.encode(frames, ids), paths=rev.__getitem__)
-    for a, b in zip(out, frames):       # the same types, not only equal values (1 == 1.0 == True)
-        assert repr(a) == repr(b) or sorted(map(repr, a.items())) == sorted(map(repr, b.items()))
+    assert typed(out) == typed(frames)  # the same types, not only equal values (1 == 1.0 == True); key order may differ
+
+
+def typed(x):
+    """A value with each scalar's type beside it and maps in key order: equal only if types and values are."""
+    if isinstance(x, dict):
+        return ("map", sorted((k, typed(v)) for k, v in x.items()))
+    if isinstance(x, list):
+        return ("list", [typed(v) for v in x])
+    return (type(x).__name__, repr(x))
 
 
 def samples(node: str, job: str, n: int, start: float = T0, seq0: int = 0, run: str = "r1") -> list[dict]:
