@@ -53,8 +53,8 @@ class Paths:
         except sqlite3.OperationalError:       # a store made before blocks: none
             rows = []
         for i, p in rows:
-            self.ids[tuple(json.loads(p))] = i
-            self.paths[i] = tuple(json.loads(p))
+            path = tuple(json.loads(p))
+            self.ids[path], self.paths[i] = i, path
 
     def id(self, path: tuple) -> int:
         i = self.ids.get(path)
@@ -184,7 +184,7 @@ def samples(db: sqlite3.Connection, book: Paths, job: str, node: str | None = No
     if node is not None:
         q, args = q + " AND node = ?", args + [node]
     out = [json.loads(b) for (b,) in db.execute(q, args)] if raw else []
-    if not _has_blocks(db, sch):
+    if not has_blocks(db, sch):
         return sorted(out, key=lambda f: (f["t"], f["node"]))
     q = f"SELECT data FROM {sch}.blocks WHERE level = 1 AND job = ? AND t1 >= ? AND t0 <= ?"
     args = [job, since, until]
@@ -200,7 +200,7 @@ def samples(db: sqlite3.Connection, book: Paths, job: str, node: str | None = No
 def levels(db: sqlite3.Connection, book: Paths, job: str, level: int, node: str | None = None) -> list[dict]:
     """A job's rollups at `level` (10 or 60), every node's: {node, run, t, t0, t1, n, dt, probes: {…: {sum, min,
     max}}}, in time order."""
-    if not _has_blocks(db, book.schema):
+    if not has_blocks(db, book.schema):
         return []
     q = f"SELECT node, run, data FROM {book.schema}.blocks WHERE level = ? AND job = ?"
     args: list[Any] = [level, job]
@@ -223,7 +223,7 @@ def column_over(db: sqlite3.Connection, book: Paths, path: tuple, since: float, 
             where, args = where + f" AND {col} = ?", args + [v]
     out = list(db.execute(f"SELECT node, job, run, seq, t, dt, json_extract(body, ?) FROM {sch}.frames "
                           f"WHERE {where}", [json_path(path)] + args))
-    if not _has_blocks(db, sch):
+    if not has_blocks(db, sch):
         return out
     where = "level = 1 AND t1 >= ? AND t0 <= ?" + (" AND job = ?" if job is not None else "") + \
         (" AND node = ?" if node is not None else "")
@@ -251,7 +251,7 @@ def totals(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until
     for node, v in db.execute(f"SELECT node, json_extract(body, ?) FROM {sch}.frames WHERE kind = 'sample' AND "
                               "t >= ? AND t <= ?", (json_path(path), since, until)):
         add(node, [v])
-    if not _has_blocks(db, sch):
+    if not has_blocks(db, sch):
         return out
     vid, tid = book.ids.get(path, -1), book.ids.get(("t",), -1)
     for node, t0, t1, data in db.execute(f"SELECT node, t0, t1, data FROM {sch}.blocks WHERE level = 1 AND "
@@ -269,5 +269,6 @@ def json_path(path: tuple) -> str:
     return "$" + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
 
 
-def _has_blocks(db: sqlite3.Connection, schema: str) -> bool:
+def has_blocks(db: sqlite3.Connection, schema: str) -> bool:
+    """Whether the store `schema` has blocks at all (a store made before them has none)."""
     return db.execute(f"SELECT 1 FROM {schema}.sqlite_master WHERE name = 'blocks'").fetchone() is not None

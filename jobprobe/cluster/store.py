@@ -222,7 +222,7 @@ class Store:
     def count_samples(self, job: str) -> int:
         """How many samples of a job the store holds, raw and compacted."""
         n = self.sql("SELECT COUNT(*) FROM samples WHERE job = ?", (job,))[1][0][0]
-        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'blocks'").fetchone():
+        if compact.has_blocks(self.db, "main"):
             n += self.sql("SELECT COALESCE(SUM(n), 0) FROM blocks WHERE level = 1 AND job = ?", (job,))[1][0][0]
         return n
 
@@ -239,7 +239,7 @@ class Store:
                         "kind TEXT, t REAL, dt REAL, received REAL, body TEXT)")
         n = 0
         for book in self.books:
-            if not compact._has_blocks(self.db, book.schema):
+            if not compact.has_blocks(self.db, book.schema):
                 continue
             q = f"SELECT DISTINCT job FROM {book.schema}.blocks WHERE level = 1 AND t1 >= ? AND t0 <= ?"
             for j in ([job] if job is not None else [r[0] for r in self.db.execute(q, (since, until))]):
