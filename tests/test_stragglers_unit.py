@@ -436,3 +436,39 @@ def test_the_replay_script_decides_as_the_controller_did_and_says_why(tmp_path):
     lines = out.getvalue().splitlines()
     assert any(" b gap " in ln and "verdict straggler" in ln and "causes ['cpu_throttled']" in ln for ln in lines)
     assert any("EVENT straggler b:" in ln for ln in lines) and not any(" a gap " in ln for ln in lines)
+
+
+def test_the_replay_scores_a_bench_runs_trials_and_weighs_a_setting(tmp_path):
+    """scripts/straggler_replay.py --bench: the replay's events scored trial by trial as the bench scores a run (the
+    throttled node named, its delay from the fault's time, nothing false; a balanced trial after it with nobody
+    named) — and a shorter hold (`--set OPEN_S=4`) names it 3 s sooner, which is how a setting is weighed."""
+    import importlib.util
+    import io
+
+    from jobprobe.cluster.store import Store
+    spec = importlib.util.spec_from_file_location("straggler_replay", ROOT / "scripts" / "straggler_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    frames = [frame(n, t, throttled=0.6e9 if n == "b" and 1060 <= t < 1120 else 0, limit=0.25 if n == "b" else None,
+                    wait=(0.05e9 if n == "b" else 0.7e9) if 1060 <= t < 1120 else 0.3e9)
+              for t in range(1000, 1200) for n in ("a", "b", "c")]
+    store = Store(tmp_path / "store.db")
+    store.add(frames)
+    store.close()
+    trials = [{"fault": "cpu", "rank": 1, "node": "b", "t_fault": 1059.5, "t_clear": 1119.5},
+              {"fault": "balanced", "rank": 0, "node": "a", "t_fault": 1150.0, "t_clear": 1180.0}]
+    scored = {}
+    for hold in (7.0, 4.0):
+        events = mod.replay(str(tmp_path / "store.db"), "j", out=io.StringIO(), open_s=hold)
+        scored[hold] = mod.score(events, trials)
+    res = scored[7.0]
+    assert res["rows"]["cpu"]["detected"] == 1 and res["rows"]["cpu"]["right_cause"] == 1, res
+    assert res["rows"]["balanced"]["false_names"] == 0 and res["precision"] == 1.0 and res["recall"] == 1.0, res
+    late, soon = (scored[h]["trials"][0]["latency_s"] for h in (7.0, 4.0))
+    assert 7.0 <= late <= 12.0 and abs((late - soon) - 3.0) <= 1.0, (late, soon)
+    from jobprobe.cluster import stragglers
+    kept = stragglers.OPEN_S
+    try:
+        assert mod.settings(["OPEN_S=4"]) == {"open_s": 4.0} and stragglers.OPEN_S == 4.0
+    finally:
+        stragglers.OPEN_S = kept

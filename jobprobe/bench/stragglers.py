@@ -88,6 +88,7 @@ def trial(cluster: Cluster, ddp: DdpJob, name: str, rank: int, rng: random.Rando
             first, latency = new[0], time.time() - t0
             break
         time.sleep(0.2)
+    t_clear = time.time()
     fault.clear(ddp, rank)
     if first is not None:                  # its end (or the timeout), then the job in step again
         key = "straggler" if first["event"] == "straggler" else "node"
@@ -100,7 +101,8 @@ def trial(cluster: Cluster, ddp: DdpJob, name: str, rank: int, rng: random.Rando
     right = [e for e in events if e["event"] == fault.kind and (e.get("straggler") or e.get("node")) == node]
     false = len(events) - len(right)
     ok = first is not None and first in right
-    return {"fault": name, "rank": rank, "node": node, "detected": ok, "latency_s": round(latency, 1) if ok else None,
+    return {"fault": name, "rank": rank, "node": node, "t_fault": round(t0, 3), "t_clear": round(t_clear, 3),
+            "detected": ok, "latency_s": round(latency, 1) if ok else None,
             "right_cause": ok and (not fault.causes or bool(fault.causes & set(first.get("causes", ())))),
             "causes": first.get("causes", []) if first else [], "false_names": false,
             "flaps": max(0, len(right) - 1),      # the right node named again within one fault: it ended too soon
