@@ -39,6 +39,7 @@ wheels: dist
 	rm -rf $(DIST)/wheels
 	$(BUILDPY) -m pip wheel -q -w $(DIST)/wheels $(DIST)/jobprobe-*.whl
 	$(BUILDPY) -m pip download -q --no-deps -d $(DIST)/wheels pip
+	sh scripts/image-stubs/build.sh $(DIST)/wheels/stubs
 	@ls $(DIST)/wheels
 
 # a node (the agent) or the controller's host, from the wheel: scripts/install.sh (docs/DEPLOY.md)

@@ -47,6 +47,11 @@ def image(tmp_path_factory):
     subprocess.run(["rm", "-rf", "--one-file-system", str(root)], timeout=300)
 
 
+def image_stubs(root: Path) -> Path:
+    """The stub libraries `make wheels` built for this image (beside its root filesystem)."""
+    return root.parent / "dist" / "wheels" / "stubs"
+
+
 def in_image(root: Path, *argv: str) -> str:
     return subprocess.run(["chroot", str(root), "/usr/bin/env", "-i", "PATH=/usr/local/bin:/usr/bin:/bin", *argv],
                           check=True, capture_output=True, text=True, timeout=120).stdout
@@ -58,13 +63,18 @@ def test_the_image_holds_the_agent_and_nothing_of_the_test_stack(image):
     held = dists(["chroot", str(root), "/opt/jobprobe/bin/python"])
     assert held == AGENT_DISTS, held          # no pip, setuptools, pytest, torch, nats-py, matplotlib …
     packages = set(in_image(root, "dpkg-query", "-W", "-f", "${Package}\n").split())
-    assert "python3-bpfcc" in packages and not packages & {"python3-venv", "python3-pip", "perl", "usrmerge"}
+    assert "python3-bpfcc" in packages and not packages & {"python3-venv", "python3-pip", "perl", "usrmerge", "apt",
+                                                           "perl-base", "libgnutls30"}
+    lib = root / "usr/lib/x86_64-linux-gnu"    # the stubs bcc never calls (scripts/image-stubs), not Debian's files:
+    for f in ("libz3.so.4", "libicudata.so.72"):   # the agent below compiles its programs with them in place
+        assert (lib / f).resolve().read_bytes() == (image_stubs(root) / f).read_bytes(), f
     assert in_image(root, "jobprobe", "--version").startswith("jobprobe ")
     assert not list((root / "usr/share/doc").glob("*/*")), "docs are kept out of the image"
     size = int(subprocess.run(["du", "-sb", str(root)], capture_output=True, text=True).stdout.split()[0])
     bcc = sum(int(subprocess.run(["du", "-sb", *map(str, root.glob(g))], capture_output=True, text=True)
                   .stdout.split()[0] or 0) for g in ("usr/lib/x86_64-linux-gnu/libLLVM-14.so.1", "usr/lib/llvm-14"))
     print(f"image root filesystem: {size / 1e6:.0f} MB, of which LLVM/clang (bcc's compiler) {bcc / 1e6:.0f} MB")
+    assert size <= 300e6, f"the image is {size / 1e6:.0f} MB: over its 300 MB target (docs/DEPLOY.md)"
 
 
 def inside(root: Path, path: str) -> Path:
