@@ -74,7 +74,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
             return [(x["event"], x.get("straggler") or x.get("node")) for x in cluster.events()
                     if x["event"] in ("straggler", "straggler_end", "imbalance", "imbalance_end")]
 
-        # (c) balanced: 20 s (twenty comparisons; a cause must hold for 7 s to name anyone), nobody named
+        # (c) balanced: 20 s (twenty comparisons; a cause must hold for 4 s to name anyone), nobody named
         time.sleep(20)
         assert named() == [], cluster.events()
         n0 = len(ddp.rates(0))

@@ -16,13 +16,16 @@ from typing import Any
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
 
 
+_NUMBER_TYPES = frozenset((int, float))
+
+
 def figures(probes: dict) -> dict[str, float]:
     """What one sample frame says, per figure (absent when its probe did not report it, or reported null). Read
     as it comes (this runs per frame of every node); a frame whose values are not all numbers where figures are
     read (a null: a figure its host cannot tell) is read again with only its numbers."""
     try:
         out = _figures(probes)
-        if all(type(v) in (int, float) for v in out.values()):
+        if _NUMBER_TYPES.issuperset(map(type, out.values())):
             return out
     except (TypeError, AttributeError):
         pass
@@ -143,15 +146,15 @@ class _Cum:
     limit_t: float = float("-inf")
 
     def then(self, t: float, dt: float, figs: dict[str, float]) -> "_Cum":
-        sums, ns = dict(self.sums), dict(self.ns)
-        limit, limit_t = self.limit, self.limit_t
+        sums, ns = self.sums.copy(), self.ns.copy()
+        get, nget = sums.get, ns.get
         for k, v in figs.items():
-            if k == "limit":
-                limit, limit_t = v, t
-            else:
-                sums[k] = sums.get(k, 0) + v
-                ns[k] = ns.get(k, 0) + 1
-        return _Cum(self.wall + dt, sums, ns, limit, limit_t)
+            sums[k] = get(k, 0) + v
+            ns[k] = nget(k, 0) + 1
+        if "limit" in figs:                  # the newest limit, not a sum
+            del sums["limit"], ns["limit"]
+            return _Cum(self.wall + dt, sums, ns, figs["limit"], t)
+        return _Cum(self.wall + dt, sums, ns, self.limit, self.limit_t)
 
 
 class Series:

@@ -17,17 +17,18 @@ per job, at every tick, it compares the nodes over the last `window` seconds (10
   evidence. A node the others wait for is also named for a run-queue wait or a stall that rose over its own baseline
   even where its peers' are as high (they may share its CPU: a noisy neighbour).
 - **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (the node is
-  waited for, no cause moved, its CPU over its peers' median rose 1.15x over its usual ratio, its own CPU up too:
+  waited for, no cause moved, its CPU over its peers' median rose 1.18x over its usual ratio, its own CPU up too:
   the job gave it more work — not its node's fault; on a machine the ranks share, its peers' CPU falls as its own
   rises, so the ratio moves where its own CPU alone hardly does); each names the nodes that waited for it.
 
-An event opens after its verdict has held for `open_s` (7 s; one comparison without it forgiven), and closes
-(`straggler_end`, `imbalance_end`) after `close_s` (5 s) in which it did not hold at the lower clearing bounds over
+An event opens after its verdict has held for `open_s` (4 s; one comparison without it forgiven), and closes
+(`straggler_end`, `imbalance_end`) after `close_s` (3 s) in which it did not hold at the lower clearing bounds over
 the window and its newest slice both (being waited for alone does not hold a straggler open — one of its causes
-must): hysteresis and a minimum duration, so a burst of 5 s or less (it holds in the newest slice for its length +
-3 s) names nobody, and an event ends ~3 + 5 s after its fault, not once the whole window has forgotten it. A job
-whose nodes all look alike has no event. Figures absent from a node's frames (no sched probe, no GPU) are simply not
-compared; without wait figures, a cause before the node has a baseline names it on its peers' comparison alone.
+must): hysteresis and a minimum duration, so a burst of 2 s or less (it holds in the newest slice for its length +
+3 s) names nobody, and an event ends ~3 + 3 s after its fault (chosen on recorded faults: docs/PERFORMANCE.md,
+"Stragglers"). A job whose nodes all look alike has no event. Figures absent from a node's frames (no sched probe,
+no GPU) are not compared; without wait figures, a cause before the node has a baseline names it on its peers'
+comparison alone.
 """
 from __future__ import annotations
 
@@ -42,20 +43,19 @@ from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_li
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
 SLICE_S = 3.0             # the newest slice, in which a cause must hold too (not only in the window's average)
-OPEN_S = 7.0              # held this long (one comparison's miss forgiven): a burst of 5 s names nobody
-CLOSE_S = 5.0             # an open event ends after this long without it (at the lower clearing bounds)
+OPEN_S = 4.0              # held this long (one comparison's miss forgiven): a burst of 1 s names nobody
+CLOSE_S = 3.0             # an open event ends after this long without it (at the lower clearing bounds)
 MISSES = 1                # comparisons without it that do not break a hold (a noisy second)
 BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while the job is in step
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
 # the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
 WAITED_S = 0.05
 WAITED_SHARE = 0.05       # ... and this share of the peers' median wait (a median mostly of threads that always sleep)
-IMBALANCE_SHARE = 1.15    # a node waited for, whose CPU over its peers' median rose this much over its usual
+IMBALANCE_SHARE = 1.18    # a node waited for, whose CPU over its peers' median rose this much over its usual
                           # ratio, its own CPU up too, nothing else moved: more work (a rank given 1.5x the batch on
                           # a 2-core machine three ranks share: its CPU 1.12-1.19x, its peers' down 3-8%, the ratio
-                          # 1.21-1.27x; in step the ratio wanders within 1.13x)
+                          # 1.17-1.35x; in step it wandered to 1.16-1.18x a few times in 35 recorded trials)
 IMBALANCE_CPU = 1.05      # ... its own CPU at least this much over its baseline (not only its peers' fallen)
-
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
 
