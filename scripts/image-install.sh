@@ -8,8 +8,8 @@
 #   slim STUBDIR   what a running agent never uses, out: apt and what only it needs, perl-base (no package is
 #                  installed after this), and two libraries Debian's LLVM links but bcc never calls replaced by the
 #                  stubs in STUBDIR (scripts/image-stubs: libz3, the clang analyzer's solver, 23 MB; ICU's data,
-#                  31 MB, reached through libxml2); then bcc must load with every symbol bound (it compiles where the
-#                  kernel's headers are: tests/test_image.py)
+#                  31 MB, reached through libxml2; ICU's other libraries, which nothing links); then bcc must
+#                  load with every symbol bound (it compiles where the kernel's headers are: tests/test_image.py)
 set -eu
 case "${1:-}" in
 system)
@@ -38,6 +38,9 @@ slim)
     real=$(readlink -f "$lib/$f")
     [ -f "$real" ] || { echo "image-install: no $lib/$f in this image: the stubs are for Debian bookworm's" >&2; exit 2; }
     cp "$stubs/$f" "$real"
+  done
+  for f in libicui18n libicuio libicutu libicutest; do     # ICU's other libraries: nothing here links them
+    rm -f "$lib/$f.so".*
   done
   dpkg --purge apt libapt-pkg6.0 gpgv debian-archive-keyring libgnutls30 libhogweed6 libnettle8 libp11-kit0 \
     libtasn1-6 libidn2-0 libunistring2 libxxhash0 libseccomp2 >/dev/null
