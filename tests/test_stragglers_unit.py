@@ -413,11 +413,10 @@ def test_a_stall_at_the_memory_limit_says_so():
 
 
 
-def test_the_replay_script_decides_as_the_controller_did_and_says_why(tmp_path):
-    """scripts/straggler_replay.py on a store holding a throttled node's frames: the same events as the detector fed
-    the frames directly, and a line per comparison of the node with its gap, its bound and its verdict."""
+def replay_script_and_store(tmp_path: Path):
+    """scripts/straggler_replay.py as a module, and a store holding a job whose node b is CPU-throttled for 60 s from
+    t = 1060 (its peers waiting for it): (the module, the frames)."""
     import importlib.util
-    import io
 
     from jobprobe.cluster.store import Store
     spec = importlib.util.spec_from_file_location("straggler_replay", ROOT / "scripts" / "straggler_replay.py")
@@ -429,6 +428,15 @@ def test_the_replay_script_decides_as_the_controller_did_and_says_why(tmp_path):
     store = Store(tmp_path / "store.db")
     store.add(frames)
     store.close()
+    return mod, frames
+
+
+def test_the_replay_script_decides_as_the_controller_did_and_says_why(tmp_path):
+    """scripts/straggler_replay.py on a store holding a throttled node's frames: the same events as the detector fed
+    the frames directly, and a line per comparison of the node with its gap, its bound and its verdict."""
+    import io
+
+    mod, frames = replay_script_and_store(tmp_path)
     w = StragglerWatch()
     direct = [e[:3] for f in frames for e in w.feed([f])]
     out = io.StringIO()
@@ -443,19 +451,9 @@ def test_the_replay_scores_a_bench_runs_trials_and_weighs_a_setting(tmp_path):
     """scripts/straggler_replay.py --bench: the replay's events scored trial by trial as the bench scores a run (the
     throttled node named, its delay from the fault's time, nothing false; a balanced trial after it with nobody
     named) — and a shorter hold (`--set OPEN_S=4`) names it 3 s sooner, which is how a setting is weighed."""
-    import importlib.util
     import io
 
-    from jobprobe.cluster.store import Store
-    spec = importlib.util.spec_from_file_location("straggler_replay", ROOT / "scripts" / "straggler_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    frames = [frame(n, t, throttled=0.6e9 if n == "b" and 1060 <= t < 1120 else 0, limit=0.25 if n == "b" else None,
-                    wait=(0.05e9 if n == "b" else 0.7e9) if 1060 <= t < 1120 else 0.3e9)
-              for t in range(1000, 1200) for n in ("a", "b", "c")]
-    store = Store(tmp_path / "store.db")
-    store.add(frames)
-    store.close()
+    mod, _ = replay_script_and_store(tmp_path)
     trials = [{"fault": "cpu", "rank": 1, "node": "b", "t_fault": 1059.5, "t_clear": 1119.5},
               {"fault": "balanced", "rank": 0, "node": "a", "t_fault": 1150.0, "t_clear": 1180.0}]
     scored = {}
