@@ -242,7 +242,7 @@ def main() -> int:
                                             "kept_days": keep}
                     per = b / len(samples)
                     print(f"  rollup {lv:>2} s  {per:8.1f} B/sample  {per * 86400 / 1e6:7.2f} "
-                          f"MB/node-day (kept {keep} days: {b / len(samples) * 86400 / 1e6 * keep:.1f} MB per node)",
+                          f"MB/node-day (kept {keep} days: {per * 86400 / 1e6 * keep:.1f} MB per node)",
                           flush=True)
             if n is not None:
                 out[name] = {"bytes_per_sample": round(n / len(samples), 1),

@@ -22,11 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jobprobe.cluster import causes as C  # noqa: E402
 from jobprobe.cluster import stragglers as S  # noqa: E402
 from jobprobe.cluster.store import Store  # noqa: E402
-
-
-from jobprobe.cluster import causes as C  # noqa: E402
 
 WATCH_ARGS = {"WINDOW_S": "window", "EVERY_S": "every", "SLICE_S": "slice_s", "OPEN_S": "open_s", "CLOSE_S": "close_s"}
 
@@ -91,24 +89,18 @@ def settings(pairs: list[str]) -> dict:
 
 
 def score(events: list, trials: list[dict]) -> dict:
-    """The replay's events scored against the bench's trials: per trial the first event after its fault (until the
-    next trial's fault) naming the trial's node with the fault's kind, its delay, and the other events (false)."""
-    from jobprobe.bench.stragglers import FAULTS, summarize
+    """The replay's events scored against the bench's trials as the bench scores its own (bench.stragglers.judge):
+    per trial the events from its fault until the next trial's, and the delay of the first if it is the right one."""
+    from jobprobe.bench.stragglers import FAULTS, judge, summarize
     named = [e for e in events if e[2] in ("straggler", "imbalance")]
     out = []
     for i, tr in enumerate(trials):
         end = trials[i + 1]["t_fault"] if i + 1 < len(trials) else float("inf")
         mine = [e for e in named if tr["t_fault"] <= e[4] < end]
-        kind = FAULTS[tr["fault"]].kind
-        right = [e for e in mine if e[2] == kind and e[0] == tr["node"]]
-        first = right[0] if right and right[0] is mine[0] else None
-        causes = set(first[3].get("causes", ())) if first else set()
-        out.append({**tr, "detected": first is not None,
-                    "latency_s": round(first[4] - tr["t_fault"], 1) if first else None,
-                    "right_cause": first is not None and (not FAULTS[tr["fault"]].causes
-                                                          or bool(FAULTS[tr["fault"]].causes & causes)),
-                    "causes": sorted(causes), "false_names": len(mine) - len(right),
-                    "flaps": max(0, len(right) - 1)})
+        bodies = [{**e[3], "event": e[2]} for e in mine]
+        verdict = judge(tr["fault"], tr["node"], bodies, bodies[0] if bodies else None)
+        out.append({**tr, **verdict,
+                    "latency_s": round(mine[0][4] - tr["t_fault"], 1) if verdict["detected"] else None})
     return summarize(out, max((sum(t["fault"] == f for t in trials) for f in FAULTS), default=0))
 
 

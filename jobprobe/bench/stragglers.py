@@ -98,15 +98,24 @@ def trial(cluster: Cluster, ddp: DdpJob, name: str, rank: int, rng: random.Rando
             time.sleep(0.5)
     time.sleep(10)
     events = named(cluster)[seen:]
-    right = [e for e in events if e["event"] == fault.kind and (e.get("straggler") or e.get("node")) == node]
-    false = len(events) - len(right)
-    ok = first is not None and first in right
+    verdict = judge(name, node, events, first)
     return {"fault": name, "rank": rank, "node": node, "t_fault": round(t0, 3), "t_clear": round(t_clear, 3),
-            "detected": ok, "latency_s": round(latency, 1) if ok else None,
-            "right_cause": ok and (not fault.causes or bool(fault.causes & set(first.get("causes", ())))),
-            "causes": first.get("causes", []) if first else [], "false_names": false,
-            "flaps": max(0, len(right) - 1),      # the right node named again within one fault: it ended too soon
+            **verdict, "latency_s": round(latency, 1) if verdict["detected"] else None,
             "events": [(e["event"], e.get("straggler") or e.get("node"), e.get("causes", [])) for e in events]}
+
+
+def judge(name: str, node: str, events: list[dict], first: dict | None) -> dict:
+    """A trial's `straggler`/`imbalance` events (their bodies with `event`, in order) judged: detected when `first`
+    (the first of them, if it came within the trial's time to name) names `node` with the fault's kind, its cause
+    right, every other event a false name, the right node named again a flap (its event ended too soon). The bench's
+    trials and scripts/straggler_replay.py's scoring both use it."""
+    fault = FAULTS[name]
+    right = [e for e in events if e["event"] == fault.kind and (e.get("straggler") or e.get("node")) == node]
+    ok = first is not None and first in right
+    return {"detected": ok,
+            "right_cause": ok and (not fault.causes or bool(fault.causes & set(first.get("causes", ())))),
+            "causes": first.get("causes", []) if first else [], "false_names": len(events) - len(right),
+            "flaps": max(0, len(right) - 1)}
 
 
 def bench_stragglers(runs: int, only: list[str], seed: int | None, progress: TextIO, timeout: float = 40.0) -> dict:

@@ -43,7 +43,7 @@ from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_li
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
 SLICE_S = 3.0             # the newest slice, in which a cause must hold too (not only in the window's average)
-OPEN_S = 4.0              # held this long (one comparison's miss forgiven): a burst of 1 s names nobody
+OPEN_S = 4.0              # held this long (one comparison's miss forgiven): a burst of 2 s names nobody
 CLOSE_S = 3.0             # an open event ends after this long without it (at the lower clearing bounds)
 MISSES = 1                # comparisons without it that do not break a hold (a noisy second)
 BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while the job is in step
