@@ -149,7 +149,10 @@ def _fields() -> dict[str, Field]:
         "kernel_launches": Field("int", "count", "kernel launches by the job's threads (cuLaunchKernel[Ex], "
                                  "cudaLaunchKernel, cudaLaunchKernelExC; a runtime launch counted once, not again "
                                  "in the driver beneath it; NCCL's own launches included)"),
-        "kernel_launches_per_s": Field("float", "1/s", "kernel_launches / the interval's length (None if 0)"),
+        "kernel_launches_per_s": Field("float", "1/s", "kernel_launches over the time between this probe's "
+                                                       "two readings (None if 0): a tick reads its probes one "
+                                                       "after another, so it can be tens of ms off the frame's "
+                                                       "dt on a busy node"),
     }
     what = {"htod": "host to device", "dtoh": "device to host", "dtod": "device to device",
             "other": "host to host or cudaMemcpyDefault (direction decided inside the runtime)"}

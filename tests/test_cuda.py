@@ -401,9 +401,12 @@ def test_command_line_per_second_counts_sum_to_the_programs_account(fakes, tmp_p
     print("cuda per tick: launches", [t["kernel_launches"] for t in per_tick])
     assert total == {k: truth[k] for k in COUNTED}
     assert truth["sync_min_ns"] <= sum(t["sync_ns"] for t in per_tick) <= truth["sync_wall_ns"]
-    launched = sum(t["kernel_launches_per_s"] * f["dt"] for t, f in zip(per_tick, samples) if t["kernel_launches"])
-    # The rate's interval is the probe's own, between its two map reads: a few ms off the frame's dt.
-    assert abs(launched - truth["kernel_launches"]) <= 0.02 * truth["kernel_launches"]
+    # The rate is over the probe's own interval, between its two map reads: a tick reads its probes one after
+    # another, so on a busy machine that interval is tens of ms off the frame's dt (a run beside the suite's other
+    # tests: 600 launches x their rates' intervals summed to 615 over dt).
+    for t, f in zip(per_tick, samples):
+        if t["kernel_launches"]:
+            assert abs(t["kernel_launches"] / t["kernel_launches_per_s"] - f["dt"]) <= 0.1, (t, f["dt"])
     assert sum(1 for t in per_tick if t["kernel_launches"]) >= 2    # NCCL came later, in another tick
     events = [f for f in frames if f["kind"] == "event" and f["event"] == "cuda_library"]
     assert sorted(Path(e["path"]).name for e in events) == sorted(LIBS)
@@ -418,7 +421,7 @@ def test_cost_per_call(tmp_path):
     """Not a benchmark with limits: prints what a probed call costs (wall time of N calls with the probe on minus
     off, and the programs' own run time from bpf_stats) for each way a function can begin, and checks the run
     counts, which are exact."""
-    n = 20000
+    n = 5000                  # calls per kind: the run counts below are exact at any n; the costs are means
     print(f"\n{'first instruction':28} {'call':5} {'off ns':>7} {'on ns':>7} {'+ns/call':>8}  programs ns/run")
     for variant in FIRST:
         libdir = build(tmp_path / variant, variant)

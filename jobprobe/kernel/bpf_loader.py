@@ -3,7 +3,8 @@
 Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
 "cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…},
-"pin_dir": "/tmp/jobprobe-pins-XXXX"}; with "pinned" (maps the agent already holds, passed as inherited fds: the
+"pin_dir": "/tmp/jobprobe-pins-XXXX", "cache": {"dir": ..., "name": ...} or null}; with "cache", once loaded it
+writes the module's record there (jobprobe/kernel/bpfcache.py: a next load needs no compile); with "pinned" (maps the agent already holds, passed as inherited fds: the
 node's membership maps), it first moves to a mount namespace of its own, mounts a bpffs on "pin_dir" there, pins each
 fd under its name and compiles with -DJOB_PIN_DIR="<pin_dir>", so that the module's BPF_TABLE_PINNED declarations
 (bpf/common.h) open those very maps; the namespace, the mount and the pins vanish with this process, and nothing
@@ -192,7 +193,45 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         fds.append(m.pop("sys_fd"))
     meta = {"progs": [{"name": n, "fd": i} for n, i in progs.items()], "links": links, "maps": maps,
             "nfds": len(fds)}
+    if req.get("cache"):
+        from pathlib import Path
+
+        from jobprobe.kernel import bpfcache
+        try:
+            bpfcache.write(Path(req["cache"]["dir"]), req["cache"]["name"], record(b, lib, req, progs, fds, maps))
+        except Exception as err:    # the load stands; only the next start compiles again
+            print(f"bpf_loader: no record written: {type(err).__name__}: {err}", file=sys.stderr)
     return meta, fds
+
+
+def record(b: Any, lib: Any, req: dict[str, Any], progs: dict[str, int], fds: list[int],
+           maps: list[dict[str, Any]]) -> Any:
+    """What a later load needs to load this module again without compiling it (jobprobe/kernel/bpfcache.py): each
+    program's instructions as bcc gave them to the kernel, each map as the kernel holds it (its BTF types too), the
+    module's own BTF. Raises where the module holds something a record cannot (maps typed by two BTFs)."""
+    from jobprobe.kernel import bpfcache
+    from jobprobe.kernel.bpf import BTF, CGROUP_HOOKS, TRACE_RAW_TP, btf_bytes, map_info, prog_info
+    attach = {fn: (TRACE_RAW_TP, btf_trace_id(tp)) for tp, fn in req["tracepoints"] if tp.startswith(BTF)}
+    attach.update({fn: (CGROUP_HOOKS[hook][1], 0) for fn, _, hook in req.get("cgroups", ())})
+    out = {}
+    for fn, i in progs.items():
+        kind, btf_id = attach.get(fn, (0, 0))
+        out[fn] = bpfcache.Prog(prog_info(fds[i]).type, kind, btf_id, bytes(b.dump_func(fn.encode())))
+    shared = set(req.get("pinned") or ())
+    defs, btf_ids = [], set()
+    for m in maps:
+        info = map_info(fds[m["fd"]])
+        typed = m["name"] not in shared and info.btf_id
+        if typed:
+            btf_ids.add(info.btf_id)
+        defs.append(bpfcache.MapDef(m["name"], info.type, info.key_size, info.value_size, info.max_entries,
+                                    info.map_flags, fds[m["fd"]], m["name"] in shared,
+                                    info.btf_key_type_id if typed else 0, info.btf_value_type_id if typed else 0))
+    if len(btf_ids) > 1:
+        raise ValueError(f"maps typed by {len(btf_ids)} BTFs")
+    lic = lib.bpf_module_license(b.module)
+    return bpfcache.Record(lic.decode() if lic else "GPL", int(lib.bpf_module_kern_version(b.module)), out,
+                           tuple(defs), btf_bytes(btf_ids.pop()) if btf_ids else b"")
 
 
 def main(argv: list[str]) -> None:

@@ -6,8 +6,10 @@ What: load() starts a short-lived loader (jobprobe/kernel/bpf_loader.py, same in
   (a perf_event fd per tracepoint, a bpf_link fd per cgroup hook) and every map, then exits. Holding those fds
   keeps everything attached; closing them (Loaded.close) detaches. The maps come back as jobprobe.kernel.bpfmap.Map.
 Hooks: none of its own; SCM_RIGHTS on an AF_UNIX socketpair.
-Cost: the agent never maps libbcc/LLVM (jobprobe run: 19 MB RSS instead of 141 MB); a load costs one
-  interpreter start plus the compile (~0.4-0.6 s in a 6.18 VM), once per probe start.
+  A module loaded before on this kernel comes from its record instead (jobprobe/kernel/bpfcache.py): no loader.
+Cost: the agent never maps libbcc/LLVM (jobprobe run: 19 MB RSS instead of 141 MB); a compiled load costs one
+  interpreter start plus the compile (~0.6-1.0 s of CPU for sched.c in a 6.18 VM); from a record, only what the
+  kernel's verifier takes (sched.c ~0.3 s, paid in a compile too) and ~5 ms (scripts/bpf_load_cost.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import array
 import contextlib
 import errno
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -26,10 +29,12 @@ from typing import Any, Iterator, Sequence
 
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel import bpfcache
 from jobprobe.kernel.bpf import CGROUP_HOOKS, close_all, prog_info, trim_log
 from jobprobe.kernel.bpfmap import Map, possible_cpus
 
 MAX_FDS = 253                   # SCM_MAX_FD: the most fds one message may carry
+log = logging.getLogger("jobprobe.kernel.bpfload")
 
 
 @dataclass
@@ -123,10 +128,17 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
     for _, _, hook in cgroups:
         if hook not in CGROUP_HOOKS:
             raise ValueError(f"unknown cgroup hook {hook!r}; known: {', '.join(CGROUP_HOOKS)}")
+    cache = bpfcache.directory()
+    key = bpfcache.key(text, cflags, tracepoints, cgroups, uprobes, list(pinned or {})) if cache else ""
+    if cache and bpfcache.trusted_dir(cache):
+        got = from_record(name, cache / key, tracepoints, cgroups, uprobes, pinned or {}, sys_root)
+        if got is not None:
+            return got
     with pin_dir(bool(pinned)) as where:
         request = json.dumps({"text": text, "cflags": list(cflags), "tracepoints": [list(t) for t in tracepoints],
                               "cgroups": [list(c) for c in cgroups], "uprobes": list(uprobes),
-                              "pinned": dict(pinned or {}), "pin_dir": where})
+                              "pinned": dict(pinned or {}), "pin_dir": where,
+                              "cache": {"dir": str(cache), "name": key} if cache else None})
         meta, fds, pid, why = run_loader(name, request, timeout, tuple((pinned or {}).values()))
     what = f"cannot load bpf/{name}.c"
     if "error" in meta:
@@ -137,6 +149,25 @@ def load(name: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]
     except (KeyError, IndexError, OSError, ValueError) as err:
         close_all(fds)
         raise ProbeUnavailable(f"{what}: bad loader reply: {err}") from err
+
+
+def from_record(name: str, path: Path, tracepoints: Sequence[tuple[str, str]], cgroups: Sequence[tuple[str, str, str]],
+                uprobes: Sequence[str], pinned: dict[str, int], sys_root: str) -> Loaded | None:
+    """The module loaded from its record at `path` (jobprobe/kernel/bpfcache.py), with no loader; None when there is
+    no record, or one that must not be used or that the kernel refused (said in one line: the caller compiles)."""
+    try:
+        rec = bpfcache.read(path)
+        if rec is None:
+            return None
+        meta, fds = bpfcache.instantiate(rec, tracepoints, cgroups, uprobes, pinned, sys_root)
+    except (ValueError, OSError) as err:           # bpfcache.Rejected is a ValueError
+        log.warning("bpf/%s.c: its compiled record %s not used (%s): compiling it again", name, path.name[:12], err)
+        return None
+    try:
+        return build(name, meta, fds, possible_cpus(sys_root), 0)
+    except (KeyError, IndexError, OSError, ValueError) as err:
+        close_all(fds)
+        raise ProbeUnavailable(f"cannot load bpf/{name}.c from its record: {err}") from err
 
 
 @contextlib.contextmanager

@@ -22,8 +22,8 @@ import struct
 from pathlib import Path
 from typing import Any, Iterator
 
-from jobprobe.kernel.bpf import (ANY, MAP_CREATE, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY, MAP_LOOKUP_BATCH,
-                                 MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, BatchAttr, ElemAttr, MapCreateAttr, sys_bpf)
+from jobprobe.kernel.bpf import (ANY, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY, MAP_LOOKUP_BATCH, MAP_LOOKUP_ELEM,
+                                 MAP_UPDATE_ELEM, BatchAttr, ElemAttr, map_create, sys_bpf)
 from jobprobe.kernel.host import parse_cpu_list
 
 PERCPU_TYPES = {5, 6, 10, 21}   # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH, PERCPU_CGROUP_STORAGE
@@ -50,7 +50,7 @@ def percpu_stride(value_size: int) -> int:
 def ringbuf_supported() -> bool:
     """Can this kernel make a BPF ring buffer (Linux 5.8)? Asked by making one of one page and closing it."""
     try:
-        fd = sys_bpf(MAP_CREATE, MapCreateAttr(map_type=MAP_RINGBUF, max_entries=mmap.PAGESIZE))
+        fd = map_create(MAP_RINGBUF, 0, 0, mmap.PAGESIZE)
     except OSError:
         return False
     os.close(fd)

@@ -131,6 +131,22 @@ def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, group_fd: int = -1,
     return int(fd)
 
 
+PERF_EVENT_IOC_SET_BPF = 0x40042408             # _IOW('$', 8, __u32)
+
+
+def open_bpf_event(attr: PerfEventAttr, prog_fd: int) -> int:
+    """A perf event for every process (pid -1; on CPU 0, though its BPF program runs on any CPU) that runs prog_fd
+    each time it fires (a tracepoint, a uprobe), enabled; returns its fd: closing it detaches the program."""
+    fd = perf_event_open(attr, -1, 0)
+    try:
+        fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
+        fcntl.ioctl(fd, PERF_EVENT_IOC_ENABLE, 0)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def explain(err: OSError, event: str, where: str) -> str:
     """A reason a user can act on, for a failed perf_event_open of `event` on `where`."""
     hw = EVENTS.get(event, (None,))[0] == PERF_TYPE_HARDWARE

@@ -7,7 +7,6 @@ program (~1 µs on bare metal, more where the first instruction must be single-s
 from __future__ import annotations
 
 import ctypes as ct
-import fcntl
 import os
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import perf as _perf
 
-PERF_EVENT_IOC_SET_BPF = 0x40042408             # _IOW('$', 8, __u32)
 
 
 class UprobePmu:
@@ -48,11 +46,4 @@ class UprobePmu:
         """A uprobe on path+offset for every process (pid -1; the BPF program runs on any CPU), running prog_fd.
         Returns the perf event fd: closing it detaches."""
         attr, _buf = self.attr(os.fsencode(path), offset, retprobe)
-        fd = _perf.perf_event_open(attr, -1, 0)
-        try:
-            fcntl.ioctl(fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
-            fcntl.ioctl(fd, _perf.PERF_EVENT_IOC_ENABLE, 0)
-        except OSError:
-            os.close(fd)
-            raise
-        return fd
+        return _perf.open_bpf_event(attr, prog_fd)
