@@ -1,7 +1,8 @@
 """What naming stragglers costs the controller: per job per tick, for jobs of N nodes, on frames shaped like real
-ones (cgroup, sched, net, nic, gpu sections). Prints one line per size.
+ones (cgroup, sched, net, nic, gpu sections). Prints one line per size. `--jobs J`: J jobs of that size, their
+frames fed together each tick, as a controller's batch holds every job's.
 
-    python scripts/straggler_cost.py [--nodes 2,8,64] [--ticks 600]
+    python scripts/straggler_cost.py [--nodes 2,8,64] [--ticks 600] [--jobs 1]
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jobprobe.cluster.stragglers import StragglerWatch  # noqa: E402
 
 
-def frame(node: str, t: float, rng: random.Random) -> dict:
-    return {"v": 1, "kind": "sample", "node": node, "job": "big", "run": "r", "seq": int(t), "t": t, "dt": 1.0,
+def frame(node: str, t: float, rng: random.Random, job: str = "big") -> dict:
+    return {"v": 1, "kind": "sample", "node": node, "job": job, "run": "r", "seq": int(t), "t": t, "dt": 1.0,
             "probes": {
                 "cgroup": {"cpu_user_ns": int(rng.uniform(7e9, 8e9)), "cpu_system_ns": int(5e8),
                            "cpu_throttled_ns": 0},
@@ -35,18 +36,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", default="2,8,64")
     ap.add_argument("--ticks", type=int, default=600)
+    ap.add_argument("--jobs", type=int, default=1)
     a = ap.parse_args()
     for n in map(int, a.nodes.split(",")):
         rng = random.Random(n)
-        nodes = [f"n{i}" for i in range(n)]
-        ticks = [[frame(x, 1000.0 + s, rng) for x in nodes] for s in range(a.ticks)]
+        nodes = [(f"j{j}", f"n{j}-{i}") for j in range(a.jobs) for i in range(n)]
+        ticks = [[frame(x, 1000.0 + s, rng, job) for job, x in nodes] for s in range(a.ticks)]
         w = StragglerWatch()
         t0 = time.process_time()
         for batch in ticks:
             w.feed(batch)
         cpu = time.process_time() - t0
-        print(f"{n} nodes: {cpu / a.ticks * 1e3:.3f} ms CPU per job-tick ({cpu / a.ticks / n * 1e6:.1f} µs per "
-              f"node-frame), {w.evaluations} comparisons in {a.ticks} ticks")
+        per = cpu / a.ticks / a.jobs
+        print(f"{n} nodes{f' x {a.jobs} jobs' if a.jobs > 1 else ''}: {per * 1e3:.3f} ms CPU per job-tick "
+              f"({per / n * 1e6:.1f} µs per node-frame), {w.evaluations} comparisons in {a.ticks} ticks")
 
 
 if __name__ == "__main__":

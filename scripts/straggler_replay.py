@@ -31,6 +31,7 @@ WATCH_ARGS = {"WINDOW_S": "window", "EVERY_S": "every", "SLICE_S": "slice_s", "O
 
 class Traced(S.StragglerWatch):
     """The detector, its per-node verdicts printed (the decision itself unchanged)."""
+    trace_all = True
 
     def __init__(self, out, node: str | None, since: float, **kw):
         super().__init__(**kw)

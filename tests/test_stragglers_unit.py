@@ -39,6 +39,8 @@ def test_the_detector_reads_every_figure_from_fields_probes_send():
             "tx_bytes", "retrans", "rtt_w", "nic_held", "rail_slow", "rdma_fatal", "gpu_util", "gpu_clock",
             "gpu_throttled"}
     assert want <= set(got), sorted(want - set(got))
+    from jobprobe.cluster.peers import KEYS
+    assert set(got) <= set(KEYS), sorted(set(got) - set(KEYS))      # each one summed in the nodes' arrays
 
 
 def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
@@ -156,6 +158,28 @@ def test_peers_median_and_max_leave_the_node_itself_out_exactly():
             rest = [x.rate("retrans") for j, x in enumerate(wins) if j != i]
             med, top, cnt = everyone.stats("retrans", w.rate("retrans"))
             assert (med, top, cnt) == (statistics.median(rest), max(rest), n - 1)
+
+
+def test_the_arrays_order_of_a_figure_is_the_peers_median_and_max_of_each_job():
+    """order_stats, every node of several jobs at once (a node without the figure: NaN), gives what Others.stats
+    and statistics give each node against the other nodes of its own job."""
+    import statistics
+
+    import numpy as np
+
+    from jobprobe.cluster.peers import order_stats
+    rng = random.Random(3)
+    sizes = [2, 3, 4, 9, 1, 50]
+    x = np.array([[rng.choice([np.nan, 0.0, 1.0, 5.0, 5.0, 20.0, rng.random()]) for _ in range(sum(sizes))]
+                  for _ in range(3)])
+    starts = np.cumsum([0] + sizes[:-1])
+    med, top, cnt = order_stats(x, np.repeat(np.arange(len(sizes)), sizes), starts)
+    for f in range(len(x)):
+        for j, (a, m) in enumerate(zip(starts, sizes)):
+            for i in range(a, a + m):
+                rest = [v for k, v in enumerate(x[f, a:a + m].tolist(), a) if k != i and v == v]
+                want = (statistics.median(rest), max(rest), len(rest)) if rest else (0.0, 0.0, 0)
+                assert (med[f, i], top[f, i], cnt[f, i]) == want, (f, j, i)
 
 
 def named(ev):

@@ -1,6 +1,9 @@
-"""Straggler causes: what one node's frames say (figures), summed over a window (Window), and the figures in which
-a node is far from its peers (causes) or moved from its own baseline (moved). The watch that compares a job's nodes
-over time, and decides who is waited for, is jobprobe/cluster/stragglers.py.
+"""Straggler causes: what one node's frames say (figures), summed over a window (Window), the figures compared
+(values_of), and the figures in which a node is far from its peers (causes; could_name reads the same bounds across
+every node of a comparison at once) or moved from its own baseline (moved), and what an event says of them
+(evidence, straggler_body, imbalance_body). The watch that compares a job's nodes over time, and decides who is
+waited for, is jobprobe/cluster/stragglers.py; jobprobe/cluster/peers.py holds every node's running sums and its
+baseline as arrays.
 
 Each cause names its figure and its bounds here, once: opening bounds, the lower ones an open straggler must fall
 under to be cleared (hysteresis), and how far from the node's own baseline a figure must move to be evidence.
@@ -11,6 +14,8 @@ import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
@@ -113,6 +118,12 @@ def _figures(probes: dict) -> dict[str, float]:
     return out
 
 
+# every figure _figures gives, summed over a window (and `limit`, the newest value, not a sum)
+SUMMED = ("cpu_ns", "throttled_ns", "mem_dt", "mem_full", "runq_ns", "wait_ns", "gpu_dt", "gpu_util", "gpu_clock",
+          "gpu_throttled", "mem_stall_ns", "io_stall_ns", "reclaim_ns", "tx_bytes", "rx_bytes", "retrans", "rtt_w",
+          "rtt_n", "ras_dt", "ras_behind", "nic_held", "nic_drops", "rail_dt", "rail_slow", "rdma_dt", "rdma_fatal")
+
+
 @dataclass
 class Window:
     """A node's figures summed over a window: rates per second of wall time."""
@@ -137,78 +148,6 @@ class Window:
 
 
 @dataclass
-class _Cum:
-    """Everything of a node's frames up to one frame: wall time, each figure's sum and count, the newest limit."""
-    wall: float = 0.0
-    sums: dict = field(default_factory=dict)
-    ns: dict = field(default_factory=dict)
-    limit: float | None = None
-    limit_t: float = float("-inf")
-
-    def then(self, t: float, dt: float, figs: dict[str, float]) -> "_Cum":
-        sums, ns = self.sums.copy(), self.ns.copy()
-        get, nget = sums.get, ns.get
-        for k, v in figs.items():
-            sums[k] = get(k, 0) + v
-            ns[k] = nget(k, 0) + 1
-        if "limit" in figs:                  # the newest limit, not a sum
-            del sums["limit"], ns["limit"]
-            return _Cum(self.wall + dt, sums, ns, figs["limit"], t)
-        return _Cum(self.wall + dt, sums, ns, self.limit, self.limit_t)
-
-
-class Series:
-    """One node's frames in time order, kept `keep` s, with running sums: a window's figures are the difference of
-    two running sums (O(figures)), not a sum over its frames — a comparison each tick costs what one did each 5 s."""
-
-    def __init__(self, keep: float):
-        self.keep = keep
-        self.frames: list[tuple[float, float, dict, _Cum]] = []   # (t, dt, figures, the sums up to and with it)
-        self.base = _Cum()                                          # the sums before the first frame kept
-        self.newest = 0.0
-
-    def add(self, t: float, dt: float, figs: dict[str, float]) -> None:
-        i = len(self.frames)
-        while i and self.frames[i - 1][0] > t:       # a late frame: put in time order, the sums after it redone
-            i -= 1
-        redo = self.frames[i:]
-        del self.frames[i:]
-        for ft, fdt, ff, _ in [(t, dt, figs, None), *redo]:
-            prev = self.frames[-1][3] if self.frames else self.base
-            self.frames.append((ft, fdt, ff, prev.then(ft, fdt, ff)))
-        self.newest = max(self.newest, t)
-        drop = 0
-        while drop < len(self.frames) and self.frames[drop][0] < self.newest - self.keep:
-            drop += 1
-        if drop:
-            self.base = self.frames[drop - 1][3]
-            del self.frames[:drop]
-
-    def window(self, start: float, end: float) -> Window:
-        """The frames in (start, end] summed."""
-        a = b = None
-        for i in range(len(self.frames) - 1, -1, -1):
-            t = self.frames[i][0]
-            if b is None and t <= end:
-                b = self.frames[i][3]
-            if t <= start:
-                a = self.frames[i][3]
-                break
-        a = a or self.base
-        w = Window()
-        if b is None:
-            return w
-        w.wall_s = b.wall - a.wall
-        ans, asums = a.ns, a.sums
-        for k, x in b.sums.items():
-            if b.ns[k] - ans.get(k, 0):
-                w.sums[k] = x - asums.get(k, 0)
-        if b.limit_t > start:
-            w.limit = b.limit
-        return w
-
-
-@dataclass
 class Cause:
     name: str
     value: float
@@ -220,9 +159,19 @@ def median_or_zero(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-# each compared figure (values_of reads them from a window; None: the node does not report it)
-FIGURES = ("throttled", "runq", "retrans", "nic_held", "rtt", "gpu_util", "gpu_clock", "gpu_throttled", "rail_slow",
-           "rdma_fatal", "mem_stall", "io_stall", "reclaim", "wait", "cpu", "ras_behind")
+# Each compared figure, read from a window's sums (values_of; None: the node does not report it): (figure, sum,
+# per, scale) — per None: the sum per second of wall time over `scale` (seconds per second for the times, per second
+# for the counts); else the sum over the sum `per` (an average over the frames that carry it: GPU and port shares,
+# the TCP round trip over its segments)
+VALUES = (("throttled", "throttled_ns", None, 1e9), ("runq", "runq_ns", None, 1e9), ("retrans", "retrans", None, 1.0),
+          ("nic_held", "nic_held", None, 1.0), ("rtt", "rtt_w", "rtt_n", None),
+          ("gpu_util", "gpu_util", "gpu_dt", None), ("gpu_clock", "gpu_clock", "gpu_dt", None),
+          ("gpu_throttled", "gpu_throttled", "gpu_dt", None), ("rail_slow", "rail_slow", "rail_dt", None),
+          ("rdma_fatal", "rdma_fatal", "rdma_dt", None), ("mem_stall", "mem_stall_ns", None, 1e9),
+          ("io_stall", "io_stall_ns", None, 1e9), ("reclaim", "reclaim_ns", None, 1e9), ("wait", "wait_ns", None, 1e9),
+          ("cpu", "cpu_ns", None, 1e9), ("ras_behind", "ras_behind", "ras_dt", None),
+          ("mem_full", "mem_full", "mem_dt", None))
+FIGURES = tuple(f for f, _, _, _ in VALUES)
 
 # How far a figure must move from the node's own baseline to count as evidence (in the direction of its cause), by
 # cause: a figure that did not change is never evidence, however far it is from the peers'. (name, figure, rise)
@@ -242,6 +191,20 @@ def moved(cause: str, value: float, base: float, share: float = 1.0) -> bool:
     return value - base >= rise * share if rise > 0 else value - base <= rise * share
 
 
+# the stalls a node the others wait for is named for where they rose over its own baseline, even where its peers'
+# are as high (they may share its CPU): (figure, cause, the words)
+WAITED_STALLS = (("runq", "runq", "threads waited {x:.2f} s per s for a CPU (run queue), up from {b:.2f}; peers "
+                  "{m:.2f}"),
+                 ("mem_stall", "memory_pressure", "threads stalled {x:.2f} s per s on memory, up from {b:.2f}; peers "
+                  "{m:.2f}"),
+                 ("io_stall", "io_pressure", "threads stalled {x:.2f} s per s on I/O, up from {b:.2f}; peers {m:.2f}"),
+                 ("reclaim", "memory_reclaim", "threads reclaimed memory {x:.2f} s per s, up from {b:.2f}; peers "
+                  "{m:.2f}"))
+STALL_FIGURES = tuple(k for k, _, _ in WAITED_STALLS)
+STALL_RISES = np.array([[MOVED[c][1]] for _, c, _ in WAITED_STALLS])   # (a column)
+
+
+
 class Others:
     """Every node's value of every figure, each figure sorted once per comparison, when first asked for (most
     nodes of a healthy job are under a cause's absolute bound, and their peers' figure is never read): a node's
@@ -256,7 +219,7 @@ class Others:
         """(median, max, count) of figure k over the other nodes: `mine` taken out once."""
         s = self.sorted.get(k)
         if s is None:
-            s = self.sorted[k] = sorted(x for v in self.vals if (x := v[k]) is not None)
+            s = self.sorted[k] = self.column(k)
         i = bisect.bisect_left(s, mine) if mine is not None else len(s)
         skip = i < len(s) and s[i] == mine
         n = len(s) - skip
@@ -268,28 +231,23 @@ class Others:
         med = at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
         return med, at(n - 1), n
 
+    def column(self, k: str) -> list[float]:
+        """Figure k of every node that has it, sorted."""
+        return sorted(x for v in self.vals if (x := v[k]) is not None)
+
 
 def values_of(w: Window) -> dict[str, float | None]:
-    """Every compared figure of a window (None: the node does not report it): seconds per second for the times,
-    per second for the counts, an average over the frames that carry it for GPU and port shares."""
+    """Every compared figure of a window (VALUES; None: the node does not report it)."""
     s = w.sums
     inv = 1.0 / w.wall_s if w.wall_s > 0 else 0.0
-
-    def per_s(k: str, scale: float = 1.0) -> float | None:
-        return s[k] * inv / scale if k in s else None
-
-    def share(k: str, per: str) -> float | None:
-        n = s.get(per)
-        return s[k] / n if n else None
-    rtt_n = s.get("rtt_n")
-    return {"throttled": per_s("throttled_ns", 1e9), "runq": per_s("runq_ns", 1e9), "retrans": per_s("retrans"),
-            "nic_held": per_s("nic_held"), "rtt": s["rtt_w"] / rtt_n if rtt_n else None,
-            "gpu_util": share("gpu_util", "gpu_dt"), "gpu_clock": share("gpu_clock", "gpu_dt"),
-            "gpu_throttled": share("gpu_throttled", "gpu_dt"), "rail_slow": share("rail_slow", "rail_dt"),
-            "rdma_fatal": share("rdma_fatal", "rdma_dt"), "mem_stall": per_s("mem_stall_ns", 1e9),
-            "io_stall": per_s("io_stall_ns", 1e9), "reclaim": per_s("reclaim_ns", 1e9), "wait": per_s("wait_ns", 1e9),
-            "cpu": per_s("cpu_ns", 1e9), "ras_behind": share("ras_behind", "ras_dt"),
-            "mem_full": share("mem_full", "mem_dt")}
+    out: dict[str, float | None] = {}
+    for name, k, per, scale in VALUES:
+        if per is None:
+            out[name] = s[k] * inv / scale if k in s else None
+        else:
+            n = s.get(per)
+            out[name] = s[k] / n if n else None
+    return out
 
 
 # Figures in which a node is named when far above its peers' median: (figure, cause, at least, × the median,
@@ -312,6 +270,16 @@ ABOVE = (
      "threads stalled {x:.2f} s per s on reclaiming memory in its own threads; peers {m:.2f}"),
 )
 
+
+THROTTLED = 0.10          # CPU throttled this share of the window or more, and this much more than every peer
+GPU_UTIL_PEERS = 30       # GPU utilization compared where the peers' median is this (%) or more ...
+GPU_UTIL_OF = 0.6         # ... and named at this share of it or less (clearing: 0.2 more)
+GPU_CLOCK_OF = 0.85       # SM clock named at this share of the peers' median or less (clearing: 0.1 more)
+BAD_SHARE = 0.5           # a share of time in a bad state: at least half the window, and half more than any peer
+SHARES = (("gpu_throttled", "gpu_throttled", "GPU clocks held down (power/thermal)"),
+          ("rail_slow", "nic_rail", "network: one of its rails carried under half the median of its rails (a slow "
+           "NIC, cable or port)"),
+          ("rdma_fatal", "rdma_port", "network: an RDMA port of it was down or past its symbol-error bound"))
 
 STALLS = ("memory_pressure", "io_pressure", "memory_reclaim")   # said with the memory limit, where it is at it
 
@@ -336,9 +304,9 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
     v = mine if mine is not None else values_of(me)
 
     thr = v["throttled"]
-    if thr is not None and thr >= 0.10 * f:          # (the absolute bound first: most nodes' peers go unread)
+    if thr is not None and thr >= THROTTLED * f:     # (the absolute bound first: most nodes' peers go unread)
         m, top, _ = others.stats("throttled", thr)
-        if thr >= top + 0.10 * f:
+        if thr >= top + THROTTLED * f:
             lim = f" (limit {me.limit:g} cores)" if me.limit else ""
             out.append(Cause("cpu_throttled", round(thr, 3), round(m, 3),
                              f"CPU throttled {thr:.0%} of the time by its cgroup's CPU limit{lim}; peers {m:.0%}"))
@@ -355,32 +323,121 @@ def causes(me: Window, peers: "list[Window] | Others", clearing: bool = False,
     gu = v["gpu_util"]
     if gu is not None:
         m, _, _ = others.stats("gpu_util", gu)
-        if m >= 30 and gu <= m * (0.6 + 0.2 * (f < 1)):
+        if m >= GPU_UTIL_PEERS and gu <= m * (GPU_UTIL_OF + 0.2 * (f < 1)):
             out.append(Cause("gpu_util", round(gu, 1), round(m, 1), f"GPU utilization {gu:.0f}%; peers {m:.0f}%"))
     gc = v["gpu_clock"]
     if gc is not None:
         m, _, _ = others.stats("gpu_clock", gc)
-        if m > 0 and gc <= m * (0.85 + 0.1 * (f < 1)):
+        if m > 0 and gc <= m * (GPU_CLOCK_OF + 0.1 * (f < 1)):
             out.append(Cause("gpu_clock", round(gc), round(m), f"SM clock {gc:.0f} MHz; peers {m:.0f} MHz"))
-    # shares of time in a bad state: at least half the window, and half more than any peer
-    for key, name, what in (("gpu_throttled", "gpu_throttled", "GPU clocks held down (power/thermal)"),
-                            ("rail_slow", "nic_rail", "network: one of its rails carried under half the median of "
-                             "its rails (a slow NIC, cable or port)"),
-                            ("rdma_fatal", "rdma_port", "network: an RDMA port of it was down or past its "
-                             "symbol-error bound")):
+    for key, name, what in SHARES:
         x = v[key]
-        if x is not None and x >= 0.5 * f:
+        if x is not None and x >= BAD_SHARE * f:
             m, top, _ = others.stats(key, x)
-            if x >= top + 0.5 * f:
+            if x >= top + BAD_SHARE * f:
                 out.append(Cause(name, round(x, 2), round(m, 2), f"{what} {x:.0%} of the time; peers {m:.0%}"))
     return out
 
 
-def cpu_shares(values: dict[str, dict[str, float | None]], everyone: Others) -> Others:
-    """Each node's CPU over its peers' median, into its figures (`cpu_share`): what more work moves on a shared
-    machine, where the others' CPU falls as one rank's rises."""
-    for v in values.values():
-        cpu = v.get("cpu")
-        med = everyone.stats("cpu", cpu)[0] if cpu is not None else 0.0
-        v["cpu_share"] = cpu / med if cpu is not None and med > 0 else None
-    return everyone
+def evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
+    """Node `me`'s rates (its window w) beside its peers' medians (wins: every node's window), for every figure it
+    has: an event's evidence (only for the node named: O(n))."""
+    peers = [p for m, p in wins.items() if m != me]
+    out: dict[str, float] = {}
+    for k, scale, name in (("cpu_ns", 1e9, "cpu_cores"), ("throttled_ns", 1e9, "throttled_share"),
+                           ("runq_ns", 1e9, "runq_s_per_s"), ("wait_ns", 1e9, "wait_s_per_s"),
+                           ("tx_bytes", 1, "tx_bytes_per_s"), ("rx_bytes", 1, "rx_bytes_per_s"),
+                           ("retrans", 1, "retransmits_per_s"), ("nic_held", 1, "nic_queue_held_per_s"),
+                           ("nic_drops", 1, "nic_drops_per_s"), ("mem_stall_ns", 1e9, "mem_stall_s_per_s"),
+                           ("io_stall_ns", 1e9, "io_stall_s_per_s"), ("reclaim_ns", 1e9, "reclaim_s_per_s")):
+        v = w.rate(k)
+        if v is None:
+            continue
+        out[name] = round(v / scale, 4)
+        others = [r / scale for p in peers if (r := p.rate(k)) is not None]
+        if others:
+            out[f"peers_{name}"] = round(median_or_zero(others), 4)
+    for k, name in (("gpu_util", "gpu_util_pct"), ("gpu_clock", "gpu_sm_clock_mhz")):
+        v = w.gpu(k)
+        if v is not None:
+            out[name] = round(v, 1)
+            others = [r for p in peers if (r := p.gpu(k)) is not None]
+            if others:
+                out[f"peers_{name}"] = round(median_or_zero(others), 1)
+    rtt = w.rtt()
+    if rtt is not None:
+        out["tcp_srtt_us"] = round(rtt, 1)
+        others = [r for p in peers if (r := p.rtt()) is not None]
+        if others:
+            out["peers_tcp_srtt_us"] = round(median_or_zero(others), 1)
+    if w.limit:
+        out["cpu_limit_cores"] = w.limit
+    return out
+
+
+def straggler_body(n: str, w: Window, wins: dict[str, Window], found: list[Cause], since: float | None,
+                   waited_by: list[str]) -> dict[str, Any]:
+    """A `straggler` event's body: node n (its window w; every compared node's, wins), named for `found` since
+    `since`, waited for by `waited_by`."""
+    ev = evidence(w, wins, n)
+    text = "; ".join(c.text for c in found)
+    waited = ev.get("peers_wait_s_per_s", 0) - ev.get("wait_s_per_s", 0)
+    if waited > 0.05:
+        text += f"; the other nodes' threads waited {waited:.2f} s/s more than its own"
+    return {"straggler": n, "verdict": "node", "causes": [c.name for c in found], "reason": f"{n}: {text}",
+            "since": round(since or 0.0, 3), "nodes": sorted(wins), "waited_by": waited_by,
+            "evidence": {**ev, **{c.name: {"value": c.value, "peers": c.peers} for c in found}}}
+
+
+def imbalance_body(n: str, w: Window, wins: dict[str, Window], mine: dict[str, float | None], since: float | None,
+                   cpu_base: float | None, share_base: float | None, waited: float,
+                   waited_by: list[str]) -> dict[str, Any]:
+    """An `imbalance` event's body: node n (its window w, its figures `mine`; every compared node's windows,
+    wins) given more work since `since`, its CPU and CPU share's baselines, how much more the others waited."""
+    ev = evidence(w, wins, n)
+    cpu, base = mine.get("cpu") or 0.0, cpu_base or 0.0
+    share, sbase = mine.get("cpu_share") or 0.0, share_base or 0.0
+    return {"node": n, "verdict": "imbalance", "since": round(since or 0.0, 3), "nodes": sorted(wins),
+            "reason": f"{n} has more work than its peers (the job's own imbalance, not its node): its CPU rose "
+                      f"to {cpu:.2f} cores from {base:.2f} ({share:.2f}x its peers', usually {sbase:.2f}x) "
+                      f"with nothing on its node changed, and the others' threads waited {waited:.2f} s/s more "
+                      f"than its own",
+            "waited_by": waited_by,
+            "evidence": {**ev, "cpu_cores_baseline": round(base, 4), "cpu_share": round(share, 3),
+                         "cpu_share_baseline": round(sbase, 3)}}
+
+
+def could_name(t: Any) -> np.ndarray:
+    """The nodes of a comparison's table (jobprobe/cluster/peers.py: every node's figures, a row a figure, and
+    their order across the nodes) that causes() may name at its opening bounds, read for all nodes at once: the
+    nodes to ask it about — no other has a cause. Each bound a hair wide (a node on its edge is asked), never
+    narrower; as in causes(), a figure's order is read only where a node is over its absolute bound."""
+    x = t.cols(_ABOVE_KEYS)
+    near = at_least(x, _ABOVE_LO)
+    ok = np.zeros(x.shape[1], bool)
+    if (some := near.any(1)).any():
+        m, _, n = t.orders(tuple(k for k, s in zip(_ABOVE_KEYS, some) if s))
+        ok |= (near[some] & ((n > 0) | ~_ABOVE_NEED[some]) &
+               at_least(x[some], _ABOVE_MULT[some] * m + _ABOVE_ADD[some])).any(0)
+    x, by = t.cols(_TOP_KEYS), np.array([[THROTTLED]] + [[BAD_SHARE]] * len(SHARES))
+    near = at_least(x, by)
+    if (some := near.any(1)).any():
+        top = t.orders(tuple(k for k, s in zip(_TOP_KEYS, some) if s))[1]
+        ok |= (near[some] & at_least(x[some], top + by[some])).any(0)
+    gu, gc = t.cols(("gpu_util", "gpu_clock"))
+    if not (np.isnan(gu).all() and np.isnan(gc).all()):
+        mu, mc = t.orders(("gpu_util", "gpu_clock"))[0]
+        ok |= at_least(mu, GPU_UTIL_PEERS) & at_least(mu * GPU_UTIL_OF, gu) | (mc > 0) & at_least(mc * GPU_CLOCK_OF, gc)
+    return ok & t.member
+
+
+# ABOVE, and the figures named when over every peer's, as arrays (could_name)
+_ABOVE_KEYS = tuple(a[0] for a in ABOVE)
+_ABOVE_LO, _ABOVE_MULT, _ABOVE_ADD = (np.array([[a[i]] for a in ABOVE], float) for i in (2, 3, 4))
+_ABOVE_NEED = np.array([[a[5]] for a in ABOVE])
+_TOP_KEYS = ("throttled",) + tuple(k for k, _, _ in SHARES)
+
+
+def at_least(x: np.ndarray, y: Any) -> np.ndarray:
+    """x >= y, a billionth wide (NaN, an absent figure: never)."""
+    return x >= y - 1e-9

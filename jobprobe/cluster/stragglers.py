@@ -32,13 +32,16 @@ comparison alone.
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-from jobprobe.cluster.causes import (MOVED, Cause, Others, Series, Window, at_limit, causes, cpu_shares, figures,
-                                     median_or_zero, moved, values_of)
+import numpy as np
+
+from jobprobe.cluster.causes import (MOVED, STALL_FIGURES, STALL_RISES, WAITED_STALLS, Cause, Others, Window,
+                                     at_least, at_limit, causes, could_name, evidence, figures, imbalance_body, moved,
+                                     straggler_body)
+from jobprobe.cluster.peers import BASE_ROW, Part, Sums, Table
 
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
@@ -58,11 +61,13 @@ IMBALANCE_SHARE = 1.18    # a node waited for, whose CPU over its peers' median 
 IMBALANCE_CPU = 1.05      # ... its own CPU at least this much over its baseline (not only its peers' fallen)
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
+HELD = 32                 # a job of one node: its frames summed this many at a time
 
 
 @dataclass
 class NodeTrack:
-    series: Series = field(default_factory=lambda: Series(KEEP_S))     # its frames' figures, with running sums
+    sums: Sums                # its job's arrays: its frames' running sums and its baseline are its row's
+    row: int
     hold_since: float | None = None   # the first comparison of the current hold (a cause, or for "imbalance",
     misses: int = 0                    # more work); comparisons in a row without it, while holding
     quiet_since: float | None = None  # while open: the first comparison of the current stretch without it
@@ -70,131 +75,132 @@ class NodeTrack:
     first_seen: float | None = None
     kind: str = ""            # what the streak or the open event is: "straggler" (a node fault) or "imbalance"
     causes: tuple = ()        # the causes an open straggler was named for
-    history: deque = field(default_factory=lambda: deque(maxlen=BASELINE_N))   # {figure: value} while in step
-
-    baselines: dict = field(default_factory=dict)                 # figure → its baseline, until history changes
 
     def baseline(self, k: str) -> float | None:
-        """The node's own usual value of figure k (None until 3 comparisons in step have been seen)."""
-        if k not in self.baselines:
-            xs = [h[k] for h in self.history if h.get(k) is not None]
-            self.baselines[k] = statistics.median(xs) if len(xs) >= 3 else None
-        return self.baselines[k]
-
-    def in_step(self, values: dict[str, float | None]) -> None:
-        """The node's figures of a comparison in which the job was in step join its baseline."""
-        self.history.append(values)
-        self.baselines.clear()
+        """The node's own usual value of figure k (None until 3 comparisons in step have been seen): the median of
+        its last BASELINE_N."""
+        return self.sums.baseline(self.row, k)
 
 
-@dataclass
 class Waits:
     """Who waits for whom in one comparison: per node, its peers' median wait minus its own (s/s of its threads'
     sleep in lock and socket/pipe waits: where a rank sits in a collective while a peer is late), less the node's
     own usual gap — a rank can wait more or less than its peers for a whole run (rank 0 serving the rendezvous
     store, its place in the ring): being waited for is a change, like every other piece of evidence. Where NCCL's
     RAS port is read (the ncclras probe), NCCL's own word counts too: a node whose ranks were behind their
-    communicator's collective count in most polls, while its peers' mostly were not, is waited for."""
-    gap: dict[str, tuple[float, float]]      # node → (peers' median − its own − its usual gap, peers' median)
-    behind: dict[str, float] = field(default_factory=dict)   # node → share of its RAS polls with a rank behind
+    communicator's collective count in most polls, while its peers' mostly were not, is waited for. Read for every
+    node of a comparison's table at once (NaN: no such figure); part() is one job's, by node name."""
+    names: list[str]
+    rows: dict[str, int]
 
-    @classmethod
-    def of(cls, values: dict[str, dict[str, float | None]], everyone: "Others",
-           usual: "dict[str, float | None] | None" = None) -> "Waits":
-        """`usual`: each node's baseline gap (none yet: 0)."""
-        gap, behind = {}, {}
-        for n, v in values.items():
-            x = v.get("wait")
-            if x is not None:
-                med, _, cnt = everyone.stats("wait", x)
-                if cnt:
-                    gap[n] = (med - x - ((usual or {}).get(n) or 0.0), med)
-            if v.get("ras_behind") is not None:
-                behind[n] = v["ras_behind"]
-        return cls(gap, behind)
+    def __init__(self, t: Table, usual: np.ndarray):
+        """`usual`: each node's baseline gap (NaN: none yet, 0)."""
+        x = t.col("wait")
+        med, _, cnt = t.order("wait")
+        u = np.where(np.isnan(usual), 0.0, usual)
+        self.gaps, self.med = np.where(cnt > 0, med - x - u, np.nan), med
+        self.raw = self.gaps + u                      # the gap before its usual one is taken off (its baseline's)
+        self.ras = t.col("ras_behind")                # the share of its RAS polls with a rank behind
+        self.behind = self.ras >= 0.5                 # NCCL says so: behind in half its polls or more, ...
+        if self.behind.any():
+            bmed, _, bcnt = t.order("ras_behind")     # ... its peers' (median) in under a quarter
+            self.behind &= (bcnt > 0) & (bmed < 0.25)
+        self.behind_peers = np.add.reduceat(self.behind, t.starts, dtype=np.int64)[t.seg] - self.behind
+        self.bound = np.maximum(WAITED_S, WAITED_SHARE * med)
+        self.is_waited = (self.gaps >= self.bound) | self.behind
+        self.starts = t.starts
 
-    def raw(self, n: str, usual: float | None) -> float | None:
-        """The node's gap before its usual one is taken off (for its baseline)."""
-        g = self.gap.get(n)
-        return None if g is None else g[0] + (usual or 0.0)
+    def part(self, j: int, names: list[str], rows: dict[str, int]) -> "Waits":
+        """Job j's (`names`, and each name's place among them)."""
+        w = object.__new__(Waits)
+        at = slice(int(self.starts[j]), int(self.starts[j]) + len(names))
+        for k in ("gaps", "med", "raw", "ras", "behind", "behind_peers", "bound", "is_waited"):
+            setattr(w, k, getattr(self, k)[at])
+        w.names, w.rows = names, rows
+        return w
+
+    @cached_property
+    def is_waiting(self) -> np.ndarray:
+        return (-self.gaps >= self.bound) | ((self.ras == 0) & (self.behind_peers > 0))
+
+    @cached_property
+    def gap(self) -> dict[str, tuple[float, float]]:
+        """node → (peers' median − its own − its usual gap, peers' median), for the nodes with a wait figure."""
+        return {self.names[r]: (float(self.gaps[r]), float(self.med[r]))
+                for r in np.flatnonzero(~np.isnan(self.gaps)).tolist()}
+
+    def has_gap(self, n: str) -> bool:
+        return not np.isnan(self.gaps[self.rows[n]])
+
+    def gap_of(self, n: str) -> float:
+        """The node's gap (0 without a wait figure)."""
+        g = self.gaps[self.rows[n]]
+        return 0.0 if np.isnan(g) else float(g)
 
     def waited_for(self, n: str) -> bool:
-        return self.waited_by_more_than(n, max(WAITED_S, WAITED_SHARE * self.gap[n][1]) if n in self.gap else 0.0)
+        return bool(self.is_waited[self.rows[n]])
 
     def waited_by_more_than(self, n: str, bound: float) -> bool:
         """The others wait for n by `bound` s/s more than is usual for it, or NCCL says it is behind."""
-        g = self.gap.get(n)
-        return g is not None and g[0] >= bound or self._behind(n)
+        r = self.rows[n]
+        return bool(self.gaps[r] >= bound or self.behind[r])
 
     def waiting(self, n: str) -> bool:
-        g = self.gap.get(n)
-        if g is not None and -g[0] >= max(WAITED_S, WAITED_SHARE * g[1]):
-            return True
-        return self.behind.get(n) == 0 and any(self._behind(m) for m in self.behind if m != n)
-
-    def _behind(self, n: str) -> bool:
-        """NCCL says so: its ranks behind in at least half its polls, its peers' (median) in under a quarter."""
-        b = self.behind.get(n)
-        if b is None or b < 0.5:
-            return False
-        peers = sorted(x for m, x in self.behind.items() if m != n)
-        return bool(peers) and median_or_zero(peers) < 0.25
+        return bool(self.is_waiting[self.rows[n]])
 
     def waited_by(self, n: str) -> list[str]:
         """The other nodes that wait (for n, when n is the one waited for): those that wait more than is usual for
         them against their peers (or that NCCL says are not behind), sorted."""
-        return sorted(m for m in self.gap.keys() | self.behind.keys() if m != n and (
-            self.waiting(m) or self.gap.get(m, (0.0,))[0] < 0 and not self.waited_for(m)))
+        by = (~np.isnan(self.gaps) | ~np.isnan(self.ras)) & (self.is_waiting | (self.gaps < 0) & ~self.is_waited)
+        by[self.rows[n]] = False
+        return sorted(self.names[r] for r in np.flatnonzero(by).tolist())
 
     def any_waited_for(self) -> bool:
-        return any(self.waited_for(n) for n in self.gap.keys() | self.behind.keys())
+        return bool(self.is_waited.any())
 
 
 class Slice:
-    """The newest slice of every node: its figures and their order are read only when a node has a cause over the
-    window (most comparisons of a healthy job have none)."""
+    """The newest slice of every node of a job: its windows, figures and their order are read only when a node has
+    a cause over the window, or an event is open (most comparisons of a healthy job have neither)."""
 
-    def __init__(self, live: dict[str, NodeTrack], start: float, end: float):
-        self.live, self.start, self.end = live, start, end
-        self.wins: dict[str, Window] | None = None
-        self.values: dict[str, dict[str, float | None]] = {}
-        self.others: Others | None = None
-
+    def __init__(self, job: "JobTrack", live: np.ndarray, start: float, end: float, usual: np.ndarray):
+        self.job, self.live, self.start, self.end, self.usual = job, live, start, end, usual
+        self.table: Part | None = None
         self.waits: Waits | None = None
 
-    def _load(self) -> dict[str, Window]:
-        if self.wins is None:     # a node with under 60% of the slice covered is left out
-            self.wins = {m: w for m, nt in self.live.items()
-                         if (w := nt.series.window(self.start, self.end)).wall_s >= 0.6 * (self.end - self.start)}
-            self.values = {m: values_of(w) for m, w in self.wins.items()}
-            self.others = cpu_shares(self.values, Others(list(self.wins.values()), list(self.values.values())))
-        return self.wins
+    def _load(self, n: str) -> tuple[Part, int | None]:
+        """The slice's nodes, and node n's place among them (None where n is not compared, or has no peer)."""
+        sums = self.job.sums
+        if self.table is None:    # a node with under 60% of the slice covered is left out
+            t = sums.table(self.start, self.end, self.live, 0.6 * (self.end - self.start))
+            self.table, self.waits = t.part(0, sums), Waits(t, self.usual).part(0, sums.names, sums.rows)
+        r = sums.rows[n]
+        return self.table, r if self.table.member[r] and self.table.count >= 2 else None
 
     def causes(self, n: str) -> set[str]:
-        wins = self._load()
-        if n not in wins or len(wins) < 2:
-            return set()
-        return {c.name for c in causes(wins[n], self.others, mine=self.values[n])}
+        t, r = self._load(n)
+        return set() if r is None else {c.name for c in causes(t.window(r), t, mine=t.values(r))}
 
-    def still(self, n: str, usual: dict[str, float | None]) -> bool:
+    def still(self, n: str) -> bool:
         """Whether node n's open event holds in the newest slice too (where the slice covers it and a peer): the
         event ends `close_s` after it stops holding there, not once the whole window has forgotten the fault."""
-        wins = self._load()
-        if n not in wins or len(wins) < 2:
-            return True
-        if self.waits is None:
-            self.waits = Waits.of(self.values, self.others, usual)
-        return StragglerWatch._still(n, wins[n], self.others, self.values[n], self.live[n], self.waits)
+        t, r = self._load(n)
+        return r is None or StragglerWatch._still(n, t.window(r), t, t.values(r), self.job.nodes[n], self.waits)
 
 
 @dataclass
 class JobTrack:
+    sums: Sums = field(default_factory=lambda: Sums(KEEP_S, BASELINE_N))    # its nodes' frames and baselines
     nodes: dict[str, NodeTrack] = field(default_factory=dict)
     last_eval: float = 0.0
     last_base: float = 0.0
+    busy: set[int] = field(default_factory=set)    # the rows of its nodes holding a verdict or with an event open
+    held: list = field(default_factory=list)        # frames not summed yet: (row, t, dt, figures)
 
 
 class StragglerWatch:
+    trace_all = False         # every compared node's verdict taken (_verdict called), not only where one can hold
+
     def __init__(self, window: float = WINDOW_S, every: float = EVERY_S, slice_s: float = SLICE_S,
                  open_s: float = OPEN_S, close_s: float = CLOSE_S):
         self.window, self.every, self.slice, self.open_s, self.close_s = window, every, slice_s, open_s, close_s
@@ -206,24 +212,30 @@ class StragglerWatch:
 
     def feed(self, frames: list[dict]) -> list[tuple[str, str, str, dict[str, Any]]]:
         """Take sample frames; returns events to emit: (node, job, event name, body)."""
-        touched = set()
-        for fr in frames:
-            if fr.get("kind") != "sample" or not isinstance(fr.get("probes"), dict):
-                continue
-            try:
-                t, dt, figs = float(fr["t"]), float(fr.get("dt") or 0.0), figures(fr["probes"])
-            except (TypeError, ValueError, KeyError, AttributeError) as err:   # a frame it cannot read: skipped,
-                self.unreadable += 1                                              # counted; the others go on
-                self.last_unreadable = f"{type(err).__name__}: {err}"[:200]
-                continue
-            job = self.jobs.setdefault(fr["job"], JobTrack())
-            nt = job.nodes.setdefault(fr["node"], NodeTrack())
-            nt.series.add(t, dt, figs)
-            touched.add(fr["job"])
-        out = []
-        for name in touched:
-            out += self._maybe_compare(name, self.jobs[name])
-        return out
+        taken: dict[str, list[tuple[int, float, float, dict]]] = {}     # job → (row, t, dt, figures)
+        try:
+            for fr in frames:
+                if fr.get("kind") != "sample" or not isinstance(fr.get("probes"), dict):
+                    continue
+                try:
+                    t, dt, figs = float(fr["t"]), float(fr.get("dt") or 0.0), figures(fr["probes"])
+                except (TypeError, ValueError, KeyError, AttributeError) as err:   # a frame it cannot read: skipped,
+                    self.unreadable += 1                                              # counted; the others go on
+                    self.last_unreadable = f"{type(err).__name__}: {err}"[:200]
+                    continue
+                name, node = fr["job"], fr["node"]
+                job = self.jobs.get(name) or self.jobs.setdefault(name, JobTrack())
+                nt = job.nodes.get(node) or job.nodes.setdefault(node, NodeTrack(job.sums, job.sums.row(node)))
+                taken.setdefault(name, []).append((nt.row, t, dt, figs))
+        finally:
+            for name, got in taken.items():
+                job = self.jobs[name]
+                if len(job.nodes) == 1 and len(job.held) + len(got) < HELD:   # a job of one node is never compared:
+                    job.held += got             # its frames are summed HELD at a time (or when a second node comes)
+                    continue
+                job.sums.add(job.held + got)
+                job.held = []
+        return self._compare([(name, self.jobs[name]) for name in taken])
 
     def keep_only(self, jobs: set[str]) -> None:
         """Forget the tracks of jobs not in `jobs` (the controller's jobs seen lately): bounded state."""
@@ -235,33 +247,67 @@ class StragglerWatch:
         return [(j, n) for j, jt in self.jobs.items() for n, nt in jt.nodes.items()
                 if nt.open_since is not None and nt.kind == "straggler"]
 
-    def _maybe_compare(self, name: str, job: JobTrack) -> list[tuple[str, str, str, dict[str, Any]]]:
-        newest = max(nt.series.newest for nt in job.nodes.values())
-        live = {n: nt for n, nt in job.nodes.items() if nt.series.newest >= newest - self.window}
-        if len(live) < 2:
+    def _compare(self, jobs: list[tuple[str, JobTrack]]) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """Compare each of these jobs whose every live node has reported a tick more (`every`) since its last
+        comparison — all of them side by side, in one table — and decide, node by node, where something can
+        change: returns the events."""
+        jobs = [(name, job) for name, job in jobs if len(job.nodes) >= 2]
+        if not jobs:
             return []
-        horizon = min(nt.series.newest for nt in live.values())     # every live node has reported up to here
-        if horizon - job.last_eval < self.every:
+        sizes = [len(job.nodes) for _, job in jobs]
+        newest = np.concatenate([job.sums.newest[:m] for (_, job), m in zip(jobs, sizes)])
+        starts = np.cumsum([0] + sizes[:-1])
+        seg = np.repeat(np.arange(len(jobs)), sizes)
+        live = newest >= (np.maximum.reduceat(newest, starts) - self.window)[seg]
+        horizons = np.minimum.reduceat(np.where(live, newest, np.inf), starts).tolist()  # all live have come to it
+        due = []
+        counts = np.add.reduceat(live, starts, dtype=np.int64).tolist()
+        for i, ((_, job), n, horizon) in enumerate(zip(jobs, counts, horizons)):
+            if n >= 2 and horizon - job.last_eval >= self.every:
+                job.last_eval = horizon
+                due.append(i)
+        if not due:
             return []
-        job.last_eval = horizon
-        wins = {n: w for n, nt in live.items()          # a node with under 60% of the window covered is left out
-                if (w := nt.series.window(horizon - self.window, horizon)).wall_s >= 0.6 * self.window}
-        if len(wins) < 2:
-            return []
-        self.evaluations += 1
+        parts = [jobs[i][1].sums.window(horizons[i] - self.window, horizons[i]) for i in due]
+        at = [slice(starts[i], starts[i] + sizes[i]) for i in due]
+        wins = Table(np.concatenate([d for d, _ in parts], axis=1), np.concatenate([ab for _, ab in parts], axis=1),
+                     np.concatenate([live[a] for a in at]), 0.6 * self.window, [sizes[i] for i in due])
+        base = np.concatenate([jobs[i][1].sums.base[:, :sizes[i]] for i in due], axis=1)
+        waits = Waits(wins, base[BASE_ROW["gap"]])
+        look = wins.member.copy() if self.trace_all else wins.member & self._may_hold(wins, waits, base)
+        for j, i in enumerate(due):             # the nodes whose state can change: every other one's verdict is nothing
+            if jobs[i][1].busy:
+                look[[wins.starts[j] + r for r in jobs[i][1].busy]] = True
+        look &= wins.member
+        seen = np.flatnonzero(look)
+        by_job = np.split(seen - wins.starts[wins.seg[seen]], np.searchsorted(wins.seg[seen], np.arange(1, len(due))))
         events = []
-        values = {n: values_of(w) for n, w in wins.items()}
-        everyone = cpu_shares(values, Others(list(wins.values()), list(values.values())))
-        recent = Slice(live, horizon - self.slice, horizon)
-        usual = {n: nt.baseline("gap") for n, nt in live.items()}
-        waits = Waits.of(values, everyone, usual)
-        someone_waited_for = waits.any_waited_for()
-        for n, w in wins.items():
-            nt = live[n]
+        for j, i in enumerate(due):
+            if wins.counts[j] < 2:          # under 60% of the window covered: left out
+                continue
+            self.evaluations += 1
+            name, job = jobs[i]
+            events += self._decide(name, job, wins, waits, j, live[at[j]], horizons[i], by_job[j].tolist())
+        return events
+
+    def _decide(self, name: str, job: JobTrack, table: Table, all_waits: Waits, j: int, live: np.ndarray,
+                horizon: float, look: list[int]) -> list[tuple[str, str, str, dict[str, Any]]]:
+        """One job's comparison (job j of the table; `live`: which of its nodes are), node by node for the nodes
+        in `look`; then, with the job in step, its nodes' figures join their baselines."""
+        events = []
+        sums = job.sums
+        if look:
+            wins, waits = table.part(j, sums), all_waits.part(j, sums.names, sums.rows)
+            someone_waited_for = waits.any_waited_for()
+            recent = Slice(job, live, horizon - self.slice, horizon, sums.baselines("gap"))
+        for r in look:
+            n, w, mine = sums.names[r], wins.window(r), wins.values(r)
+            nt = job.nodes[n]
             if nt.open_since is None:
-                kind, found = self._verdict(n, w, recent, everyone, values[n], nt, waits, someone_waited_for)
-                if kind == "imbalance" and any(m != n and (o.open_since is not None or o.kind == "straggler")
-                                               for m, o in live.items()):
+                kind, found = self._verdict(n, w, recent, wins, mine, nt, waits, someone_waited_for)
+                if kind == "imbalance" and any(m != r and live[m] and ((o := job.nodes[sums.names[m]]).open_since
+                                                                       is not None or o.kind == "straggler")
+                                               for m in job.busy):
                     kind = ""    # another node is (or is becoming) the straggler: this one got the CPU it let go
                 if kind and (nt.hold_since is None or kind != nt.kind):
                     nt.hold_since, nt.kind = horizon, kind
@@ -277,10 +323,13 @@ class StragglerWatch:
                     nt.causes = tuple(c.name for c in found)
                     if kind == "straggler":
                         self.named += 1
-                        events.append((n, name, "straggler", self._body(n, w, wins, found, nt, waits)))
+                        events.append((n, name, "straggler", straggler_body(n, w, wins.windows(), found,
+                                                                            nt.first_seen, waits.waited_by(n))))
                     else:
-                        events.append((n, name, "imbalance", self._imbalance_body(n, w, wins, values[n], nt, waits)))
-            elif self._still(n, w, everyone, values[n], nt, waits) and recent.still(n, usual):
+                        events.append((n, name, "imbalance", imbalance_body(
+                            n, w, wins.windows(), mine, nt.first_seen, nt.baseline("cpu"), nt.baseline("cpu_share"),
+                            waits.gap_of(n), waits.waited_by(n))))
+            elif self._still(n, w, wins, mine, nt, waits) and recent.still(n):
                 nt.quiet_since = None
             else:
                 nt.quiet_since = horizon if nt.quiet_since is None else nt.quiet_since
@@ -290,15 +339,33 @@ class StragglerWatch:
                     events.append((n, name, end, {
                         "straggler" if nt.kind == "straggler" else "node": n,
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
-                        "reason": f"{n} is {what}", "evidence": _evidence(w, wins, n)}))
+                        "reason": f"{n} is {what}", "evidence": evidence(w, wins.windows(), n)}))
                     nt.open_since, nt.hold_since, nt.first_seen, nt.kind, nt.causes = None, None, None, "", ()
+            (job.busy.add if nt.open_since is not None or nt.hold_since is not None else job.busy.discard)(r)
         # the job in step (nothing open or building up): each node's figures, and its wait gap, join its baseline
-        if horizon - job.last_base >= BASE_EVERY_S and \
-                all(nt.open_since is None and nt.hold_since is None for nt in live.values()):
+        if horizon - job.last_base >= BASE_EVERY_S and not any(live[r] for r in job.busy):
             job.last_base = horizon
-            for n in wins:
-                live[n].in_step({**values[n], "gap": waits.raw(n, usual[n])})
+            at = slice(int(table.starts[j]), int(table.starts[j]) + len(sums.names))
+            rows = np.flatnonzero(table.member[at])
+            sums.in_step(rows, np.vstack([table.vals[:, at][:, rows], all_waits.raw[at][rows]]))
         return events
+
+    @staticmethod
+    def _may_hold(t: Table, waits: Waits, base: np.ndarray) -> np.ndarray:
+        """The nodes whose verdict (_verdict) may be something, read from the arrays for all nodes at once (a
+        superset, each bound a hair wide): a cause over the window (could_name); waited for, with one of
+        WAITED_STALLS up from its baseline (`base`: every node's, BASE's rows) and at its peers' median or more;
+        more work (_more_work)."""
+        x = t.cols(STALL_FIGURES)
+        up = at_least(x - base[[BASE_ROW[k] for k in STALL_FIGURES]], STALL_RISES) & waits.is_waited
+        some = up.any(1)
+        stall = (up[some] & at_least(x[some], t.orders(tuple(np.array(STALL_FIGURES)[some]))[0])).any(0) \
+            if some.any() else np.zeros(x.shape[1], bool)
+        sbase, cbase = base[BASE_ROW["cpu_share"]], base[BASE_ROW["cpu"]]
+        work = (sbase != 0) & (cbase != 0) & (at_least(waits.gaps, WAITED_S) | waits.behind) & \
+            at_least(t.col("cpu_share"), (1 + (IMBALANCE_SHARE - 1)) * sbase) & \
+            at_least(t.col("cpu"), (1 + (IMBALANCE_CPU - 1)) * cbase)
+        return could_name(t) | stall | work
 
     def _verdict(self, n: str, w: Window, recent: "Slice", everyone: Others, mine: dict[str, float | None],
                  nt: NodeTrack, waits: Waits, someone_waited_for: bool) -> tuple[str, list[Cause]]:
@@ -319,23 +386,16 @@ class StragglerWatch:
             found = [c for c in found if c.name in fresh]
         waited = waits.waited_for(n)
 
-        def evidence(c: Cause) -> bool:
+        def is_evidence(c: Cause) -> bool:
             key = MOVED[c.name][0]
             base = nt.baseline(key)
             if base is None:        # no baseline yet (a job's first comparisons): only with the others waiting for
-                return waited or n not in waits.gap    # it, or where no probe says who waits (no sched figures)
+                return waited or not waits.has_gap(n)  # it, or where no probe says who waits (no sched figures)
             return moved(c.name, mine[key], base)
-        found = [c for c in found if evidence(c)]
+        found = [c for c in found if is_evidence(c)]
         if waited:
             have = {c.name for c in found}
-            for key, cause, what in (("runq", "runq", "threads waited {x:.2f} s per s for a CPU (run queue), up "
-                                      "from {b:.2f}; peers {m:.2f}"),
-                                     ("mem_stall", "memory_pressure", "threads stalled {x:.2f} s per s on memory, "
-                                      "up from {b:.2f}; peers {m:.2f}"),
-                                     ("io_stall", "io_pressure", "threads stalled {x:.2f} s per s on I/O, up from "
-                                      "{b:.2f}; peers {m:.2f}"),
-                                     ("reclaim", "memory_reclaim", "threads reclaimed memory {x:.2f} s per s, up "
-                                      "from {b:.2f}; peers {m:.2f}")):
+            for key, cause, what in WAITED_STALLS:
                 x, b = mine.get(key), nt.baseline(key)
                 if cause in have or x is None or b is None or not moved(cause, x, b):
                     continue
@@ -376,33 +436,6 @@ class StragglerWatch:
                 return True
         return False
 
-    def _body(self, n: str, w: Window, wins: dict[str, Window], found: list[Cause], nt: NodeTrack,
-              waits: Waits) -> dict[str, Any]:
-        ev = _evidence(w, wins, n)
-        text = "; ".join(c.text for c in found)
-        waited = ev.get("peers_wait_s_per_s", 0) - ev.get("wait_s_per_s", 0)
-        if waited > 0.05:
-            text += f"; the other nodes' threads waited {waited:.2f} s/s more than its own"
-        return {"straggler": n, "verdict": "node", "causes": [c.name for c in found], "reason": f"{n}: {text}",
-                "since": round(nt.first_seen or 0.0, 3), "nodes": sorted(wins),
-                "waited_by": waits.waited_by(n),
-                "evidence": {**ev, **{c.name: {"value": c.value, "peers": c.peers} for c in found}}}
-
-    def _imbalance_body(self, n: str, w: Window, wins: dict[str, Window], mine: dict[str, float | None],
-                        nt: NodeTrack, waits: Waits) -> dict[str, Any]:
-        ev = _evidence(w, wins, n)
-        cpu, base = mine.get("cpu") or 0.0, nt.baseline("cpu") or 0.0
-        share, sbase = mine.get("cpu_share") or 0.0, nt.baseline("cpu_share") or 0.0
-        waited = waits.gap.get(n, (0.0, 0.0))[0]
-        return {"node": n, "verdict": "imbalance", "since": round(nt.first_seen or 0.0, 3), "nodes": sorted(wins),
-                "reason": f"{n} has more work than its peers (the job's own imbalance, not its node): its CPU rose "
-                          f"to {cpu:.2f} cores from {base:.2f} ({share:.2f}x its peers', usually {sbase:.2f}x) "
-                          f"with nothing on its node changed, and the others' threads waited {waited:.2f} s/s more "
-                          f"than its own",
-                "waited_by": waits.waited_by(n),
-                "evidence": {**ev, "cpu_cores_baseline": round(base, 4), "cpu_share": round(share, 3),
-                             "cpu_share_baseline": round(sbase, 3)}}
-
 
 def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Waits, part: float) -> bool:
     """The job's own imbalance on node n: the others wait for it more than is usual (by WAITED_S; at least as much
@@ -413,38 +446,3 @@ def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Wait
         return False
     return waits.waited_by_more_than(n, WAITED_S if part >= 1 else 0.0) and \
         share >= (1 + (IMBALANCE_SHARE - 1) * part) * sbase and cpu >= (1 + (IMBALANCE_CPU - 1) * part) * base
-
-
-def _evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
-    """The node's rates beside its peers' medians, for every figure it has (only for the node named: O(n))."""
-    peers = [p for m, p in wins.items() if m != me]
-    out: dict[str, float] = {}
-    for k, scale, name in (("cpu_ns", 1e9, "cpu_cores"), ("throttled_ns", 1e9, "throttled_share"),
-                           ("runq_ns", 1e9, "runq_s_per_s"), ("wait_ns", 1e9, "wait_s_per_s"),
-                           ("tx_bytes", 1, "tx_bytes_per_s"), ("rx_bytes", 1, "rx_bytes_per_s"),
-                           ("retrans", 1, "retransmits_per_s"), ("nic_held", 1, "nic_queue_held_per_s"),
-                           ("nic_drops", 1, "nic_drops_per_s"), ("mem_stall_ns", 1e9, "mem_stall_s_per_s"),
-                           ("io_stall_ns", 1e9, "io_stall_s_per_s"), ("reclaim_ns", 1e9, "reclaim_s_per_s")):
-        v = w.rate(k)
-        if v is None:
-            continue
-        out[name] = round(v / scale, 4)
-        others = [r / scale for p in peers if (r := p.rate(k)) is not None]
-        if others:
-            out[f"peers_{name}"] = round(median_or_zero(others), 4)
-    for k, name in (("gpu_util", "gpu_util_pct"), ("gpu_clock", "gpu_sm_clock_mhz")):
-        v = w.gpu(k)
-        if v is not None:
-            out[name] = round(v, 1)
-            others = [r for p in peers if (r := p.gpu(k)) is not None]
-            if others:
-                out[f"peers_{name}"] = round(median_or_zero(others), 1)
-    rtt = w.rtt()
-    if rtt is not None:
-        out["tcp_srtt_us"] = round(rtt, 1)
-        others = [r for p in peers if (r := p.rtt()) is not None]
-        if others:
-            out["peers_tcp_srtt_us"] = round(median_or_zero(others), 1)
-    if w.limit:
-        out["cpu_limit_cores"] = w.limit
-    return out

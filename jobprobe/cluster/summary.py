@@ -179,7 +179,7 @@ def text(s: dict[str, Any]) -> str:
     lines.append("")
     for n, d in s["per_node"].items():
         pace = d["pace"]
-        what = "GPUs busy" if pace["of"] == "gpu_busy" else "CPU cores"
+        what = {"gpu_busy": "GPUs busy", "lead_cpu_cores": "CPU cores (its helpers apart)"}.get(pace["of"], "CPU cores")
         steady = f"{pace['steady']:.2f} {what}" if pace["steady"] else f"no {what} figure"
         gpu = d.get("gpu", {})
         ofu = (f", OFU {gpu['ofu_pct']:.0f}%" if "ofu_pct" in gpu else "") + \
