@@ -19,6 +19,9 @@ before it was attached.
 CPU limits: how often and how long the job's group was stopped by its CPU limit (cgroup2 cpu.stat nr_throttled /
 throttled_usec and cpu.max; on a hybrid host the v1 cpu group of its processes: cpu.stat, cpu.cfs_quota_us) — a
 throttled rank is the classic straggler of a data-parallel job.
+Helpers: the job's processes that another of them forked without a program of their own (their command line is
+their parent's: DataLoader workers), their number and CPU time (/proc/PID/stat of the helpers only, each process's
+command line read once) — the rest of the job's CPU is its lead processes', the pace of a CPU job's time use.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from jobprobe.node.probe import Field, Probe
 from jobprobe.node.targets.base import Target
 from jobprobe.kernel import procfs
 from jobprobe.kernel.taskstats import ExitFeed
-from jobprobe.kernel.threadacct import KEYS, PerPid, Reader, ThreadAcct, proc_counters
+from jobprobe.kernel.threadacct import KEYS, Helpers, PerPid, Reader, ThreadAcct, proc_counters
 
 OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 
@@ -231,6 +234,11 @@ class CgroupProbe(Probe):
         "io_write_bytes": Field("int", "bytes", "bytes written to storage this interval (io.stat wbytes, else the "
                                 "job's threads' /proc/PID/task/TID/io and, as root, their exit records)"),
         "nprocs": Field("int", "count", "processes in the job now"),
+        "helper_nprocs": Field("int", "count", "of those, helpers: forked by another of the job's processes "
+                               "without a program of their own (a DataLoader worker; docs/TIMEUSE.md)",
+                               kind="gauge"),
+        "helper_cpu_user_ns": Field("int", "ns", "of cpu_user_ns, the helpers' (their /proc/PID/stat utime)"),
+        "helper_cpu_system_ns": Field("int", "ns", "of cpu_system_ns, the helpers' (/proc/PID/stat stime)"),
         "exits_uncounted": Field("int", "count", "threads of the job that exited this interval without an exit "
                                  "record (not root: no taskstats; or records the kernel dropped in a burst), where "
                                  "CPU or I/O come from /proc: what each did since the last tick is missing from "
@@ -264,6 +272,7 @@ class CgroupProbe(Probe):
         self.files = procfs.OpenFiles()   # the files read every tick, kept open
         self.throttle = Throttle(self.files)
         self.v1mem = V1Memory(self.files)
+        self.helpers = Helpers(self.host.proc, self.files.read)
 
     def start(self, target: Target) -> None:
         self.target = target
@@ -280,6 +289,7 @@ class CgroupProbe(Probe):
         self._uncounted = 0
         self.throttle = Throttle(self.files, self.host, from_zero=bool(getattr(target, "from_start", False)))
         self.v1mem = V1Memory(self.files, self.host)
+        self.helpers = Helpers(self.host.proc, self.files.read)
         # A job attached as it starts (a scheduler's prolog) counts from zero: its first frame holds everything it
         # did before it, up to the processes' and the group's own totals. Else the first frame reports its interval.
         self.from_zero = bool(getattr(target, "from_start", False))
@@ -323,6 +333,7 @@ class CgroupProbe(Probe):
             need_proc = mem is None or io is None
         pids = self.target.pids()
         cur["nprocs"] = len(pids)
+        cur["helpers"] = self.helpers.update(pids + self.target.ended_pids())
         if self.cg is not None and "mem" not in cur and (v1 := self.v1mem.read(pids)) is not None:
             cur.update(v1)            # a hybrid host's v1 memory group, the job's own
             need_proc = io is None
@@ -379,7 +390,8 @@ class CgroupProbe(Probe):
         return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
                 "mem_peak_bytes": self.peak, "mem_anon_bytes": cur["anon"], "mem_file_bytes": cur["file"],
                 "io_read_bytes": d("rd"), "io_write_bytes": d("wr"),
-                "nprocs": cur["nprocs"], "exits_uncounted": uncounted, **self.throttle.take(),
+                "nprocs": cur["nprocs"], "helper_nprocs": cur["helpers"][0], "helper_cpu_user_ns": cur["helpers"][1],
+                "helper_cpu_system_ns": cur["helpers"][2], "exits_uncounted": uncounted, **self.throttle.take(),
                 **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
                 **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {})}
 

@@ -3,16 +3,20 @@
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
                                 [--device cpu|cuda] [--loader-workers W] [--stall-every N --stall-s S]
                                 [--seconds S] [--startup-s S] [--checkpoint-every K --checkpoint-mib M]
+                                [--timeline FILE]
 
 With --loader-workers (or --stall-every) the batches come from a DataLoader with W worker processes over a
 synthetic dataset; --stall-every N makes every N-th batch wait S seconds in its worker (`slow_storage_read`: slow
 storage, simulated with a sleep) — an input-bound job, for the `input_bound` rule and its deep-trace window.
---seconds S stops after S seconds even if steps remain (a job of a known length on any machine's speed).
+--seconds S stops after S seconds even if steps remain (a job of a known length on any machine's speed);
+--run-seconds S stops S seconds after its first step (steps of a known length, however long its imports took).
 Known badput, for the time decomposition's tests: --startup-s S waits S seconds before its first step (a model read
 from slow storage); --checkpoint-every K writes M MiB (--checkpoint-mib) to --checkpoint-dir and fsyncs them every K
 steps. The job clocks itself: the last line says how long it took from its process's start to its first step
 (startup_s), how long its steps waited for their batch (input_s), how long its checkpoints took (checkpoint_s) and
-the rest of its steps (compute_s).
+the rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s).
+--timeline FILE writes each of those waits as it happened, in UNIX time (JSON: {"first_step": t, "last": t,
+"input": [[t0, t1], …], "checkpoint": [[t0, t1], …]}): the truth of each interval, beside the frames' own t and dt.
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -51,10 +55,17 @@ class Clock:
         self.startup_s = self.input_s = self.checkpoint_s = 0.0
         self.first = self.last = self.saved = 0.0
         self.input_at_save = 0.0        # input_s when the last checkpoint was written
+        self.spans: dict[str, list[list[float]]] = {"input": [], "checkpoint": []}    # UNIX times, --timeline
+        self.unix = time.time() - time.monotonic()      # monotonic + this = UNIX time
+
+    def span(self, kind: str, mono0: float, mono1: float) -> None:
+        self.spans[kind].append([mono0 + self.unix, mono1 + self.unix])
 
     def first_step(self) -> None:
         self.startup_s = process_age_s()
         self.first = self.last = time.monotonic()
+        if self.a.run_seconds:                 # --run-seconds: the steps' own length, whatever the imports took
+            self.a.deadline = self.first + self.a.run_seconds
 
     def batch(self, it):
         """The next batch of `it` (None at its end), its wait counted as waiting for input."""
@@ -64,7 +75,9 @@ class Clock:
         except StopIteration:
             return None
         finally:
-            self.input_s += time.monotonic() - t
+            now = time.monotonic()
+            self.input_s += now - t
+            self.span("input", t, now)
 
     def after_step(self, step: int) -> None:
         a = self.a
@@ -75,6 +88,7 @@ class Clock:
             checkpoint(a)
             self.saved = time.monotonic()
             self.checkpoint_s += self.saved - t
+            self.span("checkpoint", t, self.saved)
             self.input_at_save = self.input_s
         self.last = time.monotonic()
 
@@ -83,7 +97,21 @@ class Clock:
         # computing since the last checkpoint ended (since the first step, without one): what a restart loses
         unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
-                f"compute_s={compute:.3f} unsaved_s={unsaved:.3f}")
+                f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f}")
+
+
+def run_delay_s() -> float:
+    """Seconds this process's threads have waited for a CPU so far, by the kernel's own count (schedstat's
+    run_delay; thread-time: with one busy thread, the wall time its steps waited)."""
+    import os
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / 1e9
 
 
 def checkpoint(a) -> None:
@@ -202,12 +230,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stall-every", type=int, default=0, metavar="N", help="every N-th batch waits (input-bound)")
     ap.add_argument("--stall-s", type=float, default=2.0, metavar="S", help="how long it waits (default 2)")
     ap.add_argument("--seconds", type=float, default=0, metavar="S", help="stop after S seconds if steps remain")
+    ap.add_argument("--run-seconds", type=float, default=0, metavar="S",
+                    help="stop S seconds after the first step if steps remain")
     ap.add_argument("--startup-s", type=float, default=0, metavar="S", help="wait S seconds before the first step")
     ap.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="a checkpoint every K steps")
     ap.add_argument("--checkpoint-every-s", type=float, default=0, metavar="S",
                     help="a checkpoint after the step that ends S seconds after the last one (or the first step)")
     ap.add_argument("--checkpoint-mib", type=int, default=64, metavar="M", help="its size (default 64 MiB)")
     ap.add_argument("--checkpoint-dir", default=".", help="where it is written (default: here)")
+    ap.add_argument("--timeline", metavar="FILE", help="write each input wait and checkpoint's UNIX times here")
     a = ap.parse_args(argv)
     a.clock = Clock(a)
     if a.startup_s:
@@ -226,6 +257,11 @@ def main(argv: list[str] | None = None) -> None:
     (torch_job if framework == "torch" else numpy_job)(a)
     if framework == "numpy" and a.device != "cpu":
         raise SystemExit(f"--device {a.device} needs PyTorch")
+    if a.timeline:
+        import json
+        c = a.clock
+        with open(a.timeline, "w") as f:
+            json.dump({"first_step": c.first + c.unix, "last": c.last + c.unix, **c.spans}, f)
     print(f"train: {a.done} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device}) {a.clock.line()}",
           flush=True)
 

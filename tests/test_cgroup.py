@@ -206,6 +206,23 @@ def test_thread_acct_counts_a_launched_process_never_read(tmp_path):
     assert io(tio.update(str(proc), [], launched=[41])) == (0, 0)
 
 
+def test_thread_acct_a_grandchilds_record_before_its_parents_is_the_jobs(tmp_path):
+    """A chain that came and went between walks: the grandchild (43, parent 42) exits and is reaped by its parent,
+    which exits next — on a busy host its record comes a drain later. The grandchild's record waits for it and is
+    counted; a stranger's is dropped after two updates, whatever comes after it."""
+    proc = tmp_path / "proc"
+    write_thread_io(proc, 41, 41, 0)
+    tio = ThreadAcct(FakeListener())
+    assert io(tio.update(str(proc), [41])) == (0, 0)                              # the job: 41
+    tio.listener.queue = [rec(43, 43, 42, 300), rec(99, 99, 98, 1 << 20)]
+    assert io(tio.update(str(proc), [41])) == (0, 0)                              # whose are they? not yet known
+    tio.listener.queue = [rec(42, 42, 41, 5000)]
+    assert io(tio.update(str(proc), [41])) == (5300, 0)                           # 42 is 41's child: 43 with it
+    assert io(tio.update(str(proc), [41])) == (0, 0)
+    tio.listener.queue = [rec(98, 98, 41, 7)]                                     # 98 (parent of 99) now the job's
+    assert io(tio.update(str(proc), [41])) == (7, 0)                              # 99's record was let go before
+
+
 def test_thread_acct_quiet_skips_the_walk_and_loses_nothing(tmp_path):
     """`quiet` (the group's CPU usage did not move): /proc is not read — a counter changed under it is not seen
     then — and the next walk counts the whole difference; an exit record of the job makes even a quiet update
@@ -744,3 +761,105 @@ def test_a_hybrid_hosts_v1_memory_group_gives_the_jobs_memory_and_its_limit(make
             other.kill()
             other.wait()
         data.unlink(missing_ok=True)
+
+
+def write_stat(root: Path, pid: int, ppid: int, utime: int, stime: int, start: int, cmdline: bytes):
+    d = root / str(pid)
+    d.mkdir(parents=True, exist_ok=True)
+    rest = ["S", ppid] + [0] * 9 + [utime, stime, 0, 0] + [0] * 4 + [start] + [0] * 25
+    (d / "stat").write_text(f"{pid} (python3) " + " ".join(map(str, rest)) + "\n")
+    (d / "cmdline").write_bytes(cmdline)
+
+
+def test_helpers_are_forks_that_kept_their_parents_command_line(tmp_path):
+    """A trainer (its parent outside the set), a DataLoader-like fork of it (same command line), a program it
+    started (its own command line), a fork too young to judge, a PID used anew: which are helpers, and their CPU
+    per update from the first update (or from zero, born later)."""
+    (tmp_path / "uptime").write_text("1000.00 0.00\n")        # 100000 ticks since boot at CLK_TCK 100
+    now = 1000 * CLK_TCK
+    train, exe = b"python3\0train.py\0", b"python3\0-c\0work()\0"
+    write_stat(tmp_path, 10, 1, 500, 50, now - 900, train)         # the trainer
+    write_stat(tmp_path, 11, 10, 20, 5, now - 500, train)          # a forked worker, there before the first update
+    write_stat(tmp_path, 12, 10, 30, 0, now - 500, exe)            # a program the trainer started
+    h = threadacct_mod.Helpers(str(tmp_path))
+    assert h.update([10, 11, 12]) == (1, 0, 0)                      # the baseline
+    write_stat(tmp_path, 11, 10, 70, 9, now - 500, train)
+    write_stat(tmp_path, 13, 10, 4, 1, now - 10, train)             # a fork 0.1 s old: not judged yet
+    assert h.update([10, 11, 12, 13]) == (1, 50 * TICK_NS, 4 * TICK_NS)
+    (tmp_path / "uptime").write_text("1002.00 0.00\n")
+    write_stat(tmp_path, 13, 10, 40, 2, now - 10, train)            # now judged: all it did since it was born
+    assert h.update([10, 11, 12, 13]) == (2, 40 * TICK_NS, 2 * TICK_NS)
+    write_stat(tmp_path, 13, 10, 6, 0, now + 150, train)            # 13 used anew by another fork
+    (tmp_path / "uptime").write_text("1003.00 0.00\n")
+    write_stat(tmp_path, 11, 10, 71, 9, now - 500, train)
+    assert h.update([10, 11, 12, 13]) == (2, 7 * TICK_NS, 0)
+    assert h.update([10, 12]) == (0, 0, 0)                          # the helpers gone
+
+
+@pytest.mark.kernel
+def test_the_helpers_cpu_is_what_the_forked_workers_used_themselves(make_cgroup):
+    """A real job in its own group: a parent that burns, forks two workers (no exec) and starts a program of its
+    own; each process reports its own CPU (getrusage). The probe's helpers are the two workers, their CPU what they
+    report, and the rest of the group's CPU what the parent and its program report."""
+    cg = make_cgroup()
+    probe = CgroupProbe()
+    probe.start(CgroupTarget(str(cg.path)))
+    job = cg.spawn([sys.executable, "-c", FORKED_WORKERS], stdout=subprocess.PIPE, text=True)
+    total = {"cpu_user_ns": 0, "cpu_system_ns": 0, "helper_cpu_user_ns": 0, "helper_cpu_system_ns": 0}
+    helpers = set()
+    while job.poll() is None:
+        time.sleep(0.25)
+        s = probe.sample()
+        helpers.add(s["helper_nprocs"])
+        for k in total:
+            total[k] += s[k]
+    time.sleep(0.05)
+    s = probe.sample()
+    probe.stop()
+    for k in total:
+        total[k] += s[k]
+    own = dict(line.split() for line in job.stdout.read().split("\n") if line)
+    own = {k: float(v) * 1e9 for k, v in own.items()}
+    report = dict(total=total, own=own, helpers=helpers)
+    assert own["worker0"] > 0.4e9 and own["worker1"] > 0.4e9 and own["program"] > 0.4e9, report   # they ran
+    assert max(helpers) == 2, report
+    got = total["helper_cpu_user_ns"] + total["helper_cpu_system_ns"]
+    want = own["worker0"] + own["worker1"]
+    # /proc counts in ticks; a worker's last moments after its last read go with it (its exit): a few ticks each
+    assert abs(got - want) <= 0.03 * want + 8 * TICK_NS, report
+    lead = total["cpu_user_ns"] + total["cpu_system_ns"] - got
+    assert abs(lead - own["parent"] - own["program"]) <= 0.05 * (own["parent"] + own["program"]) + 8 * TICK_NS, report
+
+
+FORKED_WORKERS = r"""
+import os, resource, subprocess, sys, time
+def burn(s):
+    end = time.process_time() + s
+    while time.process_time() < end:
+        pass
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+burn(0.3)
+program = subprocess.Popen([sys.executable, "-c", "import time, resource\nend = time.process_time() + 0.8\n"
+                            "while time.process_time() < end: pass\ntime.sleep(1.2)\n"
+                            "r = resource.getrusage(resource.RUSAGE_SELF)\nprint(r.ru_utime + r.ru_stime)"],
+                           stdout=subprocess.PIPE, text=True)
+workers = []
+for i in range(2):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        time.sleep(1.5)            # older than a tick and the probe's settling time before it burns
+        burn(0.6 + 0.2 * i)
+        time.sleep(1.2)            # read once more, whole, before it exits
+        os.write(w, f"{cpu()}".encode())
+        os._exit(0)
+    os.close(w)
+    workers.append(r)
+burn(0.5)
+for i, r in enumerate(workers):
+    print(f"worker{i}", os.read(r, 100).decode(), flush=True)
+    os.wait()
+print("program", program.communicate()[0].strip())
+print("parent", cpu(), flush=True)
+"""

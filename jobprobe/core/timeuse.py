@@ -3,9 +3,11 @@
 One node's samples of one job, interval by interval (docs/TIMEUSE.md defines every bucket):
 
 - The job's **pace** in an interval is its compute rate: GPUs busy (the `gpu` probe: the job's own SM share, else
-  the GPU's utilization, summed over its GPUs) where it has GPUs, else CPU cores (the `cgroup` probe's user + system
-  time over dt). Its **steady pace** is the 90th percentile of the intervals' paces: how fast it goes when nothing
-  holds it back.
+  the GPU's utilization, summed over its GPUs) where it has GPUs, else CPU cores of its lead processes (the `cgroup`
+  probe's user + system time over dt, less its helpers': forked DataLoader workers; all of it where the lead
+  processes do under LEAD_MIN of the work or the frames do not say). Its **steady pace** is the 97th percentile of
+  the intervals' *wanted* paces — the pace plus the threads' wait for a CPU (`sched.runq_lat_ns`), up to the CPUs
+  the job may use: how fast it goes when nothing holds it back (a neighbour there the whole run is not its pace).
 - **startup**: from the first interval to the first one at 3/4 of the steady pace or more (that one's shortfall too).
 - **checkpointing**: in an interval that wrote ≥ 1 MiB more than twice the job's median interval
   (`cgroup.io_write_bytes`), the writing thread's system CPU (`cgroup.cpu_system_ns`: copies into the page cache)
@@ -16,12 +18,14 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
 - The rest of each interval (its **shortfall**) is split by what its threads did instead, each figure taken above its
   own usual level (its median over the intervals at 90% of the steady pace or more) — a figure that did not move is
   never evidence:
-  - *starved*: run-queue wait (`sched.runq_lat_ns`), CPU-limit stops (`cgroup.cpu_throttled_ns`, the whole group:
-    × the steady pace in threads), memory stalls (`pressure.mem_some_ns`);
+  - *starved*: first the interval's wait for a CPU as it is (dt × (wanted pace − pace) / steady pace), then of
+    the rest, CPU-limit stops (`cgroup.cpu_throttled_ns`, the whole group: × the steady pace in threads) and memory
+    stalls (`pressure.mem_some_ns`);
   - *waiting_for_input*: uninterruptible waits outside a checkpoint, sleeps and socket/pipe waits
     (`sched.offcpu_sleep_ns`, `offcpu_wait_ns`: a loader's read, the trainer's wait on its queue);
   - futex waits (`offcpu_lock_ns`: the trainer's thread pool idling behind its main thread) say how much of the
-    shortfall the threads spent waiting, not on what: they add to the covered share, split as the others are.
+    shortfall the threads spent waiting, not on what: they add to the covered share, split as the others are; the
+    threads' whole blocked time above its usual level (`offcpu_ns` less `runq_lat_ns`) covers as far as that or further.
   The shortfall is given out in the proportion of those figures, as far as they cover it (in thread-seconds: the
   shortfall × the steady pace); what they do not cover is *gpu_idle* for a GPU-paced job, else *other*.
 - *lost*: where the job started again (a new agent run whose hello says its processes were new: a SLURM requeue, a
@@ -41,10 +45,13 @@ from typing import Any, Iterable
 
 BUCKETS = ("startup", "computing", "waiting_for_input", "waiting_for_peers", "starved", "checkpointing", "gpu_idle",
            "lost", "other")
-STEADY_PCT = 0.90          # the steady pace: this percentile of the intervals' paces
+STEADY_PCT = 0.97          # the steady pace: this percentile of the intervals' paces (a job held back in most of
+                           # its intervals — a stall every few seconds — has few clean ones: the 90th read 7% low)
 STARTED = 0.75             # startup ends at the first interval at this share of the steady pace (imports
                            # and set-up run on one thread: a job of two or more runs them below it)
 CLEAN = 0.9                # intervals at this share of the steady pace or more give each figure's usual level
+LEAD_MIN = 0.1            # a CPU job is paced by its lead processes, not its helpers, unless they do less than this
+                          # share of its work (a parent that forked its workers and waits: the workers are the job)
 WRITE_BURST = 1 << 20      # a checkpoint's interval writes at least this many bytes more than usual, and twice as much
 
 
@@ -76,7 +83,7 @@ def _gpu_busy(gpu: Any) -> float | None:
 class Tick:
     """One interval's figures: t, dt, pace (GPUs busy or CPU cores), the evidence (thread-ns, bytes)."""
 
-    __slots__ = ("t", "dt", "pace", "fig", "gpu", "cores", "busy", "grant")
+    __slots__ = ("t", "dt", "pace", "fig", "gpu", "cores", "busy", "grant", "lead", "helper", "runq", "want")
 
     def __init__(self, frame: dict, by: str):
         self.t = num(frame, "t") or 0.0
@@ -86,6 +93,11 @@ class Tick:
         u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
         cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
         self.cores = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        # the helper processes' share of it (DataLoader workers: cgroup.helper_cpu_*), where the frames have it
+        hu, hs = (max(0.0, num(cg, f"helper_cpu_{m}_ns") or 0.0) for m in ("user", "system"))
+        self.helper = (hu, hs) if cpu is not None and isinstance(cg, dict) and \
+            ("helper_cpu_user_ns" in cg or "helper_cpu_system_ns" in cg) else None
+        self.lead = max(0.0, self.cores - (hu + hs) / 1e9 / self.dt) if self.helper and self.dt > 0 else self.cores
         self.busy = _gpu_busy(p.get("gpu"))
         self.pace = self.busy if by == "gpu_busy" else self.cores
         gpu = p.get("gpu") if isinstance(p.get("gpu"), dict) else {}
@@ -94,13 +106,41 @@ class Tick:
                                         ("mem_peak_bytes", num(cg, "mem_peak_bytes")),
                                         ("gpus", num(gpu, "ngpus"))) if v is not None and v > 0}
         self.gpu = gpu_means(p.get("gpu"))
+        # the threads' wait for a CPU, in cores (thread-seconds per second): a CPU job wanted to compute then
+        rq = num(sc, "runq_lat_ns")
+        self.runq = max(0.0, rq) / 1e9 / self.dt if rq is not None and self.dt > 0 and by != "gpu_busy" else 0.0
+        self.want = self.wanted()
         self.fig: dict[str, float] = {}
         for name, d in (("sched", sc), ("cgroup", cg), ("pressure", pr)):
-            for k in ("runq_lat_ns", "offcpu_io_ns", "offcpu_sleep_ns", "offcpu_wait_ns", "offcpu_lock_ns",
+            for k in ("runq_lat_ns", "offcpu_io_ns", "offcpu_sleep_ns", "offcpu_wait_ns", "offcpu_lock_ns", "offcpu_ns",
                       "cpu_throttled_ns", "io_write_bytes", "mem_some_ns", "cpu_system_ns", "cpu_user_ns"):
                 v = num(d, k)
                 if v is not None:
                     self.fig[f"{name}.{k}"] = max(v, 0.0)
+        # the threads' time off CPU holds their wait for one (preempted, or woken and not yet run: runq_lat_ns),
+        # which is the starved bucket's, not a wait of theirs: the rest is what they spent blocked
+        if "sched.offcpu_ns" in self.fig:
+            self.fig["sched.offcpu_ns"] = max(0.0, self.fig["sched.offcpu_ns"] - self.fig.get("sched.runq_lat_ns", 0.0))
+
+    def wanted(self) -> float | None:
+        """The pace the job would have had without its wait for a CPU: its pace and that wait, up to the CPUs it
+        may use (its CPU limit, else its cpuset) — beyond them it waits for its own threads, not for a neighbour."""
+        if self.pace is None:
+            return None
+        cap = self.grant.get("cpu_cores", math.inf)
+        return max(self.pace, min(self.pace + self.runq, cap))
+
+    def by_lead(self) -> None:
+        """Paced by the lead processes' CPU: the helpers' CPU is neither the pace nor the evidence (their share of
+        the wait for a CPU is taken as their share of the CPU)."""
+        if self.cores and self.lead is not None:
+            self.runq *= self.lead / self.cores
+        self.pace = self.lead
+        self.want = self.wanted()
+        if self.helper is not None:
+            for m, v in zip(("user", "system"), self.helper):
+                if f"cgroup.cpu_{m}_ns" in self.fig:
+                    self.fig[f"cgroup.cpu_{m}_ns"] = max(0.0, self.fig[f"cgroup.cpu_{m}_ns"] - v)
 
 
 def gpu_means(gpu: Any) -> dict[str, float]:
@@ -137,9 +177,15 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     samples = sorted((f for f in frames if usable(f)), key=lambda f: num(f, "t") or 0.0)
     by = paced_by(samples)
     ticks = [Tick(f, by) for f in samples]
+    if by == "cpu_cores" and any(k.helper for k in ticks) and \
+            _pct([k.lead for k in ticks if k.lead is not None], STEADY_PCT) >= \
+            LEAD_MIN * _pct([k.cores for k in ticks if k.cores is not None], STEADY_PCT):
+        by = "lead_cpu_cores"
+        for k in ticks:
+            k.by_lead()
     out: dict[str, Any] = {"wall_s": sum(k.dt for k in ticks), "buckets": dict.fromkeys(BUCKETS, 0.0),
                            "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0, "restarts": 0}
-    paced = [k.pace for k in ticks if k.pace is not None]
+    paced = [k.want for k in ticks if k.want is not None]
     steady = _pct(paced, STEADY_PCT)
     if not paced or steady <= 0:
         out["buckets"]["other"] = out["wall_s"]
@@ -147,13 +193,13 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
             out["intervals"] = [{"t": k.t, "dt": k.dt, "buckets": {"other": k.dt}} for k in ticks]
         return out
     out["pace"]["steady"] = steady
-    clean = [k for k in ticks if k.pace is not None and k.pace >= CLEAN * steady]
+    clean = [k for k in ticks if k.want is not None and k.want >= CLEAN * steady]
     usual = {f: _median([k.fig.get(f, 0.0) for k in clean]) for f in {f for k in ticks for f in k.fig}}
     runs = segments(frames, samples)
     out["restarts"] = len(runs) - 1
     # each run's startup ends at its first interval at STARTED of the steady pace (a run that never got there: all
     # of it); the checkpoints are looked for after them
-    firsts = [next((i for i in run if (ticks[i].pace or 0.0) >= STARTED * steady), run[-1] + 1) for run in runs]
+    firsts = [next((i for i in run if (ticks[i].want or 0.0) >= STARTED * steady), run[-1] + 1) for run in runs]
     after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first]
     bursts = Bursts(after)
     per = []
@@ -171,11 +217,14 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 b["startup"] = k.dt
             else:
                 ck, cpu = bursts.checkpoint(k)
-                if by == "cpu_cores" and k.dt > 0:
+                if by != "gpu_busy" and k.dt > 0:
                     share = min(1.0, max(0.0, pace - cpu / k.dt) / steady)
                 b["checkpointing"] = ck
                 b["computing"] = min(k.dt - ck, k.dt * share)
-                split(k, k.dt - ck - b["computing"], steady, usual, by, b, ck > 0)
+                # its wait for a CPU is starved as it is (the steady pace counts it as wanted), the rest by votes
+                short = k.dt - ck - b["computing"]
+                b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / steady)
+                split(k, short - b["starved"], steady, usual, by, b, ck > 0)
             per.append(b)
     for run in runs[:-1]:
         # a run the job started again after: its work since its last checkpoint was lost (all of it, without one)
@@ -280,13 +329,16 @@ def split(k: Tick, short: float, steady: float, usual: dict[str, float], by: str
         return max(0.0, k.fig.get(f, 0.0) - usual.get(f, 0.0))
     threads = max(steady, 1.0)    # the threads (or, GPU-paced, the processes driving the GPUs) that fell short
     votes = {
-        "starved": above("sched.runq_lat_ns") + above("cgroup.cpu_throttled_ns") * threads
-        + above("pressure.mem_some_ns"),
+        "starved": above("cgroup.cpu_throttled_ns") * threads + above("pressure.mem_some_ns"),
         "waiting_for_input": (0.0 if burst else above("sched.offcpu_io_ns")) + above("sched.offcpu_sleep_ns")
         + above("sched.offcpu_wait_ns"),
     }
     cast = sum(votes.values())
-    covered = min(1.0, (cast + above("sched.offcpu_lock_ns")) / (short * 1e9 * threads)) if cast > 0 else 0.0
+    # what the threads did off CPU instead, in all: the wait and sleep figures above their usual levels one by one,
+    # or the whole of the threads' off-CPU time above its usual level (a loader that sleeps where it usually waits
+    # on its queue moves time between two figures: the whole does not count it)
+    off = max(cast + above("sched.offcpu_lock_ns"), above("sched.offcpu_ns"))
+    covered = min(1.0, off / (short * 1e9 * threads)) if cast > 0 else 0.0
     for name, v in votes.items():
         b[name] += short * covered * v / cast if cast > 0 else 0.0
     b["gpu_idle" if by == "gpu_busy" else "other"] += short * (1 - covered)

@@ -8,6 +8,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from jobprobe.kernel import procfs
+
 PYTHON_EXE = re.compile(r"^(python|pypy)[0-9.]*[a-z]?$")
 
 
@@ -30,10 +32,9 @@ def is_python(proc: str, pid: int) -> bool:
 
 def role(proc: str, pid: int) -> str:
     """What the process is, in a few words: its script or module and the first argument or two."""
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as f:
-            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-    except OSError:
+    cmdline = procfs.read_cmdline(proc, pid, limit=1 << 20)
+    if cmdline is None:
         return "?"
+    argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
     args = argv[1:] if argv and PYTHON_EXE.match(os.path.basename(argv[0])) else argv
     return " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(args[:3]))[:120] or "python"

@@ -143,6 +143,7 @@ class Stat(NamedTuple):
     cstime: int
     num_threads: int
     processor: int = -1  # the CPU it last ran on
+    starttime: int = 0   # clock ticks after boot it started at
 
 
 def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = read_small) -> Stat | None:
@@ -152,14 +153,24 @@ def read_stat(proc: str, pid: int | str, read: Callable[[str], str | None] = rea
     if data is None:
         return None
     # after comm: state(0) ppid(1) pgrp session tty_nr tpgid flags(6) minflt cminflt majflt cmajflt utime(11)
-    # stime(12) cutime(13) cstime(14) priority nice num_threads(17) … processor(36)
+    # stime(12) cutime(13) cstime(14) priority nice num_threads(17) itrealvalue starttime(19) … processor(36)
     f = data[data.rfind(")") + 2:].split()
     if len(f) < 2:
         return None
 
     def num(i: int, default: int = 0) -> int:   # (a short line: a fixture tree, or a kernel that had fewer fields)
         return int(f[i]) if i < len(f) else default
-    return Stat(f[0], num(1), num(6), num(11), num(12), num(13), num(14), num(17, 1), num(36, -1))
+    return Stat(f[0], num(1), num(6), num(11), num(12), num(13), num(14), num(17, 1), num(36, -1), num(19))
+
+
+def read_cmdline(proc: str, pid: int | str, limit: int = 4096) -> bytes | None:
+    """The process's command line as the kernel keeps it (arguments NUL-separated; empty for a kernel thread or a
+    zombie), its first `limit` bytes; None if it has gone."""
+    try:
+        with open(f"{proc}/{pid}/cmdline", "rb") as f:
+            return f.read(limit)
+    except OSError:
+        return None
 
 
 def read_ppid(proc: str, pid: int) -> int | None:

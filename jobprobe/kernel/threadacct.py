@@ -82,6 +82,8 @@ class PerPid:
         return out
 
 
+HOLD_UPDATES = 2         # an exit record no job process claims is held this many updates (its parent's may come next)
+HOLD_MAX = 8192          # ... at most this many (every exit on the host comes through the one socket)
 KEYS = ("rd", "wr", "user", "system")   # what ThreadAcct counts per thread: bytes read, written; CPU ns
 
 
@@ -127,6 +129,8 @@ class ThreadAcct:
         self.claimed: set[int] = set()                           # launched pids whose exit record was counted
         self.uncounted = 0       # threads gone without an exit record: their last interval is missing (counted)
         self.primed = from_zero
+        self.held: list[tuple[ExitRecord, int]] = []   # records no job process claimed yet, with the update they came
+        self.updates = 0
 
     def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
                cpu: bool = True, quiet: bool = False, launched: list[int] = ()) -> dict[str, int]:
@@ -141,6 +145,7 @@ class ThreadAcct:
         `launched`: processes the caller started itself (a target's launched_pids): their records, and those of their
         descendants, are the job's even if no walk ever saw them (a job born and gone within its first tick). Each
         is claimed once: a pid reused after its reaping is someone else."""
+        self.updates += 1
         records = self.listener.drain() if self.listener is not None else []
         out = [0, 0, 0, 0]
         now: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -187,26 +192,102 @@ class ThreadAcct:
                     now: dict[int, tuple[int, tuple[int, ...]]] | None = None) -> list[ExitRecord]:
         """The records of the job's threads: read before (or in this walk: `now`), or of a job process (or one the
         target launched), or of a process whose parent is one (a fixed point over the records, for a chain of
-        processes that came and went between ticks)."""
+        processes that came and went between ticks). A record none of them claims is held for HOLD_UPDATES
+        updates: a grandchild that exits just before its parent (which reaps it, then exits) may be drained an
+        update before the parent's record that makes it the job's."""
         known = self.last if now is None else {**self.last, **now}
         procs = set(pids) | {tgid for tgid, _ in known.values()} | set(launched)
         out, rest = [], []
-        for r in records:
-            (out if r.tid in known else rest).append(r)
+        for r, n in self.held + [(r, self.updates) for r in records]:
+            if r.tid in known:
+                out.append(r)
+            else:
+                rest.append((r, n))
         grew = True
         while grew and rest:
             grew = False
-            for r in list(rest):
+            for item in list(rest):
+                r = item[0]
                 if (r.tgid and r.tgid in procs) or r.ppid in procs or r.tid in procs:
                     procs.add(r.tgid or r.tid)
                     if r.tid in launched:
                         self.claimed.add(r.tid)
                     out.append(r)
-                    rest.remove(r)
+                    rest.remove(item)
                     grew = True
+        self.held = [(r, n) for r, n in rest if self.updates - n < HOLD_UPDATES][-HOLD_MAX:]
         return out
 
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+
+
+class Helpers:
+    """Which of a set of processes are helpers, and their CPU per interval. A helper was forked by another process
+    of the set and did not start a program of its own: its command line is its parent's, the parent in the set (a
+    PyTorch DataLoader worker, a pool under multiprocessing's default fork method). The others are the lead
+    processes: a launcher, the programs it started (torchrun's ranks, `mp.spawn`'s — started anew, with their own
+    command line), the ranks' own work. A process is judged once it is SETTLE_S old (a fork about to exec is no
+    helper), and again where its PID is used anew. A helper that appears after the first update counts from zero;
+    one that exits takes what it did since the last update with it (its parent's cutime has it, with the rest).
+    Not told apart: helpers started by multiprocessing's spawn or forkserver methods (their command line is their
+    own), which count as lead processes."""
+
+    SETTLE_S = 1.0
+
+    def __init__(self, proc: str, read: Reader = procfs.read_small):
+        self.proc, self.read = proc, read
+        self.judged: dict[int, tuple[int, bool]] = {}    # pid → (its start time, a helper)
+        self.prev: dict[int, tuple[int, int]] = {}       # helper pid → (utime, stime) ticks at the last update
+        self.first: set[int] | None = None               # the processes of the first update (counted from then)
+
+    def _judge(self, pid: int, st: procfs.Stat, members: set[int]) -> bool:
+        if st.ppid not in members:
+            return False
+        cmd = procfs.read_cmdline(self.proc, pid)
+        return bool(cmd) and procfs.read_cmdline(self.proc, st.ppid) == cmd
+
+    def update(self, pids: list[int]) -> tuple[int, int, int]:
+        """(helpers now, their user ns, their system ns this interval) among `pids` (the set's processes now and
+        those ended but not reaped)."""
+        members = set(pids)
+        first = self.first is None
+        if first:
+            self.first = members
+        for pid in [p for p in self.judged if p not in members]:
+            del self.judged[pid]
+        now_ticks = None
+        cur: dict[int, tuple[int, int]] = {}
+        for pid in pids:
+            known = self.judged.get(pid)
+            if known is not None and not known[1]:
+                continue          # a lead process: nothing to read
+            st = procfs.read_stat(self.proc, pid, self.read)
+            if st is None:
+                continue
+            if known is None or known[0] != st.starttime:
+                if now_ticks is None:
+                    now_ticks = uptime_ticks(self.proc)
+                if now_ticks - st.starttime < self.SETTLE_S * CLK_TCK:
+                    continue      # too young to tell
+                self.judged[pid] = (st.starttime, self._judge(pid, st, members))
+                if not self.judged[pid][1]:
+                    continue
+                self.prev.pop(pid, None)
+                if first or (known is None and pid in self.first):
+                    self.prev[pid] = (st.utime, st.stime)    # there before the first update: counted from now
+            cur[pid] = (st.utime, st.stime)
+        user = system = 0
+        for pid, (u, s) in cur.items():
+            pu, ps = self.prev.get(pid, (0, 0))
+            user, system = user + max(0, u - pu), system + max(0, s - ps)
+        self.prev = cur
+        return len(cur), user * procfs.NS_PER_TICK, system * procfs.NS_PER_TICK
+
+
+def uptime_ticks(proc: str) -> float:
+    """Clock ticks since boot (/proc/uptime), the unit of a process's start time."""
+    text = procfs.read_small(f"{proc}/uptime") or "0"
+    return float(text.split()[0]) * CLK_TCK
