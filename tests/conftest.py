@@ -17,6 +17,10 @@ from jobprobe.kernel.host import find_cgroup2_mount
 
 TESTS = Path(__file__).resolve().parent
 IS_ROOT = os.geteuid() == 0
+# a user without root's rights, who may still read the checkout wherever it lies (a clone in a 0700 directory):
+# the capability to read and search any file, nothing else — no BPF, no perf, not uid 0
+AS_NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "--inh-caps=+dac_read_search",
+             "--ambient-caps=+dac_read_search"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,9 +43,10 @@ SHARED_UNITS = {"test_slurm.py": "slurm", "test_slurm_agent.py": "slurm"}
 # longest first, so that the workers finish together instead of one of them running a long file at the end alone (the
 # image's first: its root filesystem takes 65 s on a fresh machine). Order only: nothing is skipped.
 LONG_FIRST = ("test_image.py", "test_sched.py", "test_trace.py", "test_nats.py", "test_blockio.py", "test_cuda.py",
-              "test_agent.py", "test_partitions.py", "test_slurm_agent.py", "test_slurm.py", "test_syscalls.py",
-              "test_net.py", "test_memory.py", "test_auth.py", "test_cgroup.py", "test_perf.py", "test_demo.py",
-              "test_cli.py", "test_compact.py", "test_prometheus.py", "test_nic.py", "test_install.py", "test_report.py")
+              "test_agent.py", "test_partitions.py", "test_hostile.py", "test_slurm_agent.py", "test_slurm.py",
+              "test_syscalls.py", "test_net.py", "test_memory.py", "test_auth.py", "test_cgroup.py", "test_perf.py",
+              "test_demo.py", "test_cli.py", "test_compact.py", "test_prometheus.py", "test_nic.py", "test_install.py",
+              "test_report.py")
 
 
 def long_first(items: list) -> None:
@@ -88,6 +93,25 @@ def _new_empty_dirs(before: set[str]) -> list[str]:
         except OSError:
             continue                     # gone, or not ours to read: not a directory this run left
     return out
+
+
+# ---- where the suite's CPU goes: JOBPROBE_TEST_CPU=FILE appends, per test, the CPU seconds of the worker and of the
+# children it reaped during the test (its workloads, servers, CLI runs), and its wall seconds -----------------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    out = os.environ.get("JOBPROBE_TEST_CPU")
+    if not out:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+    c0, t0 = cpu(), time.monotonic()
+    yield
+    with open(out, "a") as f:
+        f.write(f"{cpu() - c0:.2f} {time.monotonic() - t0:.2f} {item.nodeid}\n")
 
 
 def pytest_sessionstart(session):

@@ -108,11 +108,17 @@ def samples_of(agent: Agent, job: str) -> list[dict]:
     return [f for f in frames_of(agent, job) if f["kind"] == "sample"]
 
 
+@pytest.mark.serial  # perf's cgroup clock also counts the switch path, longer with every other test's sched_switch
+#                     programs beside it: 11.6 µs per preemption once in phase 1, over the 7.5 µs allowed below
 def test_jobs_attached_and_detached_at_run_time_each_count_their_own_cpu(agent, make_cgroup):
     """Three jobs on one agent: two burners and an idle one, attached while the agent runs; each job's CPU time
     (perf's task clock, per cgroup) within 2% of its own cpu.stat, the idle one's near zero although the burners ran
     beside it; one set of programs in the kernel for all three."""
     before = ours(kernel_progs())
+    # the three attaches compile on first use: beside the suite's other compiles they took over the fixture's 5 s
+    # attach_wait, and the first job, still empty, was let go before its work started (what this test asserts is
+    # the counting, not how long an empty group is kept: its own test holds that)
+    agent.cfg.attach_wait = 60.0
     cgs = {name: make_cgroup(name) for name in ("burn-a", "burn-b", "idle-c")}
     for name, cg in cgs.items():      # attached before their work starts, as a scheduler's prolog does
         r = ctl(agent, cmd="attach", cgroup=str(cg.path), job=name)

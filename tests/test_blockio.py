@@ -299,7 +299,10 @@ def test_direct_io_counts_are_exact(probe, make_cgroup, loop, kind):
     assert n * 0.98 <= s2["read_requests"] <= n * 1.02 + paged // 4096, (s2["read_requests"], paged)
     assert within(s2["read_bytes"], n * bs + paged) and within(s2["read_bytes"], rd["proc_read_bytes"])
     assert within(s2["read_bytes"] - paged, disk_r["read_bytes"])
-    assert s2["write_requests"] == 0 and ours_inflight(probe) == []
+    left = [(k.dev, k.sector, probe.clock() - v.born_ns, v.issue_ns and probe.clock() - v.issue_ns, v.left, v.op)
+            for k, v in probe.loaded.maps["inflight"].items() if v.slot == probe.slot]
+    # (a CI run once found one entry here after the sample: said with its age, issue, bytes and the job's pids)
+    assert s2["write_requests"] == 0 and left == [], (left, probe.target.pids(), s2["inflight_expired"])
     if kind == "pids":
         assert probe.members() == set()        # the job exited: no membership entry left behind
 
@@ -313,24 +316,34 @@ def test_split_bios_and_merged_readahead(probe, make_cgroup, loop):
     before = loop.stat()
     wr = run_job(probe, make_cgroup, "cgroup", io("direct", loop.dev, "write", n, bs, 0))
     s, disk = settled_sample(probe, loop, before)
-    print(f"blockio[{probe.mode}] split: {s['write_requests']} req {s['write_bytes']} B; disk {disk['writes']} req")
-    assert within(s["write_bytes"], n * bs) and within(s["write_bytes"], wr["proc_write_bytes"])
+    lost, expired = s["write_lost_bytes"], s["inflight_expired"]
+    print(f"blockio[{probe.mode}] split: {s['write_requests']} req {s['write_bytes']} B, given up {expired} req "
+          f"{lost} B, kernel skipped {s['bpf_missed']}; disk {disk['writes']} req")
+    # a CI run under load: 305 of 320 requests counted, 983040 B short — what was not seen must be counted (below)
+    assert (lost == 0) == (expired == 0) and s["read_lost_bytes"] == 0
+    done = s["write_bytes"] + lost
+    assert within(done, n * bs) and within(done, wr["proc_write_bytes"])
     assert disk["writes"] >= n * bs // (64 * KiB)
-    assert within(s["write_requests"], disk["writes"])
+    assert within(s["write_requests"] + expired, disk["writes"])
     probe.stop()
 
     (loop.queue / "max_sectors_kb").write_text("1280")
     before = loop.stat()
     rd = run_job(probe, make_cgroup, "cgroup", io("buffered", loop.dev, 48 * MiB, 0))
     s, disk = settled_sample(probe, loop, before)
-    print(f"blockio[{probe.mode}] readahead: {s['read_requests']} req {s['read_bytes']} B; /proc io "
-          f"{rd['proc_read_bytes']} B; disk {disk['reads']} req {disk['read_bytes']} B")
+    lost, expired = s["read_lost_bytes"], s["inflight_expired"]
+    print(f"blockio[{probe.mode}] readahead: {s['read_requests']} req {s['read_bytes']} B, given up {expired} req "
+          f"{lost} B; /proc io {rd['proc_read_bytes']} B; disk {disk['reads']} req {disk['read_bytes']} B")
     assert rd["bytes"] == 48 * MiB and disk["read_bytes"] >= 48 * MiB
-    assert within(s["read_bytes"], disk["read_bytes"]) and within(s["read_bytes"], rd["proc_read_bytes"])
+    # a completion the kernel never reported to any program (bpf/blockio.c: one in 3000 under load; one readahead
+    # request of 43 in a fresh-clone run) is counted, not lost silently: given up, with its bytes, once the job is gone
+    assert (lost == 0) == (expired == 0)
+    done = s["read_bytes"] + lost
+    assert within(done, disk["read_bytes"]) and within(done, rd["proc_read_bytes"])
     # The job's own interpreter may page files in from another device (a fresh checkout's .py files: 5 requests of
     # 4 KiB seen in CI); they are the job's, in its /proc io, but not in the loop device's count.
-    elsewhere = max(0, s["read_bytes"] - disk["read_bytes"]) // 4096
-    assert 0.98 * disk["reads"] <= s["read_requests"] <= 1.02 * disk["reads"] + elsewhere
+    elsewhere = max(0, done - disk["read_bytes"]) // 4096
+    assert 0.98 * disk["reads"] <= s["read_requests"] + expired <= 1.02 * disk["reads"] + elsewhere
     assert ours_inflight(probe) == []
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import AS_NOBODY
 from fixtures_rdma import IB_COUNTERS, RdmaTree
 from fake_nvml.state import FakeState, build as build_nvml
 
@@ -204,8 +205,7 @@ def test_the_clock_verdicts():
 
 
 def test_bpf_fails_for_a_user_without_the_right():
-    r = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-m",
-                        "jobprobe.cli", "doctor", "--json"], capture_output=True, text=True, cwd=REPO, timeout=60,
+    r = subprocess.run([*AS_NOBODY, sys.executable, "-m", "jobprobe.cli", "doctor", "--json"], capture_output=True, text=True, cwd=REPO, timeout=60,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     c = {x["name"]: x for x in json.loads(r.stdout)["checks"]}
     assert r.returncode == 3 and c["root"]["status"] == "fail" and c["bpf"]["status"] == "fail"

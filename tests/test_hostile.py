@@ -232,7 +232,6 @@ def vm_hwm_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
-@pytest.mark.serial
 @pytest.mark.integration
 @need_nats
 def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_honest_frame(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import workload
+from conftest import AS_NOBODY, workload
 
 REPO = Path(__file__).resolve().parents[1]
 # what a node's environment may hold: the agent's install_requires and theirs (nkeys → pynacl → cffi → pycparser),
@@ -76,7 +76,7 @@ def test_the_wheel_and_sdist_hold_the_package_and_what_a_site_installs(dist):
             if "extra ==" not in r} == requires()
     assert {"controller", "report", "test", "bench"} <= set(re.findall(r"^Provides-Extra: (\S+)$", meta, re.M))
     assert re.search(r"^Requires-Python: >=3\.11$", meta, re.M)
-    assert {"nats-py"} == {norm(re.split(r"[<>=!~ ;(]", r)[0]) for r in re.findall(
+    assert {"nats-py", "numpy"} == {norm(re.split(r"[<>=!~ ;(]", r)[0]) for r in re.findall(
         r"^Requires-Dist: (.+); extra == \"controller\"$", meta, re.M)}
     listing = subprocess.run(["tar", "tzf", str(sdist)], capture_output=True, text=True, check=True).stdout.split()
     top = {n.split("/", 1)[1] for n in listing if "/" in n}
@@ -170,7 +170,7 @@ def test_the_controller_installer_brings_the_nats_client_and_not_bcc(dist, tmp_p
     before = host_state()
     install("controller", wheel, tmp_path, "--no-system")
     prefix = tmp_path / "opt"
-    assert dists([str(prefix / "bin/python")]) == AGENT_DISTS | {"nats-py", "pip", "setuptools"}
+    assert dists([str(prefix / "bin/python")]) == AGENT_DISTS | {"nats-py", "numpy", "pip", "setuptools"}
     assert not list(prefix.glob("lib/python3*/site-packages/bcc"))
     unit = (tmp_path / "units/jobprobe-controller.service").read_text()
     assert f"ExecStart={tmp_path}/bin/jobprobe controller --data /var/lib/jobprobe/controller" in unit
@@ -199,6 +199,6 @@ def test_the_installer_refuses_what_it_does_not_know(tmp_path):
                              timeout=60)
         assert res.returncode == 2 and needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res
     if os.geteuid() == 0:                   # not root: said, before anything is installed
-        res = subprocess.run(["bash", str(REPO / "scripts/install.sh"), "node"], capture_output=True, text=True,
-                             timeout=60, user="nobody", cwd="/")
+        res = subprocess.run([*AS_NOBODY, "bash", str(REPO / "scripts/install.sh"), "node"], capture_output=True,
+                             text=True, timeout=60, cwd="/")
         assert res.returncode == 2 and "run it as root" in res.stderr, res

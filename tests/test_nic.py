@@ -268,7 +268,13 @@ def test_two_rails_a_shaped_one_is_flagged_and_an_even_pair_is_not(make_cgroup, 
             assert all(s["rails_slow"] == 1 and sh[va2] < 0.5 < sh[net.va] for s, sh in zip(busy, shares))
             assert [ev["rule"] for ev in fired] == ["rail_imbalance"], fired
         else:
-            assert all(s["rails_slow"] == 0 for s in busy) and fired == []
+            # even rails: the rule stays quiet. A second in which one flood's sender got little CPU beside phase 1's
+            # tests is a rail really slow for that second (0.486 of the median once): flagged then, and only then —
+            # the rule's window and hold are there so that such a second names nothing
+            from jobprobe.probes.nic import RAIL_SLOW
+            assert all(s["rails_slow"] == sum(v < RAIL_SLOW for v in sh.values()) for s, sh in zip(busy, shares))
+            assert fired == [], (shares, fired)
+            assert min(sent.values()) >= 0.5 * max(sent.values())      # over the run, both carried their half
 
 
 def test_pause_counters_are_told_apart_by_their_drivers_names():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -143,14 +144,21 @@ def test_a_throttled_job_fires_cpu_throttled_with_the_kernels_figures(make_cgrou
             kv = dict(ln.split() for ln in (limit_dir / "cpu.stat").read_text().splitlines())
             return int(kv.get("throttled_time", 0))
         before, t0 = throttled_ns(), time.time()
-        r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(cg.path), "--rules",
-                            "default", "--probes", "cgroup,sched", "--stdout", "json", "--duration", "22"],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
+        # up to 22 s (the rule's window, then its hold), stopped (SIGINT: its last frame written) once it fired
+        run = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(cg.path), "--rules",
+                                "default", "--probes", "cgroup,sched", "--stdout", "json", "--duration", "22"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        out = []
+        for line in run.stdout:
+            out.append(json.loads(line))
+            if out[-1]["kind"] == "event" and out[-1].get("rule") == "cpu_throttled":
+                run.send_signal(signal.SIGINT)
+        err = run.stderr.read()
+        rc = run.wait(timeout=60)
         wall, after = time.time() - t0, throttled_ns()
         job.kill()
         job.wait()
-        assert r.returncode == 0, r.stderr
-        out = [json.loads(x) for x in r.stdout.splitlines()]
+        assert rc == 0, err
         fired = [f for f in out if f["kind"] == "event" and f["event"] == "rule"]
         thr = [f for f in fired if f["rule"] == "cpu_throttled"]
         assert thr, [f["rule"] for f in fired]

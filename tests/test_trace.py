@@ -142,7 +142,7 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     # (a worker preempted between arming its timer and switching out — a loaded CI host: one at 9.89 ms — has that
     # much less of it asleep: most, not all, are the whole 10 ms)
     full = sum(a >= 9_900 for a in asleep)
-    assert all(1_000 <= a < 100_000 for a in asleep) and full >= 0.9 * len(asleep), \
+    assert all(1_000 <= a for a in asleep) and full >= 0.9 * len(asleep), \
         (full, len(asleep), sorted(asleep)[:3] + sorted(asleep)[-3:])
     # each sleep's kernel stack shows do_nanosleep — or says why the stack map gave it none (a bucket another
     # stack holds: the map keeps the first; counted, never a wrong stack), for at most a tenth of them
@@ -159,6 +159,11 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
                                 if c["tid"] == s["tid"] and c["ts"] < s["ts"] + s["dur"] and s["ts"] < c["ts"] + c["dur"]])
            for s in later if s not in inside]
     assert len(later) >= 20 and len(inside) >= len(later) - 2, (len(inside), len(later), out)   # (first and last)
+    # a sleep far over its 10 ms is one whose timer fired late (a loaded VM: 104 ms once in CI), not two sleeps read
+    # as one: the same thread's clock_nanosleep call, timed by the syscalls probe, lasted at least as long (from the
+    # syscalls probe's start on: before it, nothing else times them)
+    for s in (s for s in later if s["dur"] - s["args"].get("runq_us", 0) >= 50_000):
+        assert s in inside, ("a long sleep outside any clock_nanosleep of its thread", s["ts"], s["dur"], out)
     assert {e["args"]["reason"] for e in off if e["pid"] == main} <= {"preempt"}
     names = {e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "thread_name"}
     assert f"thread {worker}: kernel: syscalls, off-CPU" in names and f"thread {worker}: Python" in names
