@@ -43,6 +43,21 @@ def blkio_read_bytes(ddp: DdpJob, rank: int) -> int:
     return sum(int(ln.split()[2]) for ln in text.splitlines() if ln.split()[1:2] == ["Read"])
 
 
+def window(cluster: Cluster, since: float) -> str:
+    """Each node's compared figures per second of its frames since `since` (a failure's account)."""
+    from jobprobe.cluster.causes import figures
+    sums: dict[str, dict[str, float]] = {}
+    for node, t, dt, probes in cluster.samples():
+        if t >= since:
+            acc = sums.setdefault(node, {"dt": 0.0})
+            acc["dt"] += dt
+            for k, v in figures(probes).items():
+                acc[k] = acc.get(k, 0.0) + v
+    return "; ".join(f"{n}: " + " ".join(f"{k}={v / max(a['dt'], 1e-9) / (1e9 if k.endswith('_ns') else 1):.3g}"
+                                       for k, v in sorted(a.items()) if k != "dt") + f" over {a['dt']:.0f} s"
+                     for n, a in sorted(sums.items()))
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -107,8 +122,13 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
             """Inject, wait for `kind` naming `node` (`bound` s), clear, wait for its end (30 s); its event."""
             before = len(cluster.events(kind))
             t0 = time.time()
+            n0 = len(ddp.rates(0))
             inject()
-            e = until(lambda: cluster.events(kind)[before:], bound, f"{kind} named within {bound} s of {what}")[0]
+            try:
+                e = until(lambda: cluster.events(kind)[before:], bound, f"{kind} named within {bound} s of {what}")[0]
+            except AssertionError as err:       # what the detector had before it: did the fault slow the job?
+                raise AssertionError(f"{err}; the job {rate(ddp, n0 - 3):.1f} steps/s before, "
+                                     f"{rate(ddp, n0):.1f} after; {window(cluster, t0)}") from None
             print(f"stragglers: {kind} {node} {time.time() - t0:.1f} s after {what}: {e['reason']}")
             key = "straggler" if kind == "straggler" else "node"
             assert e[key] == node, e
