@@ -42,8 +42,14 @@ def run(d: Path, seconds: float, stall_every: int) -> None:
     (d / "checkpoint.bin").unlink(missing_ok=True)
 
 
+def counted(span: list[float]) -> float:
+    """A span's seconds as the job counted them: an input span's blocked part (its third figure), else all of it."""
+    return span[2] if len(span) > 2 else span[1] - span[0]
+
+
 def overlap(spans: list[list[float]], a: float, b: float) -> float:
-    return sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in spans)
+    """The spans' counted seconds inside [a, b] (a span's blocked part spread evenly over it)."""
+    return sum(max(0.0, min(b, s[1]) - max(a, s[0])) * counted(s) / (s[1] - s[0]) for s in spans if s[1] > s[0])
 
 
 def report(d: Path, intervals: bool) -> dict[str, float]:
@@ -52,8 +58,7 @@ def report(d: Path, intervals: bool) -> dict[str, float]:
     tl = json.loads((d / "tl.json").read_text())
     out = decompose(frames, intervals=intervals)
     b = out["buckets"]
-    truth = {"waiting_for_input": sum(t1 - t0 for t0, t1 in tl["input"]),
-             "checkpointing": sum(t1 - t0 for t0, t1 in tl["checkpoint"])}
+    truth = {"waiting_for_input": sum(map(counted, tl["input"])), "checkpointing": sum(map(counted, tl["checkpoint"]))}
     truth["computing"] = tl["last"] - tl["first_step"] - truth["waiting_for_input"] - truth["checkpointing"]
     err = {k: b[k] / v - 1 for k, v in truth.items() if v > 0}
     print(f"{d.name}: steady {out['pace']['steady']:.3f} {out['pace']['of']}; " +

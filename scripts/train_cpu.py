@@ -13,10 +13,13 @@ storage, simulated with a sleep) — an input-bound job, for the `input_bound` r
 Known badput, for the time decomposition's tests: --startup-s S waits S seconds before its first step (a model read
 from slow storage); --checkpoint-every K writes M MiB (--checkpoint-mib) to --checkpoint-dir and fsyncs them every K
 steps. The job clocks itself: the last line says how long it took from its process's start to its first step
-(startup_s), how long its steps waited for their batch (input_s), how long its checkpoints took (checkpoint_s) and
-the rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s).
+(startup_s), how long its steps waited for their batch, blocked (input_s: the calls' time less the thread's own CPU
+and wait for a CPU in them, by its schedstat; input_wall_s: the calls' whole time), how long its checkpoints took
+(checkpoint_s) and the rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count
+(run_delay_s).
 --timeline FILE writes each of those waits as it happened, in UNIX time (JSON: {"first_step": t, "last": t,
-"input": [[t0, t1], …], "checkpoint": [[t0, t1], …]}): the truth of each interval, beside the frames' own t and dt.
+"input": [[t0, t1, blocked_s], …], "checkpoint": [[t0, t1], …]}): the truth of each interval, beside the frames'
+own t and dt.
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -52,14 +55,14 @@ class Clock:
 
     def __init__(self, a):
         self.a = a
-        self.startup_s = self.input_s = self.checkpoint_s = 0.0
+        self.startup_s = self.input_s = self.input_wall_s = self.checkpoint_s = 0.0
         self.first = self.last = self.saved = 0.0
         self.input_at_save = 0.0        # input_s when the last checkpoint was written
         self.spans: dict[str, list[list[float]]] = {"input": [], "checkpoint": []}    # UNIX times, --timeline
         self.unix = time.time() - time.monotonic()      # monotonic + this = UNIX time
 
-    def span(self, kind: str, mono0: float, mono1: float) -> None:
-        self.spans[kind].append([mono0 + self.unix, mono1 + self.unix])
+    def span(self, kind: str, mono0: float, mono1: float, *counted: float) -> None:
+        self.spans[kind].append([mono0 + self.unix, mono1 + self.unix, *counted])
 
     def first_step(self) -> None:
         self.startup_s = process_age_s()
@@ -68,16 +71,20 @@ class Clock:
             self.a.deadline = self.first + self.a.run_seconds
 
     def batch(self, it):
-        """The next batch of `it` (None at its end), its wait counted as waiting for input."""
-        t = time.monotonic()
+        """The next batch of `it` (None at its end). Its wait is waiting for input: the time the thread spent in the
+        call blocked — neither on a CPU (receiving the batch: unpickling it, mapping its shared memory) nor waiting
+        for one (run_delay), by this thread's schedstat (input_wall_s: the whole call)."""
+        t, ran = time.monotonic(), thread_schedstat()
         try:
             return next(it)
         except StopIteration:
             return None
         finally:
-            now = time.monotonic()
-            self.input_s += now - t
-            self.span("input", t, now)
+            now, ran_now = time.monotonic(), thread_schedstat()
+            blocked = max(0.0, now - t - (ran_now - ran))
+            self.input_wall_s += now - t
+            self.input_s += blocked
+            self.span("input", t, now, blocked)
 
     def after_step(self, step: int) -> None:
         a = self.a
@@ -97,7 +104,19 @@ class Clock:
         # computing since the last checkpoint ended (since the first step, without one): what a restart loses
         unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
-                f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f}")
+                f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f} "
+                f"input_wall_s={self.input_wall_s:.3f}")
+
+
+def thread_schedstat() -> float:
+    """Seconds this thread has run and waited for a CPU so far (/proc/thread-self/schedstat: on-CPU time and
+    run_delay; 0 where the kernel keeps no schedstat, and a batch's whole wait is then its input)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, delay = f.read().split()[:2]
+        return (int(ran) + int(delay)) / 1e9
+    except (OSError, ValueError):
+        return 0.0
 
 
 def run_delay_s() -> float:
