@@ -4,7 +4,7 @@
 a 192 MiB fsync'd checkpoint every 15 steps — tests/test_timeuse.py's known-badput run) under `jobprobe run --probes
 cgroup,sched`, with --timeline: the UNIX times of each of its waits for a batch and each checkpoint. Root.
 
-    .venv/bin/python scripts/timeuse_truth.py [--runs 5] [--seconds 30] [--stall-every N] [--keep DIR] [--intervals]
+    .venv/bin/python scripts/timeuse_truth.py [--runs 5] [--steps 130] [--stall-every N] [--keep DIR] [--intervals]
 
 Prints per run the steady pace and, per bucket, ours against the job's own total (input, checkpointing, computing
 from its first step to its last); --intervals adds each interval's truth beside its buckets. --keep DIR keeps each
@@ -27,12 +27,12 @@ sys.path.insert(0, str(REPO))
 from jobprobe.core.timeuse import decompose  # noqa: E402
 
 
-def run(d: Path, seconds: float, stall_every: int) -> None:
+def run(d: Path, steps: int, stall_every: int) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "job.mpk").unlink(missing_ok=True)
     r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out",
                         str(d / "job.mpk"), "--", sys.executable, str(REPO / "scripts" / "train_cpu.py"), "--steps",
-                        "100000", "--seconds", str(seconds), "--startup-s", "4", "--loader-workers", "2",
+                        str(steps), "--seconds", "90", "--startup-s", "4", "--loader-workers", "2",
                         "--stall-every", str(stall_every), "--stall-s", "1.5", "--checkpoint-every", "15",
                         "--checkpoint-mib", "192", "--checkpoint-dir", str(d), "--threads", "2", "--timeline",
                         str(d / "tl.json")],
@@ -75,7 +75,7 @@ def report(d: Path, intervals: bool) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--steps", type=int, default=130, help="the job's steps (its data: it ends when they are read)")
     ap.add_argument("--stall-every", type=int, default=24, help="a loader stall every N batches (default 24)")
     ap.add_argument("--keep", type=Path, help="keep each run's frames and timeline here")
     ap.add_argument("--intervals", action="store_true", help="each interval's truth beside its buckets")
@@ -85,7 +85,7 @@ def main() -> None:
     if not dirs:
         base = a.keep or Path(tempfile.mkdtemp(prefix="timeuse-truth-"))
         for n in range(a.runs):
-            run(base / f"run{n}", a.seconds, a.stall_every)
+            run(base / f"run{n}", a.steps, a.stall_every)
             dirs.append(base / f"run{n}")
     errs = [report(d, a.intervals) for d in dirs]
     if not a.replay and not a.keep:

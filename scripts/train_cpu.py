@@ -15,11 +15,11 @@ from slow storage); --checkpoint-every K writes M MiB (--checkpoint-mib) to --ch
 steps. The job clocks itself: the last line says how long it took from its process's start to its first step
 (startup_s), how long its steps waited for their batch, blocked (input_s: the calls' time less the thread's own CPU
 and wait for a CPU in them, by its schedstat; input_wall_s: the calls' whole time), how long its checkpoints took
-(checkpoint_s) and the rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count
-(run_delay_s).
+(checkpoint_s: writing and waiting for the disk, less its wait for a CPU in them; checkpoint_wall_s: all) and the
+rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s).
 --timeline FILE writes each of those waits as it happened, in UNIX time (JSON: {"first_step": t, "last": t,
-"input": [[t0, t1, blocked_s], …], "checkpoint": [[t0, t1], …]}): the truth of each interval, beside the frames'
-own t and dt.
+"input": [[t0, t1, blocked_s], …], "checkpoint": [[t0, t1, counted_s], …]}): the truth of each interval, beside the
+frames' own t and dt.
 
 scripts/train_gpu.py runs the same job with --device cuda (and a larger default size) for GPU machines.
 
@@ -55,7 +55,7 @@ class Clock:
 
     def __init__(self, a):
         self.a = a
-        self.startup_s = self.input_s = self.input_wall_s = self.checkpoint_s = 0.0
+        self.startup_s = self.input_s = self.input_wall_s = self.checkpoint_s = self.checkpoint_wall_s = 0.0
         self.first = self.last = self.saved = 0.0
         self.input_at_save = 0.0        # input_s when the last checkpoint was written
         self.spans: dict[str, list[list[float]]] = {"input": [], "checkpoint": []}    # UNIX times, --timeline
@@ -74,14 +74,14 @@ class Clock:
         """The next batch of `it` (None at its end). Its wait is waiting for input: the time the thread spent in the
         call blocked — neither on a CPU (receiving the batch: unpickling it, mapping its shared memory) nor waiting
         for one (run_delay), by this thread's schedstat (input_wall_s: the whole call)."""
-        t, ran = time.monotonic(), thread_schedstat()
+        t, (ran, delay) = time.monotonic(), thread_schedstat()
         try:
             return next(it)
         except StopIteration:
             return None
         finally:
-            now, ran_now = time.monotonic(), thread_schedstat()
-            blocked = max(0.0, now - t - (ran_now - ran))
+            now, (ran_now, delay_now) = time.monotonic(), thread_schedstat()
+            blocked = max(0.0, now - t - (ran_now - ran) - (delay_now - delay))
             self.input_wall_s += now - t
             self.input_s += blocked
             self.span("input", t, now, blocked)
@@ -91,11 +91,14 @@ class Clock:
         due = (a.checkpoint_every and step % a.checkpoint_every == a.checkpoint_every - 1) or \
             (a.checkpoint_every_s and time.monotonic() - (self.saved or self.first) >= a.checkpoint_every_s)
         if due:
-            t = time.monotonic()
+            t, (_, delay) = time.monotonic(), thread_schedstat()
             checkpoint(a)
-            self.saved = time.monotonic()
-            self.checkpoint_s += self.saved - t
-            self.span("checkpoint", t, self.saved)
+            self.saved, (_, delay_now) = time.monotonic(), thread_schedstat()
+            # writing and waiting for the disk; not its wait for a CPU in between (starved, as anywhere)
+            counted = max(0.0, self.saved - t - (delay_now - delay))
+            self.checkpoint_wall_s += self.saved - t
+            self.checkpoint_s += counted
+            self.span("checkpoint", t, self.saved, counted)
             self.input_at_save = self.input_s
         self.last = time.monotonic()
 
@@ -105,18 +108,18 @@ class Clock:
         unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
                 f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f} "
-                f"input_wall_s={self.input_wall_s:.3f}")
+                f"input_wall_s={self.input_wall_s:.3f} checkpoint_wall_s={self.checkpoint_wall_s:.3f}")
 
 
-def thread_schedstat() -> float:
-    """Seconds this thread has run and waited for a CPU so far (/proc/thread-self/schedstat: on-CPU time and
-    run_delay; 0 where the kernel keeps no schedstat, and a batch's whole wait is then its input)."""
+def thread_schedstat() -> tuple[float, float]:
+    """Seconds this thread has run, and waited for a CPU (run_delay), so far (/proc/thread-self/schedstat; 0, 0 where
+    the kernel keeps none: a wait is then counted whole)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             ran, delay = f.read().split()[:2]
-        return (int(ran) + int(delay)) / 1e9
+        return int(ran) / 1e9, int(delay) / 1e9
     except (OSError, ValueError):
-        return 0.0
+        return 0.0, 0.0
 
 
 def run_delay_s() -> float:

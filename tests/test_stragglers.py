@@ -9,10 +9,12 @@ node named "CPU throttled", cleared when the limit goes); a noisy neighbour (the
 for its run-queue wait, though its peers share a CPU); packet loss on its link; a memory limit under its data's page
 cache, and its data read from a slow disk (each rank reads 8 MiB of its own data per step: both named for I/O
 stalls); a slow GPU (a fake libnvidia-ml per node: each rank waits 6 ms per step for its "GPU", twice that at half
-the clock, and its node's NVML reports the lower clock and a thermal reason); a slow link (tc tbf: named with network evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this
-machine its peers' waits rise too little against their noise to name it within a bound every time; the unit tests
-hold its verdict and the controller's event.)
-Each named within 30 s (`jobprobe bench stragglers` measures the times: docs/PERFORMANCE.md), with the right cause, and nobody else named at any time — the ranks that wait least of all.
+the clock, and its node's NVML reports the lower clock and a thermal reason); a slow link (tc tbf: named with network
+evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this machine
+its peers' waits rise too little against their noise to name it within a bound every time; the unit tests hold its
+verdict and the controller's event.)
+Each named within 30 s (`jobprobe bench stragglers` measures the times: docs/PERFORMANCE.md), with the right cause,
+and nobody else named at any time — the ranks that wait least of all.
 Independent checks: the ranks' own step rates show the job really slowed, the kernel's cpu.stat, memory.failcnt and
 blkio counts and tc's and iptables' counters show the cause really was there."""
 from __future__ import annotations

@@ -300,13 +300,16 @@ def own_clock(stdout: str) -> dict[str, float]:
 def test_a_training_job_with_known_badput(tmp_path):
     """The reference job with a 4 s startup, a 1.5 s loader stall every 24 batches and a 192 MiB fsync'd checkpoint
     every 15 steps, watched by `jobprobe run` (cgroup, sched): each injected bucket against the job's own clock of
-    it, the buckets summing to the wall time, and `jobprobe summary` saying the same from the file."""
+    it, the buckets summing to the wall time, and `jobprobe summary` saying the same from the file. The job ends when
+    its 130 steps' data is read (~25 s here): one cut off by a deadline tore its loaders down mid-stall (up to 1.5 s
+    of its trainer waiting on a worker in its read, outside any step: seen in CI as +0.7 s of input)."""
     out = tmp_path / "job.mpk"
     r = cli("run", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
-            str(ROOT / "scripts" / "train_cpu.py"), "--steps", "100000", "--seconds", "30", "--startup-s", "4",
+            str(ROOT / "scripts" / "train_cpu.py"), "--steps", "130", "--seconds", "90", "--startup-s", "4",
             "--loader-workers", "2", "--stall-every", "24", "--stall-s", "1.5", "--checkpoint-every", "15",
             "--checkpoint-mib", "192", "--checkpoint-dir", str(tmp_path), "--threads", "2", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "train: 130 steps" in r.stdout, r.stdout[-500:]                 # its data read to the end
     own = own_clock(r.stdout)
     s = json.loads(cli("summary", "--format", "json", str(out)).stdout)
     b = s["buckets"]
