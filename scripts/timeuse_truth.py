@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Where the known-badput job's seconds went, against its own clock of each one: the reference job
 (scripts/train_cpu.py, PyTorch on 2 threads, 2 loader workers, a 4 s startup, a 1.5 s loader stall every 24 batches,
-a 192 MiB fsync'd checkpoint every 15 steps — tests/test_timeuse.py's known-badput run) under `jobprobe run --probes
+a 768 MiB fsync'd checkpoint every 30 steps — tests/test_timeuse.py's known-badput run) under `jobprobe run --probes
 cgroup,sched`, with --timeline: the UNIX times of each of its waits for a batch and each checkpoint. Root.
 
-    .venv/bin/python scripts/timeuse_truth.py [--runs 5] [--steps 130] [--stall-every N] [--keep DIR] [--intervals]
+    .venv/bin/python scripts/timeuse_truth.py [--runs 5] [--steps 130] [--stall-every N] [--checkpoint-every K]
+        [--checkpoint-mib M] [--keep DIR] [--intervals]
 
 Prints per run the steady pace and, per bucket, ours against the job's own total (input, checkpointing, computing
 from its first step to its last); --intervals adds each interval's truth beside its buckets. --keep DIR keeps each
@@ -27,15 +28,15 @@ sys.path.insert(0, str(REPO))
 from jobprobe.core.timeuse import decompose  # noqa: E402
 
 
-def run(d: Path, steps: int, stall_every: int) -> None:
+def run(d: Path, steps: int, stall_every: int, ck_every: int, ck_mib: int) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "job.mpk").unlink(missing_ok=True)
     r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out",
                         str(d / "job.mpk"), "--", sys.executable, str(REPO / "scripts" / "train_cpu.py"), "--steps",
                         str(steps), "--seconds", "90", "--startup-s", "4", "--loader-workers", "2",
-                        "--stall-every", str(stall_every), "--stall-s", "1.5", "--checkpoint-every", "15",
-                        "--checkpoint-mib", "192", "--checkpoint-dir", str(d), "--threads", "2", "--timeline",
-                        str(d / "tl.json")],
+                        "--stall-every", str(stall_every), "--stall-s", "1.5", "--checkpoint-every",
+                        str(ck_every), "--checkpoint-mib", str(ck_mib), "--checkpoint-dir", str(d), "--threads", "2",
+                        "--timeline", str(d / "tl.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     if r.returncode:
         raise SystemExit(f"timeuse_truth: the job failed: {r.stderr[-500:]}")
@@ -77,6 +78,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=130, help="the job's steps (its data: it ends when they are read)")
     ap.add_argument("--stall-every", type=int, default=24, help="a loader stall every N batches (default 24)")
+    ap.add_argument("--checkpoint-every", type=int, default=30, help="a checkpoint every K steps (default 30)")
+    ap.add_argument("--checkpoint-mib", type=int, default=768, help="of M MiB (default 768)")
     ap.add_argument("--keep", type=Path, help="keep each run's frames and timeline here")
     ap.add_argument("--intervals", action="store_true", help="each interval's truth beside its buckets")
     ap.add_argument("--replay", type=Path, nargs="+", help="kept runs to read instead of running the job")
@@ -85,7 +88,7 @@ def main() -> None:
     if not dirs:
         base = a.keep or Path(tempfile.mkdtemp(prefix="timeuse-truth-"))
         for n in range(a.runs):
-            run(base / f"run{n}", a.steps, a.stall_every)
+            run(base / f"run{n}", a.steps, a.stall_every, a.checkpoint_every, a.checkpoint_mib)
             dirs.append(base / f"run{n}")
     errs = [report(d, a.intervals) for d in dirs]
     if not a.replay and not a.keep:

@@ -129,6 +129,26 @@ def test_a_stall_goes_to_input_a_checkpoint_to_checkpointing_a_limit_to_starved(
     assert set(by_t[11]) == {"computing", "waiting_for_input"} and set(by_t[17]) == {"computing", "checkpointing"}
 
 
+def test_a_checkpoints_fsync_that_crosses_the_tick_is_checkpointing_not_input():
+    """A checkpoint whose last 0.3 s of fsync falls in the next interval, where its bytes are no longer counted (they
+    are, as they go to the disk, in the interval before): that wait is the checkpoint's, not a loader's read. An
+    uninterruptible wait in an interval after a calm one is still input."""
+    frames = steady(10)
+    frames.append(sample(11, 1.0, sched_offcpu_io_ns=0.5e9, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2.5e9,
+                         sched_runq_lat_ns=0, cgroup_io_write_bytes=256 << 20))
+    frames.append(sample(12, 1.4, sched_offcpu_io_ns=0.3e9, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2.3e9,
+                         sched_runq_lat_ns=0, cgroup_io_write_bytes=4096))
+    frames += steady(5, 12)
+    frames.append(sample(18, 1.4, sched_offcpu_io_ns=0.3e9, sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2.3e9,
+                         sched_runq_lat_ns=0, cgroup_io_write_bytes=4096))     # a read by the trainer: input
+    frames += steady(3, 18)
+    d = decompose(frames, intervals=True)
+    by_t = {i["t"]: {k: v for k, v in i["buckets"].items() if v > 1e-9} for i in d["intervals"]}
+    assert by_t[11] == {"computing": pytest.approx(0.5), "checkpointing": pytest.approx(0.5)}, by_t[11]
+    assert by_t[12] == {"computing": pytest.approx(0.7), "checkpointing": pytest.approx(0.3)}, by_t[12]
+    assert by_t[18] == {"computing": pytest.approx(0.7), "waiting_for_input": pytest.approx(0.3)}, by_t[18]
+
+
 def run_of(frames: list[dict], run: str, t: float, from_start: bool = True) -> list[dict]:
     """`frames` as one agent run's: its hello at `t` (the job's processes new, or already running), each frame
     tagged with the run."""
@@ -298,16 +318,16 @@ def own_clock(stdout: str) -> dict[str, float]:
 @pytest.mark.kernel
 @pytest.mark.serial      # the job's pace is a share of the machine
 def test_a_training_job_with_known_badput(tmp_path):
-    """The reference job with a 4 s startup, a 1.5 s loader stall every 24 batches and a 192 MiB fsync'd checkpoint
-    every 15 steps, watched by `jobprobe run` (cgroup, sched): each injected bucket against the job's own clock of
+    """The reference job with a 4 s startup, a 1.5 s loader stall every 24 batches and a 768 MiB fsync'd checkpoint
+    every 30 steps, watched by `jobprobe run` (cgroup, sched): each injected bucket against the job's own clock of
     it, the buckets summing to the wall time, and `jobprobe summary` saying the same from the file. The job ends when
     its 130 steps' data is read (~25 s here): one cut off by a deadline tore its loaders down mid-stall (up to 1.5 s
     of its trainer waiting on a worker in its read, outside any step: seen in CI as +0.7 s of input)."""
     out = tmp_path / "job.mpk"
     r = cli("run", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
             str(ROOT / "scripts" / "train_cpu.py"), "--steps", "130", "--seconds", "90", "--startup-s", "4",
-            "--loader-workers", "2", "--stall-every", "24", "--stall-s", "1.5", "--checkpoint-every", "15",
-            "--checkpoint-mib", "192", "--checkpoint-dir", str(tmp_path), "--threads", "2", timeout=240)
+            "--loader-workers", "2", "--stall-every", "24", "--stall-s", "1.5", "--checkpoint-every", "30",
+            "--checkpoint-mib", "768", "--checkpoint-dir", str(tmp_path), "--threads", "2", timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "train: 130 steps" in r.stdout, r.stdout[-500:]                 # its data read to the end
     own = own_clock(r.stdout)
@@ -316,19 +336,18 @@ def test_a_training_job_with_known_badput(tmp_path):
     report = dict(own=own, buckets=b, wall=s["wall_s"], pace=s["per_node"])
     print(report)
     assert own["input_s"] > 3 and own["checkpoint_s"] > 0.5, report           # the badput was there to find
-    # Measured (scripts/timeuse_truth.py, 3 runs): waiting for input +2..+3% of the job's blocked wait for its batches
-    # (against the calls' whole time, which holds receiving the batch on the trainer's CPU, -5..-13%: CI failed on
-    # -12.8% once), checkpointing -12..-5% (a wait for a CPU in the middle of a write is on the job's clock, not the
-    # writer's CPU or disk wait), computing -4..-1%. A stall every 12 batches (in nearly every interval) read input
-    # -13..-3% in 9 runs: docs/TIMEUSE.md, "Where buckets cannot be told apart".
+    # Measured (scripts/timeuse_truth.py, 2 runs, and this test twice): waiting for input +1..+5% of the job's blocked
+    # wait for its batches (against the calls' whole time, which holds receiving the batch on the trainer's CPU,
+    # -5..-13%: CI failed on -12.8% once), checkpointing -6..-2% (192 MiB every 15 steps: -28% once in CI, a write's
+    # CPU lost in the job's own system time), computing -1.4..-0.7%. A stall every 12 batches (in nearly every
+    # interval) read input -13..-3% in 9 runs: docs/TIMEUSE.md, "Where buckets cannot be told apart".
     for bucket, mine, rel in (("startup", "startup_s", 0.10), ("waiting_for_input", "input_s", 0.10),
                               ("checkpointing", "checkpoint_s", 0.20)):
         assert abs(b[bucket] - own[mine]) <= rel * own[mine], (bucket, report)
-    # the job's clock of its steps holds its threads' waits for a CPU, which are `starved` here; computing also has
-    # the process's exit after its last step (CPU: +0.4-0.7 s). (Computing alone read 11 ms under the steps' time
-    # once in CI.)
-    assert own["compute_s"] <= b["computing"] + b["starved"], report
-    assert b["computing"] <= own["compute_s"] + 0.25 * own["input_s"], report
+    # the job's clock of its steps holds its threads' waits for a CPU, which are `starved` here: the two together
+    # within 5% of it (measured -0.4..+3.0%; a one-sided bound with no slack failed by 0.07 s once the job's exit no
+    # longer padded computing)
+    assert abs(b["computing"] + b["starved"] - own["compute_s"]) <= 0.05 * own["compute_s"], report
     assert abs(sum(b.values()) - s["wall_s"]) <= 0.03 * s["wall_s"], report
     assert b["starved"] <= 0.05 * s["wall_s"] and b["other"] <= 0.05 * s["wall_s"], report
     page = cli("summary", str(out)).stdout
@@ -339,12 +358,12 @@ def test_a_training_job_with_known_badput(tmp_path):
 @pytest.mark.serial      # the job's pace is a share of the machine
 def test_a_job_started_again_loses_its_work_since_its_last_checkpoint(tmp_path):
     """The reference job run twice under one name (`jobprobe run --job`: each run a new agent run, its processes
-    new — a requeue): the first checkpoints every 5 s and ends 13 s after its first step, the second 6 s after its
+    new — a requeue): the first checkpoints every 5 s and ends 9 s after its first step, the second 4 s after its
     own (steps of a known length: a run that ended by its process's age left 0.28 s unsaved once in CI, its imports
     slow). `summary` of both files: the first run's computing since its last checkpoint is lost, by the job's own
     clock of it, and the second run's startup is startup again."""
     runs = []
-    for i, seconds in enumerate((13, 6)):
+    for i, seconds in enumerate((9, 4)):
         out = tmp_path / f"run{i}.mpk"
         r = cli("run", "--job", "requeued", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
                 str(ROOT / "scripts" / "train_cpu.py"), "--steps", "100000", "--run-seconds", str(seconds),

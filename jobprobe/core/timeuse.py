@@ -287,13 +287,18 @@ class Bursts:
         user = sum(k.fig.get("cgroup.cpu_user_ns", 0.0) for k in calm)
         self.sys_per_user = sum(k.fig.get("cgroup.cpu_system_ns", 0.0) for k in calm) / user if user > 0 else 0.0
         self.io = _median([k.fig.get("sched.offcpu_io_ns", 0.0) for k in calm])
+        # a checkpoint's fsync that crosses a tick: its bytes are counted as they go to the disk, so the wait for the
+        # last of them can fall in the next interval — one right after a burst whose uninterruptible waits are still
+        # above their median is the checkpoint's too (else its wait reads as input)
+        self.ends = {id(k) for prev, k in zip(ticks, ticks[1:]) if self.is_burst(prev) and not self.is_burst(k)
+                     and k.fig.get("sched.offcpu_io_ns", 0.0) > self.io}
 
     def is_burst(self, k: Tick) -> bool:
         return k.fig.get("cgroup.io_write_bytes", 0.0) >= self.floor
 
     def checkpoint(self, k: Tick) -> tuple[float, float]:
-        """(seconds of the interval spent checkpointing, of which on CPU); (0, 0) outside a burst."""
-        if not self.is_burst(k):
+        """(seconds of the interval spent checkpointing, of which on CPU); (0, 0) outside a burst and its end."""
+        if not self.is_burst(k) and id(k) not in self.ends:
             return 0.0, 0.0
         usual = k.fig.get("cgroup.cpu_user_ns", 0.0) * self.sys_per_user
         cpu = min(k.dt, max(0.0, k.fig.get("cgroup.cpu_system_ns", 0.0) - usual) / 1e9)
