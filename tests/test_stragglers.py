@@ -60,6 +60,17 @@ def window(cluster: Cluster, since: float) -> str:
                      for n, a in sorted(sums.items()))
 
 
+def summary_of(cluster: Cluster) -> dict:
+    """`jobprobe summary --format json` of the job from its partition's store."""
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "summary", "--store", str(cluster.store), "--job",
+                        cluster.job, "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -117,8 +128,23 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         time.sleep(3)
         slowed = rate(ddp, n1 - 1)
         assert slowed < 0.75 * balanced, (slowed, balanced)          # the whole job paced by the throttled rank
+        cleared = time.time()
         ddp.throttle(1, None)
         until(lambda: cluster.events("straggler_end"), 30, "the straggler cleared after the limit went")
+        # where the others' time went (`jobprobe summary` of the store): their waits in that episode were waits for
+        # node-b — waiting_for_peers, attributed to it — at least the time the throttled rank added to the job (its
+        # step rates: 1 - slowed/balanced of each second it was limited; a rank limited frees CPU for the others, so
+        # their wait for it is that and what they no longer wait for a CPU) and at most the episode
+        s = summary_of(cluster)
+        (ep,) = s["stragglers"]
+        added = max(0.0, min(ep["end"], cleared) - ep["start"]) * (1 - slowed / balanced)
+        waited = {n: s["per_node"][n]["buckets"]["waiting_for_peers"] for n in ("node-a", "node-c")}
+        print(f"stragglers: the others waited {waited} s for node-b in its {ep['s']} s episode; the job's rates say "
+              f"it added {added:.1f} s; paced by {[d['pace'] for d in s['per_node'].values()]}")
+        assert list(s["waited_for"]) == ["node-b"] and s["per_node"]["node-b"]["buckets"]["waiting_for_peers"] == 0
+        assert all(0.8 * added <= w <= ep["s"] for w in waited.values()), (waited, added, ep, slowed, balanced)
+        # ranks that hold a (fake) GPU they never keep busy are paced by their CPU (once: all `other`, goodput 0)
+        assert all(d["pace"]["of"] != "gpu_busy" and d["goodput"] > 0.2 for d in s["per_node"].values()), s
 
         def fault(what: str, node: str, kind: str, inject, clear, causes: set[str], bound: float = 30) -> dict:
             """Inject, wait for `kind` naming `node` (`bound` s), clear, wait for its end (30 s); its event."""

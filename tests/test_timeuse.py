@@ -236,6 +236,19 @@ def test_a_gpu_job_is_paced_by_its_gpus_and_its_unexplained_shortfall_is_gpu_idl
     assert "OFU 26%, SM active 70%" in page, page
 
 
+def test_a_cpu_job_holding_gpus_it_never_keeps_busy_is_paced_by_its_cpu():
+    """GPUs that report 0% in every interval (a CPU job on a GPU node, a rank whose GPU is a stand-in): the pace is
+    the CPU's (before: paced by GPUs busy, a steady pace of 0 and the whole run `other`)."""
+    frames = steady(10)
+    for f in frames:
+        f["probes"]["gpu"] = {"gpus": [{"util_gpu_pct": 0, "job_sm_pct": 0}]}
+    d = decompose(frames)
+    assert d["pace"] == {"of": "cpu_cores", "steady": 2.0} and d["buckets"]["computing"] == pytest.approx(10.0)
+    frames[3]["probes"]["gpu"]["gpus"][0]["util_gpu_pct"] = 40      # busy once: its GPUs are its pace
+    frames[3]["probes"]["gpu"]["gpus"][0]["job_sm_pct"] = None
+    assert decompose(frames)["pace"]["of"] == "gpu_busy"
+
+
 def test_no_cpu_figure_at_all_is_other_not_a_guess():
     frames = [{"kind": "sample", "t": i + 1.0, "dt": 1.0, "probes": {"sched": {"offcpu_wait_ns": 5}}} for i in range(4)]
     d = decompose(frames)

@@ -155,9 +155,10 @@ def gpu_means(gpu: Any) -> dict[str, float]:
 
 
 def paced_by(samples: list[dict]) -> str:
-    """'gpu_busy' where the job's GPUs report utilization in most intervals, else 'cpu_cores'."""
-    with_gpu = sum(_gpu_busy((f.get("probes") or {}).get("gpu")) is not None for f in samples)
-    return "gpu_busy" if samples and with_gpu * 2 >= len(samples) else "cpu_cores"
+    """'gpu_busy' where the job's GPUs report utilization in most intervals and were busy in some, else 'cpu_cores'
+    (a CPU job on a node whose GPUs it holds but never uses is paced by its CPU, not read as all `other`)."""
+    busy = [b for f in samples if (b := _gpu_busy((f.get("probes") or {}).get("gpu"))) is not None]
+    return "gpu_busy" if samples and len(busy) * 2 >= len(samples) and max(busy) > 0 else "cpu_cores"
 
 
 def _pct(xs: list[float], q: float) -> float:
