@@ -74,13 +74,13 @@ class Clock:
         """The next batch of `it` (None at its end). Its wait is waiting for input: the time the thread spent in the
         call blocked — neither on a CPU (receiving the batch: unpickling it, mapping its shared memory) nor waiting
         for one (run_delay), by this thread's schedstat (input_wall_s: the whole call)."""
-        t, (ran, delay) = time.monotonic(), thread_schedstat()
+        t, (ran, delay) = time.monotonic(), schedstat()
         try:
             return next(it)
         except StopIteration:
             return None
         finally:
-            now, (ran_now, delay_now) = time.monotonic(), thread_schedstat()
+            now, (ran_now, delay_now) = time.monotonic(), schedstat()
             blocked = max(0.0, now - t - (ran_now - ran) - (delay_now - delay))
             self.input_wall_s += now - t
             self.input_s += blocked
@@ -91,9 +91,9 @@ class Clock:
         due = (a.checkpoint_every and step % a.checkpoint_every == a.checkpoint_every - 1) or \
             (a.checkpoint_every_s and time.monotonic() - (self.saved or self.first) >= a.checkpoint_every_s)
         if due:
-            t, (_, delay) = time.monotonic(), thread_schedstat()
+            t, (_, delay) = time.monotonic(), schedstat()
             checkpoint(a)
-            self.saved, (_, delay_now) = time.monotonic(), thread_schedstat()
+            self.saved, (_, delay_now) = time.monotonic(), schedstat()
             # writing and waiting for the disk; not its wait for a CPU in between (starved, as anywhere)
             counted = max(0.0, self.saved - t - (delay_now - delay))
             self.checkpoint_wall_s += self.saved - t
@@ -111,11 +111,11 @@ class Clock:
                 f"input_wall_s={self.input_wall_s:.3f} checkpoint_wall_s={self.checkpoint_wall_s:.3f}")
 
 
-def thread_schedstat() -> tuple[float, float]:
-    """Seconds this thread has run, and waited for a CPU (run_delay), so far (/proc/thread-self/schedstat; 0, 0 where
-    the kernel keeps none: a wait is then counted whole)."""
+def schedstat(path: str = "/proc/thread-self/schedstat") -> tuple[float, float]:
+    """Seconds a thread (this one by default) has run, and waited for a CPU (run_delay), so far, by its schedstat;
+    0, 0 where the kernel keeps none or the thread has gone (a wait is then counted whole)."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(path) as f:
             ran, delay = f.read().split()[:2]
         return int(ran) / 1e9, int(delay) / 1e9
     except (OSError, ValueError):
@@ -126,14 +126,7 @@ def run_delay_s() -> float:
     """Seconds this process's threads have waited for a CPU so far, by the kernel's own count (schedstat's
     run_delay; thread-time: with one busy thread, the wall time its steps waited)."""
     import os
-    total = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / 1e9
+    return sum(schedstat(f"/proc/self/task/{tid}/schedstat")[1] for tid in os.listdir("/proc/self/task"))
 
 
 def checkpoint(a) -> None:
