@@ -326,3 +326,17 @@ def bpf_fds(kind: str = "prog") -> int:
 def workload(name: str, *args) -> list[str]:
     """argv of a workload in tests/workloads.py (a plain Python process, the same interpreter)."""
     return [sys.executable, str(TESTS / "workloads.py"), name, *map(str, args)]
+
+
+def steal_ns() -> int:
+    """Hypervisor steal time of all CPUs so far (/proc/stat, 8th value of the cpuN lines), in ns."""
+    ticks = sum(int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("cpu") and not line.startswith("cpu "))
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+# Upper bound of perf's task clock above the scheduler's CPU time per involuntary switch of the job (probes/perf.py's
+# docstring: perf charges the few µs between a wakeup and the preemption it causes to the task preempted, the
+# scheduler to the task woken; ~5.5 µs each for cgroup targets and ~3.7 µs for PID trees one day, 7.5 and 6.4
+# another). Tests beside other tests' wakeups (phase 1) see thousands of such switches a second.
+PREEMPT_SKEW_NS = {"cgroup": 7_500, "pids": 5_000}

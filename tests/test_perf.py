@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for, workload
+from conftest import PREEMPT_SKEW_NS, steal_ns, wait_for, workload
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field
@@ -162,18 +162,9 @@ def test_new_pids_opened_only_when_not_inherited(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- kernel tier
 
-def steal_ns() -> int:
-    """Hypervisor steal time of all CPUs so far (/proc/stat, 8th value of the cpuN lines)."""
-    ticks = sum(int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("cpu") and not line.startswith("cpu "))
-    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-
-
-# Upper bound of perf's task clock above cpu.stat per involuntary switch of the job, for the tests with a few switches
-# (see the module docstring; ~5.5 µs each for cgroup targets and ~3.7 µs for PID trees one day, 7.5 and 6.4 another).
-# The preemption test, with 10^5 switches, measures the time moved against the preempting tasks' own shortfall in
-# the same run instead (assert_cpu_moved; a mutant that added 4.5% to task-clock failed it).
-PREEMPT_SKEW_NS = {"cgroup": 7_500, "pids": 5_000}
+# PREEMPT_SKEW_NS (conftest) bounds the tests with a few switches. The preemption test, with 10^5 switches, measures
+# the time moved against the preempting tasks' own shortfall in the same run instead (assert_cpu_moved; a mutant that
+# added 4.5% to task-clock failed it).
 
 
 def assert_cpu_close(perf_ns: int, kernel_ns: int, steal: int, rel: float, switches: int = 0,

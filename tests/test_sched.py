@@ -30,7 +30,7 @@ from jobprobe.probes.sched import (HANDLERS, RAW_SYSCALL_HANDLERS, REASONS, SYSC
                           SchedProbe, btf_sched, interval, raw_sched, syscall_from_regs, zero_reading)
 from jobprobe.kernel.bpf import trim_log
 from jobprobe.kernel.membership import exit_has_group_dead, proc_gone
-from tests.conftest import TESTS, bpf_fds, wait_for, workload
+from tests.conftest import TESTS, bpf_fds, steal_ns, wait_for, workload
 
 # ---------------------------------------------------------------- unit
 
@@ -597,13 +597,6 @@ def start_tids(probe: SchedProbe) -> list[int]:
 
 def sched_workload(name: str, *args) -> list[str]:
     return [sys.executable, str(TESTS / "workloads_sched.py"), name, *map(str, args)]
-
-
-def steal_ns() -> int:
-    """Time the hypervisor took from this VM's CPUs so far (/proc/stat `cpu` steal, USER_HZ ticks), in ns."""
-    with open("/proc/stat") as f:
-        fields = f.readline().split()
-    return int(fields[8]) * 10_000_000 if len(fields) > 8 else 0
 
 
 def account(proc: subprocess.Popen, stdin: str | None = None) -> dict:

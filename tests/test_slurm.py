@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, workload, until as wait_for
+from conftest import IS_ROOT, PREEMPT_SKEW_NS, steal_ns, workload, until as wait_for
 from jobprobe.core.errors import BadInput
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
@@ -136,13 +136,6 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def steal_ns() -> int:
-    """Hypervisor steal time of all CPUs so far (/proc/stat cpuN lines, 8th value), in ns."""
-    ticks = sum(int(line.split()[8]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("cpu") and not line.startswith("cpu "))
-    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-
-
 def exec_ns(pid: int) -> int:
     """CPU time of every thread of pid so far, in ns (schedstat's sum_exec_runtime: the figure getrusage's
     utime+stime are scaled to add up to)."""
@@ -224,16 +217,20 @@ def test_slurm_job_cpu_is_seen_and_agrees_with_the_job_itself(slurm, tmp_path):
     #     so are the batch script's shell and its `sleep 1` (~1 ms each); 1% covers these.
     # Measured on the 2-core VM: within 10 ms of each other.
     # perf's task-clock runs on the perf clock, which keeps going while the hypervisor steals the vCPU (getrusage
-    # and /proc leave steal out): it may be higher by up to the node's steal time over the run (as in test_perf).
+    # and /proc leave steal out): it may be higher by up to the node's steal time over the run (as in test_perf), and
+    # it charges the burner the few µs before each preemption by a task outside the job (PREEMPT_SKEW_NS per
+    # involuntary switch, as in test_perf): beside phase 1's tests, +92 ms over 3 s once.
     own = int(out.read_text().split("cpu_ns=")[1].split()[0])
     want = own - unseen_ns
     seen_cgroup = sum(cpu(s) for s in samples)
     seen_perf = sum(s["probes"]["perf"]["task_clock_ns"] for s in samples)
     tol = 40e6 + 0.01 * want
-    numbers = dict(own=own, unseen=unseen_ns, want=want, cgroup=seen_cgroup, perf=seen_perf, steal=steal)
+    involuntary = sum(s["probes"]["sched"]["involuntary_switches"] for s in samples)
+    skew = PREEMPT_SKEW_NS["pids"] * involuntary
+    numbers = f"{own=} {unseen_ns=} {want=} {seen_cgroup=} {seen_perf=} {steal=} {involuntary=} {skew=}"
     assert unseen_ns < 0.2 * own, numbers   # most of the burn happened after attach
     assert abs(seen_cgroup - want) < tol, numbers
-    assert want - tol < seen_perf < want + tol + steal, numbers
+    assert want - tol < seen_perf < want + tol + steal + skew, numbers
 
 
 @pytest.mark.integration
