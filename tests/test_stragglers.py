@@ -10,9 +10,8 @@ for its run-queue wait, though its peers share a CPU); packet loss on its link; 
 cache, and its data read from a slow disk (each rank reads 8 MiB of its own data per step: both named for I/O
 stalls); a slow GPU (a fake libnvidia-ml per node: each rank waits 6 ms per step for its "GPU", twice that at half
 the clock, and its node's NVML reports the lower clock and a thermal reason); a slow link (tc tbf: named with network
-evidence). (A rank given more work — the job's own imbalance — is in `bench stragglers`, not here: on this machine
-its peers' waits rise too little against their noise to name it within a bound every time; the unit tests hold its
-verdict and the controller's event.)
+evidence); and a rank given 1.5x the batch — the job's own imbalance, named as such (no cause, not its node's
+fault).
 Each named within 30 s (`jobprobe bench stragglers` measures the times: docs/PERFORMANCE.md), with the right cause,
 and nobody else named at any time — the ranks that wait least of all.
 Independent checks: the ranks' own step rates show the job really slowed, the kernel's cpu.stat, memory.failcnt and
@@ -191,6 +190,14 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         e = fault("the slow GPU", "node-a", "straggler", lambda: ddp.slow_gpu(0, True), lambda: ddp.slow_gpu(0, False),
                   {"gpu_clock", "gpu_throttled"})
         assert e["evidence"]["gpu_sm_clock_mhz"] < e["evidence"]["peers_gpu_sm_clock_mhz"], e["evidence"]
+        # (i) rank 1 given 1.5x the batch: the job's own imbalance, not a fault of its node (no cause)
+        e = fault("the bigger batch", "node-b", "imbalance", lambda: ddp.more_work(1, 1.5),
+                  lambda: ddp.more_work(1, None), set())
+        assert e["verdict"] == "imbalance" and "causes" not in e and e["waited_by"], e
+        # the rank's own word that it took the bigger batch (and back): here, reading its data each step and waiting
+        # for its fake GPU, the job slows only ~3% (36.8 -> 35.6 steps/s once) while the others wait 0.14 s/s more
+        took = [line.split(": ", 1)[1] for line in ddp.logs[1].read_text().splitlines() if ": work x" in line]
+        assert took[-2:] == ["work x1.5", "work x1"], took
 
         # (b) rank 2's link shaped: 200 Mbit/s out of its namespace
         t0 = time.time()
@@ -207,7 +214,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
             ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-b"), ("straggler_end", "node-b"),
             ("straggler", "node-a"), ("straggler_end", "node-a"), ("straggler", "node-c"), ("straggler_end", "node-c"),
             ("straggler", "node-b"), ("straggler_end", "node-b"), ("straggler", "node-a"), ("straggler_end", "node-a"),
-            ("straggler", "node-c")], named()
+            ("imbalance", "node-b"), ("imbalance_end", "node-b"), ("straggler", "node-c")], named()
         import sqlite3                             # named by its partition's controller alone
         for other in (s for s in cluster.stores if s != cluster.store):
             db = sqlite3.connect(f"file:{other}?mode=ro", uri=True)

@@ -387,7 +387,7 @@ def test_more_work_on_a_machine_the_ranks_share_is_read_from_the_cpu_share():
     ev = run(w, 200, job("c", 1.21, 0.12))
     assert named(ev) == [("c", "imbalance"), ("c", "imbalance_end")], ev
     assert "1.2" in ev[0][4]["reason"] and w.named == 0, ev[0][4]["reason"]
-    assert ev[0][0] - 1060 <= 15, ev[0][0]            # the target: named within 15 s
+    assert ev[0][0] - 1060 <= 10, ev[0][0]   # the stretch target: within 10 s (read over the newest slice)
     w = StragglerWatch()
     assert named(run(w, 200, job("c", 1.10, 0.12))) == []
 

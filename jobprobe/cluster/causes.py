@@ -391,9 +391,10 @@ def straggler_body(n: str, w: Window, wins: dict[str, Window], found: list[Cause
 
 def imbalance_body(n: str, w: Window, wins: dict[str, Window], mine: dict[str, float | None], since: float | None,
                    cpu_base: float | None, share_base: float | None, waited: float,
-                   waited_by: list[str]) -> dict[str, Any]:
-    """An `imbalance` event's body: node n (its window w, its figures `mine`; every compared node's windows,
-    wins) given more work since `since`, its CPU and CPU share's baselines, how much more the others waited."""
+                   waited_by: list[str], over_s: float) -> dict[str, Any]:
+    """An `imbalance` event's body: node n (its window w; every compared node's windows, wins) given more work
+    since `since`: its figures over the last `over_s` seconds (`mine`, which decided), its CPU and CPU share's
+    baselines, how much more the others waited."""
     ev = evidence(w, wins, n)
     cpu, base = mine.get("cpu") or 0.0, cpu_base or 0.0
     share, sbase = mine.get("cpu_share") or 0.0, share_base or 0.0
@@ -401,7 +402,7 @@ def imbalance_body(n: str, w: Window, wins: dict[str, Window], mine: dict[str, f
             "reason": f"{n} has more work than its peers (the job's own imbalance, not its node): its CPU rose "
                       f"to {cpu:.2f} cores from {base:.2f} ({share:.2f}x its peers', usually {sbase:.2f}x) "
                       f"with nothing on its node changed, and the others' threads waited {waited:.2f} s/s more "
-                      f"than its own",
+                      f"than its own, over the last {over_s:g} s",
             "waited_by": waited_by,
             "evidence": {**ev, "cpu_cores_baseline": round(base, 4), "cpu_share": round(share, 3),
                          "cpu_share_baseline": round(sbase, 3)}}

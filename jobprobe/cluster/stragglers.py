@@ -59,6 +59,10 @@ IMBALANCE_SHARE = 1.18    # a node waited for, whose CPU over its peers' median 
                           # a 2-core machine three ranks share: its CPU 1.12-1.19x, its peers' down 3-8%, the ratio
                           # 1.17-1.35x; in step it wandered to 1.16-1.18x a few times in 35 recorded trials)
 IMBALANCE_CPU = 1.05      # ... its own CPU at least this much over its baseline (not only its peers' fallen)
+IMBALANCE_WINDOW = 1 / 3  # both over the newest slice, the others waiting for it there at least as usual; over the
+                          # window (which takes 10 s to fill with the change) this part of the two rises, and the
+IMBALANCE_WAIT = -WAITED_S  # others' wait for it not below usual by more than its noise (the gap wanders +-0.1 s/s
+                          # in 3 s slices in step; a window 0.07 s/s under its baseline gap held one naming 6 s)
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
 HELD = 32                 # a job of one node: its frames summed this many at a time
@@ -140,6 +144,11 @@ class Waits:
     def waited_for(self, n: str) -> bool:
         return bool(self.is_waited[self.rows[n]])
 
+    def knows(self, n: str) -> bool:
+        """Whether a figure says who waits for n (a wait figure, or a poll of NCCL's RAS port)."""
+        r = self.rows[n]
+        return not (np.isnan(self.gaps[r]) and np.isnan(self.ras[r]))
+
     def waited_by_more_than(self, n: str, bound: float) -> bool:
         """The others wait for n by `bound` s/s more than is usual for it, or NCCL says it is behind."""
         r = self.rows[n]
@@ -180,6 +189,18 @@ class Slice:
     def causes(self, n: str) -> set[str]:
         t, r = self._load(n)
         return set() if r is None else {c.name for c in causes(t.window(r), t, mine=t.values(r))}
+
+    def more_work(self, n: str, nt: NodeTrack) -> bool:
+        """Whether the job's own imbalance on node n holds in the newest slice (the whole of both rises there; the
+        others waiting for it there too, where the slice says who waits: a slice may hold no poll of NCCL's)."""
+        t, r = self._load(n)
+        return r is not None and _more_work(n, t.values(r), nt, self.waits if self.waits.knows(n) else None, 1.0,
+                                            0.0)
+
+    def figures(self, n: str) -> tuple[dict[str, float | None], float, list[str]]:
+        """Node n's figures over the slice, its wait gap there and who waited (its event quotes what decided)."""
+        t, r = self._load(n)
+        return t.values(r), self.waits.gap_of(n), self.waits.waited_by(n)
 
     def still(self, n: str) -> bool:
         """Whether node n's open event holds in the newest slice too (where the slice covers it and a peer): the
@@ -326,9 +347,10 @@ class StragglerWatch:
                         events.append((n, name, "straggler", straggler_body(n, w, wins.windows(), found,
                                                                             nt.first_seen, waits.waited_by(n))))
                     else:
+                        now, gap, by = recent.figures(n)
                         events.append((n, name, "imbalance", imbalance_body(
-                            n, w, wins.windows(), mine, nt.first_seen, nt.baseline("cpu"), nt.baseline("cpu_share"),
-                            waits.gap_of(n), waits.waited_by(n))))
+                            n, w, wins.windows(), now, nt.first_seen, nt.baseline("cpu"), nt.baseline("cpu_share"),
+                            gap, by, self.slice)))
             elif self._still(n, w, wins, mine, nt, waits) and recent.still(n):
                 nt.quiet_since = None
             else:
@@ -362,9 +384,9 @@ class StragglerWatch:
         stall = (up[some] & at_least(x[some], t.orders(tuple(np.array(STALL_FIGURES)[some]))[0])).any(0) \
             if some.any() else np.zeros(x.shape[1], bool)
         sbase, cbase = base[BASE_ROW["cpu_share"]], base[BASE_ROW["cpu"]]
-        work = (sbase != 0) & (cbase != 0) & (at_least(waits.gaps, WAITED_S) | waits.behind) & \
-            at_least(t.col("cpu_share"), (1 + (IMBALANCE_SHARE - 1)) * sbase) & \
-            at_least(t.col("cpu"), (1 + (IMBALANCE_CPU - 1)) * cbase)
+        work = (sbase != 0) & (cbase != 0) & (at_least(waits.gaps, IMBALANCE_WAIT) | waits.behind) & \
+            at_least(t.col("cpu_share"), (1 + (IMBALANCE_SHARE - 1) * IMBALANCE_WINDOW) * sbase) & \
+            at_least(t.col("cpu"), (1 + (IMBALANCE_CPU - 1) * IMBALANCE_WINDOW) * cbase)
         return could_name(t) | stall | work
 
     def _verdict(self, n: str, w: Window, recent: "Slice", everyone: Others, mine: dict[str, float | None],
@@ -407,7 +429,7 @@ class StragglerWatch:
             return "", []                   # it waits for another: whatever else it shows is not why the job is slow
         if found:
             return "straggler", found
-        if _more_work(n, mine, nt, waits, 1.0):
+        if _more_work(n, mine, nt, waits, IMBALANCE_WINDOW, IMBALANCE_WAIT) and recent.more_work(n, nt):
             return "imbalance", []
         return "", []
 
@@ -423,7 +445,7 @@ class StragglerWatch:
         half their rise (_more_work)."""
         waited = waits.waited_for(n)
         if nt.kind == "imbalance":
-            return _more_work(n, mine, nt, waits, 0.5)
+            return _more_work(n, mine, nt, waits, 0.5, 0.0)
         if causes(w, everyone, clearing=True, mine=mine):
             return True
         if not waited:
@@ -437,12 +459,14 @@ class StragglerWatch:
         return False
 
 
-def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Waits, part: float) -> bool:
-    """The job's own imbalance on node n: the others wait for it more than is usual (by WAITED_S; at least as much
-    as usual, `part` < 1: while it holds), its CPU over its peers' median `part` of IMBALANCE_SHARE's rise over its
-    usual ratio, and its own CPU `part` of IMBALANCE_CPU's over its baseline. Without a usual ratio or CPU yet: no."""
+def _more_work(n: str, mine: dict[str, float | None], nt: NodeTrack, waits: Waits | None, part: float,
+               waited: float) -> bool:
+    """The job's own imbalance on node n: the others wait for it `waited` s/s more than is usual (0: at least as
+    much as usual; not asked without `waits`), its CPU over its peers' median `part` of IMBALANCE_SHARE's rise over
+    its usual ratio, and its own CPU `part` of IMBALANCE_CPU's over its baseline. Without a usual ratio or CPU yet:
+    no."""
     share, sbase, cpu, base = mine.get("cpu_share"), nt.baseline("cpu_share"), mine.get("cpu"), nt.baseline("cpu")
     if share is None or not sbase or cpu is None or not base:
         return False
-    return waits.waited_by_more_than(n, WAITED_S if part >= 1 else 0.0) and \
+    return (waits is None or waits.waited_by_more_than(n, waited)) and \
         share >= (1 + (IMBALANCE_SHARE - 1) * part) * sbase and cpu >= (1 + (IMBALANCE_CPU - 1) * part) * base
