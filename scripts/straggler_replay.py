@@ -9,7 +9,7 @@ fault, a bound the signal never reached) on a run's own frames, without running 
 With `--bench RESULT.json` (a `jobprobe bench stragglers --json` run kept with JOBPROBE_KEEP=1, whose trials hold
 their fault's time and rank), the replay is scored instead, trial by trial as the bench scores a run: named or not,
 time from the fault to the frame that named it, false names — for the detector as it is or with its settings changed
-(`--set OPEN_S=5 --set CLOSE_S=3`: a module constant of cluster/stragglers.py or cluster/causes.py), so that a setting
+(`--set OPEN_S=5 --set CLOSE_S=3`: a module constant of cluster/stragglers.py, causes.py or waits.py), so that a setting
 can be weighed on many recorded faults before a bench run confirms it.
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jobprobe.cluster import causes as C  # noqa: E402
 from jobprobe.cluster import stragglers as S  # noqa: E402
+from jobprobe.cluster import waits as W  # noqa: E402
 from jobprobe.cluster.store import Store  # noqa: E402
 
 WATCH_ARGS = {"WINDOW_S": "window", "EVERY_S": "every", "SLICE_S": "slice_s", "OPEN_S": "open_s", "CLOSE_S": "close_s"}
@@ -42,7 +43,7 @@ class Traced(S.StragglerWatch):
         if self.node in (None, n):
             gap, med = waits.gap.get(n, (0.0, 0.0))
             cpu, base = mine.get("cpu"), nt.baseline("cpu")
-            print(f"{self.t - self.since:7.1f} {n} gap {gap:+.3f} (bound {max(S.WAITED_S, S.WAITED_SHARE * med):.3f}) "
+            print(f"{self.t - self.since:7.1f} {n} gap {gap:+.3f} (bound {max(W.WAITED_S, W.WAITED_SHARE * med):.3f}) "
                   f"waited {waits.waited_for(n)} waiting {waits.waiting(n)} cpu {cpu if cpu is not None else 0:.3f} "
                   f"base {base or 0:.3f} share {mine.get('cpu_share') or 0:.3f} "
                   f"usual {nt.baseline('cpu_share') or 0:.3f} "
@@ -79,11 +80,12 @@ def settings(pairs: list[str]) -> dict:
     kw = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        mod = S if hasattr(S, name) else C if hasattr(C, name) else None
-        if mod is None or not value:
-            raise SystemExit(f"straggler_replay: no setting {name!r} in cluster/stragglers.py or cluster/causes.py")
-        v = type(getattr(mod, name))(value)
-        setattr(mod, name, v)
+        mods = [m for m in (S, C, W) if hasattr(m, name)]   # (stragglers.py holds the names it imports too)
+        if not mods or not value:
+            raise SystemExit(f"straggler_replay: no setting {name!r} in cluster/stragglers.py, causes.py or waits.py")
+        v = type(getattr(mods[0], name))(value)
+        for mod in mods:
+            setattr(mod, name, v)
         if name in WATCH_ARGS:
             kw[WATCH_ARGS[name]] = v
     return kw

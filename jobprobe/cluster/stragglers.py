@@ -16,10 +16,12 @@ per job, at every tick, it compares the nodes over the last `window` seconds (10
   minute, one sample each 5 s, while nothing was open or building up): a figure that did not change is never
   evidence. A node the others wait for is also named for a run-queue wait or a stall that rose over its own baseline
   even where its peers' are as high (they may share its CPU: a noisy neighbour).
-- **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (the node is
-  waited for, no cause moved, its CPU over its peers' median rose 1.18x over its usual ratio, its own CPU up too:
-  the job gave it more work — not its node's fault; on a machine the ranks share, its peers' CPU falls as its own
-  rises, so the ratio moves where its own CPU alone hardly does); each names the nodes that waited for it.
+- **the verdict** — `straggler` (verdict "node": a fault of its node, with its causes) or `imbalance` (no cause
+  moved; over the newest slice its CPU over its peers' median rose 1.18x over its usual ratio, its own CPU 1.05x
+  its baseline, and the others waited for it at least as usual; over the window a third of both rises: the job gave
+  it more work — not its node's fault; on a machine the ranks share, its peers' CPU falls as its own rises, so the
+  ratio moves where its own CPU alone hardly does. The slice decides because a 10 s window takes 10 s to fill
+  with a change that is the same every step after it); each names the nodes that waited for it.
 
 An event opens after its verdict has held for `open_s` (4 s; one comparison without it forgiven), and closes
 (`straggler_end`, `imbalance_end`) after `close_s` (3 s) in which it did not hold at the lower clearing bounds over
@@ -33,7 +35,6 @@ comparison alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,7 @@ from jobprobe.cluster.causes import (MOVED, STALL_FIGURES, STALL_RISES, WAITED_S
                                      at_least, at_limit, causes, could_name, evidence, figures, imbalance_body, moved,
                                      straggler_body)
 from jobprobe.cluster.peers import BASE_ROW, Part, Sums, Table
+from jobprobe.cluster.waits import WAITED_S, Waits
 
 WINDOW_S = 10.0
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
@@ -51,9 +53,6 @@ CLOSE_S = 3.0             # an open event ends after this long without it (at th
 MISSES = 1                # comparisons without it that do not break a hold (a noisy second)
 BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while the job is in step
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
-# the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
-WAITED_S = 0.05
-WAITED_SHARE = 0.05       # ... and this share of the peers' median wait (a median mostly of threads that always sleep)
 IMBALANCE_SHARE = 1.18    # a node waited for, whose CPU over its peers' median rose this much over its usual
                           # ratio, its own CPU up too, nothing else moved: more work (a rank given 1.5x the batch on
                           # a 2-core machine three ranks share: its CPU 1.12-1.19x, its peers' down 3-8%, the ratio
@@ -84,88 +83,6 @@ class NodeTrack:
         """The node's own usual value of figure k (None until 3 comparisons in step have been seen): the median of
         its last BASELINE_N."""
         return self.sums.baseline(self.row, k)
-
-
-class Waits:
-    """Who waits for whom in one comparison: per node, its peers' median wait minus its own (s/s of its threads'
-    sleep in lock and socket/pipe waits: where a rank sits in a collective while a peer is late), less the node's
-    own usual gap — a rank can wait more or less than its peers for a whole run (rank 0 serving the rendezvous
-    store, its place in the ring): being waited for is a change, like every other piece of evidence. Where NCCL's
-    RAS port is read (the ncclras probe), NCCL's own word counts too: a node whose ranks were behind their
-    communicator's collective count in most polls, while its peers' mostly were not, is waited for. Read for every
-    node of a comparison's table at once (NaN: no such figure); part() is one job's, by node name."""
-    names: list[str]
-    rows: dict[str, int]
-
-    def __init__(self, t: Table, usual: np.ndarray):
-        """`usual`: each node's baseline gap (NaN: none yet, 0)."""
-        x = t.col("wait")
-        med, _, cnt = t.order("wait")
-        u = np.where(np.isnan(usual), 0.0, usual)
-        self.gaps, self.med = np.where(cnt > 0, med - x - u, np.nan), med
-        self.raw = self.gaps + u                      # the gap before its usual one is taken off (its baseline's)
-        self.ras = t.col("ras_behind")                # the share of its RAS polls with a rank behind
-        self.behind = self.ras >= 0.5                 # NCCL says so: behind in half its polls or more, ...
-        if self.behind.any():
-            bmed, _, bcnt = t.order("ras_behind")     # ... its peers' (median) in under a quarter
-            self.behind &= (bcnt > 0) & (bmed < 0.25)
-        self.behind_peers = np.add.reduceat(self.behind, t.starts, dtype=np.int64)[t.seg] - self.behind
-        self.bound = np.maximum(WAITED_S, WAITED_SHARE * med)
-        self.is_waited = (self.gaps >= self.bound) | self.behind
-        self.starts = t.starts
-
-    def part(self, j: int, names: list[str], rows: dict[str, int]) -> "Waits":
-        """Job j's (`names`, and each name's place among them)."""
-        w = object.__new__(Waits)
-        at = slice(int(self.starts[j]), int(self.starts[j]) + len(names))
-        for k in ("gaps", "med", "raw", "ras", "behind", "behind_peers", "bound", "is_waited"):
-            setattr(w, k, getattr(self, k)[at])
-        w.names, w.rows = names, rows
-        return w
-
-    @cached_property
-    def is_waiting(self) -> np.ndarray:
-        return (-self.gaps >= self.bound) | ((self.ras == 0) & (self.behind_peers > 0))
-
-    @cached_property
-    def gap(self) -> dict[str, tuple[float, float]]:
-        """node → (peers' median − its own − its usual gap, peers' median), for the nodes with a wait figure."""
-        return {self.names[r]: (float(self.gaps[r]), float(self.med[r]))
-                for r in np.flatnonzero(~np.isnan(self.gaps)).tolist()}
-
-    def has_gap(self, n: str) -> bool:
-        return not np.isnan(self.gaps[self.rows[n]])
-
-    def gap_of(self, n: str) -> float:
-        """The node's gap (0 without a wait figure)."""
-        g = self.gaps[self.rows[n]]
-        return 0.0 if np.isnan(g) else float(g)
-
-    def waited_for(self, n: str) -> bool:
-        return bool(self.is_waited[self.rows[n]])
-
-    def knows(self, n: str) -> bool:
-        """Whether a figure says who waits for n (a wait figure, or a poll of NCCL's RAS port)."""
-        r = self.rows[n]
-        return not (np.isnan(self.gaps[r]) and np.isnan(self.ras[r]))
-
-    def waited_by_more_than(self, n: str, bound: float) -> bool:
-        """The others wait for n by `bound` s/s more than is usual for it, or NCCL says it is behind."""
-        r = self.rows[n]
-        return bool(self.gaps[r] >= bound or self.behind[r])
-
-    def waiting(self, n: str) -> bool:
-        return bool(self.is_waiting[self.rows[n]])
-
-    def waited_by(self, n: str) -> list[str]:
-        """The other nodes that wait (for n, when n is the one waited for): those that wait more than is usual for
-        them against their peers (or that NCCL says are not behind), sorted."""
-        by = (~np.isnan(self.gaps) | ~np.isnan(self.ras)) & (self.is_waiting | (self.gaps < 0) & ~self.is_waited)
-        by[self.rows[n]] = False
-        return sorted(self.names[r] for r in np.flatnonzero(by).tolist())
-
-    def any_waited_for(self) -> bool:
-        return bool(self.is_waited.any())
 
 
 class Slice:
@@ -399,7 +316,8 @@ class StragglerWatch:
         be seen waiting for it). A node the others wait for is also named for a
         run-queue wait or a stall that rose over its own baseline even where its peers' are as high (they may share
         its CPU). A node that waits for another while someone is waited for gets no cause at all. A node waited for
-        with no cause, whose CPU time rose over its baseline, is the job's own imbalance (more work), not a fault —
+        with no cause, whose CPU time and CPU share rose over their baselines (over the newest slice, and a third as
+        much over the window), is the job's own imbalance (more work), not a fault —
         unless another node of the job is a straggler then (the caller: on a shared machine the node took the CPU
         the straggler let go)."""
         found = causes(w, everyone, mine=mine)
