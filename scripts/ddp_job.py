@@ -5,7 +5,9 @@ gradient all-reduce, so the slowest rank sets the pace.
     python scripts/ddp_job.py --rank R --world N --master ADDR:PORT [--seconds S] [--width W] [--threads T]
                               [--work FILE]
 
-Each rank prints one line per 20 steps (`rank R step K: X steps/s`) and a last line with its totals. `--work FILE`:
+Each rank prints one line per 20 steps (`rank R step K: X steps/s, blocked in collectives B s at T`: B its main
+thread's blocked time so far in the collectives — the all-reduce its backward pass waits for, the stop broadcast —,
+T the UNIX time) and a last line with its totals. `--work FILE`:
 every 20 steps the rank reads a number from FILE (when it exists) and does that many times the work per step
 (forward and backward passes, the extra ones accumulated without an all-reduce, as micro-batches of a bigger batch
 would be) — a rank given more work than the others, the job's own imbalance. tests/
@@ -57,6 +59,7 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
     t0 = last = time.monotonic()
     steps = done = 0
+    clock = Blocked()
     stop = torch.zeros(1)
     data = open(a.data, "rb", buffering=0) if a.data else None
     chunk = bytearray(a.read_mb << 20)
@@ -72,14 +75,16 @@ def main() -> None:
         for _ in range(passes - 1):
             with model.no_sync():
                 loss_fn(model(x), y).backward()
-        loss_fn(model(x), y).backward()
+        with clock:                         # the pass whose gradients are all-reduced: its wait for the peers
+            loss_fn(model(x), y).backward()
         if a.gpu_ms:
             time.sleep(a.gpu_ms * gpu / 1000)
         opt.step()
         steps += 1
         if steps % 20 == 0:
             now = time.monotonic()
-            print(f"rank {a.rank} step {steps}: {20 / (now - last):.1f} steps/s", flush=True)
+            print(f"rank {a.rank} step {steps}: {20 / (now - last):.1f} steps/s, blocked in collectives "
+                  f"{clock.blocked:.3f} s at {time.time():.3f}", flush=True)
             last = now
             gpu = work_factor(a.gpu_file, gpu)
             f = work_factor(a.work, factor)
@@ -88,12 +93,35 @@ def main() -> None:
                 print(f"rank {a.rank} step {steps}: work x{f:g}", flush=True)
             # every rank stops at the same step: rank 0 decides, the others follow its word
             stop[0] = 1.0 if now - t0 >= a.seconds else 0.0
-            dist.broadcast(stop, 0)
+            with clock:
+                dist.broadcast(stop, 0)
             if stop[0] > 0:
                 done = steps
                 break
     print(f"rank {a.rank} done: {done} steps in {time.monotonic() - t0:.1f} s", flush=True)
     dist.destroy_process_group()
+
+
+class Blocked:
+    """The calling thread's blocked time inside `with` blocks: wall time less its time on a CPU and its wait for one
+    (/proc/thread-self/schedstat) — in a collective, the time it waits for its peers (and their bytes)."""
+
+    def __init__(self):
+        self.blocked = 0.0
+        self._at = (0.0, 0, 0)
+
+    @staticmethod
+    def _now() -> tuple[float, int, int]:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, run_delay = f.read().split()[:2]
+        return time.monotonic(), int(on_cpu), int(run_delay)
+
+    def __enter__(self):
+        self._at = self._now()
+
+    def __exit__(self, *exc):
+        (w0, c0, d0), (w1, c1, d1) = self._at, self._now()
+        self.blocked += max(0.0, (w1 - w0) - (c1 - c0) / 1e9 - (d1 - d0) / 1e9)
 
 
 def work_factor(path: str | None, current: float) -> float:

@@ -70,6 +70,17 @@ def summary_of(cluster: Cluster) -> dict:
     return json.loads(r.stdout)
 
 
+def more_blocked(clock: list[tuple[float, float]], usual: tuple[float, float], span: tuple[float, float]) -> float:
+    """A rank's own clock (DdpJob.blocked: (time, blocked s so far)): its time blocked in collectives over `span`,
+    less its rate over `usual` (the job in step) times the span's length."""
+    import numpy as np
+    t, b = np.array([c[0] for c in clock]), np.array([c[1] for c in clock])
+
+    def over(a: float, z: float) -> float:
+        return float(np.interp(z, t, b) - np.interp(a, t, b))
+    return over(*span) - over(*usual) / (usual[1] - usual[0]) * (span[1] - span[0])
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -102,8 +113,10 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
                     if x["event"] in ("straggler", "straggler_end", "imbalance", "imbalance_end")]
 
         # (c) balanced: 20 s (twenty comparisons; a cause must hold for 4 s to name anyone), nobody named
+        in_step = time.time()
         time.sleep(20)
         assert named() == [], cluster.events()
+        in_step = (in_step, time.time())
         n0 = len(ddp.rates(0))
         balanced = rate(ddp, n0 - 3)
 
@@ -130,18 +143,24 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         cleared = time.time()
         ddp.throttle(1, None)
         until(lambda: cluster.events("straggler_end"), 30, "the straggler cleared after the limit went")
-        # where the others' time went (`jobprobe summary` of the store): their waits in that episode were waits for
-        # node-b — waiting_for_peers, attributed to it — at least the time the throttled rank added to the job (its
-        # step rates: 1 - slowed/balanced of each second it was limited; a rank limited frees CPU for the others, so
-        # their wait for it is that and what they no longer wait for a CPU) and at most the episode
+        # where the others' time went (`jobprobe summary` of the store): their waits in that episode above their
+        # usual level were waits for node-b — waiting_for_peers, attributed to it —, between two independent clocks:
+        # at least 0.9x their own main thread's time blocked in collectives above its rate in step (its schedstat,
+        # scripts/ddp_job.py), at most 1.25x the time the throttled rank added to the job by its step rates (1 -
+        # slowed/balanced of each second it was limited; `slowed` is 3 s of them). Measured over 3 runs: 1.14-1.55x
+        # the first, 0.78-1.08x the second; when all their waits in the episode were moved, usual ones too: 1.40 and
+        # 1.89x the second
         s = summary_of(cluster)
         (ep,) = s["stragglers"]
         added = max(0.0, min(ep["end"], cleared) - ep["start"]) * (1 - slowed / balanced)
         waited = {n: s["per_node"][n]["buckets"]["waiting_for_peers"] for n in ("node-a", "node-c")}
+        # the ranks' own clock: their main thread's time blocked in collectives in the episode, less their usual
+        own = {n: more_blocked(ddp.blocked(i), in_step, (ep["start"], ep["end"]))
+               for i, n in ((0, "node-a"), (2, "node-c"))}
         print(f"stragglers: the others waited {waited} s for node-b in its {ep['s']} s episode; the job's rates say "
-              f"it added {added:.1f} s; paced by {[d['pace'] for d in s['per_node'].values()]}")
+              f"it added {added:.1f} s; their own clocks {own}; paced by {[d['pace'] for d in s['per_node'].values()]}")
         assert list(s["waited_for"]) == ["node-b"] and s["per_node"]["node-b"]["buckets"]["waiting_for_peers"] == 0
-        assert all(0.8 * added <= w <= ep["s"] for w in waited.values()), (waited, added, ep, slowed, balanced)
+        assert all(0.9 * own[n] <= w <= 1.25 * added for n, w in waited.items()), (waited, own, added, ep, balanced)
         # ranks that hold a (fake) GPU they never keep busy are paced by their CPU (once: all `other`, goodput 0)
         assert all(d["pace"]["of"] != "gpu_busy" and d["goodput"] > 0.2 for d in s["per_node"].values()), s
 

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobprobe.cluster.summary import summarize, text
+from jobprobe.cluster.summary import summarize, text, to_peers
 from jobprobe.core.wire import subject_of
 from jobprobe.core.timeuse import BUCKETS, decompose
 
@@ -303,6 +303,22 @@ def test_summary_of_two_nodes_and_a_straggler_episode():
                                 "b: throttled by its CPU limit", "waited_by": ["a"]}]
     page = text(s)
     assert "goodput 90%" in page and "straggler: node b for 6 s" in page and "a waited for it" in page
+
+
+def test_only_the_waits_above_a_nodes_usual_level_are_waits_for_the_straggler():
+    """a waits 0.2 s/s (input and other) in step; in b's episode (its intervals at 5..9) 0.7 s/s: 0.5 s/s of that,
+    2.5 s, were waits for b (all of it, 3.5 s, before — what a waited anyway is not b's doing); the rest stays."""
+    def node(busy):
+        return {"buckets": {}, "intervals": [
+            {"t": t, "dt": 1.0, "buckets": {"computing": 0.3, "waiting_for_input": 0.4, "other": 0.3} if t in busy
+             else {"computing": 0.8, "waiting_for_input": 0.1, "other": 0.1}} for t in range(1, 11)]}
+    nodes = {"a": node(range(5, 10)), "b": node(())}
+    assert to_peers(nodes, [{"node": "b", "start": 4.0, "end": 9.0}]) == {"b": pytest.approx(2.5)}
+    a = nodes["a"]["buckets"]
+    assert a["waiting_for_peers"] == pytest.approx(2.5) and a["computing"] == pytest.approx(5 * 0.8 + 5 * 0.3)
+    assert a["waiting_for_input"] + a["other"] == pytest.approx(10 * 0.2)
+    assert a["waiting_for_input"] == pytest.approx(5 * 0.1 + 5 * 0.4 * 0.2 / 0.7)
+    assert nodes["b"]["buckets"]["waiting_for_peers"] == 0
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:

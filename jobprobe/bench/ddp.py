@@ -260,6 +260,15 @@ class DdpJob:
                 out.append(float(line.rsplit(":", 1)[1].split()[0]))
         return out
 
+    def blocked(self, rank: int) -> list[tuple[float, float]]:
+        """rank's own clock of its main thread's time blocked in collectives: (UNIX time, seconds so far) per print."""
+        out = []
+        for line in self.logs[rank].read_text().splitlines():
+            if "blocked in collectives" in line:
+                words = line.split()
+                out.append((float(words[-1]), float(words[-4])))
+        return out
+
     def wait(self, timeout: float) -> list[int]:
         return [p.wait(timeout=timeout) for p in self.procs]
 

@@ -136,21 +136,31 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
 
 def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
     """While the controller had a node named as the job's straggler, the other nodes' waits (waiting_for_input and
-    other: a rank blocked on its peers' sockets reads as a wait on input from its own frames) were waits for it:
-    moved, in each interval inside the episode, to waiting_for_peers. Returns the seconds moved per straggler."""
+    other: a rank blocked on its peers' sockets reads as a wait on input from its own frames) above their usual level
+    were waits for it: moved, in each interval inside the episode, to waiting_for_peers (from the two in proportion).
+    A node's usual level is the median per second of those two over its intervals outside every episode, after its
+    startup: what it waited anyway is not the straggler's doing. Returns the seconds moved per straggler."""
+    def inside(i: dict, p: dict) -> bool:
+        return p["start"] <= i["t"] - i["dt"] / 2 <= p["end"]
+
+    def waits(i: dict) -> float:
+        return i["buckets"].get("waiting_for_input", 0.0) + i["buckets"].get("other", 0.0)
     moved: dict[str, float] = {}
-    for p in periods:
-        for n, d in nodes.items():
-            if n == p["node"]:
-                continue
-            for i in d.get("intervals", ()):
-                if not p["start"] <= i["t"] - i["dt"] / 2 <= p["end"]:
-                    continue
+    for n, d in nodes.items():
+        calm = sorted(waits(i) / i["dt"] for i in d.get("intervals", ()) if i["dt"] > 0
+                      and not i["buckets"].get("startup") and not any(inside(i, p) for p in periods))
+        usual = calm[len(calm) // 2] if calm else 0.0
+        for i in d.get("intervals", ()):
+            p = next((p for p in periods if p["node"] != n and inside(i, p)), None)
+            have = waits(i)
+            take = have - usual * i["dt"] if p is not None else 0.0
+            if take > 0:
                 b = i["buckets"]
-                take = b.pop("waiting_for_input", 0.0) + b.pop("other", 0.0)
-                if take > 0:
-                    b["waiting_for_peers"] = b.get("waiting_for_peers", 0.0) + take
-                    moved[p["node"]] = moved.get(p["node"], 0.0) + take
+                for k in ("waiting_for_input", "other"):
+                    if k in b:
+                        b[k] *= 1 - take / have
+                b["waiting_for_peers"] = b.get("waiting_for_peers", 0.0) + take
+                moved[p["node"]] = moved.get(p["node"], 0.0) + take
     for d in nodes.values():      # the node's totals again from its intervals
         if d.get("intervals"):
             for bucket in BUCKETS:
