@@ -26,6 +26,7 @@ command line read once) — the rest of the job's CPU is its lead processes', th
 from __future__ import annotations
 
 import functools
+import os
 import time
 from pathlib import Path
 
@@ -200,6 +201,16 @@ class Throttle:
         return out
 
 
+def online_cpus() -> int:
+    """The node's online CPUs now (/sys/devices/system/cpu/online; a CPU taken offline leaves it)."""
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            n = count_cpus(f.read())
+    except OSError:
+        n = None
+    return n or os.cpu_count() or 1
+
+
 def count_cpus(text: str | None) -> int | None:
     """CPUs in a kernel CPU list ("0-3,8,10-11" → 7); None for nothing, or text that is not one."""
     if not text or not text.strip():
@@ -253,6 +264,8 @@ class CgroupProbe(Probe):
                                  "cfs_period_us); absent without a limit"),
         "cpus_allowed": Field("int", "count", "CPUs the group may run on now (cgroup2 cpuset.cpus.effective); absent "
                               "where the cpuset controller is not on for it", kind="gauge"),
+        "cpus_online": Field("int", "count", "CPUs online on the node now: the most the group can use where no limit "
+                             "or cpuset says less", kind="gauge"),
         "mem_limit_bytes": Field("int", "bytes", "the group's memory limit now (cgroup2 memory.max; a hybrid "
                                  "host: the job's own v1 group's memory.limit_in_bytes); absent without a limit"),
     }
@@ -393,7 +406,7 @@ class CgroupProbe(Probe):
                 "nprocs": cur["nprocs"], "helper_nprocs": cur["helpers"][0], "helper_cpu_user_ns": cur["helpers"][1],
                 "helper_cpu_system_ns": cur["helpers"][2], "exits_uncounted": uncounted, **self.throttle.take(),
                 **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
-                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {})}
+                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}), "cpus_online": online_cpus()}
 
     def stop(self) -> None:
         self.target = None

@@ -209,6 +209,21 @@ def test_a_jobs_own_threads_beyond_its_cpus_are_not_starved():
     assert d["pace"]["steady"] == pytest.approx(2.5) and d["buckets"]["starved"] == pytest.approx(9 * 0.5 / 2.5)
 
 
+def test_a_short_jobs_own_threads_waiting_for_each_other_beyond_the_nodes_cpus_are_not_its_pace():
+    """A CI run: a 23-interval job on a 2-CPU node whose first busy interval ran 1.99 cores with 0.89 s/s of its own
+    threads' wait for a CPU (its pool starting): its wanted pace 2.88 was the 97th percentile of so few intervals —
+    its steady pace —, and its next run, at 1.99 cores, never reached 3/4 of it: all startup. Without a limit or a
+    cpuset, the node's online CPUs (`cgroup.cpus_online`) cap the wanted pace."""
+    on2 = dict(cgroup_cpus_online=2)
+    frames = [sample(1, 0.05, **on2), sample(2, 1.99, sched_runq_lat_ns=int(0.89e9), **on2)] + steady(10, 2, **on2)
+    d = decompose(frames)
+    assert d["pace"]["steady"] == 2.0 and d["buckets"]["startup"] == pytest.approx(1 + 0.01 / 2), d
+    assert d["buckets"]["computing"] == pytest.approx(11 - 0.01 / 2), d
+    # a node that says nothing of its CPUs: as before (the job's own threads' wait is read as wanted)
+    assert decompose([sample(1, 0.05), sample(2, 1.99, sched_runq_lat_ns=int(0.89e9))] + steady(10, 2)
+                     )["pace"]["steady"] == pytest.approx(2.88)
+
+
 def test_a_figure_that_did_not_move_is_never_evidence():
     """A shortfall with every figure at its usual level: not attributed (other), whatever those levels are — a job
     that always waits on its loader's queue does not wait for input when it slows for a reason nobody measured."""

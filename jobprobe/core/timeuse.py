@@ -83,7 +83,7 @@ def _gpu_busy(gpu: Any) -> float | None:
 class Tick:
     """One interval's figures: t, dt, pace (GPUs busy or CPU cores), the evidence (thread-ns, bytes)."""
 
-    __slots__ = ("t", "dt", "pace", "fig", "gpu", "cores", "busy", "grant", "lead", "helper", "runq", "want")
+    __slots__ = ("t", "dt", "pace", "fig", "gpu", "cores", "busy", "grant", "lead", "helper", "runq", "want", "cpus")
 
     def __init__(self, frame: dict, by: str):
         self.t = num(frame, "t") or 0.0
@@ -106,6 +106,7 @@ class Tick:
                                         ("mem_peak_bytes", num(cg, "mem_peak_bytes")),
                                         ("gpus", num(gpu, "ngpus"))) if v is not None and v > 0}
         self.gpu = gpu_means(p.get("gpu"))
+        self.cpus = num(cg, "cpus_online")     # the node's: the most a job with no limit or cpuset can use
         # the threads' wait for a CPU, in cores (thread-seconds per second): a CPU job wanted to compute then
         rq = num(sc, "runq_lat_ns")
         self.runq = max(0.0, rq) / 1e9 / self.dt if rq is not None and self.dt > 0 and by != "gpu_busy" else 0.0
@@ -124,10 +125,11 @@ class Tick:
 
     def wanted(self) -> float | None:
         """The pace the job would have had without its wait for a CPU: its pace and that wait, up to the CPUs it
-        may use (its CPU limit, else its cpuset) — beyond them it waits for its own threads, not for a neighbour."""
+        may use (its CPU limit, else its cpuset, else the node's online CPUs) — beyond them it waits for its own
+        threads, not for a neighbour."""
         if self.pace is None:
             return None
-        cap = self.grant.get("cpu_cores", math.inf)
+        cap = self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
         return max(self.pace, min(self.pace + self.runq, cap))
 
     def by_lead(self) -> None:
