@@ -7,7 +7,8 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
   probe's user + system time over dt, less its helpers': forked DataLoader workers; all of it where the lead
   processes do under LEAD_MIN of the work or the frames do not say). Its **steady pace** is the 97th percentile of
   the intervals' *wanted* paces — the pace plus the threads' wait for a CPU (`sched.runq_lat_ns`), up to the CPUs
-  the job may use: how fast it goes when nothing holds it back (a neighbour there the whole run is not its pace).
+  the job may use (its limit, cpuset or node): how fast it goes when nothing holds it back (a neighbour there the
+  whole run is not its pace).
 - **startup**: from the first interval to the first one at 3/4 of the steady pace or more (that one's shortfall too).
 - **checkpointing**: in an interval that wrote ≥ 1 MiB more than twice the job's median interval
   (`cgroup.io_write_bytes`), the writing thread's system CPU (`cgroup.cpu_system_ns`: copies into the page cache)
