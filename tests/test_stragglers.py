@@ -147,7 +147,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # usual level were waits for node-b — waiting_for_peers, attributed to it —, between two independent clocks:
         # at least 0.9x their own main thread's time blocked in collectives above its rate in step (its schedstat,
         # scripts/ddp_job.py), at most 1.25x the time the throttled rank added to the job by its step rates (1 -
-        # slowed/balanced of each second it was limited; `slowed` is 3 s of them). Measured over 3 runs: 1.14-1.55x
+        # slowed/balanced of each second it was limited; `slowed` is 3 s of them). Measured over 5 runs: 1.04-1.55x
         # the first, 0.78-1.08x the second; when all their waits in the episode were moved, usual ones too: 1.40 and
         # 1.89x the second
         s = summary_of(cluster)
