@@ -201,16 +201,6 @@ class Throttle:
         return out
 
 
-def online_cpus() -> int:
-    """The node's online CPUs now (/sys/devices/system/cpu/online; a CPU taken offline leaves it)."""
-    try:
-        with open("/sys/devices/system/cpu/online") as f:
-            n = count_cpus(f.read())
-    except OSError:
-        n = None
-    return n or os.cpu_count() or 1
-
-
 def count_cpus(text: str | None) -> int | None:
     """CPUs in a kernel CPU list ("0-3,8,10-11" → 7); None for nothing, or text that is not one."""
     if not text or not text.strip():
@@ -406,7 +396,14 @@ class CgroupProbe(Probe):
                 "nprocs": cur["nprocs"], "helper_nprocs": cur["helpers"][0], "helper_cpu_user_ns": cur["helpers"][1],
                 "helper_cpu_system_ns": cur["helpers"][2], "exits_uncounted": uncounted, **self.throttle.take(),
                 **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
-                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}), "cpus_online": online_cpus()}
+                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}), "cpus_online": tickmemo.get("cpus_online", self._online_cpus)}
+
+    def _online_cpus(self) -> int:
+        """The node's online CPUs now (once per agent tick for all its jobs; a CPU taken offline leaves them)."""
+        try:
+            return len(self.host.online_cpus()) or os.cpu_count() or 1
+        except (OSError, ValueError):
+            return os.cpu_count() or 1
 
     def stop(self) -> None:
         self.target = None
