@@ -19,6 +19,8 @@ import argparse
 import os
 import time
 
+from train_cpu import schedstat  # (scripts/, beside this one: the same reading of a thread's schedstat)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -104,24 +106,18 @@ def main() -> None:
 
 class Blocked:
     """The calling thread's blocked time inside `with` blocks: wall time less its time on a CPU and its wait for one
-    (/proc/thread-self/schedstat) — in a collective, the time it waits for its peers (and their bytes)."""
+    (its schedstat, as train_cpu.py reads it) — in a collective, the time it waits for its peers (and their bytes)."""
 
     def __init__(self):
         self.blocked = 0.0
-        self._at = (0.0, 0, 0)
-
-    @staticmethod
-    def _now() -> tuple[float, int, int]:
-        with open("/proc/thread-self/schedstat") as f:
-            on_cpu, run_delay = f.read().split()[:2]
-        return time.monotonic(), int(on_cpu), int(run_delay)
+        self._at = (0.0, 0.0, 0.0)
 
     def __enter__(self):
-        self._at = self._now()
+        self._at = (time.monotonic(), *schedstat())
 
     def __exit__(self, *exc):
-        (w0, c0, d0), (w1, c1, d1) = self._at, self._now()
-        self.blocked += max(0.0, (w1 - w0) - (c1 - c0) / 1e9 - (d1 - d0) / 1e9)
+        (w0, ran0, delay0), (w1, (ran1, delay1)) = self._at, (time.monotonic(), schedstat())
+        self.blocked += max(0.0, (w1 - w0) - (ran1 - ran0) - (delay1 - delay0))
 
 
 def work_factor(path: str | None, current: float) -> float:
