@@ -389,7 +389,10 @@ def test_an_input_bound_training_job_fires_input_bound_and_its_trace_shows_where
     print(f"input-bound ({'stalling' if stall else 'steady'}): {len(samples)} s, fired "
           f"{[(f['rule'], f['evidence']) for f in fired]}")
     if not stall:
-        assert len(samples) >= 16 and fired == []      # longer than input_bound's window + hold: it could have
+        # longer than input_bound's window + hold: it could have fired, and no rule about the job's own work did;
+        # runq_saturation may (beside phase 1's tests the job truly waits for a CPU — a CI run: 83% of its threads'
+        # time, p99 7.4 ms: the machine, not its input)
+        assert len(samples) >= 16 and [f for f in fired if f["rule"] != "runq_saturation"] == []
         return
     (ib,) = [f for f in fired if f["rule"] == "input_bound"]
     (tr,) = [f for f in frames if f["kind"] == "trace"]
