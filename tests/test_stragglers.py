@@ -81,6 +81,20 @@ def more_blocked(clock: list[tuple[float, float]], usual: tuple[float, float], s
     return over(*span) - over(*usual) / (usual[1] - usual[0]) * (span[1] - span[0])
 
 
+def lost_progress(steps: list[tuple[float, float]], limited: tuple[float, float], span: tuple[float, float]) -> float:
+    """The job's progress lost over `span` by a rank's own count of its steps (DdpJob.steps): the span's length less
+    the time its steps there take at the job's pace around the fault — the mean of its rates over the 6 s before it
+    (`limited`: from, to) and over 6 s from 3 s after it went (the pace drifts a few % a minute: the 20 s in step a
+    minute earlier read 3-17% low)."""
+    import numpy as np
+    t, k = np.array([c[0] for c in steps]), np.array([c[1] for c in steps])
+
+    def done(a: float, z: float) -> float:
+        return float(np.interp(z, t, k) - np.interp(a, t, k))
+    pace = (done(limited[0] - 6.5, limited[0] - 0.5) + done(limited[1] + 3, limited[1] + 9)) / 12
+    return span[1] - span[0] - done(*span) / pace
+
+
 def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
@@ -143,24 +157,29 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         cleared = time.time()
         ddp.throttle(1, None)
         until(lambda: cluster.events("straggler_end"), 30, "the straggler cleared after the limit went")
+        until(lambda: ddp.steps(0)[-1][0] > cleared + 9, 10, "the job's pace 9 s after the limit went")
         # where the others' time went (`jobprobe summary` of the store): their waits in that episode above their
-        # usual level were waits for node-b — waiting_for_peers, attributed to it —, between two independent clocks:
-        # at least 0.9x their own main thread's time blocked in collectives above its rate in step (its schedstat,
-        # scripts/ddp_job.py), at most 1.25x the time the throttled rank added to the job by its step rates (1 -
-        # slowed/balanced of each second it was limited; `slowed` is 3 s of them). Measured over 5 runs: 1.04-1.55x
-        # the first, 0.78-1.08x the second; when all their waits in the episode were moved, usual ones too: 1.40 and
-        # 1.89x the second
+        # usual level for the work they did, as far as the progress they lost, were waits for node-b —
+        # waiting_for_peers, attributed to it —, checked against two independent clocks: the progress the job lost
+        # while node-b was limited, by rank 0's own step count against the job's pace around the limit
+        # (lost_progress), and the ranks' own main thread's time blocked in collectives above its rate in step (its
+        # schedstat, scripts/ddp_job.py: not all a rank loses to its peers, a lower bound).
+        # `python scripts/peers_truth.py` (3 runs, 18 episodes x waiting ranks): 0.92-1.14x the first (median
+        # 1.03), 1.09-1.67x the second; this test's run 0.86x. What a rank's CPU does per step while it waits moves
+        # the first by +-10% from run to run (its threads spinning before they sleep count as work)
         s = summary_of(cluster)
         (ep,) = s["stragglers"]
-        added = max(0.0, min(ep["end"], cleared) - ep["start"]) * (1 - slowed / balanced)
+        lost = lost_progress(ddp.steps(0), (t0, cleared), (ep["start"], min(ep["end"], cleared + 2)))
         waited = {n: s["per_node"][n]["buckets"]["waiting_for_peers"] for n in ("node-a", "node-c")}
         # the ranks' own clock: their main thread's time blocked in collectives in the episode, less their usual
         own = {n: more_blocked(ddp.blocked(i), in_step, (ep["start"], ep["end"]))
                for i, n in ((0, "node-a"), (2, "node-c"))}
-        print(f"stragglers: the others waited {waited} s for node-b in its {ep['s']} s episode; the job's rates say "
-              f"it added {added:.1f} s; their own clocks {own}; paced by {[d['pace'] for d in s['per_node'].values()]}")
+        print(f"stragglers: the others waited {waited} s for node-b in its {ep['s']} s episode; the job lost "
+              f"{lost:.2f} s of progress; their own clocks {own}; paced by "
+              f"{[d['pace'] for d in s['per_node'].values()]}")
         assert list(s["waited_for"]) == ["node-b"] and s["per_node"]["node-b"]["buckets"]["waiting_for_peers"] == 0
-        assert all(0.9 * own[n] <= w <= 1.25 * added for n, w in waited.items()), (waited, own, added, ep, balanced)
+        assert all(0.75 * lost <= w <= 1.25 * lost and 0.9 * own[n] <= w for n, w in waited.items()), \
+            (waited, lost, own, ep, cleared)
         # ranks that hold a (fake) GPU they never keep busy are paced by their CPU (once: all `other`, goodput 0)
         assert all(d["pace"]["of"] != "gpu_busy" and d["goodput"] > 0.2 for d in s["per_node"].values()), s
 

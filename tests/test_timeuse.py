@@ -321,19 +321,40 @@ def test_summary_of_two_nodes_and_a_straggler_episode():
 
 
 def test_only_the_waits_above_a_nodes_usual_level_are_waits_for_the_straggler():
-    """a waits 0.2 s/s (input and other) in step; in b's episode (its intervals at 5..9) 0.7 s/s: 0.5 s/s of that,
-    2.5 s, were waits for b (all of it, 3.5 s, before — what a waited anyway is not b's doing); the rest stays."""
+    """a waits 0.2 s/s (input and other) in step, computing 0.8; in b's episode (its intervals at 5..9) it computes
+    0.3 (3/8 of its usual work) and waits 0.7 s/s: 0.2 * 3/8 of that goes with the work it did (what a waits anyway
+    is not b's doing), the rest, 0.625 s/s — the progress it lost —, 3.125 s, were waits for b (all of it, 3.5 s, at
+    first; 2.5 s with its usual waits whatever its work)."""
     def node(busy):
         return {"buckets": {}, "intervals": [
             {"t": t, "dt": 1.0, "buckets": {"computing": 0.3, "waiting_for_input": 0.4, "other": 0.3} if t in busy
              else {"computing": 0.8, "waiting_for_input": 0.1, "other": 0.1}} for t in range(1, 11)]}
     nodes = {"a": node(range(5, 10)), "b": node(())}
-    assert to_peers(nodes, [{"node": "b", "start": 4.0, "end": 9.0}]) == {"b": pytest.approx(2.5)}
+    assert to_peers(nodes, [{"node": "b", "start": 4.0, "end": 9.0}]) == {"b": pytest.approx(3.125)}
     a = nodes["a"]["buckets"]
-    assert a["waiting_for_peers"] == pytest.approx(2.5) and a["computing"] == pytest.approx(5 * 0.8 + 5 * 0.3)
-    assert a["waiting_for_input"] + a["other"] == pytest.approx(10 * 0.2)
-    assert a["waiting_for_input"] == pytest.approx(5 * 0.1 + 5 * 0.4 * 0.2 / 0.7)
+    assert a["waiting_for_peers"] == pytest.approx(3.125) and a["computing"] == pytest.approx(5 * 0.8 + 5 * 0.3)
+    assert a["waiting_for_input"] + a["other"] == pytest.approx(5 * 0.2 + 5 * 0.2 * 3 / 8)
+    assert a["waiting_for_input"] == pytest.approx(5 * 0.1 + 5 * 0.4 * 0.075 / 0.7)
     assert nodes["b"]["buckets"]["waiting_for_peers"] == 0
+
+
+def test_a_waiting_node_is_given_no_more_wait_for_its_peers_than_the_progress_it_lost():
+    """a in step: computing 0.5 s/s, starved 0.4, waits 0.1; in b's episode its computing falls to 0.3 (it lost 40%
+    of its progress: 0.4 s/s) and, its peers' CPU let go, it waits less for a CPU (0.1): its waits rise to 0.6 s/s,
+    0.06 of them its usual ones for the work it did. Of the other 0.54 s/s, 0.4 were waits for b; the 0.14 s/s it
+    did not wait for a CPU is no progress lost: `other`."""
+    def node(busy):
+        return {"buckets": {}, "intervals": [
+            {"t": t, "dt": 1.0, "buckets": {"computing": 0.3, "starved": 0.1, "waiting_for_input": 0.5, "other": 0.1}
+             if t in busy else {"computing": 0.5, "starved": 0.4, "waiting_for_input": 0.05, "other": 0.05}}
+            for t in range(1, 11)]}
+    nodes = {"a": node(range(5, 10)), "b": node(())}
+    assert to_peers(nodes, [{"node": "b", "start": 4.0, "end": 9.0}]) == {"b": pytest.approx(5 * 0.4)}
+    a = nodes["a"]["buckets"]
+    assert a["waiting_for_peers"] == pytest.approx(2.0) and a["starved"] == pytest.approx(5 * 0.4 + 5 * 0.1)
+    assert a["waiting_for_input"] == pytest.approx(5 * 0.05 + 5 * 0.5 * 0.06 / 0.6)
+    assert a["other"] == pytest.approx(5 * 0.05 + 5 * (0.1 * 0.06 / 0.6 + 0.14))
+    assert sum(a.values()) == pytest.approx(10.0)
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:

@@ -262,11 +262,19 @@ class DdpJob:
 
     def blocked(self, rank: int) -> list[tuple[float, float]]:
         """rank's own clock of its main thread's time blocked in collectives: (UNIX time, seconds so far) per print."""
+        return [(t, b) for t, _, b in self._progress(rank)]
+
+    def steps(self, rank: int) -> list[tuple[float, float]]:
+        """rank's steps done: (UNIX time, steps so far) per print."""
+        return [(t, k) for t, k, _ in self._progress(rank)]
+
+    def _progress(self, rank: int) -> list[tuple[float, float, float]]:
+        """`rank R step K: X steps/s, blocked in collectives B s at T` lines: (T, K, B)."""
         out = []
         for line in self.logs[rank].read_text().splitlines():
-            if "blocked in collectives" in line:
+            if "blocked in collectives" in line and " step " in line:
                 words = line.split()
-                out.append((float(words[-1]), float(words[-4])))
+                out.append((float(words[-1]), float(words[3].rstrip(":")), float(words[-4])))
         return out
 
     def wait(self, timeout: float) -> list[int]:

@@ -137,30 +137,49 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
 def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
     """While the controller had a node named as the job's straggler, the other nodes' waits (waiting_for_input and
     other: a rank blocked on its peers' sockets reads as a wait on input from its own frames) above their usual level
-    were waits for it: moved, in each interval inside the episode, to waiting_for_peers (from the two in proportion).
-    A node's usual level is the median per second of those two over its intervals outside every episode, after its
-    startup: what it waited anyway is not the straggler's doing. Returns the seconds moved per straggler."""
+    were waits for it: moved, in each interval inside the episode, to waiting_for_peers (from the two in proportion)
+    — as much of them as the progress the node lost there, its computing's shortfall from its usual level (a rank
+    that waits for its peers also waits less for a CPU: that time is no progress lost; it stays `other`). A node's
+    usual level of each is the median per second over its intervals outside every episode, after its startup; its
+    usual waits go with its work (a wait per step: for its data, for its GPU), so what it waits anyway for the work
+    it did in the interval is not the straggler's doing. Returns the seconds moved per straggler."""
     def inside(i: dict, p: dict) -> bool:
         return p["start"] <= i["t"] - i["dt"] / 2 <= p["end"]
 
     def waits(i: dict) -> float:
         return i["buckets"].get("waiting_for_input", 0.0) + i["buckets"].get("other", 0.0)
+
+    def median(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] if xs else 0.0
     moved: dict[str, float] = {}
     for n, d in nodes.items():
-        calm = sorted(waits(i) / i["dt"] for i in d.get("intervals", ()) if i["dt"] > 0
-                      and not i["buckets"].get("startup") and not any(inside(i, p) for p in periods))
-        usual = calm[len(calm) // 2] if calm else 0.0
-        for i in d.get("intervals", ()):
-            p = next((p for p in periods if p["node"] != n and inside(i, p)), None)
-            have = waits(i)
-            take = have - usual * i["dt"] if p is not None else 0.0
-            if take > 0:
-                b = i["buckets"]
+        calm = [i for i in d.get("intervals", ()) if i["dt"] > 0 and not i["buckets"].get("startup")
+                and not any(inside(i, p) for p in periods)]
+        usual = median([waits(i) / i["dt"] for i in calm])
+        computes = median([i["buckets"].get("computing", 0.0) / i["dt"] for i in calm])
+        for p in periods:
+            if p["node"] == n:
+                continue
+            ins = [i for i in d.get("intervals", ()) if inside(i, p) and i["dt"] > 0]
+            # each interval's share of its usual work done, its waits above those that go with it, its progress lost
+            done = [i["buckets"].get("computing", 0.0) / computes if computes > 0 else 1.0 for i in ins]
+            above = [waits(i) - usual * min(1.0, r) * i["dt"] for i, r in zip(ins, done)]
+            lost = [i["dt"] * (1 - r) if computes > 0 else a for i, r, a in zip(ins, done, above)]
+            # over the episode (an interval in step has its figures a little above or below usual: summed, that
+            # evens out; taken interval by interval, only its ups would count)
+            fits = [max(0.0, min(a, x)) for a, x in zip(above, lost)]
+            total = min(max(0.0, min(sum(above), sum(lost))), sum(fits))
+            for i, a, f in zip(ins, above, fits):
+                if a <= 0:
+                    continue
+                take, b, have = total * f / sum(fits), i["buckets"], waits(i)
                 for k in ("waiting_for_input", "other"):
                     if k in b:
-                        b[k] *= 1 - take / have
-                b["waiting_for_peers"] = b.get("waiting_for_peers", 0.0) + take
-                moved[p["node"]] = moved.get(p["node"], 0.0) + take
+                        b[k] *= 1 - a / have
+                b["other"] = b.get("other", 0.0) + a - take
+                if take > 0:
+                    b["waiting_for_peers"] = b.get("waiting_for_peers", 0.0) + take
+                    moved[p["node"]] = moved.get(p["node"], 0.0) + take
     for d in nodes.values():      # the node's totals again from its intervals
         if d.get("intervals"):
             for bucket in BUCKETS:
