@@ -495,3 +495,30 @@ def test_the_replay_scores_a_bench_runs_trials_and_weighs_a_setting(tmp_path):
         assert mod.settings(["OPEN_S=6"]) == {"open_s": 6.0} and stragglers.OPEN_S == 6.0
     finally:
         stragglers.OPEN_S = kept
+
+
+def test_the_nodes_that_waited_for_the_one_named_are_said_when_each_waits_about_as_it_usually_does():
+    """A CI run named a rank given more work (its peers waiting 0.07 s/s more than its own over the slice) and said
+    nobody waited for it: node a always waits most (its usual gap -0.2 s/s), and while b was slow both a and c
+    waited a little less than their usual against their peers (gaps +0.06, +0.03, neither waiting by the bound).
+    Who waited is then those that waited longer than b."""
+    import numpy as np
+
+    from jobprobe.cluster.waits import Waits
+
+    class Table:        # the three nodes' wait figures (s/s) and each one's peers' median: what Waits reads
+        x = np.array([0.50, 0.30, 0.42])
+        starts, seg = np.array([0]), np.zeros(3, dtype=int)
+
+        def col(self, k):
+            return self.x if k == "wait" else np.full(3, np.nan)
+
+        def order(self, k):
+            med = np.array([(self.x.sum() - v) / 2 for v in self.x])
+            return med, med, np.full(3, 2)
+    w = Waits(Table(), np.array([-0.2, 0.09, -0.05])).part(0, ["a", "b", "c"], {"a": 0, "b": 1, "c": 2})
+    assert w.gap_of("b") > 0.05 and not w.waiting("a") and not w.waiting("c")
+    assert w.waited_by("b") == ["a", "c"]
+    # a peer with its own gap below 0 (waiting more than usual against its peers): that one, as before
+    w = Waits(Table(), np.array([-0.2, 0.09, 0.0])).part(0, ["a", "b", "c"], {"a": 0, "b": 1, "c": 2})
+    assert w.waited_by("b") == ["c"]

@@ -31,7 +31,7 @@ class Waits:
         x = t.col("wait")
         med, _, cnt = t.order("wait")
         u = np.where(np.isnan(usual), 0.0, usual)
-        self.gaps, self.med = np.where(cnt > 0, med - x - u, np.nan), med
+        self.gaps, self.med, self.x = np.where(cnt > 0, med - x - u, np.nan), med, x
         self.raw = self.gaps + u                      # the gap before its usual one is taken off (its baseline's)
         self.ras = t.col("ras_behind")                # the share of its RAS polls with a rank behind
         self.behind = self.ras >= 0.5                 # NCCL says so: behind in half its polls or more, ...
@@ -47,7 +47,7 @@ class Waits:
         """Job j's (`names`, and each name's place among them)."""
         w = object.__new__(Waits)
         at = slice(int(self.starts[j]), int(self.starts[j]) + len(names))
-        for k in ("gaps", "med", "raw", "ras", "behind", "behind_peers", "bound", "is_waited"):
+        for k in ("gaps", "med", "x", "raw", "ras", "behind", "behind_peers", "bound", "is_waited"):
             setattr(w, k, getattr(self, k)[at])
         w.names, w.rows = names, rows
         return w
@@ -88,10 +88,16 @@ class Waits:
 
     def waited_by(self, n: str) -> list[str]:
         """The other nodes that wait (for n, when n is the one waited for): those that wait more than is usual for
-        them against their peers (or that NCCL says are not behind), sorted."""
+        them against their peers (or that NCCL says are not behind), sorted. Where none does, though n's peers
+        wait for it more than usual (its gap above 0: a peer that always waits most, rank 0 serving the rendezvous
+        store, waits a little less than its usual most while n is slow), those that waited longer than n."""
+        r = self.rows[n]
         by = (~np.isnan(self.gaps) | ~np.isnan(self.ras)) & (self.is_waiting | (self.gaps < 0) & ~self.is_waited)
-        by[self.rows[n]] = False
-        return sorted(self.names[r] for r in np.flatnonzero(by).tolist())
+        by[r] = False
+        if not by.any() and self.gaps[r] > 0:
+            by = ~np.isnan(self.gaps) & (self.x > self.x[r])
+            by[r] = False
+        return sorted(self.names[m] for m in np.flatnonzero(by).tolist())
 
     def any_waited_for(self) -> bool:
         return bool(self.is_waited.any())
