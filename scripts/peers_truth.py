@@ -9,7 +9,7 @@ each until the controller names it and ends its episode. Root.
 
 Per episode and waiting rank: its `waiting_for_peers` (`jobprobe summary`'s per-node bucket, the intervals inside
 the episode) against two clocks — the progress the job lost in the episode by rank 0's own step count, against its
-pace around the limit (the mean of its rates over the 6 s before the limit and over 6 s from 3 s after it went: the
+pace around the limit (the mean of its rates over the 6 s before the limit and over 6 s from 2 s after it went: the
 job's pace drifts a few % a minute), and the rank's own main thread's time blocked in collectives above its rate
 before the limit (`scripts/ddp_job.py`: its schedstat around the all-reduced backward pass; not all a rank loses
 to its peers: a lower bound).
@@ -62,7 +62,7 @@ def run(d: Path) -> None:
             ddp.throttle(rank, None)
             until(lambda: len(cluster.events("straggler_end")) > before, 30, "its end")
             marks["limits"].append([rank, t0, t1])
-            time.sleep(10)                          # the pace after it (9 s)
+            time.sleep(10)                          # the pace after it (to 8 s)
         (d / "marks.json").write_text(json.dumps(marks))
     finally:
         cluster.close()
@@ -98,7 +98,7 @@ def score(d: Path) -> list[dict]:
         return float(np.interp(z, t, k) - np.interp(a, t, k))
     out = []
     for p, (rank, t0, t1) in zip(periods, limits):
-        pace = (steps(t0 - 6.5, t0 - 0.5) + steps(t1 + 3, t1 + 9)) / 12
+        pace = (steps(t0 - 6.5, t0 - 0.5) + steps(t1 + 2, t1 + 8)) / 12
         a, z = p["start"], min(p["end"], t1 + 2)
         lost = z - a - steps(a, z) / pace
         for r, n in enumerate(NODES):
