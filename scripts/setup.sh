@@ -33,8 +33,6 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 # ---- virtual environment -------------------------------------------------------------------------
-# --no-compile: pip byte-compiles every module it installs (PyTorch's thousands: 9 s of a fresh setup's 21, the test
-# extras 8 of 16); Python compiles the few a process imports, once, as it first imports them
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv"
   "$PY" -m venv .venv
@@ -43,12 +41,12 @@ link_bcc .venv/bin/python
 stamp=.venv/.jobprobe-installed
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "pip install -e .[$EXTRAS]"
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check -e ".[$EXTRAS]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
   touch "$stamp"
 fi
 if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   log "pip install torch==2.13.0 (CPU; the reference job falls back to NumPy if this fails)"
-  .venv/bin/python -m pip install -q --no-compile --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
+  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
 fi
 .venv/bin/python -c 'import bcc' || { log "bcc does not import in .venv"; exit 1; }
 log "ready: .venv ($(.venv/bin/python --version)), kernel headers at $(readlink -f "/lib/modules/$(uname -r)/build")"

@@ -165,8 +165,8 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # (lost_progress), and the ranks' own main thread's time blocked in collectives above its rate in step (its
         # schedstat, scripts/ddp_job.py: not all a rank loses to its peers, a lower bound).
         # `python scripts/peers_truth.py` (3 runs, 18 episodes x waiting ranks): 0.92-1.14x the first (median
-        # 1.03), 1.09-1.67x the second; this test's run 0.86x. What a rank's CPU does per step while it waits moves
-        # the first by +-10% from run to run (its threads spinning before they sleep count as work)
+        # 1.03), 1.09-1.67x the second; this test's runs 0.86x, 1.02-1.06x. A rank's CPU per step, which the frames
+        # take for its progress, moves while it waits (rank 2's 11.1 -> 9.6 ms once: docs/TIMEUSE.md)
         s = summary_of(cluster)
         (ep,) = s["stragglers"]
         lost = lost_progress(ddp.steps(0), (t0, cleared), (ep["start"], min(ep["end"], cleared + 2)))
