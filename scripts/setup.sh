@@ -49,4 +49,8 @@ if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; th
   .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
 fi
 .venv/bin/python -c 'import bcc' || { log "bcc does not import in .venv"; exit 1; }
+# the project's own modules byte-compiled once (pip compiles what it installs, not an editable source tree): where
+# the environment sets PYTHONDONTWRITEBYTECODE, as on this kind of machine, every process — an agent, a CLI call, a
+# job — would compile them anew at each import (0.16 of 0.3 s of CPU to import the agent, controller and probes)
+.venv/bin/python -m compileall -q -j 0 jobprobe probes exporters scripts >/dev/null || log "compileall: some module does not compile"
 log "ready: .venv ($(.venv/bin/python --version)), kernel headers at $(readlink -f "/lib/modules/$(uname -r)/build")"
