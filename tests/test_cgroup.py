@@ -273,18 +273,23 @@ def test_thread_acct_cpu_to_the_exit_and_from_zero(tmp_path):
     assert acct.update(str(proc), []) == dict.fromkeys(("rd", "wr", "user", "system"), 0)
 
 
-def run_probe_until_exit(probe, proc, period=0.2):
+def run_probe_until_exit(probe, proc, period=0.2, log=None):
+    """The probe's CPU time of the job, sampled every `period` until `proc` exits and once after; `log` (a list)
+    gets each sample's (CPU ns, processes, threads gone without an exit record) for a failure's account."""
     total = {"cpu_user_ns": 0, "cpu_system_ns": 0}
-    while proc.poll() is None:
-        time.sleep(period)
+
+    def sample():
         s = probe.sample()
         for k in total:
             total[k] += s[k]
+        if log is not None:
+            log.append((s["cpu_user_ns"] + s["cpu_system_ns"], s.get("nprocs"), s.get("exits_uncounted")))
+    while proc.poll() is None:
+        time.sleep(period)
+        sample()
     time.sleep(0.05)
-    s = probe.sample()
+    sample()
     probe.stop()       # (its exit-record subscription too: an undrained one would fill the shared socket)
-    for k in total:
-        total[k] += s[k]
     return total["cpu_user_ns"] + total["cpu_system_ns"]
 
 
@@ -353,11 +358,14 @@ def test_pid_tree_cpu_time_includes_children_forked_later(make_cgroup):
     root = cg.spawn(workload("forktree", 3, 1.0))
     probe = CgroupProbe()
     probe.start(PidTreeTarget([root.pid]))
-    got = run_probe_until_exit(probe, root, period=0.25)
+    log: list = []
+    got = run_probe_until_exit(probe, root, period=0.25, log=log)
     want = cg.cpu_usage_ns()
     assert want > 0.5e9
-    # /proc counts in clock ticks, and the root's own last interval goes with it (reaped outside the job)
-    assert abs(got - want) / want < 0.05, (got, want)
+    # /proc counts in clock ticks, and the root's own last interval goes with it (reaped outside the job). Seen
+    # failing beside phase 1's tests (2.0 s of 3.0: one process's whole CPU), cause not found: each sample's
+    # (CPU ns, processes, threads gone without an exit record) says where it went missing
+    assert abs(got - want) / want < 0.05, (got, want, log)
 
 
 MAPPER = """
