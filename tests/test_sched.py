@@ -859,11 +859,14 @@ def test_offcpu_time_lands_in_the_intervals_it_was_spent(probe, make_cgroup, kin
         assert s["runq_lat_ns"] <= (len(secs) + 1) * longest + 1_000_000, s
         prev = (a, b)
     total = sum(s["offcpu_sleep_ns"] for _, _, s in ticks)
+    woke = sum(s["offcpu_wakeup_ns"] for _, _, s in ticks)
     truth = sum(t1 - t0 for t0, t1 in spans)
     per_tick = [round(s["offcpu_sleep_ns"] / 1e9, 2) for _, _, s in ticks]
-    print(f"{kind}: sleeps {secs} s: per 0.5 s tick {per_tick}; sum {total / 1e9:.4f} s, the workload's "
-          f"{truth / 1e9:.4f} s")
-    assert 0.999 * truth - 2_000_000 <= total <= truth
+    print(f"{kind}: sleeps {secs} s: per 0.5 s tick {per_tick}; sum {total / 1e9:.4f} s (+ {woke / 1e6:.1f} ms of "
+          f"wakeups' waits for a CPU), the workload's {truth / 1e9:.4f} s")
+    # the workload's clock of each sleep holds its wakeup's wait for a CPU, which the probe counts apart, as each
+    # tick's check above allows (a CI run beside phase 1: the sleeps alone 19.000 s of the workload's 19.026)
+    assert 0.999 * truth - 2_000_000 <= total + woke and total <= truth, (total, woke, truth)
     # the middle of the run: all three asleep throughout a tick reads three ticks' worth, not 0 — the tick's own
     # length known only within its two readings' brackets (a reading delayed 70 ms beside phase 1 read 3.14 and
     # 2.86 ticks' worth of a tick measured from the start of each bracket)
