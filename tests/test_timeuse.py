@@ -357,6 +357,21 @@ def test_a_waiting_node_is_given_no_more_wait_for_its_peers_than_the_progress_it
     assert sum(a.values()) == pytest.approx(10.0)
 
 
+def test_a_node_whose_waits_rise_in_an_episode_but_whose_computing_does_not_fall_lost_nothing_to_it():
+    """a's waits rise in b's episode (0.2 -> 0.5 s/s) while its computing stays at its usual level: it lost no
+    progress, nothing is moved to waiting_for_peers — the rise stays `other` (the rule divided by the episode's
+    fitting intervals, none here, and raised ZeroDivisionError)."""
+    def node(busy):
+        return {"buckets": {}, "intervals": [
+            {"t": t, "dt": 1.0, "buckets": {"computing": 0.5, "waiting_for_input": 0.2, "other": 0.3} if t in busy
+             else {"computing": 0.5, "starved": 0.3, "waiting_for_input": 0.1, "other": 0.1}} for t in range(1, 11)]}
+    nodes = {"a": node(range(5, 10)), "b": node(())}
+    assert to_peers(nodes, [{"node": "b", "start": 4.0, "end": 9.0}]) == {}
+    a = nodes["a"]["buckets"]
+    assert "waiting_for_peers" not in a or a["waiting_for_peers"] == 0
+    assert sum(a.values()) == pytest.approx(10.0) and a["computing"] == pytest.approx(5.0)
+
+
 def cli(*args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jobprobe.cli", *args], capture_output=True, text=True,
                           timeout=kw.pop("timeout", 60), cwd=kw.pop("cwd", ROOT), **kw)

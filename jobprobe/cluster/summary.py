@@ -168,11 +168,12 @@ def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
             # over the episode (an interval in step has its figures a little above or below usual: summed, that
             # evens out; taken interval by interval, only its ups would count)
             fits = [max(0.0, min(a, x)) for a, x in zip(above, lost)]
-            total = min(max(0.0, min(sum(above), sum(lost))), sum(fits))
+            room = sum(fits)           # none: no interval both waited more and lost progress — nothing moves
+            share = min(max(0.0, min(sum(above), sum(lost))), room) / room if room > 0 else 0.0
             for i, a, f in zip(ins, above, fits):
                 if a <= 0:
                     continue
-                take, b, have = total * f / sum(fits), i["buckets"], waits(i)
+                take, b, have = share * f, i["buckets"], waits(i)
                 for k in ("waiting_for_input", "other"):
                     if k in b:
                         b[k] *= 1 - a / have
