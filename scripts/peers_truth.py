@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -28,9 +27,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from jobprobe.cluster import report  # noqa: E402
+from jobprobe.bench.ddpclock import lost_progress, more_blocked, progress  # noqa: E402
 from jobprobe.cluster import summary as S  # noqa: E402
-from jobprobe.core.timeuse import decompose, usable  # noqa: E402
 
 LIMITS = ((1, 3.0), (1, 7.0), (2, 11.0))    # (rank, seconds held after it was named)
 NODES = ("node-a", "node-b", "node-c")
@@ -69,46 +67,19 @@ def run(d: Path) -> None:
         ddp.close()
 
 
-def progress(d: Path, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A rank's prints: UNIX times, steps so far, seconds blocked in collectives so far."""
-    rows = [(float(m[3]), float(m[1]), float(m[2])) for m in re.finditer(
-        r"step (\d+): [\d.]+ steps/s, blocked in collectives ([\d.]+) s at ([\d.]+)", (d / f"rank{rank}.log").read_text())]
-    return tuple(np.array(c) for c in zip(*rows))          # type: ignore[return-value]
-
-
 def score(d: Path) -> list[dict]:
     """Per episode and waiting node: its bucket and the two clocks."""
-    frames = S.frames_of_store(d / "store.db", "ddp")
-    by_node: dict[str, list[dict]] = {}
-    hellos: dict[str, list[dict]] = {}
-    for f in frames:
-        if usable(f):
-            by_node.setdefault(f["node"], []).append(f)
-        elif f.get("kind") == "hello":
-            hellos.setdefault(f["node"], []).append(f)
-    nodes = {n: decompose(hellos.get(n, []) + fs, intervals=True) for n, fs in sorted(by_node.items())}
-    events = sorted((f for f in frames if f.get("kind") == "event"), key=lambda e: e["t"])
-    ends = [f["t"] for fs in by_node.values() for f in fs]
-    periods = [{**p, "node": str(p["node"])} for p in report.straggler_periods(S.Episodes(events, max(ends)))]
+    _, nodes, periods = S.split(S.frames_of_store(d / "store.db", "ddp"))
     S.to_peers(nodes, periods)
     limits = json.loads((d / "marks.json").read_text())["limits"]
-    t, k, _ = progress(d, 0)
-
-    def steps(a: float, z: float) -> float:
-        return float(np.interp(z, t, k) - np.interp(a, t, k))
+    clocks = [progress(d / f"rank{r}.log") for r in range(len(NODES))]
     out = []
-    for p, (rank, t0, t1) in zip(periods, limits):
-        pace = (steps(t0 - 6.5, t0 - 0.5) + steps(t1 + 2, t1 + 8)) / 12
-        a, z = p["start"], min(p["end"], t1 + 2)
-        lost = z - a - steps(a, z) / pace
+    for p, (_, t0, t1) in zip(periods, limits):
+        lost = lost_progress([(t, k) for t, k, _ in clocks[0]], (t0, t1), (p["start"], min(p["end"], t1 + 2)))
         for r, n in enumerate(NODES):
             if n == p["node"]:
                 continue
-            tb, _, b = progress(d, r)
-
-            def blocked(x: float, y: float) -> float:
-                return float(np.interp(y, tb, b) - np.interp(x, tb, b))
-            own = blocked(p["start"], p["end"]) - blocked(t0 - 6.5, t0 - 0.5) / 6 * (p["end"] - p["start"])
+            own = more_blocked([(t, b) for t, _, b in clocks[r]], (t0 - 6.5, t0 - 0.5), (p["start"], p["end"]))
             w = sum(i["buckets"].get("waiting_for_peers", 0.0) for i in nodes[n]["intervals"]
                     if p["start"] <= i["t"] - i["dt"] / 2 <= p["end"])
             out.append({"run": d.name, "straggler": p["node"], "node": n, "episode_s": round(p["end"] - p["start"], 1),

@@ -25,6 +25,7 @@ import pytest
 
 from conftest import until
 from jobprobe.bench.ddp import PROBES, Cluster, DdpJob
+from jobprobe.bench.ddpclock import lost_progress, more_blocked
 from test_nats import need_nats
 
 
@@ -68,31 +69,6 @@ def summary_of(cluster: Cluster) -> dict:
                         cluster.job, "--format", "json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout)
-
-
-def more_blocked(clock: list[tuple[float, float]], usual: tuple[float, float], span: tuple[float, float]) -> float:
-    """A rank's own clock (DdpJob.blocked: (time, blocked s so far)): its time blocked in collectives over `span`,
-    less its rate over `usual` (the job in step) times the span's length."""
-    import numpy as np
-    t, b = np.array([c[0] for c in clock]), np.array([c[1] for c in clock])
-
-    def over(a: float, z: float) -> float:
-        return float(np.interp(z, t, b) - np.interp(a, t, b))
-    return over(*span) - over(*usual) / (usual[1] - usual[0]) * (span[1] - span[0])
-
-
-def lost_progress(steps: list[tuple[float, float]], limited: tuple[float, float], span: tuple[float, float]) -> float:
-    """The job's progress lost over `span` by a rank's own count of its steps (DdpJob.steps): the span's length less
-    the time its steps there take at the job's pace around the fault — the mean of its rates over the 6 s before it
-    (`limited`: from, to) and over 6 s from 2 s after it went (the pace drifts a few % a minute: the 20 s in step a
-    minute earlier read 3-17% low)."""
-    import numpy as np
-    t, k = np.array([c[0] for c in steps]), np.array([c[1] for c in steps])
-
-    def done(a: float, z: float) -> float:
-        return float(np.interp(z, t, k) - np.interp(a, t, k))
-    pace = (done(limited[0] - 6.5, limited[0] - 0.5) + done(limited[1] + 2, limited[1] + 8)) / 12
-    return span[1] - span[0] - done(*span) / pace
 
 
 def rate(ddp: DdpJob, since: int) -> float:

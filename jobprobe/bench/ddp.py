@@ -269,13 +269,8 @@ class DdpJob:
         return [(t, k) for t, k, _ in self._progress(rank)]
 
     def _progress(self, rank: int) -> list[tuple[float, float, float]]:
-        """`rank R step K: X steps/s, blocked in collectives B s at T` lines: (T, K, B)."""
-        out = []
-        for line in self.logs[rank].read_text().splitlines():
-            if "blocked in collectives" in line and " step " in line:
-                words = line.split()
-                out.append((float(words[-1]), float(words[3].rstrip(":")), float(words[-4])))
-        return out
+        from jobprobe.bench.ddpclock import progress
+        return progress(self.logs[rank])
 
     def wait(self, timeout: float) -> list[int]:
         return [p.wait(timeout=timeout) for p in self.procs]

@@ -94,20 +94,8 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
     `notes` the efficiency notes (jobprobe/core/efficiency.py; `thresholds` from a rules file, else its defaults)."""
     th = thresholds or dict(efficiency.DEFAULTS)
     frames = [f for f in frames if isinstance(f, dict)]
-    by_node: dict[str, list[dict]] = defaultdict(list)
-    hellos: dict[str, list[dict]] = defaultdict(list)     # each run's hello: a job started again (decompose)
-    for f in frames:
-        if usable(f):
-            by_node[str(f.get("node", "?"))].append(f)
-        elif f.get("kind") == "hello":
-            hellos[str(f.get("node", "?"))].append(f)
-    nodes = {n: decompose(hellos[n] + fs, intervals=True) for n, fs in sorted(by_node.items())}
-    events = sorted((f for f in frames if f.get("kind") == "event" and num(f, "t") is not None),
-                    key=lambda e: num(e, "t"))
+    by_node, nodes, periods = split(frames)
     ends = [num(f, "t") for fs in by_node.values() for f in fs]
-    periods = [{**p, "node": str(p["node"]), "reason": str(p["reason"]),
-                "waited_by": [str(w) for w in p["waited_by"]] if isinstance(p["waited_by"], list) else []}
-               for p in report.straggler_periods(Episodes(events, max(ends) if ends else 0.0))]
     name = name or next((str(f.get("job")) for f in frames if f.get("job") is not None), "")
     peers = to_peers(nodes, periods) if len(nodes) > 1 else {}
     starts = [num(f, "t") - (num(f, "dt") or 0.0) for fs in by_node.values() for f in fs]
@@ -132,6 +120,26 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
                              "used": {k: round(v, 3) for k, v in d.get("used", {}).items()},
                              "granted": {k: round(v, 3) for k, v in d.get("granted", {}).items()}}
                          for n, d in nodes.items()}}
+
+
+def split(frames: list[dict]) -> tuple[dict[str, list[dict]], dict[str, dict], list[dict]]:
+    """A job's frames (dicts) by node: each node's samples, its decomposition interval by interval (before
+    to_peers) and the straggler episodes the controller named."""
+    by_node: dict[str, list[dict]] = defaultdict(list)
+    hellos: dict[str, list[dict]] = defaultdict(list)     # each run's hello: a job started again (decompose)
+    for f in frames:
+        if usable(f):
+            by_node[str(f.get("node", "?"))].append(f)
+        elif f.get("kind") == "hello":
+            hellos[str(f.get("node", "?"))].append(f)
+    nodes = {n: decompose(hellos[n] + fs, intervals=True) for n, fs in sorted(by_node.items())}
+    events = sorted((f for f in frames if f.get("kind") == "event" and num(f, "t") is not None),
+                    key=lambda e: num(e, "t"))
+    ends = [num(f, "t") for fs in by_node.values() for f in fs]
+    periods = [{**p, "node": str(p["node"]), "reason": str(p["reason"]),
+                "waited_by": [str(w) for w in p["waited_by"]] if isinstance(p["waited_by"], list) else []}
+               for p in report.straggler_periods(Episodes(events, max(ends) if ends else 0.0))]
+    return by_node, nodes, periods
 
 
 def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
