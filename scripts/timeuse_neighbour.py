@@ -2,7 +2,8 @@
 """Where a job's seconds went beside a noisy neighbour: the reference job (scripts/train_cpu.py, one thread) and a CPU
 hog pinned to the same CPU, the hog there for part of the run or all of it, under `jobprobe run --probes
 cgroup,sched`; the summary's `starved` and `computing` against the job's own account: its threads' wait for a CPU by
-the kernel's count (schedstat run_delay) and its steps' time less that wait. Root.
+the kernel's count (schedstat run_delay, to the process's exit: tests/workloads.py `reaped` reads it once the job has
+exited, its teardown after its last line included) and its steps' time less that wait. Root.
 
     .venv/bin/python scripts/timeuse_neighbour.py [--runs 3] [--seconds 16] [--cpu 1]
 
@@ -31,7 +32,8 @@ def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> 
     out = tmp / "job.mpk"
     out.unlink(missing_ok=True)
     job = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out", str(out),
-                            "--", "taskset", "-c", str(cpu), sys.executable, str(REPO / "scripts" / "train_cpu.py"),
+                            "--", "taskset", "-c", str(cpu), sys.executable, str(REPO / "tests" / "workloads.py"),
+                            "reaped", sys.executable, str(REPO / "scripts" / "train_cpu.py"),
                             "--steps", "1000000", "--seconds", str(seconds), "--threads", "1"],
                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.monotonic()
@@ -46,6 +48,8 @@ def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> 
     s = json.loads(subprocess.run([sys.executable, "-m", "jobprobe.cli", "summary", "--format", "json", str(out)],
                                   cwd=REPO, capture_output=True, text=True, check=True).stdout)
     own = own_clock(stdout)
+    end = [dict(w.split("=") for w in x.split()[1:]) for x in stdout.splitlines() if x.startswith("reaped: ")][-1]
+    own["run_delay_s"] += float(end["run_delay_s"]) - own["main_run_delay_s"] + float(end["self_run_delay_s"])
     return {"starved": s["buckets"]["starved"], "computing": s["buckets"]["computing"], "other": s["buckets"]["other"],
             "own_run_delay": own["run_delay_s"], "own_compute": own["compute_s"] - own["run_delay_s"],
             "wall": s["wall_s"]}

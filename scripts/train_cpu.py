@@ -16,7 +16,9 @@ steps. The job clocks itself: the last line says how long it took from its proce
 (startup_s), how long its steps waited for their batch, blocked (input_s: the calls' time less the thread's own CPU
 and wait for a CPU in them, by its schedstat; input_wall_s: the calls' whole time), how long its checkpoints took
 (checkpoint_s: writing and waiting for the disk, less its wait for a CPU in them; checkpoint_wall_s: all) and the
-rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s).
+rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s; its
+main thread's alone: main_run_delay_s — what it waits after its last line, in its teardown, is the difference between
+this and that thread's count once the process has exited).
 --timeline FILE writes each of those waits as it happened, in UNIX time (JSON: {"first_step": t, "last": t,
 "input": [[t0, t1, blocked_s], …], "checkpoint": [[t0, t1, counted_s], …]}): the truth of each interval, beside the
 frames' own t and dt.
@@ -108,6 +110,7 @@ class Clock:
         unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
                 f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f} "
+                f"main_run_delay_s={schedstat()[1]:.3f} "
                 f"input_wall_s={self.input_wall_s:.3f} checkpoint_wall_s={self.checkpoint_wall_s:.3f}")
 
 

@@ -39,14 +39,16 @@ def pytest_collection_modifyitems(config, items):
 # Scheduling is by file (a module's fixtures load programs that another test of the same file may count); files that
 # share one server at a fixed place (the SLURM cluster under /tmp/jobprobe-slurm) form one unit, run by one worker.
 SHARED_UNITS = {"test_slurm.py": "slurm", "test_slurm_agent.py": "slurm"}
-# The files in order of their time (`--durations=0`, summed per file over a 4-worker run: 110 s down to 21 s), the
+# The files in order of their time (`--durations=0`, summed per file over a 4-worker run: 122 s down to 10 s), the
 # longest first, so that the workers finish together instead of one of them running a long file at the end alone (the
-# image's first: its root filesystem takes 65 s on a fresh machine). Order only: nothing is skipped.
-LONG_FIRST = ("test_image.py", "test_sched.py", "test_trace.py", "test_nats.py", "test_blockio.py", "test_cuda.py",
-              "test_agent.py", "test_partitions.py", "test_hostile.py", "test_slurm_agent.py", "test_slurm.py",
-              "test_syscalls.py", "test_net.py", "test_memory.py", "test_auth.py", "test_cgroup.py", "test_perf.py",
-              "test_demo.py", "test_cli.py", "test_compact.py", "test_prometheus.py", "test_nic.py", "test_install.py",
-              "test_report.py")
+# image's root filesystem alone takes 65 s on a fresh machine; the SLURM unit is its two files). Order only: nothing
+# is skipped.
+LONG_FIRST = ("test_trace.py", "test_nats.py", "test_sched.py", "test_image.py", "test_slurm_agent.py", "test_slurm.py",
+              "test_hostile.py", "test_cuda.py", "test_report.py", "test_install.py", "test_partitions.py",
+              "test_agent.py", "test_cgroup.py", "test_auth.py", "test_demo.py", "test_blockio.py", "test_compact.py",
+              "test_timeuse.py", "test_prometheus.py", "test_nic.py", "test_syscalls.py", "test_bpfcache.py",
+              "test_cli.py", "test_perf.py", "test_bpf_loader.py", "test_net.py", "test_k8s_watch.py", "test_memory.py",
+              "test_liveness.py")
 
 
 def long_first(items: list) -> None:

@@ -269,7 +269,6 @@ def switches_of(proc: subprocess.Popen) -> int:
 
 
 @pytest.mark.kernel
-@pytest.mark.serial   # the workload's own count stops before its teardown, which other tests' load preempts (+13% once)
 def test_programs_stay_attached_after_the_loader_exits(make_cgroup):
     """The sched probe, through its real code path: the loader is gone, the job's switches are still counted."""
     probe = SchedProbe()

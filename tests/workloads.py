@@ -5,10 +5,16 @@
                             count: the length of its busy part is known however long it is frozen)
     sleepwake N USEC        N sleeps of USEC microseconds (N voluntary context switches, give or take)
     switches N USEC         sleepwake, then print this process's own "voluntary nonvoluntary" switch counts
-                            from /proc/self/status (the kernel's count, an independent check for probes)
+                            from /proc/self/status (the kernel's count, an independent check for probes) and end
+                            at once (no interpreter teardown after the count: beside load it was preempted dozens
+                            of times, switches the probes counted and the workload did not)
     forktree DEPTH SECONDS  a chain of DEPTH processes, each forking the next after 0.2 s, each burning SECONDS of
                             CPU (not of wall time: beside other work each still burns all of it)
     exit CODE               exit with CODE
+    reaped CMD…             run CMD, and once it has exited, before reaping it, print the kernel's account of its
+                            whole life, to its last instruction ("reaped: run_delay_s=… ran_s=…": its main thread's
+                            schedstat, readable while it is a zombie) and this process's own wait for a CPU
+                            (self_run_delay_s); exit with its status
 """
 import os
 import sys
@@ -39,6 +45,20 @@ def switches(n: int, usec: int) -> None:
     sleepwake(n, usec)
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
     print(int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]), flush=True)
+    os._exit(0)
+
+
+def reaped(argv: list[str]) -> None:
+    import subprocess
+    child = subprocess.Popen(argv)
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    with open(f"/proc/{child.pid}/schedstat") as f:
+        ran, delay = (int(x) / 1e9 for x in f.read().split()[:2])
+    with open("/proc/thread-self/schedstat") as f:
+        mine = int(f.read().split()[1]) / 1e9
+    code = child.wait()
+    print(f"reaped: run_delay_s={delay:.3f} ran_s={ran:.3f} self_run_delay_s={mine:.3f}", flush=True)
+    os._exit(code if code >= 0 else 128 - code)
 
 
 def forktree(depth: int, seconds: float) -> None:
@@ -66,6 +86,8 @@ if __name__ == "__main__":
         switches(int(args[0]), int(args[1]))
     elif what == "forktree":
         forktree(int(args[0]), float(args[1]))
+    elif what == "reaped":
+        reaped(args)
     elif what == "exit":
         sys.exit(int(args[0]))
     else:
