@@ -38,24 +38,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 link_bcc .venv/bin/python
-# pip installs without byte-compiling, one module after another; what it installed is compiled below on every CPU at
-# once (a fresh venv with PyTorch: ~6 s sooner on 2 cores). Compiled it must be: where the environment sets
-# PYTHONDONTWRITEBYTECODE, as on this kind of machine, a module without its .pyc is compiled anew at every import by
-# every process (a run of the suite 40 s slower). The project's own modules (installed editable: pip compiles none of
-# them) likewise (0.16 of 0.3 s of CPU to import the agent, controller and probes).
-pip_install() { .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile "$@"; }
 stamp=.venv/.jobprobe-installed
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "pip install -e .[$EXTRAS]"
-  pip_install -e ".[$EXTRAS]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
   touch "$stamp"
 fi
 if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   log "pip install torch==2.13.0 (CPU; the reference job falls back to NumPy if this fails)"
-  pip_install torch==2.13.0 || log "torch not installable here"
+  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
 fi
-site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-# up-to-date modules are skipped (a second run: ~2 s); a module that does not compile (a package's test data) is left
-.venv/bin/python -m compileall -qq -j 0 "$site" jobprobe probes exporters scripts >/dev/null 2>&1 || true
 .venv/bin/python -c 'import bcc' || { log "bcc does not import in .venv"; exit 1; }
+# the project's own modules byte-compiled once (pip compiles what it installs, not an editable source tree): where
+# the environment sets PYTHONDONTWRITEBYTECODE, as on this kind of machine, every process — an agent, a CLI call, a
+# job — would compile them anew at each import (0.16 of 0.3 s of CPU to import the agent, controller and probes)
+.venv/bin/python -m compileall -q -j 0 jobprobe probes exporters scripts >/dev/null || log "compileall: some module does not compile"
 log "ready: .venv ($(.venv/bin/python --version)), kernel headers at $(readlink -f "/lib/modules/$(uname -r)/build")"

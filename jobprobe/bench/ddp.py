@@ -34,12 +34,14 @@ _tags = itertools.count()
 class DdpJob:
     def __init__(self, cgroup2: str, world: int = 3, seconds: float = 60, width: int = 384, subnet: str = "10.79.0",
                  batch: int = 256, parent: str = "jobprobe-test", data_mb: int = 0, read_mb: int = 8,
-                 disk_mb_s: int = 200, gpu_ms: float = 0):
+                 disk_mb_s: int = 100, gpu_ms: float = 0):
         """`width`, `batch`: the model's and the step's size — at 384 and 256 a step's compute outweighs its
         all-reduce here, so a rank given more work is seen to be slower (at batch 64 twice the passes hardly
         showed). `parent`: the group the ranks' groups are made in. `data_mb`: each rank's data file (0: none),
         `read_mb` of it read per step, from a disk as fast as `disk_mb_s` (every rank's reads throttled so: this
-        VM's disk is the host's page cache, ~500 MB/s, and a rank re-reading its data from it was hardly slower).
+        VM's disk is the host's page cache, ~500 MB/s, and a rank re-reading its data from it was hardly slower; at
+        200 MB/s a rank reading all its data from the disk still made 25 steps/s, the whole job's pace where the
+        machine is busy: its memory limit then slowed nothing, and nobody was named).
         `gpu_ms`: each rank waits this long per step for its fake GPU (jobprobe/bench/fakegpu.py; 0: none)."""
         tag = f"{os.getpid() % 10000}x{next(_tags)}"
         self.world, self.seconds, self.width, self.subnet, self.batch = world, seconds, width, subnet, batch

@@ -241,12 +241,16 @@ class StragglerWatch:
         for r in look:
             n, w, mine = sums.names[r], wins.window(r), wins.values(r)
             nt = job.nodes[n]
+            deferred = False
             if nt.open_since is None:
                 kind, found = self._verdict(n, w, recent, wins, mine, nt, waits, someone_waited_for)
                 if kind == "imbalance" and any(m != r and live[m] and ((o := job.nodes[sums.names[m]]).open_since
                                                                        is not None or o.kind == "straggler")
                                                for m in job.busy):
-                    kind = ""    # another node is (or is becoming) the straggler: this one got the CPU it let go
+                    # another node is (or is becoming) the straggler: this one may have got the CPU it let go — not
+                    # named now, and not in step either (its figures must not join its baseline: once the straggler
+                    # ended, a rank given more work in its wake had its bigger CPU learnt as usual, never named)
+                    kind, deferred = "", True
                 if kind and (nt.hold_since is None or kind != nt.kind):
                     nt.hold_since, nt.kind = horizon, kind
                     nt.first_seen = horizon - self.slice      # the first slice in which it held
@@ -280,7 +284,8 @@ class StragglerWatch:
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is {what}", "evidence": evidence(w, wins.windows(), n)}))
                     nt.open_since, nt.hold_since, nt.first_seen, nt.kind, nt.causes = None, None, None, "", ()
-            (job.busy.add if nt.open_since is not None or nt.hold_since is not None else job.busy.discard)(r)
+            (job.busy.add if nt.open_since is not None or nt.hold_since is not None or deferred
+             else job.busy.discard)(r)
         # the job in step (nothing open or building up): each node's figures, and its wait gap, join its baseline
         if horizon - job.last_base >= BASE_EVERY_S and not any(live[r] for r in job.busy):
             job.last_base = horizon
@@ -354,17 +359,20 @@ class StragglerWatch:
     @staticmethod
     def _still(n: str, w: Window, everyone: Others, mine: dict[str, float | None], nt: NodeTrack,
                waits: Waits) -> bool:
-        """Whether an open event still holds, at the lower clearing bounds (hysteresis). A straggler: a cause still
-        far from its peers, or — still waited for — one of the causes it was named for still its whole opening
-        rise over the node's own baseline (a noisy neighbour, whose peers may be as high; half the rise held a run
-        queue settling after the neighbour went). Being waited for
+        """Whether an open event still holds, at the lower clearing bounds (hysteresis). A straggler: one of the
+        causes it was named for still far from its peers; or, still waited for, any cause far from its peers, or
+        one it was named for still its whole opening rise over the node's own baseline (a noisy neighbour, whose
+        peers may be as high; half the rise held a run queue settling after the neighbour went). Being waited for
         alone does not hold it: a rank's place in the ring can leave it waiting a little less than its peers for as
-        long as the job runs. An imbalance: waited for at least as much as usual, its CPU share and its CPU still
+        long as the job runs. Nor does another cause once it waits for its peers: a node whose slow reads were
+        gone, waiting for a peer's slow GPU, was kept open 30 s for its GPU's utilization below that peer's (what
+        waiting looks like). An imbalance: waited for at least as much as usual, its CPU share and its CPU still
         half their rise (_more_work)."""
         waited = waits.waited_for(n)
         if nt.kind == "imbalance":
             return _more_work(n, mine, nt, waits, 0.5, 0.0)
-        if causes(w, everyone, clearing=True, mine=mine):
+        found = causes(w, everyone, clearing=True, mine=mine)
+        if any(c.name in nt.causes for c in found) or (waited and found):
             return True
         if not waited:
             return False
