@@ -14,6 +14,11 @@ if [ "$(id -u)" != 0 ]; then
   echo "test.sh: not root: kernel-tier tests will be skipped (they run in CI, which is root)" >&2
 fi
 workers=${JOBPROBE_TEST_WORKERS:-4}
+# pytest keeps each test module as it rewrote its asserts (tests/__pycache__), unless PYTHONDONTWRITEBYTECODE is set,
+# as it is on this kind of machine: then every pytest process — each of phase 1's workers, phase 2 — rewrote all of
+# them again (5 s of CPU each; 1.4 s from the cache). Unset for the suite, the cache written once before phase 1.
+unset PYTHONDONTWRITEBYTECODE
+.venv/bin/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null 2>&1
 if [ "$workers" = 0 ]; then
   .venv/bin/python -m pytest -q -ra --durations=10 "$@"
   rc=$?
