@@ -49,9 +49,10 @@ def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> 
                                   cwd=REPO, capture_output=True, text=True, check=True).stdout)
     own = own_clock(stdout)
     end = [dict(w.split("=") for w in x.split()[1:]) for x in stdout.splitlines() if x.startswith("reaped: ")][-1]
+    steps = own["compute_s"] - own["run_delay_s"]      # (its wait at its last line: its imports' too)
     own["run_delay_s"] += float(end["run_delay_s"]) - own["main_run_delay_s"] + float(end["self_run_delay_s"])
     return {"starved": s["buckets"]["starved"], "computing": s["buckets"]["computing"], "other": s["buckets"]["other"],
-            "own_run_delay": own["run_delay_s"], "own_compute": own["compute_s"] - own["run_delay_s"],
+            "own_run_delay": own["run_delay_s"], "own_compute": steps,
             "wall": s["wall_s"]}
 
 
