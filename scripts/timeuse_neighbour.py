@@ -20,12 +20,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from train_cpu import own_clock  # noqa: E402
 HOG = "import time\nwhile True:\n    pass\n"
-
-
-def own_clock(stdout: str) -> dict[str, float]:
-    line = [x for x in stdout.splitlines() if x.startswith("train: ")][-1]
-    return {k: float(v) for k, v in (w.split("=") for w in line.split() if "=" in w)}
 
 
 def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> dict:
@@ -48,11 +45,8 @@ def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> 
     s = json.loads(subprocess.run([sys.executable, "-m", "jobprobe.cli", "summary", "--format", "json", str(out)],
                                   cwd=REPO, capture_output=True, text=True, check=True).stdout)
     own = own_clock(stdout)
-    end = [dict(w.split("=") for w in x.split()[1:]) for x in stdout.splitlines() if x.startswith("reaped: ")][-1]
-    steps = own["compute_s"] - own["run_delay_s"]      # (its wait at its last line: its imports' too)
-    own["run_delay_s"] += float(end["run_delay_s"]) - own["main_run_delay_s"] + float(end["self_run_delay_s"])
     return {"starved": s["buckets"]["starved"], "computing": s["buckets"]["computing"], "other": s["buckets"]["other"],
-            "own_run_delay": own["run_delay_s"], "own_compute": steps,
+            "own_run_delay": own["run_delay_to_exit_s"], "own_compute": own["compute_s"] - own["run_delay_s"],
             "wall": s["wall_s"]}
 
 

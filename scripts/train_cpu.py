@@ -132,6 +132,21 @@ def run_delay_s() -> float:
     return sum(schedstat(f"/proc/self/task/{tid}/schedstat")[1] for tid in os.listdir("/proc/self/task"))
 
 
+def own_clock(stdout: str) -> dict[str, float]:
+    """This job's own account from its output (its last line: startup_s, input_s, checkpoint_s, …). Run under
+    tests/workloads.py `reaped`, whose line follows it, also `run_delay_to_exit_s`: its threads' wait for a CPU to
+    the process's last instruction — at its last line, its main thread's wait after it (the teardown), and the
+    reaper's own (in the job's group too)."""
+    lines = stdout.splitlines()
+    own = {k: float(v) for k, v in (w.split("=") for w in [x for x in lines if x.startswith("train: ")][-1].split()
+                                    if "=" in w)}
+    end = [dict(w.split("=") for w in x.split()[1:]) for x in lines if x.startswith("reaped: ")]
+    if end:
+        own["run_delay_to_exit_s"] = (own["run_delay_s"] + float(end[-1]["run_delay_s"]) - own["main_run_delay_s"]
+                                      + float(end[-1]["self_run_delay_s"]))
+    return own
+
+
 def checkpoint(a) -> None:
     """Write --checkpoint-mib MiB to the checkpoint file and fsync it (what torch.save of a model does, in bulk)."""
     import os
