@@ -81,7 +81,7 @@ class NcclRasProbe(Probe):
     def _address(self) -> tuple[str, int]:
         """The job's NCCL_RAS_ADDR (host:port; [v6]:port), else localhost:28028."""
         for pid in self.target.pids()[:8] if self.target else ():
-            v = procfs.environ(self.host.proc, pid, ("NCCL_RAS_ADDR",)).get("NCCL_RAS_ADDR")
+            v = (procfs.environ(self.host.proc, pid, ("NCCL_RAS_ADDR",)) or {}).get("NCCL_RAS_ADDR")
             if v:
                 h, _, p = v.rpartition(":")
                 if p.isdigit() and h:

@@ -233,6 +233,9 @@ class NicProbe(Probe):
             _release(self.ino, id(self))      # the job moved to another namespace: the old one may go
             self.ino = ino
         env = procfs.environ(self.host.proc, self.pid, ENV_KEYS)
+        if env is None:            # not readable yet (a process inside exec): ask again next tick
+            self.checked = -1e9
+            return
         key = next((k for k in ENV_KEYS if env.get(k)), None)
         self.spec = env[key] if key else None
         self.by = f"{key}={self.spec}" if key else "all"

@@ -256,7 +256,11 @@ class RdmaProbe(Probe):
             if self.spec is None and not self.prev:
                 return
             raise TargetGone("the job has no processes")
-        self.spec = procfs.environ(self.host.proc, pids[0], (ENV_KEY,)).get(ENV_KEY) or None
+        env = procfs.environ(self.host.proc, pids[0], (ENV_KEY,))
+        if env is None:            # not readable yet (a process inside exec): ask again next tick
+            self.checked = -1e9
+            return
+        self.spec = env.get(ENV_KEY) or None
 
     def _ports(self) -> list[rdma.Port]:
         return selected(rdma.ports(self.host.sys), self.spec)

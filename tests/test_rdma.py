@@ -93,6 +93,22 @@ def test_bytes_are_words_times_four_and_hw_counters_are_deltas(node, job):
     p.stop()
 
 
+def test_an_environment_not_yet_readable_is_read_again_at_the_next_tick(node, job, tmp_path):
+    """A process inside exec reads an empty /proc/PID/environ (its new environment is placed after its parent hears
+    the exec succeeded): that is no NCCL_IB_HCA yet, not its absence for the next 10 s."""
+    target = job(NCCL_IB_HCA="mlx5")
+    environ = tmp_path / str(target.pids()[0]) / "environ"
+    environ.parent.mkdir()
+    environ.write_bytes(b"")
+    p = RdmaProbe(dataclasses.replace(Host(), sys=str(node.sys), proc=str(tmp_path)))
+    p.start(target)
+    assert p.sample()["selected_by"] == "all"
+    environ.write_bytes(b"PATH=/bin\0NCCL_IB_HCA=mlx5\0")
+    s = p.sample()
+    assert s["selected_by"] == "NCCL_IB_HCA=mlx5" and [x["name"] for x in s["ports"]] == ["mlx5_0/1", "mlx5_1/1"]
+    p.stop()
+
+
 def test_health_verdicts_and_their_events(node, job):
     """One symbol error: degraded. 121 in the hour: fatal (NVSentinel's 120/h). link_downed rising: fatal. A port
     that leaves ACTIVE: fatal. Each change of verdict is one rdma_health event with its reason."""

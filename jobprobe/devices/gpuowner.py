@@ -23,7 +23,7 @@ NOT_GPU_MINORS = 254     # 195:254 is nvidia-modeset, 195:255 nvidiactl; GPUs ar
 
 # ---- rule env: CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES ----------------------------------------------------
 def read_visible_env(proc: str, pid: int) -> dict[str, str]:
-    return procfs.environ(proc, pid, ENV_KEYS)
+    return procfs.environ(proc, pid, ENV_KEYS) or {}
 
 
 def parse_visible(value: str, gpus: list[Gpu], base: list[Gpu]) -> set[int]:

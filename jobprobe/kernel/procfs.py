@@ -211,13 +211,17 @@ def cgroup_v1_path(proc: str, pid: int | str, controller: str) -> str | None:
     return None
 
 
-def environ(proc: str, pid: int | str, keys: tuple[str, ...]) -> dict[str, str]:
-    """The variables named `keys` in a process's /proc/PID/environ (its environment at exec); {} when unreadable."""
+def environ(proc: str, pid: int | str, keys: tuple[str, ...]) -> dict[str, str] | None:
+    """The variables named `keys` in a process's /proc/PID/environ (its environment at exec). None when it cannot be
+    told: unreadable, or empty — a process gone, a zombie, a kernel thread, or one inside exec (the new program's
+    environment is placed after the exec can no longer fail, which is when its parent hears it succeeded)."""
     try:
         with open(f"{proc}/{pid}/environ", "rb") as f:
             raw = f.read()
     except OSError:
-        return {}
+        return None
+    if not raw:
+        return None
     want = {k.encode() for k in keys}
     out = {}
     for item in raw.split(b"\0"):
