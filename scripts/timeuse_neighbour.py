@@ -3,7 +3,8 @@
 hog pinned to the same CPU, the hog there for part of the run or all of it, under `jobprobe run --probes
 cgroup,sched`; the summary's `starved` and `computing` against the job's own account: its threads' wait for a CPU by
 the kernel's count (schedstat run_delay, to the process's exit: tests/workloads.py `reaped` reads it once the job has
-exited, its teardown after its last line included) and its steps' time less that wait. Root.
+exited, its teardown after its last line included) and its steps' time less their main thread's wait for a CPU in
+them (one thread). Root.
 
     .venv/bin/python scripts/timeuse_neighbour.py [--runs 3] [--seconds 16] [--cpu 1]
 
@@ -46,7 +47,7 @@ def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> 
                                   cwd=REPO, capture_output=True, text=True, check=True).stdout)
     own = own_clock(stdout)
     return {"starved": s["buckets"]["starved"], "computing": s["buckets"]["computing"], "other": s["buckets"]["other"],
-            "own_run_delay": own["run_delay_to_exit_s"], "own_compute": own["compute_s"] - own["run_delay_s"],
+            "own_run_delay": own["run_delay_to_exit_s"], "own_compute": own["compute_s"] - own["steps_run_delay_s"],
             "wall": s["wall_s"]}
 
 
@@ -68,7 +69,7 @@ def main() -> int:
             for name, (t1, t2) in cases.items():
                 r = run(Path(d), a.cpu, a.seconds, t1, t2)
                 print(f"run {i + 1} {name}: starved {r['starved']:.2f} s (the job's own wait for a CPU "
-                      f"{r['own_run_delay']:.2f} s), computing {r['computing']:.2f} s (its steps less that wait "
+                      f"{r['own_run_delay']:.2f} s), computing {r['computing']:.2f} s (its steps less their wait "
                       f"{r['own_compute']:.2f} s), other {r['other']:.2f} s, wall {r['wall']:.2f} s", flush=True)
     return 0
 

@@ -5,10 +5,11 @@ a 768 MiB fsync'd checkpoint every 30 steps — tests/test_timeuse.py's known-ba
 cgroup,sched`, with --timeline: the UNIX times of each of its waits for a batch and each checkpoint. Root.
 
     .venv/bin/python scripts/timeuse_truth.py [--runs 5] [--steps 130] [--stall-every N] [--checkpoint-every K]
-        [--checkpoint-mib M] [--keep DIR] [--intervals]
+        [--checkpoint-mib M] [--hogs N] [--keep DIR] [--intervals]
 
 Prints per run the steady pace and, per bucket, ours against the job's own total (input, checkpointing, computing
-from its first step to its last); --intervals adds each interval's truth beside its buckets. --keep DIR keeps each
+from its first step to its last); --hogs N runs N CPU hogs at nice 5 outside the job for the whole run (noisy
+neighbours on its CPUs); --intervals adds each interval's truth beside its buckets. --keep DIR keeps each
 run's frames and timeline (DIR/runN/job.mpk, tl.json) for a replay through a changed jobprobe/core/timeuse.py:
 `--replay DIR/run*` reads them instead of running the job."""
 from __future__ import annotations
@@ -28,19 +29,32 @@ sys.path.insert(0, str(REPO))
 from jobprobe.core.timeuse import decompose  # noqa: E402
 
 
-def run(d: Path, steps: int, stall_every: int, ck_every: int, ck_mib: int) -> None:
+HOG = "while True:\n    pass\n"
+
+
+def run(d: Path, steps: int, stall_every: int, ck_every: int, ck_mib: int, hogs: int = 0) -> None:
     d.mkdir(parents=True, exist_ok=True)
     (d / "job.mpk").unlink(missing_ok=True)
-    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out",
-                        str(d / "job.mpk"), "--", sys.executable, str(REPO / "scripts" / "train_cpu.py"), "--steps",
-                        str(steps), "--seconds", "90", "--startup-s", "4", "--loader-workers", "2",
-                        "--stall-every", str(stall_every), "--stall-s", "1.5", "--checkpoint-every",
-                        str(ck_every), "--checkpoint-mib", str(ck_mib), "--checkpoint-dir", str(d), "--threads", "2",
-                        "--timeline", str(d / "tl.json")],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    neighbours = [subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", HOG]) for _ in range(hogs)]
+    try:
+        r = job(d, steps, stall_every, ck_every, ck_mib)
+    finally:
+        for h in neighbours:
+            h.kill()
+            h.wait()
     if r.returncode:
         raise SystemExit(f"timeuse_truth: the job failed: {r.stderr[-500:]}")
     (d / "checkpoint.bin").unlink(missing_ok=True)
+
+
+def job(d: Path, steps: int, stall_every: int, ck_every: int, ck_mib: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out",
+                           str(d / "job.mpk"), "--", sys.executable, str(REPO / "scripts" / "train_cpu.py"), "--steps",
+                           str(steps), "--seconds", "90", "--startup-s", "4", "--loader-workers", "2",
+                           "--stall-every", str(stall_every), "--stall-s", "1.5", "--checkpoint-every",
+                           str(ck_every), "--checkpoint-mib", str(ck_mib), "--checkpoint-dir", str(d), "--threads",
+                           "2", "--timeline", str(d / "tl.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
 def counted(span: list[float]) -> float:
@@ -80,6 +94,7 @@ def main() -> None:
     ap.add_argument("--stall-every", type=int, default=24, help="a loader stall every N batches (default 24)")
     ap.add_argument("--checkpoint-every", type=int, default=30, help="a checkpoint every K steps (default 30)")
     ap.add_argument("--checkpoint-mib", type=int, default=768, help="of M MiB (default 768)")
+    ap.add_argument("--hogs", type=int, default=0, help="N CPU hogs at nice 5 beside the job (default none)")
     ap.add_argument("--keep", type=Path, help="keep each run's frames and timeline here")
     ap.add_argument("--intervals", action="store_true", help="each interval's truth beside its buckets")
     ap.add_argument("--replay", type=Path, nargs="+", help="kept runs to read instead of running the job")
@@ -88,7 +103,7 @@ def main() -> None:
     if not dirs:
         base = a.keep or Path(tempfile.mkdtemp(prefix="timeuse-truth-"))
         for n in range(a.runs):
-            run(base / f"run{n}", a.steps, a.stall_every, a.checkpoint_every, a.checkpoint_mib)
+            run(base / f"run{n}", a.steps, a.stall_every, a.checkpoint_every, a.checkpoint_mib, a.hogs)
             dirs.append(base / f"run{n}")
     errs = [report(d, a.intervals) for d in dirs]
     if not a.replay and not a.keep:

@@ -18,7 +18,7 @@ and wait for a CPU in them, by its schedstat; input_wall_s: the calls' whole tim
 (checkpoint_s: writing and waiting for the disk, less its wait for a CPU in them; checkpoint_wall_s: all) and the
 rest of its steps (compute_s), and how long its threads waited for a CPU by the kernel's count (run_delay_s; its
 main thread's alone: main_run_delay_s — what it waits after its last line, in its teardown, is the difference between
-this and that thread's count once the process has exited).
+this and that thread's count once the process has exited; from its first step to its last: steps_run_delay_s).
 --timeline FILE writes each of those waits as it happened, in UNIX time (JSON: {"first_step": t, "last": t,
 "input": [[t0, t1, blocked_s], …], "checkpoint": [[t0, t1, counted_s], …]}): the truth of each interval, beside the
 frames' own t and dt.
@@ -59,6 +59,7 @@ class Clock:
         self.a = a
         self.startup_s = self.input_s = self.input_wall_s = self.checkpoint_s = self.checkpoint_wall_s = 0.0
         self.first = self.last = self.saved = 0.0
+        self.delay_first = self.delay_last = 0.0    # the main thread's wait for a CPU at the first step, the last
         self.input_at_save = 0.0        # input_s when the last checkpoint was written
         self.spans: dict[str, list[list[float]]] = {"input": [], "checkpoint": []}    # UNIX times, --timeline
         self.unix = time.time() - time.monotonic()      # monotonic + this = UNIX time
@@ -69,6 +70,7 @@ class Clock:
     def first_step(self) -> None:
         self.startup_s = process_age_s()
         self.first = self.last = time.monotonic()
+        self.delay_first = self.delay_last = schedstat()[1]
         if self.a.run_seconds:                 # --run-seconds: the steps' own length, whatever the imports took
             self.a.deadline = self.first + self.a.run_seconds
 
@@ -102,7 +104,7 @@ class Clock:
             self.checkpoint_s += counted
             self.span("checkpoint", t, self.saved, counted)
             self.input_at_save = self.input_s
-        self.last = time.monotonic()
+        self.last, self.delay_last = time.monotonic(), schedstat()[1]
 
     def line(self) -> str:
         compute = (self.last - self.first) - self.input_s - self.checkpoint_s
@@ -110,7 +112,7 @@ class Clock:
         unsaved = self.last - (self.saved or self.first) - (self.input_s - self.input_at_save)
         return (f"startup_s={self.startup_s:.3f} input_s={self.input_s:.3f} checkpoint_s={self.checkpoint_s:.3f} "
                 f"compute_s={compute:.3f} unsaved_s={unsaved:.3f} run_delay_s={run_delay_s():.3f} "
-                f"main_run_delay_s={schedstat()[1]:.3f} "
+                f"main_run_delay_s={schedstat()[1]:.3f} steps_run_delay_s={self.delay_last - self.delay_first:.3f} "
                 f"input_wall_s={self.input_wall_s:.3f} checkpoint_wall_s={self.checkpoint_wall_s:.3f}")
 
 

@@ -360,6 +360,24 @@ def test_a_waiting_node_is_given_no_more_wait_for_its_peers_than_the_progress_it
     assert sum(a.values()) == pytest.approx(10.0)
 
 
+def test_ranks_in_step_lost_the_same_progress_and_each_is_given_their_median():
+    """Three ranks wait for s (its episode over their intervals at 5..9), each usually computing 0.8 s/s and waiting
+    0.2. a and b compute 0.4 in it (they lost 0.5 s/s); c 0.3 — its CPU per step fell while it waited (fuller reads,
+    fewer polls), so its own figure reads 0.625 s/s lost. Ranks in step make the same steps: each is given the
+    median of the three, 2.5 s (c was given its own 3.125 s), and c's other 0.625 s above usual stays `other`."""
+    def node(comp, wait):
+        return {"buckets": {}, "intervals": [
+            {"t": t, "dt": 1.0, "buckets": {"computing": comp, "waiting_for_input": wait / 2, "other": wait / 2}
+             if t in range(5, 10) else {"computing": 0.8, "waiting_for_input": 0.1, "other": 0.1}}
+            for t in range(1, 11)]}
+    nodes = {"a": node(0.4, 0.6), "b": node(0.4, 0.6), "c": node(0.3, 0.7), "s": node(0.8, 0.2)}
+    assert to_peers(nodes, [{"node": "s", "start": 4.0, "end": 9.0}]) == {"s": pytest.approx(3 * 2.5)}
+    assert [nodes[n]["buckets"]["waiting_for_peers"] for n in "abc"] == [pytest.approx(2.5)] * 3
+    c = nodes["c"]["buckets"]
+    assert c["waiting_for_input"] + c["other"] == pytest.approx(5 * 0.2 + 5 * 0.2 * 0.3 / 0.8 + 0.625)
+    assert sum(c.values()) == pytest.approx(10.0)
+
+
 def test_a_node_whose_waits_rise_in_an_episode_but_whose_computing_does_not_fall_lost_nothing_to_it():
     """a's waits rise in b's episode (0.2 -> 0.5 s/s) while its computing stays at its usual level: it lost no
     progress, nothing is moved to waiting_for_peers — the rise stays `other` (the rule divided by the episode's

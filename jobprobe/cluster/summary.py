@@ -146,8 +146,9 @@ def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
     """While the controller had a node named as the job's straggler, the other nodes' waits (waiting_for_input and
     other: a rank blocked on its peers' sockets reads as a wait on input from its own frames) above their usual level
     were waits for it: moved, in each interval inside the episode, to waiting_for_peers (from the two in proportion)
-    — as much of them as the progress the node lost there, its computing's shortfall from its usual level (a rank
-    that waits for its peers also waits less for a CPU: that time is no progress lost; it stays `other`). A node's
+    — as much of them as the progress the job lost there: each waiting node's computing's shortfall from its usual
+    level, of which their median bounds each one (ranks in step make the same steps; a rank that waits for its peers
+    also waits less for a CPU: that time is no progress lost; it stays `other`). A node's
     usual level of each is the median per second over its intervals outside every episode, after its startup; its
     usual waits go with its work (a wait per step: for its data, for its GPU), so what it waits anyway for the work
     it did in the interval is not the straggler's doing. Returns the seconds moved per straggler."""
@@ -160,24 +161,34 @@ def to_peers(nodes: dict[str, dict], periods: list[dict]) -> dict[str, float]:
     def median(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2] if xs else 0.0
     moved: dict[str, float] = {}
+    levels = {}                   # each node's usual waits and computing per second
     for n, d in nodes.items():
         calm = [i for i in d.get("intervals", ()) if i["dt"] > 0 and not i["buckets"].get("startup")
                 and not any(inside(i, p) for p in periods)]
-        usual = median([waits(i) / i["dt"] for i in calm])
-        computes = median([i["buckets"].get("computing", 0.0) / i["dt"] for i in calm])
-        for p in periods:
+        levels[n] = (median([waits(i) / i["dt"] for i in calm]),
+                     median([i["buckets"].get("computing", 0.0) / i["dt"] for i in calm]))
+    for p in periods:
+        plan = []
+        for n, d in nodes.items():
             if p["node"] == n:
                 continue
+            usual, computes = levels[n]
             ins = [i for i in d.get("intervals", ()) if inside(i, p) and i["dt"] > 0]
             # each interval's share of its usual work done, its waits above those that go with it, its progress lost
             done = [i["buckets"].get("computing", 0.0) / computes if computes > 0 else 1.0 for i in ins]
             above = [waits(i) - usual * min(1.0, r) * i["dt"] for i, r in zip(ins, done)]
             lost = [i["dt"] * (1 - r) if computes > 0 else a for i, r, a in zip(ins, done, above)]
+            plan.append((ins, above, lost))
+        # ranks in step make the same steps: the job lost one progress, which each waiting node's own figure
+        # estimates (its CPU per step moves while it waits, each its own way): their median bounds each one
+        losts = sorted(sum(lost) for _, _, lost in plan)
+        job_lost = (losts[(len(losts) - 1) // 2] + losts[len(losts) // 2]) / 2 if losts else 0.0
+        for ins, above, lost in plan:
             # over the episode (an interval in step has its figures a little above or below usual: summed, that
             # evens out; taken interval by interval, only its ups would count)
             fits = [max(0.0, min(a, x)) for a, x in zip(above, lost)]
             room = sum(fits)           # none: no interval both waited more and lost progress — nothing moves
-            share = min(max(0.0, min(sum(above), sum(lost))), room) / room if room > 0 else 0.0
+            share = min(max(0.0, min(sum(above), job_lost)), room) / room if room > 0 else 0.0
             for i, a, f in zip(ins, above, fits):
                 if a <= 0:
                     continue
