@@ -6,9 +6,9 @@ the kernel's count (schedstat run_delay, to the process's exit: tests/workloads.
 exited, its teardown after its last line included) and its steps' time less their main thread's wait for a CPU in
 them (one thread). Root.
 
-    .venv/bin/python scripts/timeuse_neighbour.py [--runs 3] [--seconds 16] [--cpu 1]
+    .venv/bin/python scripts/timeuse_neighbour.py [--runs 3] [--seconds 16] [--cpu 1] [--keep DIR]
 
-Prints one line per run and case."""
+Prints one line per run and case; --keep DIR keeps each run's frames (DIR/run<i>-<case>.mpk)."""
 from __future__ import annotations
 
 import argparse
@@ -26,8 +26,7 @@ from train_cpu import own_clock  # noqa: E402
 HOG = "import time\nwhile True:\n    pass\n"
 
 
-def run(tmp: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> dict:
-    out = tmp / "job.mpk"
+def run(out: Path, cpu: int, seconds: float, hog_from: float, hog_to: float) -> dict:
     out.unlink(missing_ok=True)
     job = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "run", "--probes", "cgroup,sched", "--out", str(out),
                             "--", "taskset", "-c", str(cpu), sys.executable, str(REPO / "tests" / "workloads.py"),
@@ -56,6 +55,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=16)
     ap.add_argument("--cpu", type=int, default=1)
+    ap.add_argument("--keep", type=Path, help="keep each run's frames here")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("timeuse_neighbour: run it as root (the probes load BPF programs)", file=sys.stderr)
@@ -65,9 +65,11 @@ def main() -> int:
              "hog from about the first step to the end": (startup, startup + a.seconds + 2),
              "hog from the job's start to its end": (0.0, startup + a.seconds + 2)}
     with tempfile.TemporaryDirectory(prefix="jobprobe-neighbour-") as d:
+        keep = a.keep or Path(d)
+        keep.mkdir(parents=True, exist_ok=True)
         for i in range(a.runs):
-            for name, (t1, t2) in cases.items():
-                r = run(Path(d), a.cpu, a.seconds, t1, t2)
+            for k, (name, (t1, t2)) in enumerate(cases.items()):
+                r = run(keep / f"run{i + 1}-{k + 1}.mpk", a.cpu, a.seconds, t1, t2)
                 print(f"run {i + 1} {name}: starved {r['starved']:.2f} s (the job's own wait for a CPU "
                       f"{r['own_run_delay']:.2f} s), computing {r['computing']:.2f} s (its steps less their wait "
                       f"{r['own_compute']:.2f} s), other {r['other']:.2f} s, wall {r['wall']:.2f} s", flush=True)
