@@ -280,7 +280,7 @@ PROBE = st.dictionaries(st.sampled_from(["cpu_user_ns", "cpu_system_ns", "runq_l
                                          "io_write_bytes", "mem_some_ns", "gpus", "helper_cpu_user_ns",
                                          "helper_cpu_system_ns"]), FIELD, max_size=6)
 FRAME = st.fixed_dictionaries({"kind": st.just("sample"), "t": st.one_of(st.floats(0, 1e6), FIELD),
-                               "dt": st.one_of(st.floats(0, 5), FIELD), "node": st.sampled_from(["a", "b"]),
+                               "dt": st.one_of(st.floats(0, 5), FIELD), "node": st.sampled_from(["a", "b", "c"]),
                                "probes": st.dictionaries(st.sampled_from(["cgroup", "sched", "pressure", "gpu"]),
                                                          st.one_of(PROBE, PROBE, FIELD), max_size=4)})
 
@@ -391,6 +391,34 @@ def test_a_node_whose_waits_rise_in_an_episode_but_whose_computing_does_not_fall
     a = nodes["a"]["buckets"]
     assert "waiting_for_peers" not in a or a["waiting_for_peers"] == 0
     assert sum(a.values()) == pytest.approx(10.0) and a["computing"] == pytest.approx(5.0)
+
+
+SHARES = st.lists(st.floats(0, 1), min_size=4, max_size=4).filter(lambda xs: sum(xs) > 0)
+EPISODE = st.tuples(st.integers(0, 4), st.floats(0, 12), st.floats(0, 12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(SHARES, min_size=12, max_size=12), min_size=2, max_size=5), st.lists(EPISODE, max_size=4))
+def test_waits_moved_to_peers_keep_every_interval_whole_and_touch_nothing_else(shares, episodes):
+    """Any nodes' intervals and any straggler episodes (overlapping, back to back, of a node that is not there):
+    what to_peers moves comes from waiting_for_input and other alone, every interval still sums to its dt, nothing
+    goes negative, and what it says it moved per straggler is what the nodes hold as waiting_for_peers."""
+    names = [f"n{k}" for k in range(len(shares))]
+    nodes = {n: {"buckets": {}, "intervals": [
+        {"t": t + 1.0, "dt": 1.0, "buckets": dict(zip(("computing", "starved", "waiting_for_input", "other"),
+                                                      (x / sum(xs) for x in xs)))} for t, xs in enumerate(rows)]}
+        for n, rows in zip(names, shares)}
+    before = {n: [dict(i["buckets"]) for i in d["intervals"]] for n, d in nodes.items()}
+    periods = [{"node": f"n{k}", "start": min(a, b), "end": max(a, b)} for k, a, b in episodes]
+    moved = to_peers(nodes, periods)
+    assert sum(moved.values()) == pytest.approx(sum(d["buckets"].get("waiting_for_peers", 0.0)
+                                                    for d in nodes.values()), abs=1e-9)
+    assert set(moved) <= {p["node"] for p in periods}
+    for n, d in nodes.items():
+        for i, was in zip(d["intervals"], before[n]):
+            b = i["buckets"]
+            assert sum(b.values()) == pytest.approx(1.0, abs=1e-9) and min(b.values()) >= -1e-12, (b, was)
+            assert (b["computing"], b["starved"]) == (was["computing"], was["starved"])
 
 
 def cli(*args, **kw) -> subprocess.CompletedProcess:
