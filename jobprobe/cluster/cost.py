@@ -27,6 +27,7 @@ run are lost work, in `revoked_node_hours` and their money.
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -85,12 +86,20 @@ def _line(text: str, nth: int, key: str | None) -> int:
     return start
 
 
+def _amount(v: Any, most: float | None = None) -> bool:
+    """A finite number from 0 (to `most`), not a bool."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            and (most is None or v <= most))
+
+
 def load(path: str) -> Prices:
     """A price file; BadInput naming the file and line on an error."""
     try:
-        text = open(path).read()
+        text = open(path, encoding="utf-8").read()
     except OSError as err:
         raise BadInput(f"prices {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise BadInput(f"prices {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -99,18 +108,31 @@ def load(path: str) -> Prices:
     bad = set(data) - TOP_KEYS
     if bad:
         raise BadInput(f"prices {path}: unknown key {sorted(bad)[0]!r} (known: {', '.join(sorted(TOP_KEYS))})")
-    out = Prices(currency=str(data.get("currency", "USD")), idle_gpu_util_pct=float(data.get("idle_gpu_util_pct", 10)))
+    if not isinstance(data.get("currency", ""), str):
+        raise BadInput(f"prices {path}: currency must be a string, got {repr(data['currency'])[:40]}")
+    for key, most in (("idle_gpu_util_pct", 100), ("electricity_per_kwh", None)):
+        if key in data and not _amount(data[key], most):
+            raise BadInput(f"prices {path}: {key} must be a number from 0"
+                           f"{f' to {most}' if most else ''}, got {repr(data[key])[:40]}")
+    out = Prices(currency=data.get("currency", "USD"), idle_gpu_util_pct=float(data.get("idle_gpu_util_pct", 10)))
     if "electricity_per_kwh" in data:
         out.electricity_per_kwh = float(data["electricity_per_kwh"])
-    for i, n in enumerate(data.get("node", [])):
+    nodes = data.get("node", [])
+    if not isinstance(nodes, list) or not all(isinstance(n, dict) for n in nodes):
+        raise BadInput(f"prices {path}: node must be [[node]] tables")
+    for i, n in enumerate(nodes):
         where = f"prices {path} line"
         bad = set(n) - NODE_KEYS
         if bad:
             k = sorted(bad)[0]
             raise BadInput(f"{where} {_line(text, i, k)}: unknown key {k!r} in [[node]] (known: "
                            f"{', '.join(sorted(NODE_KEYS))})")
+        text_key = next((k for k in ("name", "hostname", "gpu", "label") if k in n and not isinstance(n[k], str)), None)
+        if text_key:
+            raise BadInput(f"{where} {_line(text, i, text_key)}: {text_key} must be a string, got "
+                           f"{repr(n[text_key])[:40]}")
         price = n.get("per_hour")
-        if not isinstance(price, (int, float)) or isinstance(price, bool) or price < 0:
+        if not _amount(price):
             raise BadInput(f"{where} {_line(text, i, 'per_hour' if 'per_hour' in n else None)}: [[node]] needs "
                            f"per_hour, a price of 0 or more (got {price!r})")
         market = n.get("market", "on_demand")

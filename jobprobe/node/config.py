@@ -3,6 +3,7 @@ key also a flag of `jobprobe agent` (flags win).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,14 +56,31 @@ class Config:
             except FileNotFoundError:
                 if path != DEFAULT_CONFIG:
                     raise BadInput(f"config {path} does not exist") from None
-            except (OSError, tomllib.TOMLDecodeError) as err:
+            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
                 raise BadInput(f"config {path}: {err}") from err
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise BadInput(f"config {path}: unknown key {sorted(unknown)[0]!r}; known: "
                            f"{', '.join(cls.__dataclass_fields__)}")
         data.update({k: v for k, v in overrides.items() if v is not None})
+        for key, value in data.items():
+            want = str(cls.__dataclass_fields__[key].type)
+            if not _of_type(value, want):
+                raise BadInput(f"config {path}: {key} = {repr(value)[:60]}: expected {want.replace(' | None', '')}")
         cfg = cls(**data)
         if cfg.interval <= 0:
             raise BadInput(f"interval must be positive, got {cfg.interval}")
         return cfg
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """Whether a setting's value is of its declared type ("float", "str | None", …): an int is a float, a bool is
+    neither, a float is finite."""
+    kinds = {k.strip() for k in annotation.split("|")} - {"None"}
+    if isinstance(value, bool):
+        return "bool" in kinds
+    if isinstance(value, int):
+        return bool(kinds & {"int", "float"})
+    if isinstance(value, float):
+        return "float" in kinds and math.isfinite(value)
+    return isinstance(value, str) and "str" in kinds

@@ -263,6 +263,8 @@ def load(spec: str) -> list[Rule]:
         text = path.read_text()
     except OSError as err:
         raise BadInput(f"rules {spec}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise BadInput(f"rules {spec}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
@@ -285,12 +287,16 @@ def load(spec: str) -> list[Rule]:
         seen.add(name)
         try:
             r = Rule(**{k: item[k] for k in item})
+            for k in ("name", "when", "summary", "action", "clear"):
+                if not isinstance(getattr(r, k), str) and (k != "clear" or r.clear is not None):
+                    raise ValueError(f"{k} must be a string")
             r.tree = compile_expr(r.when)
             r.clear_tree = compile_expr(r.clear) if r.clear else None
             if r.action not in ACTIONS:
                 raise ValueError(f"action must be one of {', '.join(sorted(ACTIONS))}")
             for k in ("window", "hold", "cooldown", "clear_after", "trace_s"):
-                if not isinstance(getattr(r, k), (int, float)) or getattr(r, k) < 0:
+                v = getattr(r, k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
                     raise ValueError(f"{k} must be a number of seconds ≥ 0")
             if r.window <= 0:
                 raise ValueError("window must be > 0")

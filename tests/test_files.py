@@ -1,0 +1,124 @@
+"""Every file a person hands jobprobe — the agent's config, a rules file, a price file — is read, or refused with
+BadInput (one line: the CLI's exit 2, the agent's logged refusal), never another exception: any bytes, and any TOML
+document over the keys each one knows (and some it does not) with values of any TOML type."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobprobe.cluster import cost
+from jobprobe.core import efficiency
+from jobprobe.core.errors import BadInput
+from jobprobe.node import rules
+from jobprobe.node.config import Config
+
+SCALAR = st.one_of(st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True),
+                   st.text(max_size=12), st.sampled_from(["default", "event", "trace", "spot", "on_demand", "a=b",
+                                                          "cgroup.cpu_user_ns > 1", "127.0.0.1:9000", "0.5"]))
+VALUE = st.recursive(SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                     max_leaves=6)
+
+
+def toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf") if math.isinf(v) else repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)     # a JSON string is a TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(map(toml_value, v)) + "]"
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)} = {toml_value(x)}" for k, x in v.items()) + "}"
+
+
+def toml_doc(top: dict, tables: dict[str, list[dict]]) -> str:
+    lines = [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in top.items()]
+    for name, items in tables.items():
+        for item in items:
+            lines += [f"[[{name}]]"] + [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in item.items()]
+    return "\n".join(lines) + "\n"
+
+
+def keyed(keys) -> st.SearchStrategy[dict]:
+    return st.dictionaries(st.one_of(st.sampled_from(sorted(keys)), st.text(max_size=4)), VALUE, max_size=5)
+
+
+CONFIG = keyed(Config.__dataclass_fields__).map(lambda top: toml_doc(top, {}))
+# each table a valid one with some of its keys given any value (a wholly random one is refused at its first key)
+RULE = st.builds(lambda name, rest: {"name": name, "when": "cgroup.cpu_user_ns > 1", **rest},
+                 st.text(min_size=1, max_size=4), keyed(rules.KEYS))
+NODE = st.builds(lambda rest: {"per_hour": 1.5, **rest}, keyed(cost.NODE_KEYS))
+RULES = st.builds(lambda top, items: toml_doc(top, {"rule": items}),
+                  st.one_of(st.just({}), st.dictionaries(st.sampled_from(["efficiency", "x"]), VALUE, max_size=1)),
+                  st.lists(st.one_of(RULE, RULE, keyed(rules.KEYS)), min_size=1, max_size=3))
+PRICES = st.builds(lambda top, items: toml_doc(top, {"node": items}), keyed(cost.TOP_KEYS - {"node"}),
+                   st.lists(st.one_of(NODE, keyed(cost.NODE_KEYS)), max_size=3))
+ANY = dict(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def read_or_refuse(load, path):
+    try:
+        return load(str(path))
+    except BadInput as err:
+        assert "\n" not in str(err) and str(err)
+        return None
+
+
+@settings(**ANY)
+@given(body=st.one_of(CONFIG, st.binary(max_size=40).map(bytes.hex), st.binary(max_size=40)))
+def test_any_agent_config_is_read_or_refused_in_one_line(tmp_path, body):
+    path = tmp_path / "agent.toml"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    cfg = read_or_refuse(lambda p: Config.load(p, {}), path)
+    if cfg is not None:     # what is read is what the agent can use: every setting of its declared type
+        assert isinstance(cfg.interval, (int, float)) and not isinstance(cfg.interval, bool) and cfg.interval > 0
+        assert math.isfinite(cfg.interval)
+        for name, f in Config.__dataclass_fields__.items():
+            v = getattr(cfg, name)
+            assert v is None or type(v).__name__ in str(f.type) or (isinstance(v, int) and "float" in str(f.type)), \
+                (name, v, f.type)
+
+
+@settings(**ANY)
+@given(body=st.one_of(RULES, st.binary(max_size=40)))
+def test_any_rules_file_is_read_or_refused_in_one_line(tmp_path, body):
+    path = tmp_path / "rules.toml"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    got = read_or_refuse(rules.load, path)
+    if got is not None:
+        for r in got:        # what is read is what a RuleSet can run: strings and finite seconds
+            assert all(isinstance(getattr(r, k), str) for k in ("name", "when", "summary", "action"))
+            assert r.clear is None or isinstance(r.clear, str) and r.action in rules.ACTIONS
+            assert all(isinstance(getattr(r, k), (int, float)) and not isinstance(getattr(r, k), bool)
+                       and math.isfinite(getattr(r, k)) for k in ("window", "hold", "cooldown", "clear_after",
+                                                                  "trace_s")), r
+    read_or_refuse(efficiency.load, path)          # the summary reads the same file's [efficiency] table
+
+
+@settings(**ANY)
+@given(body=st.one_of(PRICES, st.binary(max_size=40)))
+def test_any_price_file_is_read_or_refused_in_one_line(tmp_path, body):
+    path = tmp_path / "prices.toml"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    got = read_or_refuse(cost.load, path)
+    if got is not None:
+        assert all(math.isfinite(n.per_hour) and n.per_hour >= 0 and n.market in ("spot", "on_demand")
+                   for n in got.nodes)
+        assert all(isinstance(v, str) for n in got.nodes for v in (n.name, n.hostname, n.gpu, n.label)
+                   if v is not None)
+        assert math.isfinite(got.idle_gpu_util_pct) and isinstance(got.currency, str)
+
+
+@pytest.mark.parametrize("body", [b"interval = 'fast'\n", b"\xff\xfe", b"socket = 5\n", b"interval = nan\n"])
+def test_named_bad_configs_are_refused(tmp_path, body):
+    path = tmp_path / "agent.toml"
+    path.write_bytes(body)
+    with pytest.raises(BadInput):
+        Config.load(str(path), {})
