@@ -47,6 +47,10 @@ class JobSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobSpec:
         known = {f: d[f] for f in cls.__dataclass_fields__ if d.get(f) is not None}
+        for f in ("cgroup", "k8s_pod", "job", "probes", "note", "slurm_job"):
+            v = known.get(f)
+            if v is not None and not (isinstance(v, str) or f == "slurm_job" and type(v) is int):
+                raise BadInput(f"{f} must be a string, got {repr(v)[:40]}")
         if "pid" in known:
             try:
                 known["pid"] = int(known["pid"])

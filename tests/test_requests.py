@@ -1,0 +1,72 @@
+"""Any control request — the JSON a local client or the controller sends the agent (attach, detach, status, probes,
+trace) — is answered, or refused with one line (BadInput: the reply's `error`, the CLI's exit 2); never an internal
+error, and the agent answers `status` after each. A real Agent (the `self` probe only: nothing loaded) and its
+ControlServer's handler, the path every request takes once read off the socket."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobprobe.core.errors import BadInput
+from jobprobe.node.agent import Agent
+from jobprobe.node.config import Config
+from jobprobe.node.control import ControlServer
+
+JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(),
+                                 st.text(max_size=8), st.sampled_from(["self", "cgroup", "+self", "-self", "0", "/",
+                                                                       "/sys/fs/cgroup", "job-1", "1.5"])),
+                       lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                               st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                       max_leaves=5)
+KEYS = ["cgroup", "slurm_job", "k8s_pod", "job", "probes", "labels", "from_start", "note", "wait", "defer", "toggle",
+        "duration", "at", "pid"]
+FIELDS = st.dictionaries(st.one_of(st.sampled_from(KEYS), st.text(max_size=4)), JSONISH, max_size=4)
+ME = os.getpid()
+# a request that would be honoured, with some of its fields given any value; and one wholly of any shape
+REQUEST = st.one_of(
+    st.builds(lambda job, rest: {"cmd": "attach", "pid": ME, "job": job, **rest}, st.text(min_size=1, max_size=6),
+              FIELDS),
+    st.builds(lambda cmd, rest: {"cmd": cmd, "job": "j", **rest}, st.sampled_from(["detach", "probes", "trace"]),
+              FIELDS),
+    st.builds(lambda cmd, rest: {"cmd": cmd, **rest},
+              st.one_of(st.sampled_from(["attach", "detach", "status", "probes", "trace"]), JSONISH), FIELDS))
+
+
+def live_pid(v) -> bool:
+    try:
+        return int(v) <= 2**22
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("agent")
+    a = Agent(Config(interval=1.0, probes="self", out=str(d / "out"), socket=str(d / "agent.sock"),
+                     state=str(d / "jobs.json"), attach_wait=0.0))
+    yield ControlServer(a, str(d / "agent.sock"))
+    a.close()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(req=REQUEST)
+def test_any_request_is_answered_or_refused_in_one_line(server, req):
+    if "j" not in server.agent.jobs:                # the job the requests name: this test's own process
+        server.handle({"cmd": "attach", "pid": ME, "job": "j"})
+    if live_pid(req.get("pid")) and req["pid"] != ME:
+        del req["pid"]                              # another real process would be attached: not what this is about
+    req = json.loads(json.dumps(req))              # as it arrives: JSON (NaN and Infinity included, as Python's)
+    try:
+        reply = server.handle(req)
+    except BadInput as err:
+        assert str(err) and "\n" not in str(err)
+    else:                # done, or (a trace window) refused with its reason
+        assert reply["ok"] is True or reply.get("state") == "refused" and "\n" not in reply["why"], reply
+        json.dumps(reply, default=str)
+    assert server.handle({"cmd": "status"})["ok"] is True
+    for job in set(server.agent.jobs) - {"j"}:      # what an example attached is let go before the next one
+        server.agent.detach(job)
