@@ -122,3 +122,51 @@ def test_named_bad_configs_are_refused(tmp_path, body):
     path.write_bytes(body)
     with pytest.raises(BadInput):
         Config.load(str(path), {})
+
+
+# ---- frame files (`jobprobe summary FILE…`, `report`, `read`): frames of the right shape with values of any kind,
+# and byte streams cut, flipped or spliced anywhere
+PROBE_VALUES = st.dictionaries(st.sampled_from(["cpu_user_ns", "cpu_system_ns", "runq_lat_ns", "offcpu_io_ns",
+                                                "io_write_bytes", "gpus", "cpu_limit_cores", "tcp_tx_bytes",
+                                                "helper_cpu_user_ns", "mem_some_ns"]), VALUE, max_size=4)
+FRAME = st.fixed_dictionaries(
+    {"v": st.just(1), "kind": st.sampled_from(["hello", "sample", "event", "heartbeat"]),
+     "node": st.sampled_from(["a", "b"]), "job": st.sampled_from(["j", ""]), "seq": st.integers(0, 10),
+     "t": st.one_of(st.floats(0, 1e4), st.floats()), "dt": st.one_of(st.floats(0, 5), st.floats())},
+    optional={"probes": st.dictionaries(st.sampled_from(["cgroup", "sched", "gpu", "net", "pressure"]),
+                                        st.one_of(PROBE_VALUES, VALUE), max_size=3),
+              "event": st.sampled_from(["straggler", "straggler_end", "rule", "summary"]), "straggler": VALUE,
+              "waited_by": VALUE, "reason": VALUE, "since": VALUE, "run": st.text(max_size=3), "labels": VALUE,
+              "from_start": VALUE, "interval": VALUE})
+EDIT = st.tuples(st.sampled_from(["cut", "flip", "splice"]), st.integers(0, 4000), st.binary(min_size=1, max_size=8))
+
+
+def edited(data: bytes, edits) -> bytes:
+    for how, at, junk in edits:
+        at = at % (len(data) + 1)
+        data = data[:at] if how == "cut" else data[:at] + junk + data[at + (len(junk) if how == "flip" else 0):]
+    return data
+
+
+@settings(**{**ANY, "max_examples": 200})
+@given(frames=st.lists(FRAME, max_size=12), edits=st.lists(EDIT, max_size=2))
+def test_any_frame_file_is_summed_and_drawn_or_refused_in_one_line(tmp_path, frames, edits):
+    import msgpack
+
+    from jobprobe.cluster import report, summary
+    from jobprobe.core.errors import JobprobeError
+    path = tmp_path / "job.mpk"
+    path.write_bytes(edited(b"".join(msgpack.packb(f, use_bin_type=True) for f in frames), edits))
+    try:
+        got = report.frames_of_files([str(path)])
+    except JobprobeError as err:          # the CLI's one line (exit 2)
+        assert str(err) and "\n" not in str(err)
+        return
+    s = summary.summarize(got, "j")
+    assert sum(s["buckets"].values()) == pytest.approx(s["wall_s"], rel=1e-6, abs=1e-3 * len(got) + 1e-6)
+    summary.text(s)
+    job = report.Job("j")
+    job.take(got)
+    job.sort()
+    page = read_or_refuse(lambda _: report.render(job, None, summary.html_table(s)), path)
+    assert page is None and not job.nodes or page.lstrip().lower().startswith("<!doctype html>")

@@ -34,13 +34,18 @@ def job():
     made = []
 
     def start(**env):
-        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, **env})
+        # its first line once it runs: its environment is in place (Popen returns inside exec, before it is —
+        # test_an_environment_not_yet_readable_is_read_again_at_the_next_tick is that case)
+        p = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"],
+                             env={**os.environ, **env}, stdout=subprocess.PIPE)
         made.append(p)
+        p.stdout.readline()
         return PidTreeTarget([p.pid])
     yield start
     for p in made:
         p.kill()
         p.wait()
+        p.stdout.close()
 
 
 def probe_on(node) -> RdmaProbe:

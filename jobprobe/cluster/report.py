@@ -134,15 +134,16 @@ def straggler_periods(job: Job, opened: str = "straggler", closed: str = "stragg
     out: list[dict] = []
     open_: dict[str, dict] = {}
     for e in job.events:
+        node = e.get("straggler", e.get("node"))
+        if not isinstance(node, str):
+            continue                   # a frame from a file is hostile until checked: a node is a name
         if e.get("event") == opened:
-            node = e.get("straggler", e.get("node"))
             since = e.get("since")
             start = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else float(e["t"])
             open_[node] = {"node": node, "start": start, "end": None,
                            "reason": e.get("reason", ""), "evidence": e.get("evidence", {}),
                            "causes": e.get("causes", []), "waited_by": e.get("waited_by", [])}
         elif e.get("event") == closed:
-            node = e.get("straggler", e.get("node"))
             if node in open_:
                 p = open_.pop(node)
                 p["end"] = float(e.get("t"))
@@ -330,7 +331,7 @@ def render(job: Job, cost: dict | None = None, top: str = "") -> str:
         raise BadInput(f"no sample frames{' of job ' + job.name if job.name else ''} to report on")
     t0, t1 = job.span
     rows = "".join(
-        f"<tr><td>{html.escape(time.strftime('%H:%M:%S', time.gmtime(float(e.get('t', 0)))))}</td>"
+        f"<tr><td>{html.escape(_utc(float(e.get('t', 0)), '%H:%M:%S'))}</td>"
         f"<td>{html.escape(str(e.get('node', '')))}</td><td>{html.escape(str(e.get('event', '')))}</td>"
         f"<td>{html.escape(str(e.get('reason') or {k: v for k, v in e.items() if k in ('silent_s', 'why')}))}</td></tr>"
         for e in job.events)
@@ -345,7 +346,7 @@ text-align: left; vertical-align: top; }} svg {{ max-width: 100%; height: auto; 
 </style></head><body>
 <h1>{html.escape(job.name)}</h1>
 <p class="meta">{len(job.nodes)} node(s): {html.escape(", ".join(sorted(job.nodes)))} ·
-{time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0))} – {time.strftime("%H:%M:%S", time.gmtime(t1))} UTC
+{_utc(t0, "%Y-%m-%d %H:%M:%S")} – {_utc(t1, "%H:%M:%S")} UTC
 ({t1 - t0:.0f} s)</p>
 {top}
 {cost_html(cost)}
@@ -358,6 +359,14 @@ cleared. Dotted: other events (a node lost or back, rules, …).</p>
 <table><tr><th>time (UTC)</th><th>node</th><th>event</th><th>what</th></tr>{rows or '<tr><td colspan=4>none</td></tr>'}</table>
 </body></html>
 """
+
+
+def _utc(t: float, fmt: str) -> str:
+    """A UNIX time as UTC text; one no calendar holds (a hostile file's) as the number it is."""
+    try:
+        return time.strftime(fmt, time.gmtime(t))
+    except (OverflowError, OSError, ValueError):
+        return f"t={t:g}"
 
 
 def write(job: Job, out: str, cost: dict | None = None, top: str = "") -> int:

@@ -93,7 +93,7 @@ def validate(frame: Any, offset: int | None = None) -> dict:
 def decode(data: bytes) -> dict:
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as err:
+    except (ValueError, TypeError, msgpack.UnpackException) as err:   # TypeError: a map as a map's key
         raise MalformedFrame(f"not msgpack: {err}") from err
     return validate(obj)
 
@@ -121,7 +121,7 @@ class StreamReader:
                     obj = unpacker.unpack()
                 except msgpack.OutOfData:
                     break
-                except (ValueError, msgpack.UnpackException) as err:
+                except (ValueError, TypeError, msgpack.UnpackException) as err:   # TypeError: a map key that is a map
                     raise MalformedFrame(f"corrupt stream: {err}", offset) from err
                 end = unpacker.tell()
                 frame = validate(obj, offset)
