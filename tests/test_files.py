@@ -63,6 +63,13 @@ PRICES = st.builds(lambda top, items: toml_doc(top, {"node": items}), keyed(cost
 ANY = dict(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def handed(tmp_path, name: str, body, load):
+    """`body` written as the file `name`, and what `load` made of it (None: refused in one line)."""
+    path = tmp_path / name
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    return path, read_or_refuse(load, path)
+
+
 def read_or_refuse(load, path):
     try:
         return load(str(path))
@@ -74,9 +81,7 @@ def read_or_refuse(load, path):
 @settings(**ANY)
 @given(body=st.one_of(CONFIG, st.binary(max_size=40).map(bytes.hex), st.binary(max_size=40)))
 def test_any_agent_config_is_read_or_refused_in_one_line(tmp_path, body):
-    path = tmp_path / "agent.toml"
-    path.write_bytes(body if isinstance(body, bytes) else body.encode())
-    cfg = read_or_refuse(lambda p: Config.load(p, {}), path)
+    _, cfg = handed(tmp_path, "agent.toml", body, lambda p: Config.load(p, {}))
     if cfg is not None:     # what is read is what the agent can use: every setting of its declared type
         assert isinstance(cfg.interval, (int, float)) and not isinstance(cfg.interval, bool) and cfg.interval > 0
         assert math.isfinite(cfg.interval)
@@ -89,9 +94,7 @@ def test_any_agent_config_is_read_or_refused_in_one_line(tmp_path, body):
 @settings(**ANY)
 @given(body=st.one_of(RULES, st.binary(max_size=40)))
 def test_any_rules_file_is_read_or_refused_in_one_line(tmp_path, body):
-    path = tmp_path / "rules.toml"
-    path.write_bytes(body if isinstance(body, bytes) else body.encode())
-    got = read_or_refuse(rules.load, path)
+    path, got = handed(tmp_path, "rules.toml", body, rules.load)
     if got is not None:
         for r in got:        # what is read is what a RuleSet can run: strings and finite seconds
             assert all(isinstance(getattr(r, k), str) for k in ("name", "when", "summary", "action"))
@@ -105,9 +108,7 @@ def test_any_rules_file_is_read_or_refused_in_one_line(tmp_path, body):
 @settings(**ANY)
 @given(body=st.one_of(PRICES, st.binary(max_size=40)))
 def test_any_price_file_is_read_or_refused_in_one_line(tmp_path, body):
-    path = tmp_path / "prices.toml"
-    path.write_bytes(body if isinstance(body, bytes) else body.encode())
-    got = read_or_refuse(cost.load, path)
+    _, got = handed(tmp_path, "prices.toml", body, cost.load)
     if got is not None:
         assert all(math.isfinite(n.per_hour) and n.per_hour >= 0 and n.market in ("spot", "on_demand")
                    for n in got.nodes)
