@@ -96,7 +96,7 @@ struct off_rec {
     u32 reason;   /* R_*; 0 for a new task */
     u32 tid;      /* the thread's id (0 until its first switch-out when RAW_SCHED made it at wakeup_new) */
     u32 tgid;     /* set only for a period of a job in a deep-trace window (JOB_DEEP_TRACE): record it */
-    s32 kstack;   /* its stacks at switch-out (trace_kstacks, trace_ustacks ids; negative: none) */
+    s32 kstack;   /* deep trace: bytes of its stacks at switch-out in trace_stacks (negative: -errno, -1 none) */
     s32 ustack;
     u32 epoch;    /* BTF_SCHED: its slot's epoch when made (slot_epoch); a record of an earlier job counts nowhere */
     s32 mslot;    /* BTF_SCHED: the thread's membership slot (-1: none), kept for membership generation mgen */
@@ -212,6 +212,9 @@ static inline void job_exit_hook(u32 tid)
 }
 
 #define JOB_SLOT_CACHE         /* membership of the task leaving a CPU: this CPU's last answer (common.h) */
+#ifndef JOB_TRACE_PAGES
+#define JOB_TRACE_PAGES 1024   /* 4 MiB: a deep trace's records carry their stacks (~0.5 KiB each) */
+#endif
 #include "common.h"
 
 #if defined(RAW_SCHED) && !defined(BTF_SCHED)
@@ -221,16 +224,24 @@ BPF_PERCPU_ARRAY(idle_task, u64, 1);
 
 #ifdef JOB_DEEP_TRACE
 /* Deep-trace windows: each off-CPU period of a traced job's thread at least job_trace_min_ns() long, with the
- * kernel and user stacks it left the CPU with (48 frames each, innermost first). A stack map keeps the first stack
- * that hashes to a bucket and refuses the others (-EEXIST): kernel stacks (a handful of distinct ones) and user
- * stacks (hundreds: a busy interpreter is preempted anywhere) have a map each, so that a user stack never takes the
- * bucket of a sleep's kernel stack. User space empties both once no window is open. */
+ * kernel and user stacks it left the CPU with (48 frames each, innermost first). Each record carries its own
+ * stacks: a stack map (bpf_get_stackid) keeps the first stack that hashes to a bucket and refuses every other one
+ * for as long as it holds it, and the stacks of periods too short to record (a busy loop's preemptions) are named
+ * by no record, so a window could lose every later sleep's stack to one of them (370 of 582 once, in CI).
+ * At switch-out the stacks are read (bpf_get_stack) into the thread's entry of trace_stacks; at switch-in a period
+ * long enough to record is written with them: its fixed part, then the kernel stack's bytes, then the user
+ * stack's (ustack, kstack: their lengths in bytes, or -errno where none could be read; -12: trace_stacks full). */
 #define TRACE_OFFCPU 1
-struct deep_stack {
-    u64 ip[48];
+#define TRACE_DEPTH 48
+#ifndef TRACE_STACK_THREADS
+#define TRACE_STACK_THREADS 4096   /* threads of traced jobs with stacks held (768 bytes each); user space empties
+                                      it once no window is open */
+#endif
+struct deep_stacks {
+    u64 k[TRACE_DEPTH];
+    u64 u[TRACE_DEPTH];
 };
-BPF_TABLE("stacktrace", int, struct deep_stack, trace_kstacks, 2048);
-BPF_TABLE("stacktrace", int, struct deep_stack, trace_ustacks, 4096);
+BPF_HASH(trace_stacks, u32, struct deep_stacks, TRACE_STACK_THREADS);
 
 struct offcpu_event {
     struct trace_head h;
@@ -240,10 +251,31 @@ struct offcpu_event {
     u64 enq_ns;                /* runnable again (woken; = out_ns when preempted; 0: not seen woken) */
     u64 in_ns;                 /* running again */
     u32 reason;                /* R_* */
-    s32 kstack;
-    s32 ustack;
+    s32 kstack;                /* bytes of the kernel stack that follow, or -errno */
+    s32 ustack;                /* bytes of the user stack after it, or -errno */
     u32 pad;
+    u8 stacks[2 * TRACE_DEPTH * 8];
 };
+BPF_PERCPU_ARRAY(trace_scratch, struct offcpu_event, 1);   /* a record is put together here, then copied out */
+
+/* Read the stacks `tid` leaves the CPU with into its trace_stacks entry; their lengths (or why none) into rec. */
+static inline void trace_stacks_read(void *ctx, u32 tid, struct off_rec *rec)
+{
+    struct deep_stacks *st = trace_stacks.lookup(&tid);
+    if (!st) {
+        u32 zero = 0;
+        struct offcpu_event *blank = trace_scratch.lookup(&zero);
+        if (blank)
+            trace_stacks.update(&tid, (struct deep_stacks *)blank->stacks);   /* any bytes: overwritten below */
+        st = trace_stacks.lookup(&tid);
+    }
+    if (!st) {
+        rec->kstack = rec->ustack = -12;     /* -ENOMEM: no room for one more thread */
+        return;
+    }
+    rec->kstack = bpf_get_stack(ctx, st->k, sizeof(st->k), 0);
+    rec->ustack = bpf_get_stack(ctx, st->u, sizeof(st->u), BPF_F_USER_STACK);
+}
 
 static inline void trace_offcpu(struct off_rec *rec, u64 now)
 {
@@ -253,10 +285,40 @@ static inline void trace_offcpu(struct off_rec *rec, u64 now)
         now = rec->out_ns;
     if (now - rec->out_ns < job_trace_min_ns())
         return;
-    struct offcpu_event ev = {.h = {.kind = TRACE_OFFCPU, .slot = rec->slot}, .tid = rec->tid, .tgid = rec->tgid,
-                              .out_ns = rec->out_ns, .enq_ns = rec->enq_ns, .in_ns = now, .reason = rec->reason,
-                              .kstack = rec->kstack, .ustack = rec->ustack};
-    job_trace_output(ev.h.slot, &ev, sizeof(ev));
+    u32 zero = 0, tid = rec->tid;
+    struct offcpu_event *ev = trace_scratch.lookup(&zero);
+    if (!ev)
+        return;
+    ev->h.kind = TRACE_OFFCPU;
+    ev->h.slot = rec->slot;
+    ev->tid = tid;
+    ev->tgid = rec->tgid;
+    ev->out_ns = rec->out_ns;
+    ev->enq_ns = rec->enq_ns;
+    ev->in_ns = now;
+    ev->reason = rec->reason;
+    ev->pad = 0;
+    s32 klen = rec->kstack, ulen = rec->ustack;
+    struct deep_stacks *st = (klen > 0 || ulen > 0) ? trace_stacks.lookup(&tid) : 0;
+    if (!st) {                    /* emptied by user space since (no window open): says so */
+        klen = klen > 0 ? -2 : klen;
+        ulen = ulen > 0 ? -2 : ulen;
+    }
+    u32 kb = klen > 0 ? klen : 0, ub = ulen > 0 ? ulen : 0;
+    if (kb > sizeof(st->k))
+        kb = sizeof(st->k);
+    if (ub > sizeof(st->u))
+        ub = sizeof(st->u);
+    if (st) {
+        bpf_probe_read_kernel(ev->stacks, sizeof(st->k), st->k);
+        bpf_probe_read_kernel(ev->stacks + kb, sizeof(st->u), st->u);
+    }
+    ev->kstack = klen;
+    ev->ustack = ulen;
+    u32 size = __builtin_offsetof(struct offcpu_event, stacks) + kb + ub;
+    if (size > sizeof(*ev))
+        size = sizeof(*ev);
+    job_trace_output(ev->h.slot, ev, size);
 }
 #endif
 
@@ -635,11 +697,8 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
                 rec.css = css;
 #endif
 #ifdef JOB_DEEP_TRACE
-                if (job_traced(slot)) {
-                    rec.tgid = bpf_get_current_pid_tgid() >> 32;
-                    rec.kstack = trace_kstacks.get_stackid(ctx, 0);
-                    rec.ustack = trace_ustacks.get_stackid(ctx, BPF_F_USER_STACK);
-                }
+                if (job_traced(slot))
+                    rec.tgid = bpf_get_current_pid_tgid() >> 32;   /* its stacks once its last period is out */
 #endif
                 /* A thread's entry stays from its first switch-out to its end: rewritten in place, it costs a
                  * lookup instead of a hash insert and delete per switch. */
@@ -648,22 +707,25 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
 #else
                 struct off_rec *old = rec_get(prev);
 #endif
-                if (old) {
-                    if (old->out_ns || old->enq_ns) {
-                        /* Its switch-in was never seen: on this kernel a switch that ends a kernel worker's run
-                         * now and then reaches no program (no recursion miss counted; the worker exits later).
-                         * The period ends where the kernel says this thread last came on a CPU (missed_end);
-                         * counted. */
-                        u64 over = 0, seen = out, from = old->enq_ns > old->out_ns ? old->enq_ns : old->out_ns;
-                        u64 end = missed_end(prev, from < out ? from : out, out, &over, &seen);
-                        finish_at(old, end, seen);   /* a trace's event ends where the thread ran again */
-                        s->switch_ins_missed++;
-                        s->switch_in_missed_ns += over;
-                    }
-                    *old = rec;
-                } else if (rec_put(prev, &rec)) {
-                    goto next;          /* the map is full: this period is not counted, and nothing is opened */
+                if (old && (old->out_ns || old->enq_ns)) {
+                    /* Its switch-in was never seen: on this kernel a switch that ends a kernel worker's run
+                     * now and then reaches no program (no recursion miss counted; the worker exits later).
+                     * The period ends where the kernel says this thread last came on a CPU (missed_end);
+                     * counted. */
+                    u64 over = 0, seen = out, from = old->enq_ns > old->out_ns ? old->enq_ns : old->out_ns;
+                    u64 end = missed_end(prev, from < out ? from : out, out, &over, &seen);
+                    finish_at(old, end, seen);   /* a trace's event ends where the thread ran again */
+                    s->switch_ins_missed++;
+                    s->switch_in_missed_ns += over;
                 }
+#ifdef JOB_DEEP_TRACE
+                if (rec.tgid)           /* after the period above is out: it is written with the stacks held */
+                    trace_stacks_read(ctx, prev_tid, &rec);
+#endif
+                if (old)
+                    *old = rec;
+                else if (rec_put(prev, &rec))
+                    goto next;          /* the map is full: this period is not counted, and nothing is opened */
                 write_begin(s);
                 open_time(s, rec.reason, out);
                 if (state == 0)
@@ -676,6 +738,9 @@ static inline int switched(void *ctx, task_key prev, u32 prev_tid, long state, t
              * membership maps, and a preemption late in do_exit can have written an entry after job_exit_hook
              * ran. Forgetting here, for every task that dies on the node, leaves no entry behind. */
             forget(prev, now);
+#ifdef JOB_DEEP_TRACE
+            trace_stacks.delete(&prev_tid);
+#endif
 #ifdef SYSCALL_HOOK
             in_call.delete(&prev_tid);
 #endif

@@ -45,6 +45,7 @@ as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps o
 """
 from __future__ import annotations
 
+import array
 import ctypes as ct
 import os
 import platform
@@ -121,10 +122,19 @@ class OffcpuEvent(ct.Structure):
                 ("kstack", ct.c_int32), ("ustack", ct.c_int32), ("pad", ct.c_uint32)]
 
 
-STACK_DEPTH = 48                                # bpf/sched.c struct deep_stack
-# Why bpf_get_stackid gave no id (a trace event then says so: `kernel_stack_lost`, `user_stack_lost`): its stack
-# hashed to a bucket another stack holds (the map keeps the first), or none could be read.
-STACK_ERRORS = {17: "another stack holds its bucket", 14: "could not be read", 12: "no room", 2: "not found"}
+STACK_DEPTH = 48                                # bpf/sched.c TRACE_DEPTH
+# Why a record has no stack (a trace event then says so: `kernel_stack_lost`, `user_stack_lost`): bpf_get_stack
+# could not read it, trace_stacks had no room for one more thread, or it was emptied before the period ended.
+STACK_ERRORS = {14: "could not be read", 12: "no room", 2: "not found"}
+
+
+def record_stacks(r: Any) -> tuple[list[int], list[int]]:
+    """The kernel and user stacks an off-CPU record carries after its fixed part (bpf/sched.c trace_offcpu:
+    kstack bytes, then ustack bytes), innermost first, without the zeros that end a short one."""
+    tail = getattr(r, "tail", b"") or b""
+    kb, ub = max(r.kstack, 0), max(r.ustack, 0)
+    ips = array.array("Q", tail[:(len(tail) // 8) * 8])
+    return [ip for ip in ips[:kb // 8] if ip], [ip for ip in ips[kb // 8:(kb + ub) // 8] if ip]
 TRACE_OFFCPU_MIN_US = int(os.environ.get("JOBPROBE_TRACE_OFFCPU_MIN_US", "100"))
 
 
@@ -312,39 +322,40 @@ class SchedProbe(BpfProbe):
     trace_kinds = {1: OffcpuEvent}
     trace_min_ns = TRACE_OFFCPU_MIN_US * 1000
 
+    def trace_keep(self, rec: bytes) -> Any:
+        """A record's fixed part, and its stacks as one bytes object shared by every record with the same ones
+        (a window keeps up to TRACE_KEEP records; most repeat a handful of stacks)."""
+        n = ct.sizeof(OffcpuEvent)
+        seen = self.shared.extra.setdefault("stacks_seen", {})
+        tail = rec[n:]
+        return rec[:n], seen.setdefault(tail, tail)
+
     def trace_take(self) -> tuple[list[Any], int]:
-        """The window's off-CPU periods, their stacks read (and taken out of the stack maps) and each process's
-        maps read now, while it may still run, to name its user addresses later. Once no job of the load is in a
-        window, the stacks no record named (periods shorter than the threshold) go too: left, they would take
-        buckets from the next window's stacks."""
+        """The window's off-CPU periods, each with its stacks, and each process's maps read now, while it may still
+        run, to name its user addresses later. Once no job of the load is in a window, the threads' stacks held in
+        the kernel (trace_stacks) go."""
         records, dropped = super().trace_take()
-        stacks: dict[tuple[str, int], list[int]] = {}
         maps = {}
         with self.shared.lock:
-            for side, name in (("kernel", "trace_kstacks"), ("user", "trace_ustacks")) if self.deep else ():
-                table = self.loaded.maps[name].typed(ct.c_int32, ct.c_uint64 * STACK_DEPTH)
-                for sid in {x for r in records if (x := r.kstack if side == "kernel" else r.ustack) >= 0}:
-                    ips = table.lookup(sid)
-                    if ips is not None:
-                        stacks[side, sid] = [ip for ip in ips if ip]
-                        table.delete(sid)
-                if not self.shared.extra.get("traced", 0):
-                    for sid in table.keys():
-                        table.delete(sid)
+            if self.deep and not self.shared.extra.get("traced", 0):
+                table = self.loaded.maps["trace_stacks"]
+                for tid in table.keys():
+                    table.delete(tid)
+                self.shared.extra.pop("stacks_seen", None)
         for tgid in {r.tgid for r in records}:
             try:
                 with open(f"{self.host.proc}/{tgid}/maps", "rb") as f:
                     maps[tgid] = f.read()
             except OSError:
                 pass
-        self._taken = (stacks, maps)
+        self._taken = maps
         return records, dropped
 
     def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
         """One complete ("X") event per off-CPU period on its thread's kernel track: its reason, how long of it
         was spent waiting for a CPU once runnable, and its kernel and user stacks, innermost first."""
-        stacks, maps = getattr(self, "_taken", ({}, {}))
-        ksyms = KernelSymbols(self.host.proc) if any(r.kstack >= 0 for r in records) else None
+        maps = getattr(self, "_taken", {})
+        ksyms = KernelSymbols(self.host.proc) if any(r.kstack > 0 for r in records) else None
         users: dict[int, UserSymbols] = {}
         out = []
         for r in records:
@@ -352,18 +363,19 @@ class SchedProbe(BpfProbe):
             args: dict[str, Any] = {"reason": reason}
             if r.enq_ns and r.reason != 1:
                 args["runq_us"] = round(max(0, r.in_ns - r.enq_ns) / 1e3, 1)
-            if ksyms is not None and ("kernel", r.kstack) in stacks:
-                names = [ksyms.name(ip) for ip in stacks["kernel", r.kstack]]
+            kernel, user = record_stacks(r)
+            if ksyms is not None and kernel:
+                names = [ksyms.name(ip) for ip in kernel]
                 while names and names[0].startswith("bpf_"):    # this program and the tracepoint's caller
                     names.pop(0)
                 args["kernel_stack"] = names
-            for side, sid in (("kernel", r.kstack), ("user", r.ustack)):
-                if sid < -1:        # bpf_get_stackid refused it (-1: no stack asked for)
-                    args[f"{side}_stack_lost"] = STACK_ERRORS.get(-sid, f"error {-sid}")
-            if ("user", r.ustack) in stacks:
+            for side, n in (("kernel", r.kstack), ("user", r.ustack)):
+                if n < -1:          # bpf_get_stack could not read it (-1: no stack asked for)
+                    args[f"{side}_stack_lost"] = STACK_ERRORS.get(-n, f"error {-n}")
+            if user:
                 if r.tgid not in users:
                     users[r.tgid] = UserSymbols(maps.get(r.tgid, b""), f"{self.host.proc}/{r.tgid}/root")
-                args["user_stack"] = [users[r.tgid].name(ip) for ip in stacks["user", r.ustack]]
+                args["user_stack"] = [users[r.tgid].name(ip) for ip in user]
             out.append({"ph": "X", "cat": "off-cpu", "name": f"off-CPU: {reason}", "pid": r.tgid,
                         "tid": clock.kernel_tid(r.tid), **clock.span(r.out_ns, r.in_ns), "args": args})
         return out

@@ -519,7 +519,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
     # with BTF ones instead), and cpu_clock with BTF ones where the kernel's BTF has the run queue's clock (and
     # read_at where it has the kernel's stamp of a switch-in too); with a deep mode (5.8+) slots_traced,
-    # trace_ring, trace_refused, trace_kstacks and trace_ustacks
+    # trace_ring, trace_refused, trace_stacks and trace_scratch
     rq_clock = probe.btf and "cpu_clock" in probe.loaded.maps
     read_at = "read_at" in probe.loaded.maps
     assert read_at <= rq_clock

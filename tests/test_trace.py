@@ -10,6 +10,7 @@ import gzip
 import json
 from bisect import bisect_right
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -144,12 +145,10 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     full = sum(a >= 9_900 for a in asleep)
     assert all(1_000 <= a for a in asleep) and full >= 0.9 * len(asleep), \
         (full, len(asleep), sorted(asleep)[:3] + sorted(asleep)[-3:])
-    # each sleep's kernel stack shows do_nanosleep — or says why the stack map gave it none (a bucket another
-    # stack holds: the map keeps the first; counted, never a wrong stack), for at most a tenth of them
+    # each sleep's kernel stack shows do_nanosleep: every record carries its own stacks (a stack map, which keeps
+    # the first stack of a bucket and refuses the others for as long as it holds it, lost 370 of 582 once in CI)
     odd = [e for e in sleeps if "do_nanosleep" not in " ".join(e["args"].get("kernel_stack", []))]
-    lost = [e for e in odd if "kernel_stack_lost" in e["args"]]
-    assert odd == lost and len(lost) <= 0.1 * len(sleeps), \
-        (len(odd), len(lost), len(sleeps), [(e["ts"], e["dur"], e["args"]) for e in odd[:3]])
+    assert odd == [], (len(odd), len(sleeps), [(e["ts"], e["dur"], e["args"]) for e in odd[:3]])
     # sched records from the window's first tick; syscalls, a window-only probe, from the end of its compile: the
     # sleeps from then on each lie inside a clock_nanosleep call
     later = [s for s in sleeps if s["ts"] >= min(c["ts"] for c in naps)]
@@ -595,7 +594,7 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = (), min_ns: int = 
 @pytest.mark.kernel
 def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
     """sched's deep mode on its own, with no threshold: a job that naps 200 µs ~3,500 times a second puts ~20k
-    records (~1.2 MiB with their headers) through the 1 MiB ring in 6 s, drained each 0.5 s tick, so the ring
+    records (~3.5 MiB with their headers and stacks) through a 1 MiB ring in 6 s, drained each 0.5 s tick, so the ring
     wraps. Between two points where the job is paused (blocked on its pipe), its thread's voluntary off-CPU periods
     in the records, with those the ring refused (counted), make the kernel's own count of its voluntary switches
     (/proc/PID/task/PID/status), and each `sleep` lies inside a nap the job timed itself (its start; its end too
@@ -606,14 +605,16 @@ def test_the_ring_buffer_loses_nothing_over_many_ticks_and_wraps(tmp_path):
             time.sleep(0.5)
             missed += probe.sample()["bpf_missed"]
         return missed
-    records, dropped, mine, switches, missed = napper_window(tmp_path, ticks)
+    records, dropped, mine, switches, missed = napper_window(tmp_path, ticks, ("-DJOB_TRACE_PAGES=256",))
     voluntary = [r for r in mine if r.reason != 1]
-    print(f"ring: {len(records)} records ({len(records) * 64 / 2**20:.2f} MiB), {dropped} lost; the job's "
+    size = sum(64 + len(r.tail) for r in records)
+    print(f"ring: {len(records)} records ({size / 2**20:.2f} MiB), {dropped} lost; the job's "
           f"voluntary switches {switches} (/proc), its voluntary periods recorded {len(voluntary)}")
-    # 56-byte records, each with its 8-byte header: the ring wrapped. Every voluntary switch is recorded, or counted
+    # records of 56 bytes and their stacks, each with its 8-byte header, through a ring made 1 MiB (4 MiB in use):
+    # it wrapped. Every voluntary switch is recorded, or counted
     # lost: a record the kernel's ring refuses is counted (bpf/common.h trace_refused; seen once in ~7 runs here,
     # the ring far from full) and comes back in `dropped` — never more than a few
-    assert len(records) * 64 > 1 << 20 and dropped <= len(records) // 1000, dropped
+    assert size > 2 << 20 and dropped <= len(records) // 1000, dropped
     assert 0 <= switches - len(voluntary) <= dropped, (switches, len(voluntary), dropped)
     naps = sorted(tuple(map(int, ln.split())) for ln in (tmp_path / "naps").read_text().splitlines())
     starts = [a for a, _ in naps]
@@ -645,22 +646,19 @@ def test_records_a_full_ring_refuses_are_counted(tmp_path):
 
 
 @pytest.mark.kernel
-def test_stacks_no_record_names_leave_the_maps_when_the_window_ends(tmp_path):
-    """Naps of 200 µs under a 50 ms threshold: every switch-out puts its stacks in the stack maps, but no period
-    is long enough to be recorded, so no record names them. Left there they would take buckets from the next
-    window's stacks (a stack map keeps the first stack of a bucket and refuses the next ones; a sleep's kernel
-    stack refused so lost 40% of one trace's): once the window ends, both maps are empty."""
-    names = ("trace_kstacks", "trace_ustacks")
-
+def test_stacks_held_for_the_threads_of_a_window_leave_when_it_ends(tmp_path):
+    """Naps of 200 µs under a 50 ms threshold: every switch-out reads its thread's stacks into trace_stacks, but no
+    period is long enough to be recorded. Once the window ends, the map is empty (its room is for the threads of
+    the next window)."""
     def held(probe):
         time.sleep(1.0)
-        return [len(probe.loaded.maps[n].keys()) for n in names]
+        return len(probe.loaded.maps["trace_stacks"].keys())
     records, dropped, mine, switches, (during, left) = napper_window(
-        tmp_path, held, min_ns=50_000_000, after=lambda probe: [len(probe.loaded.maps[n].keys()) for n in names])
-    print(f"stacks held during the window (kernel, user): {during}; left after it: {left}; "
+        tmp_path, held, min_ns=50_000_000, after=lambda probe: len(probe.loaded.maps["trace_stacks"].keys()))
+    print(f"threads with stacks held during the window: {during}; left after it: {left}; "
           f"{switches} voluntary switches, {len(mine)} periods recorded")
-    assert switches > 1000 and during[0] >= 1 and during[1] >= 1
-    assert left == [0, 0]
+    assert switches > 1000 and during >= 1
+    assert left == 0
 
 
 @pytest.mark.integration
@@ -735,3 +733,75 @@ def test_a_trace_on_every_node_of_a_job_through_the_controller_with_one_common_s
         for p in procs:
             p.wait(timeout=30)
         nats.stop()
+
+
+def stack_flood_source(flood: int, long: int) -> str:
+    """A C program whose sleeps leave the CPU from `flood` distinct user stacks (f_i: 50 µs naps, under the trace's
+    threshold) and then from `long` more (g_i: 3 ms sleeps, over it). Frame pointers, one frame (nap) between each
+    f_i/g_i and libc, so the unwinder reaches f_i/g_i; -rdynamic names them."""
+    fs = "".join(f"__attribute__((noinline)) void f{i}(void) {{ nap({50_000 + i}); }}\n" for i in range(flood))
+    gs = "".join(f"__attribute__((noinline)) void g{i}(void) {{ nap({3_000_000 + i}); }}\n" for i in range(long))
+    calls = "".join(f"f{i}();\n" for i in range(flood)) + "".join(f"g{i}();\n" for i in range(long))
+    return ("#include <stdio.h>\n#include <time.h>\n"
+            "__attribute__((noinline)) void nap(long ns) { struct timespec t = {0, ns}; nanosleep(&t, 0); }\n"
+            f"{fs}{gs}int main(void) {{ char go[8]; if (!fgets(go, sizeof go, stdin)) return 1;\n{calls}"
+            'puts("done"); fflush(stdout); return 0; }\n')
+
+
+@pytest.mark.kernel
+def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before(tmp_path):
+    """3000 distinct user stacks of naps under the threshold, then 200 sleeps over it from 200 more: each of the
+    200 is recorded with its kernel stack (do_nanosleep) and its user stack, whose caller is its own g_i. A stack
+    map (the first stack of a bucket kept, the others refused while it holds it) lost about half of them here."""
+    from probes.sched import SchedProbe
+    from jobprobe.node.targets.pidtree import PidTreeTarget
+    src, exe = tmp_path / "flood.c", tmp_path / "flood"
+    src.write_text(stack_flood_source(3000, 200))
+    subprocess.run(["gcc", "-O0", "-fno-omit-frame-pointer", "-no-pie", "-rdynamic", "-o", str(exe), str(src)],
+                   check=True)
+    job = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    probe = SchedProbe()
+    try:
+        probe.start(PidTreeTarget([job.pid]))
+        assert probe.deep, "sched has no deep mode here (Linux 5.8+ ring buffers)"
+        probe.trace_min_ns = 1_000_000
+        probe.trace_on(True)
+        job.stdin.write("go\n")
+        job.stdin.flush()
+        assert job.stdout.readline().strip() == "done"
+        time.sleep(0.2)
+        probe.trace_on(False)
+        records, dropped = probe.trace_take()
+
+        class Clock:
+            def kernel_tid(self, tid):
+                return tid
+
+            def span(self, a, b):
+                return {"ts": a / 1e3, "dur": (b - a) / 1e3}
+        events = probe.trace_events(records, Clock())
+    finally:
+        probe.stop()
+        job.wait(timeout=30)
+    sleeps = [e for e in events if e["pid"] == job.pid and e["args"]["reason"] == "sleep"]
+    lost = [e["args"] for e in sleeps if "user_stack" not in e["args"] or "kernel_stack" not in e["args"]]
+    # each user stack's f_i/g_i by the executable's own symbol table (not linked position-independent: nm's
+    # addresses are the ones it runs at); the frame after libc's and nap's is the function that slept
+    syms = sorted((int(a, 16), n) for a, t, n in (ln.split() for ln in subprocess.run(
+        ["nm", "--defined-only", str(exe)], capture_output=True, text=True, check=True).stdout.splitlines()
+        if len(ln.split()) == 3) if t in "Tt")
+    starts = [a for a, _ in syms]
+
+    def caller(e) -> str:
+        names = [syms[i][1] for ip in e["args"].get("user_stack", []) if ip.startswith("0x")
+                 and (i := bisect_right(starts, int(ip, 16)) - 1) >= 0]
+        return next((n for n in names if re.fullmatch(r"[fg]\d+", n)), "?")
+    callers = [caller(e) for e in sleeps]
+    print(f"{len(sleeps)} sleeps recorded ({dropped} dropped), {len(lost)} without a stack, "
+          f"{len({c for c in callers if c[0] == 'g'})} of 200 g_i named")
+    assert dropped == 0 and lost == [], (len(lost), lost[:3])
+    assert all("do_nanosleep" in " ".join(e["args"]["kernel_stack"]) for e in sleeps)
+    # each of the 200 once, from its own caller (a nap of the flood over 1 ms — late off the run queue — is
+    # recorded too, from its own f_i)
+    assert sorted(c for c in callers if c[0] == "g") == sorted(f"g{i}" for i in range(200))
+    assert all(c[0] == "f" for c in callers if c[0] != "g") and len(callers) <= 200 + 30, callers

@@ -195,9 +195,14 @@ class BpfProbe(Probe):
                 if mine is None:
                     continue
                 if len(mine) < TRACE_KEEP:
-                    mine.append(rec)
+                    mine.append(self.trace_keep(rec))
                 else:
                     dropped[slot] += 1
+
+    def trace_keep(self, rec: bytes) -> Any:
+        """What of a record is kept until trace_take (its bytes; a probe whose records carry stacks keeps one copy
+        of each stack)."""
+        return rec
 
     def _refused(self) -> int:
         """Records of this slot the kernel's ring refused since the load (bpf/common.h trace_refused)."""
@@ -217,9 +222,11 @@ class BpfProbe(Probe):
             dropped = ring["dropped"].pop(self.slot, 0) + self._refused() - self._refused0
         out = []
         for rec in raw:
-            t = self.trace_kinds.get(int.from_bytes(rec[:4], "little"))
-            if t is not None and len(rec) >= ct.sizeof(t):
-                out.append(t.from_buffer_copy(rec[:ct.sizeof(t)]))
+            head, tail = rec if isinstance(rec, tuple) else (rec, None)
+            t = self.trace_kinds.get(int.from_bytes(head[:4], "little"))
+            if t is not None and len(head) >= ct.sizeof(t):
+                out.append(t.from_buffer_copy(head[:ct.sizeof(t)]))
+                out[-1].tail = tail if tail is not None else head[ct.sizeof(t):]   # what follows the struct
         return out, dropped
 
     def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:
