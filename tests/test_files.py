@@ -125,6 +125,28 @@ def test_named_bad_configs_are_refused(tmp_path, body):
         Config.load(str(path), {})
 
 
+RULE_TOP = '[[rule]]\nname = "r"\nwhen = "cgroup.cpu_user_ns > 1"\n'
+PRICE_TOP = '[[node]]\nname = "n"\nper_hour = 1.5\n'
+
+
+@pytest.mark.parametrize("load,body", [
+    *((rules.load, RULE_TOP + f"{k} = {v}\n") for k in ("window", "hold", "cooldown", "clear_after", "trace_s")
+      for v in ("true", "false", "inf", "nan", "-1")),
+    (efficiency.load, "[efficiency]\ncpu_used_min = true\n"),
+    (efficiency.load, "[efficiency]\ngpu_used_min = nan\n"),
+    *((cost.load, PRICE_TOP.replace("1.5", v)) for v in ("true", "inf", "nan", "-2")),
+    *((cost.load, PRICE_TOP + f"gpus = {v}\n") for v in ("true", "inf", "-1")),
+    *((cost.load, f"{k} = {v}\n" + PRICE_TOP) for k in ("idle_gpu_util_pct", "electricity_per_kwh")
+      for v in ("true", "false", "nan", "inf", "-1")),
+], ids=lambda x: x if isinstance(x, str) else x.__module__.rsplit(".", 1)[-1])
+def test_named_bad_rules_and_prices_are_refused(tmp_path, load, body):
+    """A bool is an int in Python: `hold = true` read as 1 s, `per_hour = true` as 1/h, unless refused by name."""
+    path = tmp_path / "file.toml"
+    path.write_text(body)
+    with pytest.raises(BadInput):
+        load(str(path))
+
+
 # ---- frame files (`jobprobe summary FILE…`, `report`, `read`): frames of the right shape with values of any kind,
 # and byte streams cut, flipped or spliced anywhere
 PROBE_VALUES = st.dictionaries(st.sampled_from(["cpu_user_ns", "cpu_system_ns", "runq_lat_ns", "offcpu_io_ns",

@@ -8,6 +8,7 @@ import time
 
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import MalformedFrame, StreamReader
+from jobprobe.core.numbers import is_number
 
 
 def _table(frames: list[dict]) -> str:
@@ -39,7 +40,7 @@ def _summary(frames: list[dict]) -> str:
         if f["kind"] == "sample":
             for probe, fields in f.get("probes", {}).items():
                 for k, v in fields.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if is_number(v):
                         series.setdefault(f"{probe}.{k}", []).append(v)
     lines = [f"{'field':<34} {'n':>5} {'mean':>14} {'p50':>14} {'max':>14} {'sum':>16}"]
     for k, xs in series.items():

@@ -17,12 +17,12 @@ real frames (scripts/store_formats.py), and it needs nothing the standard librar
 """
 from __future__ import annotations
 
-import math
 import struct
 import zlib
 from typing import Any, Iterable
 
 import msgpack
+from jobprobe.core.numbers import is_finite
 
 MISSING, NONE, PRESENT = 0, 1, 2
 _I64 = (-(1 << 63), (1 << 63) - 1)
@@ -195,4 +195,4 @@ def columns(block: bytes, keys: list) -> list[list]:
 
 
 def finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return is_finite(v)

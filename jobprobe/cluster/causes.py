@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from jobprobe.core.numbers import is_number
 
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)
 GPU_THROTTLE_BITS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80 | 0x100     # SW power, HW slowdown, SW/HW thermal, power brake
@@ -40,7 +41,7 @@ def figures(probes: dict) -> dict[str, float]:
 def _numbers(probes: Any) -> dict:
     """Each probe's numbers only (and its `gpus` / `nics` records' numbers); NCCL RAS's status as it is."""
     def nums(d: Any) -> dict:
-        return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
+        return {k: v for k, v in d.items() if is_number(v)} \
             if isinstance(d, dict) else {}
     out = {}
     for name, d in (probes.items() if isinstance(probes, dict) else ()):

@@ -21,6 +21,7 @@ import sqlite3
 from typing import Any, Iterable
 
 from jobprobe.cluster import blocks
+from jobprobe.core.numbers import is_number
 
 BLOCK_S = 300                              # a level-1 block: five minutes of one node's job (a minute: 1.4× the bytes)
 HOUR = 3600.0                               # a rollup block: one hour of one node's job, at each level
@@ -241,7 +242,7 @@ def totals(db: sqlite3.Connection, book: Paths, path: tuple, since: float, until
     out: dict[str, list] = {}
 
     def add(node: str, vals: list) -> None:
-        vals = [v for v in vals if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        vals = [v for v in vals if is_number(v)]
         if vals:
             a = out.setdefault(node, [0, vals[0], 0])
             a[0] += sum(vals)

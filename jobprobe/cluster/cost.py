@@ -27,13 +27,13 @@ run are lost work, in `revoked_node_hours` and their money.
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core.numbers import is_amount, is_number
 
 WAITING_RULES = ("gpu_idle_cpu_busy", "input_bound")
 NODE_KEYS = {"name", "hostname", "gpu", "label", "market", "per_hour", "gpus"}
@@ -86,12 +86,6 @@ def _line(text: str, nth: int, key: str | None) -> int:
     return start
 
 
-def _amount(v: Any, most: float | None = None) -> bool:
-    """A finite number from 0 (to `most`), not a bool."""
-    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-            and (most is None or v <= most))
-
-
 def load(path: str) -> Prices:
     """A price file; BadInput naming the file and line on an error."""
     try:
@@ -111,7 +105,7 @@ def load(path: str) -> Prices:
     if not isinstance(data.get("currency", ""), str):
         raise BadInput(f"prices {path}: currency must be a string, got {repr(data['currency'])[:40]}")
     for key, most in (("idle_gpu_util_pct", 100), ("electricity_per_kwh", None)):
-        if key in data and not _amount(data[key], most):
+        if key in data and not is_amount(data[key], most):
             raise BadInput(f"prices {path}: {key} must be a number from 0"
                            f"{f' to {most}' if most else ''}, got {repr(data[key])[:40]}")
     out = Prices(currency=data.get("currency", "USD"), idle_gpu_util_pct=float(data.get("idle_gpu_util_pct", 10)))
@@ -132,14 +126,14 @@ def load(path: str) -> Prices:
             raise BadInput(f"{where} {_line(text, i, text_key)}: {text_key} must be a string, got "
                            f"{repr(n[text_key])[:40]}")
         price = n.get("per_hour")
-        if not _amount(price):
+        if not is_amount(price):
             raise BadInput(f"{where} {_line(text, i, 'per_hour' if 'per_hour' in n else None)}: [[node]] needs "
                            f"per_hour, a price of 0 or more (got {price!r})")
         market = n.get("market", "on_demand")
         if market not in ("spot", "on_demand"):
             raise BadInput(f"{where} {_line(text, i, 'market')}: market must be spot or on_demand, got {market!r}")
         gpus = n.get("gpus")
-        if gpus is not None and (not isinstance(gpus, int) or gpus <= 0):
+        if gpus is not None and (not is_number(gpus) or not isinstance(gpus, int) or gpus <= 0):
             raise BadInput(f"{where} {_line(text, i, 'gpus')}: gpus must be a positive integer, got {gpus!r}")
         if "label" in n and "=" not in str(n["label"]):
             raise BadInput(f"{where} {_line(text, i, 'label')}: label must be KEY=VALUE, got {n['label']!r}")

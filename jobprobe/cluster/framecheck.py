@@ -30,6 +30,7 @@ import msgpack
 
 from jobprobe.core import schema
 from jobprobe.core.frame import KINDS, MalformedFrame, SCHEMA_VERSION
+from jobprobe.core.numbers import is_number
 
 MAX_OBJECTS = 100_000       # containers and their elements in one frame (a busy job's sample: ~1 500)
 MAX_DEPTH = 12              # maps and lists within each other (a sample: 4 — probes.gpu.gpus[].field)
@@ -107,7 +108,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return is_number(v)
 
 
 _TYPE_OK: dict[str, Callable[[Any], bool]] = {

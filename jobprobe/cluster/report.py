@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
+from jobprobe.core.numbers import is_number
 
 MAX_POINTS = 600
 OFFCPU = ("preempt", "io", "lock", "sleep", "wait")
@@ -72,7 +73,7 @@ def _d(x: Any) -> dict:
 
 
 def _sum(d: dict, *keys: str, scale: float = 1.0) -> float | None:
-    vals = [d[k] for k in keys if isinstance(d.get(k), (int, float)) and not isinstance(d.get(k), bool)]
+    vals = [d[k] for k in keys if is_number(d.get(k))]
     return sum(vals) * scale if vals else None
 
 
@@ -89,7 +90,7 @@ class Job:
             if not self.name:
                 self.name = str(fr.get("job", ""))
             t, dt = fr.get("t"), fr.get("dt") or 1.0
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (t, dt)):
+            if not all(is_number(x) for x in (t, dt)):
                 continue      # a frame from a file is hostile until checked: no time, no place on the page
             if fr.get("kind") == "sample" and isinstance(fr.get("probes"), dict):
                 self.nodes[str(fr.get("node", "?"))].add(float(t), float(dt), fr["probes"])
@@ -139,7 +140,7 @@ def straggler_periods(job: Job, opened: str = "straggler", closed: str = "stragg
             continue                   # a frame from a file is hostile until checked: a node is a name
         if e.get("event") == opened:
             since = e.get("since")
-            start = float(since) if isinstance(since, (int, float)) and not isinstance(since, bool) else float(e["t"])
+            start = float(since) if is_number(since) else float(e["t"])
             open_[node] = {"node": node, "start": start, "end": None,
                            "reason": e.get("reason", ""), "evidence": e.get("evidence", {}),
                            "causes": e.get("causes", []), "waited_by": e.get("waited_by", [])}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core.numbers import is_number
 
 DEFAULTS = {"cpu_used_min": 0.5, "memory_used_min": 0.25, "gpu_used_min": 0.5}
 DEFAULT_RULES = Path(__file__).resolve().parent.parent / "node" / "default_rules.toml"   # read, never imported
@@ -30,7 +31,7 @@ def thresholds(table: Any, where: str) -> dict[str, float]:
     for key, value in table.items():
         if key not in DEFAULTS:
             raise BadInput(f"{where}: [efficiency]: unknown key {key!r} (known: {', '.join(DEFAULTS)})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        if not is_number(value) or not 0 < value <= 1:
             raise BadInput(f"{where}: [efficiency] {key} = {value!r}: expected a share in (0, 1]")
         out[key] = float(value)
     return out

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core.numbers import is_amount, is_number
 
 log = logging.getLogger("jobprobe.node.rules")
 
@@ -139,7 +140,7 @@ class Window:
         v = sec[parts[1]]
         if len(parts) == 3:
             items = [i.get(parts[2]) for i in v if isinstance(i, dict)] if isinstance(v, list) else []
-            items = [x for x in items if isinstance(x, (int, float)) and not isinstance(x, bool)]
+            items = [x for x in items if is_number(x)]
             return items or None
         return v
 
@@ -152,7 +153,7 @@ def _series(frames, ref: str) -> list[tuple[float, Any]]:
 def _scalar(v: Any, counter: bool) -> float | None:
     if isinstance(v, list):                       # a device list: summed (counters) or averaged (gauges)
         return (sum(v) if counter else sum(v) / len(v)) if v else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return float(v) if is_number(v) else None
 
 
 def evaluate(tree: ast.Expression, win: Window, seconds: float, used: dict[str, float]) -> Any:
@@ -296,7 +297,7 @@ def load(spec: str) -> list[Rule]:
                 raise ValueError(f"action must be one of {', '.join(sorted(ACTIONS))}")
             for k in ("window", "hold", "cooldown", "clear_after", "trace_s"):
                 v = getattr(r, k)
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
+                if not is_amount(v):
                     raise ValueError(f"{k} must be a number of seconds ≥ 0")
             if r.window <= 0:
                 raise ValueError("window must be > 0")
