@@ -575,7 +575,9 @@ def test_concurrent_io_inside_and_outside_misses_nothing(make_cgroup, tmp_path, 
         inner.remove()
         outer.remove()
     print(f"blockio[{mode}] concurrent: bpf_missed {s[MISSED]}; job read {s['read_bytes']} B write "
-          f"{s['write_bytes']} B; fio {job}; disk {disk['read_bytes']} / {disk['write_bytes']} B; outside {outside}")
+          f"{s['write_bytes']} B, given up {s['inflight_expired']} req {s['read_lost_bytes']} / "
+          f"{s['write_lost_bytes']} B; fio {job}; disk {disk['read_bytes']} / {disk['write_bytes']} B; "
+          f"outside {outside}")
     assert sum(o["read"] + o["write"] for o in outside) > 64 * MiB      # the node was busy meanwhile
     assert job["read"] > 16 * MiB and job["write"] > 16 * MiB
     assert s[MISSED] == 0
@@ -583,8 +585,14 @@ def test_concurrent_io_inside_and_outside_misses_nothing(make_cgroup, tmp_path, 
     # after the page cache dropped them: 1.8 MB seen once, 10.5 MB on a loaded host) — bounded by the kernel's own
     # account of the job's block reads (ru_inblock), plus 2 MiB (0.25% of the job's reads: a loaded CI run once
     # counted 1.6 MB over ru_inblock in io_start mode) — never fall short; writes are fio's alone.
+    # A completion the kernel never reports to any program (bpf/blockio.c: one request in ~3000 under load) is
+    # counted, with its bytes, once the job has no process left: what was seen and what was given up make fio's. (A
+    # CI run read writes 0.17% short by completed bytes alone; what was given up was not printed then.)
     paged_in = max(0, job["inblock_bytes"] - job["read"]) + 2 * MiB
-    assert -0.001 * job["read"] <= s["read_bytes"] - job["read"] <= 0.001 * job["read"] + paged_in
-    assert -0.001 * disk["read_bytes"] <= s["read_bytes"] - disk["read_bytes"] <= 0.001 * disk["read_bytes"] + paged_in
-    assert within(s["write_bytes"], job["write"], 0.001) and within(s["write_bytes"], disk["write_bytes"], 0.001)
+    read, written = s["read_bytes"] + s["read_lost_bytes"], s["write_bytes"] + s["write_lost_bytes"]
+    assert -0.001 * job["read"] <= read - job["read"] <= 0.001 * job["read"] + paged_in
+    assert -0.001 * disk["read_bytes"] <= read - disk["read_bytes"] <= 0.001 * disk["read_bytes"] + paged_in
+    assert (s["read_lost_bytes"] + s["write_lost_bytes"] == 0) == (s["inflight_expired"] == 0)
+    assert s["read_lost_bytes"] + s["write_lost_bytes"] <= 0.01 * (job["read"] + job["write"])
+    assert within(written, job["write"], 0.001) and within(written, disk["write_bytes"], 0.001)
     assert s["read_errors"] == s["write_errors"] == 0
