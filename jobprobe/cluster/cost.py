@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core import tomlfile
 from jobprobe.core.numbers import is_amount, is_number
 
 WAITING_RULES = ("gpu_idle_cpu_busy", "input_bound")
@@ -88,17 +88,7 @@ def _line(text: str, nth: int, key: str | None) -> int:
 
 def load(path: str) -> Prices:
     """A price file; BadInput naming the file and line on an error."""
-    try:
-        text = open(path, encoding="utf-8").read()
-    except OSError as err:
-        raise BadInput(f"prices {path}: {err.strerror or err}") from None
-    except UnicodeDecodeError as err:
-        raise BadInput(f"prices {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        m = re.search(r"line (\d+)", str(err))
-        raise BadInput(f"prices {path} line {m.group(1) if m else '?'}: {str(err).split(' (at')[0]}") from None
+    text, data = tomlfile.read(path, "prices")
     bad = set(data) - TOP_KEYS
     if bad:
         raise BadInput(f"prices {path}: unknown key {sorted(bad)[0]!r} (known: {', '.join(sorted(TOP_KEYS))})")

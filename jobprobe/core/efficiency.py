@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core import tomlfile
 from jobprobe.core.numbers import is_number
 
 DEFAULTS = {"cpu_used_min": 0.5, "memory_used_min": 0.25, "gpu_used_min": 0.5}
@@ -41,14 +42,8 @@ def load(spec: str | None) -> dict[str, float]:
     """The thresholds of a rules file ("default": the shipped one; None: DEFAULTS)."""
     if spec is None:
         return dict(DEFAULTS)
-    import tomllib
     path = DEFAULT_RULES if spec == "default" else Path(spec)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as err:
-        raise BadInput(f"rules {spec}: {err.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise BadInput(f"rules {path}: {err}") from None
+    _, data = tomlfile.read(path, "rules")
     return thresholds(data.get("efficiency"), f"rules {path}")
 
 

@@ -4,9 +4,11 @@ key also a flag of `jobprobe agent` (flags win).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
+from jobprobe.core import tomlfile
 from jobprobe.core.errors import BadInput
 
 DEFAULT_CONFIG = "/etc/jobprobe/agent.toml"
@@ -48,16 +50,8 @@ class Config:
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:
         data: dict[str, Any] = {}
-        if path:
-            import tomllib
-            try:
-                with open(path, "rb") as f:
-                    data = tomllib.load(f)
-            except FileNotFoundError:
-                if path != DEFAULT_CONFIG:
-                    raise BadInput(f"config {path} does not exist") from None
-            except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-                raise BadInput(f"config {path}: {err}") from err
+        if path and (path != DEFAULT_CONFIG or os.path.exists(path)):    # the default one may be absent
+            _, data = tomlfile.read(path, "config")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise BadInput(f"config {path}: unknown key {sorted(unknown)[0]!r}; known: "

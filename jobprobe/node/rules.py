@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import BadInput
+from jobprobe.core import tomlfile
 from jobprobe.core.numbers import is_amount, is_number
 
 log = logging.getLogger("jobprobe.node.rules")
@@ -258,18 +259,8 @@ def _line_of(text: str, name: str) -> int:
 
 def load(spec: str) -> list[Rule]:
     """Rules from a file, or "default" (the shipped set). BadInput naming the file, line and rule on an error."""
-    import tomllib
     path = DEFAULT if spec == "default" else Path(spec)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise BadInput(f"rules {spec}: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise BadInput(f"rules {spec}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise BadInput(f"rules {path}: {err}") from None
+    text, data = tomlfile.read(path, "rules")
     if set(data) - {"rule", "efficiency"} or not isinstance(data.get("rule"), list):
         raise BadInput(f"rules {path}: expected [[rule]] tables (and an [efficiency] table) only")
     from jobprobe.core.efficiency import thresholds
