@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes as ct
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import ProbeUnavailable
@@ -43,6 +42,7 @@ from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import elf as _elf
 from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.membership import Node
+from jobprobe.kernel.procfs import read_maps
 from jobprobe.kernel.uprobe import UprobePmu
 
 NBUCKETS = 27                                   # bpf/cuda.c NBUCKETS
@@ -318,10 +318,9 @@ class CudaProbe(BpfProbe):
         pids = set(self.target.pids())
         self._seen = {p: s for p, s in self._seen.items() if p in pids}
         for pid in pids:
-            try:
-                text = Path(self.host.proc, str(pid), "maps").read_bytes()
-            except OSError:
-                continue          # exited since the listing; a kernel thread
+            text = read_maps(self.host.proc, pid)
+            if text is None:
+                continue          # exited since the listing
             seen = self._seen.setdefault(pid, set())
             for path in mapped_libraries(text) - seen:
                 if self.attach_library(pid, path):

@@ -59,6 +59,7 @@ from jobprobe.node.probe import Field
 from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.bpfmap import possible_cpus
 from jobprobe.kernel.membership import Node
+from jobprobe.kernel.procfs import read_maps
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
 from jobprobe.kernel.schedread import (COUNTERS, HELD, NBUCKETS, NTIMES, READ_TRIES, WORDS, SlotStats,
                                        node_threads, settle, slot_columns, time_totals, torn_cpus)
@@ -324,30 +325,31 @@ class SchedProbe(BpfProbe):
 
     def trace_keep(self, rec: bytes) -> Any:
         """A record's fixed part, and its stacks as one bytes object shared by every record with the same ones
-        (a window keeps up to TRACE_KEEP records; most repeat a handful of stacks)."""
+        (a window keeps up to TRACE_KEEP records; most repeat a handful of stacks). A process's maps are read at
+        its first record, while it runs (a job that ends inside its window still has its user stacks named)."""
         n = ct.sizeof(OffcpuEvent)
-        seen = self.shared.extra.setdefault("stacks_seen", {})
+        extra = self.shared.extra
+        seen, maps = extra.setdefault("stacks_seen", {}), extra.setdefault("maps_seen", {})
+        tgid = int.from_bytes(rec[12:16], "little")
+        if tgid not in maps:
+            maps[tgid] = read_maps(self.host.proc, tgid) or b""
         tail = rec[n:]
         return rec[:n], seen.setdefault(tail, tail)
 
     def trace_take(self) -> tuple[list[Any], int]:
-        """The window's off-CPU periods, each with its stacks, and each process's maps read now, while it may still
-        run, to name its user addresses later. Once no job of the load is in a window, the threads' stacks held in
-        the kernel (trace_stacks) go."""
+        """The window's off-CPU periods, each with its stacks, and each process's maps read again now where it still
+        runs (what it mapped since), to name its user addresses later. Once no job of the load is in a window, the
+        threads' stacks held in the kernel (trace_stacks) go, and the maps kept."""
         records, dropped = super().trace_take()
-        maps = {}
         with self.shared.lock:
+            early = self.shared.extra.get("maps_seen", {})
+            maps = {tgid: read_maps(self.host.proc, tgid) or early.get(tgid, b"") for tgid in {r.tgid for r in records}}
             if self.deep and not self.shared.extra.get("traced", 0):
                 table = self.loaded.maps["trace_stacks"]
                 for tid in table.keys():
                     table.delete(tid)
                 self.shared.extra.pop("stacks_seen", None)
-        for tgid in {r.tgid for r in records}:
-            try:
-                with open(f"{self.host.proc}/{tgid}/maps", "rb") as f:
-                    maps[tgid] = f.read()
-            except OSError:
-                pass
+                self.shared.extra.pop("maps_seen", None)
         self._taken = maps
         return records, dropped
 

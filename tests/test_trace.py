@@ -745,15 +745,16 @@ def stack_flood_source(flood: int, long: int) -> str:
     return ("#include <stdio.h>\n#include <time.h>\n"
             "__attribute__((noinline)) void nap(long ns) { struct timespec t = {0, ns}; nanosleep(&t, 0); }\n"
             f"{fs}{gs}int main(void) {{ char go[8]; if (!fgets(go, sizeof go, stdin)) return 1;\n{calls}"
-            'puts("done"); fflush(stdout); return 0; }\n')
+            'puts("done"); fflush(stdout); return !fgets(go, sizeof go, stdin); }\n')
 
 
 @pytest.mark.kernel
 def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before(tmp_path):
     """3000 distinct user stacks of naps under the threshold, then 200 sleeps over it from 200 more: each of the
     200 is recorded with its kernel stack (do_nanosleep) and its user stack, whose caller is its own g_i. A stack
-    map (the first stack of a bucket kept, the others refused while it holds it) lost about half of them here."""
-    from probes.sched import SchedProbe
+    map (the first stack of a bucket kept, the others refused while it holds it) lost about half of them here. The
+    job ends before the window does: its addresses are named from its maps read while it ran."""
+    from probes.sched import SchedProbe, record_stacks
     from jobprobe.node.targets.pidtree import PidTreeTarget
     src, exe = tmp_path / "flood.c", tmp_path / "flood"
     src.write_text(stack_flood_source(3000, 200))
@@ -770,6 +771,10 @@ def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before
         job.stdin.flush()
         assert job.stdout.readline().strip() == "done"
         time.sleep(0.2)
+        probe.trace_poll()                 # a tick while it runs (the agent drains the ring each one)
+        job.stdin.write("end\n")
+        job.stdin.flush()
+        job.wait(timeout=30)               # gone before the window's end: its maps were read at its first record
         probe.trace_on(False)
         records, dropped = probe.trace_take()
 
@@ -783,7 +788,8 @@ def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before
     finally:
         probe.stop()
         job.wait(timeout=30)
-    sleeps = [e for e in events if e["pid"] == job.pid and e["args"]["reason"] == "sleep"]
+    pairs = [(r, e) for r, e in zip(records, events) if e["pid"] == job.pid and e["args"]["reason"] == "sleep"]
+    sleeps = [e for _, e in pairs]
     lost = [e["args"] for e in sleeps if "user_stack" not in e["args"] or "kernel_stack" not in e["args"]]
     # each user stack's f_i/g_i by the executable's own symbol table (not linked position-independent: nm's
     # addresses are the ones it runs at); the frame after libc's and nap's is the function that slept
@@ -792,11 +798,13 @@ def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before
         if len(ln.split()) == 3) if t in "Tt")
     starts = [a for a, _ in syms]
 
-    def caller(e) -> str:
-        names = [syms[i][1] for ip in e["args"].get("user_stack", []) if ip.startswith("0x")
-                 and (i := bisect_right(starts, int(ip, 16)) - 1) >= 0]
+    def caller(r) -> str:
+        names = [syms[i][1] for ip in record_stacks(r)[1] if (i := bisect_right(starts, ip) - 1) >= 0]
         return next((n for n in names if re.fullmatch(r"[fg]\d+", n)), "?")
-    callers = [caller(e) for e in sleeps]
+    callers = [caller(r) for r, _ in pairs]
+    # the probe's own names (the program's exported functions, from its maps) say the same
+    own = [next((n.split("+")[0] for n in e["args"]["user_stack"] if re.match(r"[fg]\d+\+", n)), "?") for e in sleeps]
+    assert own == callers, ([(a, b) for a, b in zip(own, callers) if a != b][:5], sleeps[1]["args"])
     print(f"{len(sleeps)} sleeps recorded ({dropped} dropped), {len(lost)} without a stack, "
           f"{len({c for c in callers if c[0] == 'g'})} of 200 g_i named")
     assert dropped == 0 and lost == [], (len(lost), lost[:3])

@@ -24,8 +24,7 @@ def is_python(proc: str, pid: int) -> bool:
     try:
         if PYTHON_EXE.match(os.path.basename(os.readlink(f"{proc}/{pid}/exe"))):
             return True
-        with open(f"{proc}/{pid}/maps", "rb") as f:
-            return b"libpython" in f.read()
+        return b"libpython" in (procfs.read_maps(proc, pid) or b"")
     except OSError:
         return False
 

@@ -173,6 +173,15 @@ def read_cmdline(proc: str, pid: int | str, limit: int = 4096) -> bytes | None:
         return None
 
 
+def read_maps(proc: str, pid: int | str) -> bytes | None:
+    """The process's /proc/PID/maps text (its mappings, one a line); None if it has gone (or is not readable)."""
+    try:
+        with open(f"{proc}/{pid}/maps", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 def read_ppid(proc: str, pid: int) -> int | None:
     """Parent PID, or None if the process is gone or a zombie (it has ended; only its exit status waits to be
     collected)."""

@@ -4,7 +4,8 @@
 What: KernelSymbols reads /proc/kallsyms once (text symbols, sorted) and names an address "function+0xOFF";
   UserSymbols takes a process's maps text (read while it lived) and names an address "function+0xOFF (file)" from
   the exported functions of the file mapped there (jobprobe/kernel/elf.py), or "file+0xOFF" where the file exports
-  nothing before it. A name is the nearest symbol at or below: a static function shows as the exported one before
+  nothing before it. The file is read under the process's root (/proc/PID/root: a container's own files); once the
+  process has ended, at the same path here only if it is the file the maps named (same device and inode). A name is the nearest symbol at or below: a static function shows as the exported one before
   it, with its offset (no .symtab is read: production binaries are stripped).
 Hooks: none; file reads. Oldest kernel: any (kallsyms addresses need root under kptr_restrict). Cost: kallsyms
   parse ~0.2-0.4 s and ~10 MB while a window's stacks are named (built per window, then dropped); one .dynsym read
@@ -52,6 +53,7 @@ class UserSymbols:
     def __init__(self, maps_text: bytes, root: str = ""):
         self.root = root
         self.maps: list[tuple[int, int, int, str]] = []      # start, end, file offset, path (executable only)
+        self.ids: dict[str, tuple[int, int, int]] = {}          # path → (major, minor, inode) as the maps say
         for line in maps_text.splitlines():
             parts = line.split(None, 5)
             if len(parts) < 6 or b"x" not in parts[1]:
@@ -59,14 +61,29 @@ class UserSymbols:
             lo, _, hi = parts[0].partition(b"-")
             path = parts[5].decode("utf-8", "surrogateescape")
             self.maps.append((int(lo, 16), int(hi, 16), int(parts[2], 16), path))
+            major, _, minor = parts[3].partition(b":")
+            if parts[4].isdigit() and minor:
+                self.ids[path] = (int(major, 16), int(minor, 16), int(parts[4]))
         self.maps.sort()
         self.starts = [m[0] for m in self.maps]
         self.files: dict[str, tuple[array, list[str]]] = {}
 
+    def _file(self, path: str) -> str:
+        """Where to read the file mapped at `path`: under the process's root; where that is gone (the process
+        ended), the same path here if it is the same file (the device and inode the maps give)."""
+        if not self.root or os.path.exists(self.root):
+            return self.root + path
+        try:
+            st = os.stat(path)
+        except OSError:
+            return self.root + path
+        same = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) == self.ids.get(path)
+        return path if same else self.root + path
+
     def _functions(self, path: str) -> tuple[array, list[str]]:
         if path not in self.files:
             try:
-                funcs = sorted((off, name) for name, off in _elf.dynamic_functions(self.root + path).items())
+                funcs = sorted((off, name) for name, off in _elf.dynamic_functions(self._file(path)).items())
             except _elf.ElfError:
                 funcs = []
             self.files[path] = (array("Q", (o for o, _ in funcs)), [n for _, n in funcs])
