@@ -1,7 +1,8 @@
 """Any control request — the JSON a local client or the controller sends the agent (attach, detach, status, probes,
 trace) — is answered, or refused with one line (BadInput: the reply's `error`, the CLI's exit 2); never an internal
 error, and the agent answers `status` after each. A real Agent (the `self` probe only: nothing loaded) and its
-ControlServer's handler, the path every request takes once read off the socket."""
+ControlServer's handler, the path every request takes once read off the socket. And the state file a restarted agent
+reads, whatever it holds."""
 from __future__ import annotations
 
 import json
@@ -72,3 +73,51 @@ def test_any_request_is_answered_or_refused_in_one_line(server, req):
     assert server.handle({"cmd": "status"})["ok"] is True
     for job in set(server.agent.jobs) - {"j"}:      # what an example attached is let go before the next one
         server.agent.detach(job)
+
+
+# ---- the state file: written by the agent (jobs.json), read by the next one at its start. A disk that filled, a
+# crash mid-write on a filesystem without atomic rename, a hand edit: whatever it holds, the agent starts, attaches
+# what it can, says why for the rest, and writes the file anew.
+SPEC = st.fixed_dictionaries({"job": st.text(min_size=1, max_size=6)}, optional={
+    "pid": st.one_of(st.just(ME), JSONISH), "probes": st.one_of(st.just("self"), JSONISH), "labels": JSONISH,
+    "from_start": JSONISH, "cgroup": JSONISH, "note": JSONISH})
+STATE = st.one_of(st.binary(max_size=60),
+                  st.builds(lambda jobs: json.dumps({"jobs": jobs}).encode(), st.lists(st.one_of(SPEC, JSONISH),
+                                                                                      max_size=3)),
+                  JSONISH.map(lambda v: json.dumps(v).encode()))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=STATE)
+def test_any_state_file_lets_the_agent_start(tmp_path, body):
+    state = tmp_path / "jobs.json"
+    state.write_bytes(body)
+    a = Agent(Config(interval=1.0, probes="self", out=str(tmp_path / "out"), socket=str(tmp_path / "agent.sock"),
+                     state=str(state), attach_wait=0.0, trace_dir=""))
+    try:
+        a.persist = True
+        out = a.restore()
+        assert isinstance(out, list) and all(isinstance(x, dict) for x in out)
+        kept = json.loads(state.read_text())["jobs"]          # written anew: the jobs it has, nothing else
+        assert sorted(d["job"] for d in kept) == sorted(a.jobs) + sorted(a.pending)
+    finally:
+        a.persist = False
+        for job in list(a.jobs):
+            a.detach(job)
+        a.close()
+
+
+def test_a_state_file_with_a_job_and_junk_attaches_the_job_and_says_why_for_the_rest(tmp_path):
+    state = tmp_path / "jobs.json"
+    state.write_text(json.dumps({"jobs": [{"job": "x", "pid": ME, "probes": "self"}, {"job": "y", "pid": "me"}, 7]}))
+    a = Agent(Config(interval=1.0, probes="self", out=str(tmp_path / "out"), socket=str(tmp_path / "agent.sock"),
+                     state=str(state), attach_wait=0.0, trace_dir=""))
+    try:
+        a.persist = True
+        out = a.restore()
+        assert [o.get("state") for o in out][1:] == ["gone", "gone"] and "pid must be a number" in out[1]["why"]
+        assert list(a.jobs) == ["x"] and [d["job"] for d in json.loads(state.read_text())["jobs"]] == ["x"]
+    finally:
+        a.persist = False
+        a.detach("x")
+        a.close()

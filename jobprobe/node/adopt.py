@@ -37,22 +37,33 @@ class Adoption:
             log.error("cannot write %s: %s", path, err)
 
     def restore(self) -> list[dict[str, Any]]:
-        """Attach again the jobs a previous agent had (its state file), those still running; the others go."""
+        """Attach again the jobs a previous agent had (its state file), those still running; the others go. A file
+        that cannot be read as a list of jobs (a crash mid-write, a full disk, a hand edit) is said and replaced:
+        the agent starts with the jobs it could read."""
         try:
-            specs = json.loads(Path(self.cfg.state).read_text()).get("jobs", [])
+            data = json.loads(Path(self.cfg.state).read_text())
         except FileNotFoundError:
             return []
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError) as err:          # (not UTF-8 is a ValueError too)
             log.error("cannot read %s: %s; starting with no jobs", self.cfg.state, err)
-            return []
+            data = {}
+        specs = data.get("jobs") if isinstance(data, dict) else None
+        if not isinstance(specs, list):
+            if data:
+                log.error("%s holds no list of jobs; starting with no jobs", self.cfg.state)
+            specs = []
         out = []
         for d in specs:
+            if not isinstance(d, dict):
+                log.warning("not attached again: %s is not a job", repr(d)[:80])
+                out.append({"job": None, "state": "gone", "why": "not a job"})
+                continue
             try:
                 spec = JobSpec.from_dict(d)
                 spec.from_start = False    # the agent before this one reported the job's start already
                 out.append(self.attach(spec, wait=0))
             except BadInput as err:
-                log.warning("not attached again: %s: %s", d, err)
+                log.warning("not attached again: %s: %s", repr(d)[:200], err)
                 out.append({"job": d.get("job"), "state": "gone", "why": str(err)})
         self._save()
         return out
