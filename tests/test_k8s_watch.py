@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import workload, until as wait_for
 from jobprobe.node import k8s
@@ -367,3 +369,42 @@ def test_the_agent_lists_its_nodes_pods_from_a_verified_api_server(make_cgroup, 
         agent.wait(timeout=60)
         sleeper.kill()
         sleeper.wait()
+
+
+JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=6),
+                                 st.sampled_from(["true", "Running", "Succeeded", "cgroup", "2026-01-02T03:04:05Z",
+                                                  "9999-12-31T23:59:59+14:00", "0001-01-01T00:00:00-14:00"])),
+                       lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                               st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                       max_leaves=6)
+
+
+def fields(keys: list[str], values) -> st.SearchStrategy:
+    return st.dictionaries(st.one_of(st.sampled_from(keys), st.text(max_size=3)), values, max_size=len(keys))
+
+
+# a pod list's own shape with any values in it: annotated pods with some fields given any JSON value
+POD = st.builds(
+    lambda meta, ann, rest: {"metadata": {"uid": "u", "name": "p", **meta,
+                                          "annotations": {"jobprobe.io/probe": "true", **ann}}, **rest},
+    fields(["uid", "name", "namespace", "annotations"], JSONISH),
+    fields(["jobprobe.io/probe", "jobprobe.io/probes"], JSONISH),
+    fields(["spec", "status"], st.one_of(JSONISH, fields(["containers", "phase", "startTime"], JSONISH))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=st.one_of(JSONISH, st.builds(lambda items: {"items": items}, st.lists(st.one_of(POD, JSONISH), max_size=3))))
+def test_any_pod_list_is_read_or_refused_as_not_a_pod_list(doc):
+    """What the kubelet or the API server answers is read into pods whose every field is what the agent needs (a
+    string where it names something), or refused as a whole with ValueError (the watcher keeps its pods and asks
+    again later); never another exception."""
+    try:
+        pods = wanted_pods(doc)
+    except ValueError as err:
+        assert str(err) and "\n" not in str(err)
+        return
+    for uid, p in pods.items():
+        assert uid == p.uid and all(isinstance(v, str) for v in (p.uid, p.name, p.namespace, p.job))
+        assert all(isinstance(c, str) for c in p.containers) and (p.probes is None or isinstance(p.probes, str))
+        assert p.started is None or isinstance(p.started, float)
+        assert all(isinstance(v, str) for v in p.labels().values())

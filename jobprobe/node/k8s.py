@@ -71,30 +71,49 @@ class Pod:
 
 def wanted_pods(doc: Any) -> dict[str, Pod]:
     """The pods of a pod list (a v1 PodList: the kubelet's /pods or the API server's /api/v1/pods) that ask to be
-    probed and have not ended, by UID. ValueError when the document is not a pod list."""
+    probed and have not ended, by UID. ValueError when the document is not a pod list — a pod without a name and a
+    UID, or a field of another type than a pod list gives it, included: the peer is trusted to send pod lists, not
+    to send good ones."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValueError("not a pod list (no items)")
     out = {}
     for item in doc["items"]:
-        meta = item.get("metadata") if isinstance(item, dict) else None
+        meta = _table(item, "a pod").get("metadata")
         if not isinstance(meta, dict) or not meta.get("uid") or not meta.get("name"):
             raise ValueError("a pod without metadata.uid or metadata.name")
-        ann = meta.get("annotations") or {}
+        uid, name, namespace = meta["uid"], meta["name"], meta.get("namespace", "default")
+        if not all(isinstance(v, str) for v in (uid, name, namespace)):
+            raise ValueError("a pod whose uid, name or namespace is not a string")
+        ann = _table(meta.get("annotations"), "metadata.annotations")
         if str(ann.get(ANNOTATION, "")).strip().lower() not in ("true", "yes", "1"):
             continue
-        if (item.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        status = _table(item.get("status"), "status")
+        if status.get("phase") in ("Succeeded", "Failed"):
             continue
-        containers = [c.get("name", "?") for c in (item.get("spec") or {}).get("containers") or []]
-        out[meta["uid"]] = Pod(meta["uid"], meta.get("namespace", "default"), meta["name"], containers,
-                               ann.get(PROBES_ANNOTATION), start_time((item.get("status") or {}).get("startTime")))
+        listed = _table(item.get("spec"), "spec").get("containers") or []
+        if not isinstance(listed, list):
+            raise ValueError("spec.containers is not a list")
+        containers = [str(_table(c, "a container").get("name", "?")) for c in listed]
+        probes = ann.get(PROBES_ANNOTATION)
+        out[uid] = Pod(uid, namespace, name, containers, None if probes is None else str(probes),
+                       start_time(status.get("startTime")))
     return out
+
+
+def _table(v: Any, what: str) -> dict:
+    """A pod list's object field: {} where absent; ValueError where it is not an object."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ValueError(f"{what} is not an object")
+    return v
 
 
 def start_time(text: Any) -> float | None:
     """RFC 3339 (`2026-12-01T10:00:00Z`) → UNIX s; None if absent or unreadable."""
     try:
         return datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp() if text else None
-    except ValueError:
+    except (ValueError, OverflowError, OSError):
         return None
 
 
