@@ -6,6 +6,7 @@ reads, whatever it holds."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -121,3 +122,42 @@ def test_a_state_file_with_a_job_and_junk_attaches_the_job_and_says_why_for_the_
         a.persist = False
         a.detach("x")
         a.close()
+
+
+# ---- the controller's side: a trace request on jobprobe.ctl.trace (any client that may publish there), and what
+# each node answers it, of any shape
+class FakeNode:
+    def __init__(self, job: str):
+        self.lost, self.jobs = False, {job: 1e18}       # it sent frames of the job "just now"
+
+
+class FakeNats:
+    """Answers each node's control request with `answers` in turn (bytes as the node sent them)."""
+    def __init__(self, answers: list[bytes]):
+        self.answers, self.asked = list(answers), []
+
+    async def request(self, subject, data, timeout):
+        self.asked.append(json.loads(data))
+        if not self.answers:
+            raise TimeoutError("no answer")
+        return type("Msg", (), {"data": self.answers.pop(0)})()
+
+
+@settings(max_examples=300, deadline=None)
+@given(req=st.one_of(st.builds(lambda rest: {"job": "j", **rest}, st.dictionaries(
+           st.sampled_from(["at", "duration", "job", "x"]), JSONISH, max_size=3)), JSONISH),
+       answers=st.lists(st.one_of(JSONISH.map(lambda v: json.dumps(v).encode()), st.binary(max_size=12)),
+                        max_size=2))
+def test_any_cluster_trace_request_and_any_node_answer_get_one_reply(req, answers):
+    import asyncio
+    from jobprobe.cluster.trace import cluster_trace
+    nc = FakeNats(answers)
+    out = asyncio.run(cluster_trace({"a": FakeNode("j"), "b": FakeNode("j")}, nc, req if isinstance(req, dict) else {}))
+    json.dumps(out)                                # a reply that can be sent
+    assert isinstance(out["ok"], bool)
+    if not out["ok"] and "error" in out:
+        assert "\n" not in out["error"] and nc.asked == []      # refused before any node was asked
+    else:
+        assert set(out["nodes"]) == {"a", "b"} and all(isinstance(a, dict) for a in out["nodes"].values())
+        for asked in nc.asked:                     # what the nodes were asked is a time ahead and a length
+            assert math.isfinite(asked["at"]) and math.isfinite(asked["duration"]) and asked["duration"] > 0

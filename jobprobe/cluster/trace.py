@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from jobprobe.core.numbers import is_finite
 from jobprobe.core.wire import control_subject
 
 if TYPE_CHECKING:
@@ -41,16 +42,19 @@ async def cluster_trace(nodes: dict[str, "NodeState"], nc: Any, req: dict) -> di
         return {"ok": False, "error": f"no node has sent frames of job {job!r} in the last 30 s"}
     at = req.get("at")
     at = now + TRACE_LEAD_S if at is None else at
-    if not isinstance(at, (int, float)) or at < now:
-        return {"ok": False, "error": f"at {at!r} is past (now {now:.1f}): give a time ahead, or none"}
+    if not is_finite(at) or at < now:
+        return {"ok": False, "error": f"at {at!r} is past (now {now:.1f}): give a time ahead, or none"[:200]}
+    if not is_finite(duration) or duration <= 0:
+        return {"ok": False, "error": f"duration {duration!r} is not a number of seconds > 0"[:200]}
     ask = json.dumps({"cmd": "trace", "job": job, "duration": duration, "at": at}).encode()
 
     async def one(node: str) -> dict:
         try:
             msg = await nc.request(control_subject(node), ask, timeout=TRACE_ASK_S)
-            return json.loads(msg.data)
-        except Exception as err:          # no agent listening, a timeout: said per node
+            got = json.loads(msg.data)
+        except Exception as err:          # no agent listening, a timeout, not JSON: said per node
             return {"ok": False, "error": f"{type(err).__name__}: {err}"[:200]}
+        return got if isinstance(got, dict) else {"ok": False, "error": "its answer is not a JSON object"}
     answers = await asyncio.gather(*(one(n) for n in names))
     log.warning("job %s: trace at %.3f on %d nodes: %s", job, at, len(names),
                 {n: a.get("state") or a.get("error") for n, a in zip(names, answers)})
