@@ -30,6 +30,11 @@ from jobprobe.core.errors import BadInput, JobprobeError
 __all__ = ["build_parser", "main"]
 
 
+def one_line(err: Exception) -> str:
+    """An error's text on one line: a name given on the command line may hold a newline or a carriage return."""
+    return str(err).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(format="jobprobe: %(message)s", level=logging.WARNING, stream=sys.stderr)
@@ -40,10 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         args.command = command     # the words after `--`: run's and bench's CMD ARGS...
         return args.func(args)
     except BadInput as err:   # 2; 127/126 for a -- CMD that is not there / cannot be executed (shell convention)
-        print(f"jobprobe: error: {err}", file=sys.stderr)
+        print(f"jobprobe: error: {one_line(err)}", file=sys.stderr)
         return err.exit_code
     except JobprobeError as err:
-        print(f"jobprobe: error: {err}", file=sys.stderr)
+        print(f"jobprobe: error: {one_line(err)}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         return 0

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from jobprobe.core.errors import BadInput
-from jobprobe.core.frame import StreamReader
+from jobprobe.core.frame import MalformedFrame, StreamReader
 
 
 def cmd_controller(args) -> int:
@@ -152,14 +152,23 @@ def _job_frames(cmd: str, args) -> list[dict]:
     if args.store:
         if not args.job:
             raise BadInput(f"{cmd}: --store needs --job ID")
+        import sqlite3
         try:
             return summary.frames_of_store(args.store, args.job)
-        except (FileNotFoundError, ValueError) as err:
-            raise BadInput(f"{cmd}: {err}") from None
+        except (OSError, ValueError, sqlite3.Error) as err:     # not there, not a store
+            raise BadInput(f"{cmd}: {' '.join(args.store)}: {err}") from None
     for f in args.files:
         if not os.path.isfile(f):
             raise BadInput(f"{cmd}: no frame file {f}")
-    return report.frames_of_files(args.files)
+    out = []
+    for f in args.files:         # one at a time: an error names its file
+        try:
+            out += report.frames_of_files([f])
+        except MalformedFrame as err:
+            raise BadInput(f"{cmd}: {f}: not a frame file: {err}") from None
+        except OSError as err:
+            raise BadInput(f"{cmd}: {f}: {err.strerror or err}") from None
+    return out
 
 
 def _store_of(path: str | None, files: list[str]):
@@ -169,8 +178,11 @@ def _store_of(path: str | None, files: list[str]):
         return Store(path, readonly=True)
     st = Store(":memory:")
     for f in files:
-        with open(f, "rb") as fp:
-            st.add(list(StreamReader(fp)))
+        try:
+            with open(f, "rb") as fp:
+                st.add(list(StreamReader(fp)))
+        except (MalformedFrame, OSError) as err:
+            raise BadInput(f"{f}: not a frame file: {err}") from None
     return st
 
 

@@ -21,10 +21,10 @@ def read(path: str | Path, what: str, shown: str | Path | None = None) -> tuple[
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise BadInput(f"{what} {shown} does not exist") from None
-    except OSError as err:
-        raise BadInput(f"{what} {shown}: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         raise BadInput(f"{what} {shown}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except (OSError, ValueError) as err:          # (ValueError: a path with a NUL in it)
+        raise BadInput(f"{what} {shown}: {getattr(err, 'strerror', None) or err}") from None
     try:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:

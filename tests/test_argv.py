@@ -1,0 +1,79 @@
+"""Unit tier: the read-side commands (`query`, `summary`, `report`, `read`) given any arguments — options in any
+order with values of any kind (numbers that are not numbers, paths that are directories, devices or absent, fields
+that do not exist) — end with their output, a one-line error and exit 2, or argparse's usage and exit 2; never a
+traceback. In process, through `main()`, over a real store and a real frame file."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from jobprobe.cli import main
+from jobprobe.cluster.store import Store
+from jobprobe.core.frame import encode
+from test_compact import samples
+
+OPTIONS = {
+    "query": ["--store", "--sql", "--job", "--top", "--field", "--node", "--level", "--last", "--format", "--prices"],
+    "summary": ["--store", "--job", "--format", "--rules"],
+    "report": ["--store", "--job", "--out", "--prices"],
+    "read": ["--format"],
+}
+FLAGS = {"query": ["--summary"]}
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    d = tmp_path_factory.mktemp("argv")
+    st_ = Store(d / "s.db")
+    st_.add([f for n in ("a", "b") for f in samples(n, "jb", 60)], received=1_790_000_100.0)
+    st_.close()
+    with open(d / "frames.mpk", "wb") as f:
+        for fr in samples("a", "jb", 20):
+            f.write(encode(fr))
+    (d / "prices.toml").write_text('[[node]]\nname = "a"\nper_hour = 2.0\n')
+    return d
+
+
+def value(d) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.sampled_from([str(d / "s.db"), str(d), str(d / "frames.mpk"), str(d / "prices.toml"), str(d / "none"),
+                         "/dev/null", "/", "jb", "a", "cgroup.cpu_user_ns", "sched.runq_lat_us_log2", "net.top_peers",
+                         "gpu.util_pct", "x.y", "10", "60", "nan", "inf", "-inf", "-1", "1e309", "0", "table", "jsonl",
+                         "csv", "json", "text", "summary", "default", "SELECT * FROM frames", "SELECT 1/0", "DROP",
+                         "SELECT json_extract(body, '$[') FROM frames", ""]),
+        st.text(st.characters(blacklist_characters="\x00"), max_size=8))    # (no argv holds a NUL)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_read_commands_end_in_output_or_one_error_never_a_traceback(place, data, monkeypatch):
+    cmd = data.draw(st.sampled_from(sorted(OPTIONS)))
+    store, frames = str(place / "s.db"), str(place / "frames.mpk")
+    base = {"query": [("--store", store), ("--job", "jb"), ("--field", "cgroup.cpu_user_ns")],
+            "summary": [("--store", store), ("--job", "jb")],
+            "report": [("--store", store), ("--job", "jb"), ("--out", str(place / "out.html"))],
+            "read": []}[cmd]
+    # a command line that works, with some of its options given other values or added, or one of any options
+    opts = dict(base) if data.draw(st.booleans()) else {}
+    for o, v in data.draw(st.lists(st.tuples(st.sampled_from(OPTIONS[cmd]), value(place)), max_size=3)):
+        opts[o] = str(place / "out.html") if o == "--out" else v
+    argv = [cmd] + [x for o, v in opts.items() for x in (o, v)]
+    argv += data.draw(st.lists(st.sampled_from(FLAGS.get(cmd, ["--format"])), max_size=1)) if cmd in FLAGS else []
+    if cmd == "read" or cmd in ("summary", "report") and "--store" not in opts:
+        argv += data.draw(st.one_of(st.just([frames]), st.lists(value(place), max_size=2)))     # FILE…
+    monkeypatch.chdir(place)                          # report's default out file lands here
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:                       # argparse: its usage and the error
+            code = e.code
+    event(f"{cmd} exit {code}")
+    assert code in (0, 2), (argv, code, err.getvalue()[-400:])
+    assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
+    if code == 2 and err.getvalue().startswith("jobprobe: error:"):
+        assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
