@@ -77,3 +77,73 @@ def test_the_read_commands_end_in_output_or_one_error_never_a_traceback(place, d
     assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
     if code == 2 and err.getvalue().startswith("jobprobe: error:"):
         assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+
+
+# ---- the commands that ask the node's agent (attach, detach, status, probes, trace), against a real agent's control
+# socket in this process (the `self` probe only; its job is this test's own process)
+NODE_OPTIONS = {
+    "attach": ["--pid", "--cgroup", "--slurm-job", "--k8s-pod", "--job", "--probes", "--wait", "--label"],
+    "detach": [],
+    "status": [],
+    "probes": ["--job", "--toggle"],
+    "trace": ["--job", "--duration", "--at"],
+}
+
+
+@pytest.fixture(scope="module")
+def agent_socket(tmp_path_factory):
+    import os
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.config import Config
+    from jobprobe.node.control import ControlServer
+    d = tmp_path_factory.mktemp("agent")
+    a = Agent(Config(interval=1.0, probes="self", out=str(d / "out"), socket=str(d / "agent.sock"),
+                     state=str(d / "jobs.json"), attach_wait=0.0, trace_dir=""))
+    server = ControlServer(a, str(d / "agent.sock"))
+    server.start()
+    a.attach_pid = os.getpid()
+    yield a, str(d / "agent.sock")
+    server.close()
+    a.close()
+
+
+def node_value() -> st.SearchStrategy[str]:
+    import os
+    return st.one_of(st.sampled_from([str(os.getpid()), "1", "0", "-1", "4194303", "99999999999999999999", "nan",
+                                      "inf", "+5", "+nan", "+1e309", "2026-13-01T00:00:00", "9999-12-31T23:59:59",
+                                      "self", "+self", "-self", "cgroup", "j", "x=y", "=y", "/", "/sys/fs/cgroup",
+                                      "600", "0.001", ""]),
+                     st.text(st.characters(blacklist_characters="\x00"), max_size=8))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_agents_commands_end_in_output_or_one_error_never_a_traceback(agent_socket, data):
+    agent, sock = agent_socket
+    if "j" not in agent.jobs:
+        main(["attach", "--pid", str(agent.attach_pid), "--job", "j", "--probes", "self", "--socket", sock])
+    cmd = data.draw(st.sampled_from(sorted(NODE_OPTIONS)))
+    opts = dict({"attach": [("--pid", str(agent.attach_pid)), ("--job", "k")], "trace": [("--job", "j")],
+                 "probes": [("--job", "j"), ("--toggle", "+self")]}.get(cmd, [])) if data.draw(st.booleans()) else {}
+    for o, v in data.draw(st.lists(st.tuples(st.sampled_from(NODE_OPTIONS[cmd] or ["--socket"]), node_value()),
+                                   max_size=2)):
+        if o == "--pid" and v.isdigit() and int(v) != agent.attach_pid:
+            continue                                # another real process would be attached: not what this is about
+        opts[o] = v
+    opts["--socket"] = sock
+    argv = [cmd] + [x for o, v in opts.items() for x in (o, v)]
+    if cmd == "detach":
+        argv.append(data.draw(st.one_of(st.sampled_from(["k", "nope"]), node_value())))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    event(f"{cmd} exit {code}")
+    assert code in (0, 2), (argv, code, err.getvalue()[-400:])
+    assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
+    if code == 2 and err.getvalue().startswith("jobprobe: error:"):
+        assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+    for job in set(agent.jobs) - {"j"}:               # what an example attached is let go before the next one
+        agent.detach(job)
