@@ -25,6 +25,21 @@ OPTIONS = {
 FLAGS = {"query": ["--summary"]}
 
 
+def ends_in_output_or_one_error(cmd: str, argv: list[str]) -> None:
+    """main(argv) in this process: exit 0, or 2 with one error line (or argparse's usage); never a traceback."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:                       # argparse: its usage and the error
+            code = e.code
+    event(f"{cmd} exit {code}")
+    assert code in (0, 2), (argv, code, err.getvalue()[-400:])
+    assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
+    if code == 2 and err.getvalue().startswith("jobprobe: error:"):
+        assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def place(tmp_path_factory):
     d = tmp_path_factory.mktemp("argv")
@@ -66,17 +81,7 @@ def test_the_read_commands_end_in_output_or_one_error_never_a_traceback(place, d
     if cmd == "read" or cmd in ("summary", "report") and "--store" not in opts:
         argv += data.draw(st.one_of(st.just([frames]), st.lists(value(place), max_size=2)))     # FILE…
     monkeypatch.chdir(place)                          # report's default out file lands here
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:                       # argparse: its usage and the error
-            code = e.code
-    event(f"{cmd} exit {code}")
-    assert code in (0, 2), (argv, code, err.getvalue()[-400:])
-    assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
-    if code == 2 and err.getvalue().startswith("jobprobe: error:"):
-        assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+    ends_in_output_or_one_error(cmd, argv)
 
 
 # ---- the commands that ask the node's agent (attach, detach, status, probes, trace), against a real agent's control
@@ -134,16 +139,6 @@ def test_the_agents_commands_end_in_output_or_one_error_never_a_traceback(agent_
     argv = [cmd] + [x for o, v in opts.items() for x in (o, v)]
     if cmd == "detach":
         argv.append(data.draw(st.one_of(st.sampled_from(["k", "nope"]), node_value())))
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    event(f"{cmd} exit {code}")
-    assert code in (0, 2), (argv, code, err.getvalue()[-400:])
-    assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
-    if code == 2 and err.getvalue().startswith("jobprobe: error:"):
-        assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+    ends_in_output_or_one_error(cmd, argv)
     for job in set(agent.jobs) - {"j"}:               # what an example attached is let go before the next one
         agent.detach(job)
