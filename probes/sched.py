@@ -123,7 +123,6 @@ class OffcpuEvent(ct.Structure):
                 ("kstack", ct.c_int32), ("ustack", ct.c_int32), ("pad", ct.c_uint32)]
 
 
-STACK_DEPTH = 48                                # bpf/sched.c TRACE_DEPTH
 # Why a record has no stack (a trace event then says so: `kernel_stack_lost`, `user_stack_lost`): bpf_get_stack
 # could not read it, trace_stacks had no room for one more thread, or it was emptied before the period ended.
 STACK_ERRORS = {14: "could not be read", 12: "no room", 2: "not found"}
@@ -136,6 +135,8 @@ def record_stacks(r: Any) -> tuple[list[int], list[int]]:
     kb, ub = max(r.kstack, 0), max(r.ustack, 0)
     ips = array.array("Q", tail[:(len(tail) // 8) * 8])
     return [ip for ip in ips[:kb // 8] if ip], [ip for ip in ips[kb // 8:(kb + ub) // 8] if ip]
+
+
 TRACE_OFFCPU_MIN_US = int(os.environ.get("JOBPROBE_TRACE_OFFCPU_MIN_US", "100"))
 
 
