@@ -343,15 +343,16 @@ class SchedProbe(BpfProbe):
         threads' stacks held in the kernel (trace_stacks) go, and the maps kept."""
         records, dropped = super().trace_take()
         with self.shared.lock:
-            early = self.shared.extra.get("maps_seen", {})
-            maps = {tgid: read_maps(self.host.proc, tgid) or early.get(tgid, b"") for tgid in {r.tgid for r in records}}
+            early = dict(self.shared.extra.get("maps_seen", {}))
             if self.deep and not self.shared.extra.get("traced", 0):
                 table = self.loaded.maps["trace_stacks"]
                 for tid in table.keys():
                     table.delete(tid)
                 self.shared.extra.pop("stacks_seen", None)
                 self.shared.extra.pop("maps_seen", None)
-        self._taken = maps
+        # (read outside the lock: the load's other jobs drain the ring meanwhile)
+        self._taken = {tgid: read_maps(self.host.proc, tgid) or early.get(tgid, b"")
+                       for tgid in {r.tgid for r in records}}
         return records, dropped
 
     def trace_events(self, records: list[Any], clock: Any) -> list[dict[str, Any]]:

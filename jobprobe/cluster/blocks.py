@@ -22,7 +22,7 @@ import zlib
 from typing import Any, Iterable
 
 import msgpack
-from jobprobe.core.numbers import is_finite
+from jobprobe.core.numbers import is_finite, is_int
 
 MISSING, NONE, PRESENT = 0, 1, 2
 _I64 = (-(1 << 63), (1 << 63) - 1)
@@ -61,7 +61,7 @@ def leaves(obj: dict, path: tuple = ()) -> Iterable[tuple[tuple, Any]]:
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and _I64[0] <= v <= _I64[1]
+    return is_int(v) and _I64[0] <= v <= _I64[1]
 
 
 def _kind(values: list) -> str:

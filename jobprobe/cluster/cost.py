@@ -33,7 +33,7 @@ from typing import Any
 
 from jobprobe.core.errors import BadInput
 from jobprobe.core import tomlfile
-from jobprobe.core.numbers import is_amount, is_number
+from jobprobe.core.numbers import is_amount, is_int
 
 WAITING_RULES = ("gpu_idle_cpu_busy", "input_bound")
 NODE_KEYS = {"name", "hostname", "gpu", "label", "market", "per_hour", "gpus"}
@@ -123,7 +123,7 @@ def load(path: str) -> Prices:
         if market not in ("spot", "on_demand"):
             raise BadInput(f"{where} {_line(text, i, 'market')}: market must be spot or on_demand, got {market!r}")
         gpus = n.get("gpus")
-        if gpus is not None and (not is_number(gpus) or not isinstance(gpus, int) or gpus <= 0):
+        if gpus is not None and (not is_int(gpus) or gpus <= 0):
             raise BadInput(f"{where} {_line(text, i, 'gpus')}: gpus must be a positive integer, got {gpus!r}")
         if "label" in n and "=" not in str(n["label"]):
             raise BadInput(f"{where} {_line(text, i, 'label')}: label must be KEY=VALUE, got {n['label']!r}")

@@ -30,7 +30,7 @@ import msgpack
 
 from jobprobe.core import schema
 from jobprobe.core.frame import KINDS, MalformedFrame, SCHEMA_VERSION
-from jobprobe.core.numbers import is_number
+from jobprobe.core.numbers import is_int, is_number
 
 MAX_OBJECTS = 100_000       # containers and their elements in one frame (a busy job's sample: ~1 500)
 MAX_DEPTH = 12              # maps and lists within each other (a sample: 4 — probes.gpu.gpus[].field)
@@ -103,20 +103,16 @@ def value(v: Any, where: str, depth: int = 0) -> None:
     raise MalformedFrame(f"{where}: a value of type {type(v).__name__}")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_num(v: Any) -> bool:
     return is_number(v)
 
 
 _TYPE_OK: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int,
+    "int": is_int,
     "float": _is_num,
     "bool": lambda v: isinstance(v, bool),
     "str": lambda v: isinstance(v, str),
-    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "list[int]": lambda v: isinstance(v, list) and all(is_int(x) for x in v),
     "list[float]": lambda v: isinstance(v, list) and all(_is_num(x) for x in v),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "list[map]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
@@ -163,7 +159,7 @@ def _check(f: Any, declared: dict | None) -> dict:
     if "run" in f:
         _name(f["run"], "frame field 'run'")
     seq, t, dt = f.get("seq"), f.get("t"), f.get("dt")
-    if not _is_int(seq) or seq < 0:
+    if not is_int(seq) or seq < 0:
         raise MalformedFrame("frame field 'seq': expected an integer ≥ 0")
     if not _is_num(t) or not T_MIN <= t <= T_MAX:
         raise MalformedFrame("frame field 't': expected a UNIX time between 2000 and 2200")
@@ -189,7 +185,7 @@ def _heartbeat(f: dict) -> None:
     interval, jobs, stopping = f.get("interval"), f.get("jobs"), f.get("stopping", False)
     if not _is_num(interval) or not 0 < interval <= 3600:
         raise MalformedFrame("heartbeat field 'interval': expected seconds, more than 0 and at most 3600")
-    if not _is_int(jobs) or jobs < 0:
+    if not is_int(jobs) or jobs < 0:
         raise MalformedFrame("heartbeat field 'jobs': expected an integer ≥ 0")
     if not isinstance(stopping, bool):
         raise MalformedFrame("heartbeat field 'stopping': expected a bool")

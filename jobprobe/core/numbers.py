@@ -13,6 +13,11 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def is_int(v: Any) -> bool:
+    """An int, not a bool."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def is_finite(v: Any) -> bool:
     """A number that is neither NaN nor infinite."""
     return is_number(v) and math.isfinite(v)

@@ -13,21 +13,19 @@ from typing import Any
 from jobprobe.core.errors import BadInput
 
 
-def read(path: str | Path, what: str, shown: str | Path | None = None) -> tuple[str, dict[str, Any]]:
-    """The file's text and its table; `what` names the kind of file in an error ("rules", "prices"), `shown` the
-    file (default: `path`)."""
-    shown = path if shown is None else shown
+def read(path: str | Path, what: str) -> tuple[str, dict[str, Any]]:
+    """The file's text and its table; `what` names the kind of file in an error ("rules", "prices")."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise BadInput(f"{what} {shown} does not exist") from None
+        raise BadInput(f"{what} {path} does not exist") from None
     except UnicodeDecodeError as err:
-        raise BadInput(f"{what} {shown}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        raise BadInput(f"{what} {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except (OSError, ValueError) as err:          # (ValueError: a path with a NUL in it)
-        raise BadInput(f"{what} {shown}: {getattr(err, 'strerror', None) or err}") from None
+        raise BadInput(f"{what} {path}: {getattr(err, 'strerror', None) or err}") from None
     try:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         m = re.search(r"\(at line (\d+)", str(err))
         why = str(err).split(" (at ")[0]
-        raise BadInput(f"{what} {shown} line {m.group(1)}: {why}" if m else f"{what} {shown}: {why}") from None
+        raise BadInput(f"{what} {path} line {m.group(1)}: {why}" if m else f"{what} {path}: {why}") from None

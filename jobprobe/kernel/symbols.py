@@ -5,8 +5,9 @@ What: KernelSymbols reads /proc/kallsyms once (text symbols, sorted) and names a
   UserSymbols takes a process's maps text (read while it lived) and names an address "function+0xOFF (file)" from
   the exported functions of the file mapped there (jobprobe/kernel/elf.py), or "file+0xOFF" where the file exports
   nothing before it. The file is read under the process's root (/proc/PID/root: a container's own files); once the
-  process has ended, at the same path here only if it is the file the maps named (same device and inode). A name is the nearest symbol at or below: a static function shows as the exported one before
-  it, with its offset (no .symtab is read: production binaries are stripped).
+  process has ended, at the same path here only if it is the file the maps named (same device and inode). A name
+  is the nearest symbol at or below: a static function shows as the exported one before it, with its offset (no
+  .symtab is read: production binaries are stripped).
 Hooks: none; file reads. Oldest kernel: any (kallsyms addresses need root under kptr_restrict). Cost: kallsyms
   parse ~0.2-0.4 s and ~10 MB while a window's stacks are named (built per window, then dropped); one .dynsym read
   per mapped file named.
