@@ -25,19 +25,20 @@ OPTIONS = {
 FLAGS = {"query": ["--summary"]}
 
 
-def ends_in_output_or_one_error(cmd: str, argv: list[str]) -> None:
-    """main(argv) in this process: exit 0, or 2 with one error line (or argparse's usage); never a traceback."""
+def ends_in_output_or_one_error(argv: list[str]) -> int:
+    """main(argv) in this process: exit 0, or 2 with one error line (or argparse's usage); never a traceback. Its
+    exit code."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(argv)
         except SystemExit as e:                       # argparse: its usage and the error
             code = e.code
-    event(f"{cmd} exit {code}")
     assert code in (0, 2), (argv, code, err.getvalue()[-400:])
     assert "Traceback" not in err.getvalue(), (argv, err.getvalue()[-600:])
     if code == 2 and err.getvalue().startswith("jobprobe: error:"):
         assert err.getvalue().count("\n") == 1, (argv, err.getvalue())
+    return code
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_the_read_commands_end_in_output_or_one_error_never_a_traceback(place, d
     if cmd == "read" or cmd in ("summary", "report") and "--store" not in opts:
         argv += data.draw(st.one_of(st.just([frames]), st.lists(value(place), max_size=2)))     # FILE…
     monkeypatch.chdir(place)                          # report's default out file lands here
-    ends_in_output_or_one_error(cmd, argv)
+    event(f"{cmd} exit {ends_in_output_or_one_error(argv)}")
 
 
 # ---- the commands that ask the node's agent (attach, detach, status, probes, trace), against a real agent's control
@@ -139,6 +140,13 @@ def test_the_agents_commands_end_in_output_or_one_error_never_a_traceback(agent_
     argv = [cmd] + [x for o, v in opts.items() for x in (o, v)]
     if cmd == "detach":
         argv.append(data.draw(st.one_of(st.sampled_from(["k", "nope"]), node_value())))
-    ends_in_output_or_one_error(cmd, argv)
+    event(f"{cmd} exit {ends_in_output_or_one_error(argv)}")
     for job in set(agent.jobs) - {"j"}:               # what an example attached is let go before the next one
         agent.detach(job)
+
+
+def test_a_cost_summary_of_a_file_that_is_not_a_store_is_one_error(place):
+    """Found by the property test above: `query --summary` read a file that is not a store into an sqlite3
+    traceback."""
+    assert ends_in_output_or_one_error(["query", "--store", "/dev/null", "--job", "jb", "--summary"]) == 2
+    assert ends_in_output_or_one_error(["query", "--store", str(place / "frames.mpk"), "--job", "jb", "--summary"]) == 2

@@ -198,7 +198,10 @@ def cmd_query(args) -> int:
         from jobprobe.cluster import cost
         if not args.job:
             raise BadInput("--summary needs --job ID")
-        s = cost.summary(store, args.job, cost.load(args.prices) if args.prices else None)
+        try:
+            s = cost.summary(store, args.job, cost.load(args.prices) if args.prices else None)
+        except sqlite3.Error as err:          # a file that is not a store
+            raise BadInput(f"query: {err}") from None
         print(json.dumps(s, indent=1) if args.format == "jsonl" else cost.text(s))
         return 0
     try:
