@@ -809,7 +809,8 @@ def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before
           f"{len({c for c in callers if c[0] == 'g'})} of 200 g_i named")
     assert dropped == 0 and lost == [], (len(lost), lost[:3])
     assert all("do_nanosleep" in " ".join(e["args"]["kernel_stack"]) for e in sleeps)
-    # each of the 200 once, from its own caller (a nap of the flood over 1 ms — late off the run queue — is
-    # recorded too, from its own f_i)
+    # each of the 200 once, from its own caller; a nap of the flood recorded too (over the threshold: late off the
+    # run queue — 97 of 3000 beside phase 1's tests once) is from its own f_i, and lasted the threshold or more
     assert sorted(c for c in callers if c[0] == "g") == sorted(f"g{i}" for i in range(200))
-    assert all(c[0] == "f" for c in callers if c[0] != "g") and len(callers) <= 200 + 30, callers
+    assert all(c[0] == "f" for c in callers if c[0] != "g"), callers
+    assert all(e["dur"] >= 1000 for e in sleeps), sorted(e["dur"] for e in sleeps)[:5]
