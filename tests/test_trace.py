@@ -493,9 +493,11 @@ def test_gpu_idle_while_the_cpu_is_busy_fires_and_its_trace_has_each_cuda_call(t
     calls = [(us(int(a)), us(int(b))) for a, b in (ln.split() for ln in (tmp_path / "calls").read_text().splitlines())]
     launches = sorted(e["ts"] for e in ev if e.get("cat") == "cuda" and e["name"] == "cudaLaunchKernel")
     assert all(e["tid"] >= 20_000_000 for e in ev if e.get("cat") == "cuda")
-    # Inside the span (20 ms in from each edge: the switch on and off), the job's launches and the trace's agree.
+    # Inside the span (20 ms in from each edge: the switch on and off), the job's launches and the trace's agree:
+    # the calls wholly inside it, and the trace's launches from the first such call's start to the last one's end
+    # (a launch read by the span's edge, not the calls', would count a call that straddles that edge).
     inner = [c for c in calls if on + 20_000 <= c[0] and c[1] <= off - 20_000]
-    seen = [t for t in launches if on + 20_000 <= t <= off - 20_000]
+    seen = [t for t in launches if inner and inner[0][0] <= t <= inner[-1][1]]
     print(f"gpu idle, cpu busy: {len(calls)} launches by the job, {len(inner)} inside the window's kernel span, "
           f"{len(seen)} in the trace there; evidence {fired[0]['evidence']}")
     assert len(inner) >= 10 and len(seen) == len(inner), (len(seen), len(inner))
