@@ -35,7 +35,7 @@ def image(tmp_path_factory):
     """(root filesystem, entrypoint): the Containerfile's steps over the wheels `make wheels` made of this checkout."""
     base = tmp_path_factory.mktemp("image")
     dist = base / "dist"
-    make("wheels", dist)
+    make("wheels", dist, tmp_path_factory)
     context = base / "context"              # the build context: the checkout, with that dist/ in it
     (context / "scripts").mkdir(parents=True)
     shutil.copy2(REPO / "scripts/image-install.sh", context / "scripts")

@@ -42,19 +42,31 @@ def requires() -> set[str]:
             if r.strip()}
 
 
-def make(target: str, out: Path) -> None:
-    """`make TARGET DIST=OUT` in the checkout, one at a time (each build writes the checkout's egg-info and the
-    first one makes .build-venv: two test files building at once on two workers would race)."""
+def make(target: str, out: Path, factory: pytest.TempPathFactory) -> None:
+    """What `make TARGET DIST=OUT` in the checkout makes (`dist`: the sdist and the wheel; `wheels`: those and
+    wheels/), built once per test run: `make wheels` (which makes `dist` first) into a directory every worker of the
+    run shares, then copied to OUT. One build at a time: each writes the checkout's egg-info, and the first one makes
+    .build-venv — two test files building at once on two workers would race. (Built once, not per file: 5 s of CPU.)"""
+    base = factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "dist-built"
     with open(REPO / ".build-venv.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(["make", "-s", "-C", str(REPO), target, f"DIST={out}"], check=True, timeout=600,
-                       capture_output=True)
+        if not (shared / "built").exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            subprocess.run(["make", "-s", "-C", str(REPO), "wheels", f"DIST={shared}"], check=True, timeout=600,
+                           capture_output=True)
+            (shared / "built").touch()
+    out.mkdir(parents=True, exist_ok=True)
+    for built in shared.glob("jobprobe-*"):
+        shutil.copy2(built, out)
+    if target == "wheels":
+        shutil.copytree(shared / "wheels", out / "wheels")
 
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    make("dist", out)
+    make("dist", out, tmp_path_factory)
     return out
 
 
