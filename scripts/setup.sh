@@ -39,40 +39,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 link_bcc .venv/bin/python
 stamp=.venv/.jobprobe-installed
-# pip compiles nothing (--no-compile): it would compile each installed file on one CPU (16 s of a fresh setup's 40
-# for torch, sympy and networkx alone, most of which no process here imports); what the tests and jobs import is
-# compiled below, on every CPU, once something was installed
-installed=0
-torch_pkg=()
-if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then torch_pkg=(torch==2.13.0); fi
-pipi() { .venv/bin/python -m pip install -q --disable-pip-version-check --no-compile "$@"; }
 if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  log "pip install -e .[$EXTRAS] ${torch_pkg[*]}"
-  # one resolver run for both; torch is best effort (the reference job falls back to NumPy without it)
-  if ! pipi -e ".[$EXTRAS]" "${torch_pkg[@]}"; then
-    [ ${#torch_pkg[@]} = 0 ] && exit 1
-    log "torch not installable here"
-    pipi -e ".[$EXTRAS]"
-  fi
+  log "pip install -e .[$EXTRAS]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$EXTRAS]"
   touch "$stamp"
-  installed=1
-elif [ ${#torch_pkg[@]} != 0 ]; then
-  log "pip install ${torch_pkg[*]} (CPU; the reference job falls back to NumPy if this fails)"
-  pipi "${torch_pkg[@]}" || log "torch not installable here"
-  installed=1
 fi
-if [ "$installed" = 1 ]; then
-  # the site's packages, bar the big ones imported in part or not at all (torch and its dependencies, pip's own),
-  # on every CPU; beside it, torch compiled as far as the jobs here import it (a process that imports more
-  # compiles that once: the suite runs with bytecode written, scripts/test.sh)
-  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  .venv/bin/python -m compileall -q -j 0 \
-    -x "/(torch|functorch|torchgen|sympy|networkx|mpmath|pip|setuptools|fontTools|pygments)/" "$site" >/dev/null &
-  if .venv/bin/python -c 'import importlib.util as u; exit(u.find_spec("torch") is None)'; then
-    env -u PYTHONDONTWRITEBYTECODE .venv/bin/python -c \
-      'import torch, torch.distributed, torch.nn.parallel, torch.nn' || log "torch does not import"
-  fi
-  wait $! || log "compileall: some installed module does not compile"
+if [ "$want_torch" = 1 ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  log "pip install torch==2.13.0 (CPU; the reference job falls back to NumPy if this fails)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 || log "torch not installable here"
 fi
 .venv/bin/python -c 'import bcc' || { log "bcc does not import in .venv"; exit 1; }
 # the project's own modules byte-compiled once (pip compiles what it installs, not an editable source tree): where
