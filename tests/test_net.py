@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import until
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.host import Host
@@ -327,8 +328,12 @@ def test_busy_senders_outside_the_job_are_counted_by_none(probe, make_cgroup, ne
     net.start(net.b, "tcp_sink", 5003, 0, ready=True)
     net.start(net.b, "tcp_sink", 6003, 0, ready=True)
     net.start(net.b, "udp_echo", 6004, 10, ready=True)
+    before = net.veth_a()["tx_bytes"]
     net.start(net.a, "tcp_flood", ADDR_B, 6003)
     net.start(net.a, "udp_flood", ADDR_B, 6004, 500)
+    # the neighbours flooding before the job starts (started and not waited for, beside phase 1's load they had
+    # sent 8 kB by the job's end once: the job's 4 MiB take milliseconds)
+    until(lambda: net.veth_a()["tx_bytes"] - before > 3 * (4 << 20), 30, "the neighbours to flood")
     proc = start_job(probe, net, kind, cg, "tcp_send", ADDR_B, 5003, 4 << 20)
     job = result(proc)
     s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
