@@ -94,6 +94,10 @@ def named_cases() -> list[tuple[str, bytes]]:
         "labels not strings": encode({**sample(), "labels": {"user": 5}}),
         "an ext type": msgpack.packb(msgpack.ExtType(5, b"x" * 100)),
         "status not strings": encode({**sample(), "status": {"cgroup": [1]}}),
+        "read_dt not seconds": encode({**sample(), "read_dt": {"cgroup": "1.0"}}),
+        "read_dt NaN": encode({**sample(), "read_dt": {"sched": float("nan")}}),
+        "read_dt below 0": encode({**sample(), "read_dt": {"sched": -1.0}}),
+        "read_dt a list": encode({**sample(), "read_dt": [1.0]}),
         "a map as a map's key": b"\x81\x81\xa1a\x01\x02",     # packed by hand: unhashable where it is read
     }
     return list(cases.items())

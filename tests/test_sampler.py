@@ -3,6 +3,8 @@ failure isolation, status reporting, scheduling without drift, the last partial 
 
 import time
 
+import pytest
+
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
 from jobprobe.core.frame import decode, encode
@@ -136,6 +138,35 @@ def test_dt_is_measured_not_assumed():
     s.start()
     s.run(duration=2.5)
     assert [f["dt"] for f in rec.frames[1:]] == [1.0, 1.0, 0.5]
+
+
+class SlowOnSecondFake(CountingFake):
+    """Its second read takes 30 ms of the (fake) clock: the probe sampled after it in that tick reads late."""
+    name = "slowfake"
+    clock = None
+
+    def sample(self):
+        out = super().sample()
+        if self.n == 2:
+            self.clock.now += 0.03
+        return out
+
+
+def test_each_probe_says_the_interval_its_own_counters_cover():
+    """The tick's dt runs from one tick's start to the next; a probe sampled 30 ms into a tick (the one before it
+    slow) has counters that cover 1.03 s there and 0.97 s in the tick after: `read_dt` says so, per probe, from its
+    second read on (timeuse takes its rates over it: a one-thread job read 1.008 s of CPU and wait in a 0.975 s
+    tick)."""
+    slow, after = SlowOnSecondFake(), CountingFake()
+    s, rec = make([slow, after], target=FakeTarget(ticks_alive=4))
+    slow.clock = s.clock
+    s.start()
+    s.run()
+    samples = rec.frames[1:]
+    assert [f["dt"] for f in samples[:3]] == [1.0, 1.0, 1.0]
+    assert "read_dt" not in samples[0]
+    assert samples[1]["read_dt"] == {"slowfake": pytest.approx(1.0), "countfake": pytest.approx(1.03)}
+    assert samples[2]["read_dt"] == {"slowfake": pytest.approx(1.0), "countfake": pytest.approx(0.97)}
 
 
 class EventFake(CountingFake):

@@ -212,6 +212,26 @@ def test_one_interval_read_a_few_ms_late_does_not_set_the_steady_pace():
     assert d["buckets"]["other"] < 0.01 * d["wall_s"], d["buckets"]
 
 
+def test_rates_over_each_probes_own_read_interval_leave_nothing_to_other():
+    """A CI run's frames of a one-thread job beside a hog: the thread on its CPU or waiting for it the whole time,
+    its probes read on time, but four of 23 ticks started 25 ms after the counters were read in the tick before
+    (the sampler's thread preempted between its clock and its reads): dt 0.975 s there, and the counters 1.0 s —
+    1.026 s of the thread's time per second of dt. Taken over dt, the steady pace was 1.028 cores and every interval
+    left ~0.03 s to `other` (0.54 s in all); over each probe's `read_dt`, 1 core and nothing."""
+    frames = []
+    for i in range(23):
+        dt = 0.975 if i in (5, 9, 13, 17) else 1.025 if i in (6, 10, 14, 18) else 1.0
+        f = sample(i + 1, 0.1, sched_runq_lat_ns=0.9e9, sched_offcpu_ns=0.9e9)
+        f["probes"]["cgroup"]["cpu_user_ns"] = int(0.1e9)
+        f["dt"], f["read_dt"] = dt, {"cgroup": 1.0, "sched": 1.0}
+        frames.append(f)
+    d = decompose(frames)
+    assert d["pace"]["steady"] == pytest.approx(1.0, abs=1e-6)
+    # the first interval is startup's; in each later one the thread computed 0.1 of dt and waited 0.9 for its CPU
+    assert d["buckets"]["other"] < 1e-6, d["buckets"]
+    assert d["buckets"]["starved"] == pytest.approx(0.9 * sum(f["dt"] for f in frames[1:])), d["buckets"]
+
+
 def test_a_jobs_own_threads_beyond_its_cpus_are_not_starved():
     """Four busy threads on the 2 CPUs the job may use (cpuset): 2 cores of CPU and 2 s/s waiting, each thread for
     the others. No more than its CPUs is wanted: its steady pace is 2, nothing is starved. With a CPU limit of 2.5

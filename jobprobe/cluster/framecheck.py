@@ -197,6 +197,10 @@ def _sample(f: dict, declared: dict | None) -> None:
         raise MalformedFrame("sample field 'probes': expected a map of probe → fields")
     if not isinstance(status, dict) or not all(isinstance(v, str) for v in status.values()):
         raise MalformedFrame("sample field 'status': expected a map of probe → string")
+    reads = f.get("read_dt", {})
+    if not isinstance(reads, dict) or not all(isinstance(k, str) and _is_num(v) and 0 <= v <= 86400
+                                              for k, v in reads.items()):
+        raise MalformedFrame("sample field 'read_dt': expected a map of probe → seconds from 0 to a day")
     known = known_fields()
     for probe, fields in probes.items():
         if not isinstance(fields, dict):

@@ -52,7 +52,10 @@ class FrameBuilder:
     def hello(self, **body: Any) -> dict:
         return self._frame("hello", time.time(), 0.0, **body)
 
-    def sample(self, t: float, dt: float, probes: dict, status: dict) -> dict:
+    def sample(self, t: float, dt: float, probes: dict, status: dict, read_dt: dict | None = None) -> dict:
+        """read_dt: probe → seconds its counters cover (its last read to this one), where that is known."""
+        if read_dt:
+            return self._frame("sample", t, dt, probes=probes, status=status, read_dt=read_dt)
         return self._frame("sample", t, dt, probes=probes, status=status)
 
     def trace(self, t: float, **body: Any) -> dict:

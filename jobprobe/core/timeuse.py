@@ -93,12 +93,13 @@ class Tick:
         cg, sc, pr = p.get("cgroup", {}), p.get("sched", {}), p.get("pressure", {})
         u, s = num(cg, "cpu_user_ns"), num(cg, "cpu_system_ns")
         cpu = max(u or 0.0, 0.0) + max(s or 0.0, 0.0) if u is not None or s is not None else None
-        self.cores = (cpu / 1e9 / self.dt if self.dt > 0 else 0.0) if cpu is not None else None
+        dcg, dsc = self.read_dt(frame, "cgroup"), self.read_dt(frame, "sched")
+        self.cores = (cpu / 1e9 / dcg if self.dt > 0 else 0.0) if cpu is not None else None
         # the helper processes' share of it (DataLoader workers: cgroup.helper_cpu_*), where the frames have it
         hu, hs = (max(0.0, num(cg, f"helper_cpu_{m}_ns") or 0.0) for m in ("user", "system"))
         self.helper = (hu, hs) if cpu is not None and isinstance(cg, dict) and \
             ("helper_cpu_user_ns" in cg or "helper_cpu_system_ns" in cg) else None
-        self.lead = max(0.0, self.cores - (hu + hs) / 1e9 / self.dt) if self.helper and self.dt > 0 else self.cores
+        self.lead = max(0.0, self.cores - (hu + hs) / 1e9 / dcg) if self.helper and self.dt > 0 else self.cores
         self.busy = _gpu_busy(p.get("gpu"))
         self.pace = self.busy if by == "gpu_busy" else self.cores
         gpu = p.get("gpu") if isinstance(p.get("gpu"), dict) else {}
@@ -110,7 +111,7 @@ class Tick:
         self.cpus = num(cg, "cpus_online")     # the node's: the most a job with no limit or cpuset can use
         # the threads' wait for a CPU, in cores (thread-seconds per second): a CPU job wanted to compute then
         rq = num(sc, "runq_lat_ns")
-        self.runq = max(0.0, rq) / 1e9 / self.dt if rq is not None and self.dt > 0 and by != "gpu_busy" else 0.0
+        self.runq = max(0.0, rq) / 1e9 / dsc if rq is not None and self.dt > 0 and by != "gpu_busy" else 0.0
         self.want = self.wanted()
         self.fig: dict[str, float] = {}
         for name, d in (("sched", sc), ("cgroup", cg), ("pressure", pr)):
@@ -123,6 +124,14 @@ class Tick:
         # which is the starved bucket's, not a wait of theirs: the rest is what they spent blocked
         if "sched.offcpu_ns" in self.fig:
             self.fig["sched.offcpu_ns"] = max(0.0, self.fig["sched.offcpu_ns"] - self.fig.get("sched.runq_lat_ns", 0.0))
+
+    def read_dt(self, frame: dict, probe: str) -> float:
+        """The seconds the probe's counters cover (`read_dt`: its last read to this one), where the frame says so
+        and it is within half and twice dt; else dt. A tick whose probes were read late covers more than its dt:
+        its rates over dt read high (a one-thread job's CPU and wait for a CPU 1.008 s in a 0.975 s interval)."""
+        rd = frame.get("read_dt")
+        v = num(rd, probe) if isinstance(rd, dict) else None
+        return v if v is not None and 0.5 * self.dt <= v <= 2 * self.dt else self.dt
 
     def wanted(self) -> float | None:
         """The pace the job would have had without its wait for a CPU: its pace and that wait, up to the CPUs it

@@ -46,6 +46,7 @@ class Sampler:
         self.stop_event = threading.Event()
         self.end_reason: str | None = None
         self._last = 0.0
+        self._read_at: dict[str, float] = {}     # each probe's last sample() call (the clock)
         self.trace_dir = trace_dir
         self.tracer = None          # deep-trace windows (jobprobe/node/tracewin.py): made at the first one
         self.window_probes = list(window_probes)
@@ -258,6 +259,7 @@ class Sampler:
 
     def _stop_probe(self, name: str) -> None:
         probe = self.running.pop(name, None)
+        self._read_at.pop(name, None)
         if probe is not None:
             self._stop_quietly(probe)
 
@@ -279,9 +281,16 @@ class Sampler:
         stacks: list[dict] = []
         if self._window_starting:
             self._window_join()
+        reads = {}
         for name, probe in list(self.running.items()):
             try:
+                # its counters' own interval, from its last read to this one: a probe read late in a tick (the
+                # tick's thread preempted, the probes before it slow) covers more than the tick's dt
+                at = self.clock()
                 values[name] = probe.sample()
+                if name in self._read_at:
+                    reads[name] = round(at - self._read_at[name], 6)
+                self._read_at[name] = at
                 self._note(name, probe)
                 # Things that happened once (an OOM kill, a GPU XID error) travel as event frames of their own.
                 for ev in values[name].pop(EVENTS_KEY, None) or ():
@@ -295,7 +304,7 @@ class Sampler:
                 log.warning("probe %s failed: %s", name, err)
                 self.status[name] = f"failed: {_reason(err)}"
                 self._stop_probe(name)
-        frame = self.builder.sample(t, dt, values, dict(self.status))
+        frame = self.builder.sample(t, dt, values, dict(self.status), reads)
         self._emit(frame)
         if self.ruleset is not None:           # rules over the job's recent frames: fired and ended as events
             for ev in self.ruleset.feed(frame):
