@@ -138,7 +138,7 @@ def burn_script(jobs: Path, seconds: float, after: str = "") -> str:
         f"{PYTHON} {jobs}/workloads.py burncpu {seconds}; {after}"
 
 
-def said(cluster, agent, frames: list[dict]) -> dict:
+def said(cluster, frames: list[dict]) -> dict:
     """What a failed CPU check prints: each sample's interval, CPU, processes and threads gone uncounted, the
     target, the prolog's runs and the agent's log."""
     hello = next((f for f in frames if f["kind"] == "hello"), {})
@@ -224,7 +224,7 @@ def test_an_array_job_each_task_its_own_job(site):
         frames = agent.frames(job)
         seen = cpu(frames)
         assert abs(seen - own) <= 40e6 + 0.02 * own, str(dict(task=task, own=own, seen=seen,
-                                                             **said(cluster, agent, frames)))
+                                                             **said(cluster, frames)))
         assert hello["labels"]["slurm_job_id"] == job
 
 
@@ -237,7 +237,7 @@ def test_a_job_that_fails_is_probed_and_let_go(site):
     own = int((jobs / "fails.out").read_text().split("cpu_ns=")[1].split()[0])
     frames = agent.frames(job)
     assert abs(cpu(frames) - own) <= 40e6 + 0.02 * own, str(dict(own=own, seen=cpu(frames),
-                                                                 **said(cluster, agent, frames)))
+                                                                 **said(cluster, frames)))
     assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
 
 

@@ -54,9 +54,7 @@ class FrameBuilder:
 
     def sample(self, t: float, dt: float, probes: dict, status: dict, read_dt: dict | None = None) -> dict:
         """read_dt: probe → seconds its counters cover (its last read to this one), where that is known."""
-        if read_dt:
-            return self._frame("sample", t, dt, probes=probes, status=status, read_dt=read_dt)
-        return self._frame("sample", t, dt, probes=probes, status=status)
+        return self._frame("sample", t, dt, probes=probes, status=status, **({"read_dt": read_dt} if read_dt else {}))
 
     def trace(self, t: float, **body: Any) -> dict:
         return self._frame("trace", t, 0.0, **body)
