@@ -40,6 +40,7 @@ from jobprobe.core.errors import BadInput
 from jobprobe.core.wire import frames_subject, host_port
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.cluster.store import Store
+from jobprobe.cluster.summary import job_frames, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
@@ -57,7 +58,7 @@ def sample(node: str = "n1", seq: int = 1, **probes) -> dict:
                  "tcp_tx_packets": 10},
          "energy": {"cpu_energy_j": 1.5}}
     p.update(probes)
-    return b.sample(T0 + seq, 1.0, p, {k: "ok" for k in p})
+    return b.sample(T0 + seq, 1.0, p, {k: "ok" for k in p}, read_dt={k: 1.0 for k in p})    # (mutated too)
 
 
 def nested(depth: int) -> dict:
@@ -108,11 +109,12 @@ def msg(data: bytes, node: str = "n1") -> SimpleNamespace:
 
 
 def answers(store_path: Path) -> None:
-    """`controller stats` and `query` still answer over the whole store."""
+    """`controller stats`, `query` and `summary` still answer over the whole store."""
     ro = Store(store_path, readonly=True)
     try:
         s = stats(ro)
         json.dumps(s, allow_nan=False)
+        json.dumps(summarize(job_frames(ro, "j")), allow_nan=False)
         cols, rows = ro.field("j", "cgroup.cpu_user_ns")
         assert all(isinstance(r[-1], (int, float, type(None))) for r in rows)
         ro.sql("SELECT json_extract(body, '$.probes') FROM frames")
