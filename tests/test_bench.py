@@ -129,6 +129,7 @@ def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
     j, n = res["jobprobe"], res["node_exporter"]
     assert 1.2 < res["seconds"] < 10
     assert abs(n["scrapes"] - res["seconds"] / 0.25) <= 2          # one scrape per interval
+    assert n["failed_scrapes"] == 0     # (one cut short as the peer stopped, a thread's exception, before the join)
     assert n["scraped_bps"] > 1000 and n["peak_bytes"] > 1 << 20 and n["cores"] > 0
     assert 0 <= j["cores"] < 0.5 and j["peak_bytes"] > 5 << 20 and j["written_bps"] > 0
     assert "| node_exporter, scraped every 0.25 s |" in peers_md(res)

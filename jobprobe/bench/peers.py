@@ -6,6 +6,7 @@ run), their memory from VmRSS / VmHWM. Both run at once, so both see the same jo
 """
 from __future__ import annotations
 
+import http.client
 import shutil
 import signal
 import subprocess
@@ -39,11 +40,12 @@ def proc_mem(pid: int) -> tuple[int, int]:
 
 
 class Scraper(threading.Thread):
-    """Scrape a /metrics endpoint once per interval until stopped; count bytes received."""
+    """Scrape a /metrics endpoint once per interval until stopped; count bytes received, and the scrapes that
+    failed (refused, timed out, cut short)."""
 
     def __init__(self, url: str, interval: float):
         super().__init__(daemon=True)
-        self.url, self.interval, self.bytes, self.scrapes = url, interval, 0, 0
+        self.url, self.interval, self.bytes, self.scrapes, self.failed = url, interval, 0, 0, 0
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -53,8 +55,8 @@ class Scraper(threading.Thread):
                 with urllib.request.urlopen(self.url, timeout=5) as r:
                     self.bytes += len(r.read())
                     self.scrapes += 1
-            except OSError:
-                pass
+            except (OSError, http.client.HTTPException):
+                self.failed += 1
             nxt += self.interval
             self.stop_event.wait(max(0.0, nxt - time.monotonic()))
 
@@ -105,6 +107,7 @@ def _run_peers(cmd: list[str], interval: float, workdir: Path, exe: str, jobprob
             time.sleep(0.2)
         secs = time.monotonic() - t0
         scraper.stop_event.set()
+        scraper.join(10)             # its last scrape done before the peer stops (else cut short: a failure)
         peer_cpu = proc_cpu_s(peer.pid)
         _, peer_hwm = proc_mem(peer.pid)
     finally:
@@ -117,7 +120,8 @@ def _run_peers(cmd: list[str], interval: float, workdir: Path, exe: str, jobprob
         "jobprobe": {"cores": (agent_cpu - cpu0[agent.pid]) / secs, "cores_self_probe_median": own["cores"],
                      "peak_bytes": max(peak_rss[agent.pid], own["peak_bytes"]), "written_bps": own["written_bps"]},
         "node_exporter": {"cores": (peer_cpu - cpu0[peer.pid]) / secs, "peak_bytes": peer_hwm,
-                          "scraped_bps": scraper.bytes / secs, "scrapes": scraper.scrapes},
+                          "scraped_bps": scraper.bytes / secs, "scrapes": scraper.scrapes,
+                          "failed_scrapes": scraper.failed},
     }
 
 
@@ -130,4 +134,6 @@ def markdown(res: dict) -> str:
         f"| jobprobe, standard collection | {j['cores']:.4f} cores | {j['peak_bytes'] / (1 << 20):.0f} MiB | "
         f"{j['written_bps'] / 1024:.2f} KiB/s written |",
         f"| node_exporter, scraped every {res['interval']:g} s | {n['cores']:.4f} cores | "
-        f"{n['peak_bytes'] / (1 << 20):.0f} MiB | {n['scraped_bps'] / 1024:.1f} KiB/s scraped |"])
+        f"{n['peak_bytes'] / (1 << 20):.0f} MiB | {n['scraped_bps'] / 1024:.1f} KiB/s scraped |"]
+        + (["", f"{n['failed_scrapes']} of {n['scrapes'] + n['failed_scrapes']} scrapes failed (not counted)."]
+           if n.get("failed_scrapes") else []))
