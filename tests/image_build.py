@@ -38,10 +38,12 @@ def steps(containerfile: Path) -> list[Step]:
     return out
 
 
-def digest(files: list[Path]) -> str:
+def digest(files: list[Path], context: Path) -> str:
+    """The files' names in the build context and their bytes (not where the context is: the tests build theirs in
+    a fresh temporary directory each run, and a key with its path in it never matched)."""
     h = hashlib.sha256()
     for f in sorted(files):
-        h.update(str(f).encode() + b"\0" + f.read_bytes())
+        h.update(str(f.relative_to(context)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 
@@ -104,7 +106,7 @@ def build(containerfile: Path, context: Path, root: Path) -> list[str]:
     cut = next((i for i, s in enumerate(todo) if s.op == "COPY" and any(
         a.startswith("dist/") for a in shlex.split(s.arg)[:-1])), len(todo))
     h = hashlib.sha256(json.dumps([(s.op, s.arg) for s in todo[:cut]]).encode())
-    h.update(digest([p for s in todo[:cut] if s.op == "COPY" for p in sources(s, context)]).encode())
+    h.update(digest([p for s in todo[:cut] if s.op == "COPY" for p in sources(s, context)], context).encode())
     base = CACHE / f"image-{h.hexdigest()[:16]}"
     if not base.is_dir():
         CACHE.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import until, workload
-from image_build import build
+from image_build import build, digest
 from jobprobe.core.frame import StreamReader
 from jobprobe.exporters.file import job_path
 from test_install import AGENT_DISTS, dists, make
@@ -45,6 +45,20 @@ def image(tmp_path_factory):
     entry = build(REPO / "Containerfile", context, root)
     yield root, entry
     subprocess.run(["rm", "-rf", "--one-file-system", str(root)], timeout=300)
+
+
+def test_the_cached_layers_key_is_the_contexts_files_not_where_the_context_is(tmp_path):
+    """The steps before the wheel are cached per machine under a key of what they read: the same files in two
+    build contexts (each test run builds its own in a fresh temporary directory) give one key, a byte or a name
+    changed another (the key once held the context's path: no run ever found the last one's layers)."""
+    def context(at: Path, name: str = "image-install.sh", body: bytes = b"#!/bin/sh\n") -> list[Path]:
+        (at / "scripts").mkdir(parents=True)
+        (at / "scripts" / name).write_bytes(body)
+        return [at / "scripts" / name]
+    key = digest(context(tmp_path / "a"), tmp_path / "a")
+    assert digest(context(tmp_path / "b"), tmp_path / "b") == key
+    assert digest(context(tmp_path / "c", body=b"#!/bin/sh \n"), tmp_path / "c") != key
+    assert digest(context(tmp_path / "d", name="install.sh"), tmp_path / "d") != key
 
 
 def image_stubs(root: Path) -> Path:
