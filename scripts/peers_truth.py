@@ -27,7 +27,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from jobprobe.bench.ddpclock import lost_progress, more_blocked, progress  # noqa: E402
+from jobprobe.bench.ddpclock import lost_progress, lost_progress_band, more_blocked, progress  # noqa: E402
 from jobprobe.cluster import summary as S  # noqa: E402
 
 LIMITS = ((1, 3.0), (1, 7.0), (2, 11.0))    # (rank, seconds held after it was named)
@@ -75,7 +75,8 @@ def score(d: Path) -> list[dict]:
     clocks = [progress(d / f"rank{r}.log") for r in range(len(NODES))]
     out = []
     for p, (_, t0, t1) in zip(periods, limits):
-        lost = lost_progress([(t, k) for t, k, _ in clocks[0]], (t0, t1), (p["start"], min(p["end"], t1 + 2)))
+        steps, span = [(t, k) for t, k, _ in clocks[0]], (p["start"], min(p["end"], t1 + 2))
+        lost, band = lost_progress(steps, (t0, t1), span), lost_progress_band(steps, (t0, t1), span)
         for r, n in enumerate(NODES):
             if n == p["node"]:
                 continue
@@ -83,7 +84,7 @@ def score(d: Path) -> list[dict]:
             w = sum(i["buckets"].get("waiting_for_peers", 0.0) for i in nodes[n]["intervals"]
                     if p["start"] <= i["t"] - i["dt"] / 2 <= p["end"])
             out.append({"run": d.name, "straggler": p["node"], "node": n, "episode_s": round(p["end"] - p["start"], 1),
-                        "bucket": w, "lost": lost, "own": own})
+                        "bucket": w, "lost": lost, "band": band, "own": own})
     return out
 
 
@@ -102,12 +103,16 @@ def main() -> int:
     rows = [r for d in dirs for r in score(d)]
     for r in rows:
         print(f"{r['run']} {r['straggler']} ({r['episode_s']} s): {r['node']} waiting_for_peers {r['bucket']:.2f} s; "
-              f"the job lost {r['lost']:.2f} s of progress ({r['bucket'] / r['lost']:.2f}x); its own time blocked in "
+              f"the job lost {r['lost']:.2f} s of progress ({r['bucket'] / r['lost']:.2f}x; "
+              f"{r['band'][0]:.2f}-{r['band'][1]:.2f} s by the pace before or after alone); its own time blocked in "
               f"collectives {r['own']:.2f} s ({r['bucket'] / r['own']:.2f}x)")
     x = [r["bucket"] / r["lost"] for r in rows]
     y = [r["bucket"] / r["own"] for r in rows]
+    near = sum(abs(v - 1) <= 0.1 for v in x)
+    banded = sum(0.9 * r["band"][0] <= r["bucket"] <= 1.1 * r["band"][1] for r in rows)
     print(f"{len(rows)} episodes x waiting ranks: against lost progress {min(x):.2f}-{max(x):.2f}x "
-          f"(median {np.median(x):.2f}), against their own blocked time {min(y):.2f}-{max(y):.2f}x")
+          f"(median {np.median(x):.2f}; {near} within 10%, {banded} within 10% of the band the pace before and "
+          f"after each give), against their own blocked time {min(y):.2f}-{max(y):.2f}x")
     return 0
 
 

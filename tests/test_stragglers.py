@@ -27,7 +27,7 @@ import pytest
 
 from conftest import until, wait_for
 from jobprobe.bench.ddp import PROBES, Cluster, DdpJob
-from jobprobe.bench.ddpclock import lost_progress, more_blocked
+from jobprobe.bench.ddpclock import lost_progress, lost_progress_band, more_blocked
 from test_nats import need_nats
 
 
@@ -77,6 +77,17 @@ def rate(ddp: DdpJob, since: int) -> float:
     """The job's step rate (rank 0's prints) after its `since`-th print."""
     r = ddp.rates(0)[since:]
     return sum(r) / len(r) if r else 0.0
+
+
+def test_the_lost_progress_reference_and_its_band():
+    """A job at 10 steps/s, then 5 steps/s while limited (20-30 s), 8 steps/s for the 2 s it takes to get back in
+    step, then 12 steps/s: 50 steps in the 10 s of the fault, which take 4.55 s at the mean of the paces around it
+    (11 steps/s: 5.45 s lost), 5 s at the pace before alone (5 s lost), 4.17 s at the pace after alone (5.83 s)."""
+    def done(t: float) -> float:
+        return sum(r * max(0.0, min(t, b) - a) for a, b, r in ((0, 20, 10), (20, 30, 5), (30, 32, 8), (32, 99, 12)))
+    steps = [(t / 4, done(t / 4)) for t in range(0, 200)]
+    assert lost_progress(steps, (20.0, 30.0), (20.0, 30.0)) == pytest.approx(10 - 50 / 11)
+    assert lost_progress_band(steps, (20.0, 30.0), (20.0, 30.0)) == (pytest.approx(5.0), pytest.approx(10 - 50 / 12))
 
 
 @pytest.mark.serial

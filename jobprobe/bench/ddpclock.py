@@ -28,9 +28,25 @@ def lost_progress(steps: list[tuple[float, float]], limited: tuple[float, float]
     length less the time its steps there take at the job's pace around the fault — the mean of its rates over the
     6 s before it (`limited`: from, to) and over 6 s from 2 s after it went (the pace drifts a few % a minute: a
     rate in step a minute earlier read 3-17% low)."""
+    before, after = _paces(steps, limited)
+    return _lost(steps, span, (before + after) / 2)
+
+
+def lost_progress_band(steps: list[tuple[float, float]], limited: tuple[float, float],
+                       span: tuple[float, float]) -> tuple[float, float]:
+    """lost_progress's own uncertainty: the progress lost against the pace before the fault alone and after it
+    alone, the smaller first (where the job's pace moved between the two, no single pace of reference is right)."""
+    lost = [_lost(steps, span, pace) for pace in _paces(steps, limited)]
+    return min(lost), max(lost)
+
+
+def _paces(steps: list[tuple[float, float]], limited: tuple[float, float]) -> tuple[float, float]:
     done = _over(steps)
-    pace = (done(limited[0] - 6.5, limited[0] - 0.5) + done(limited[1] + 2, limited[1] + 8)) / 12
-    return span[1] - span[0] - done(*span) / pace
+    return done(limited[0] - 6.5, limited[0] - 0.5) / 6, done(limited[1] + 2, limited[1] + 8) / 6
+
+
+def _lost(steps: list[tuple[float, float]], span: tuple[float, float], pace: float) -> float:
+    return span[1] - span[0] - _over(steps)(*span) / pace
 
 
 def more_blocked(clock: list[tuple[float, float]], usual: tuple[float, float], span: tuple[float, float]) -> float:
