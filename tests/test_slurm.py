@@ -20,6 +20,7 @@ import pytest
 
 from conftest import IS_ROOT, PREEMPT_SKEW_NS, steal_ns, workload, until as wait_for
 from jobprobe.core.errors import BadInput
+from jobprobe.kernel import procfs
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.node.targets.slurm import slurm_job_cgroup, slurm_target
@@ -92,6 +93,34 @@ def test_slurm_target_skips_listed_processes_that_have_exited(tmp_path):
     assert t.describe()["roots"] == [os.getpid()]
     with pytest.raises(BadInput, match="SLURM job 6 does not exist or has no processes"):
         slurm_target("6", mountinfo=str(tmp_path / "none"), scontrol=fake_listpids(tmp_path, "6", [4194303]))
+
+
+def test_a_listpids_answer_that_names_init_or_a_kernel_thread_is_not_the_jobs(tmp_path, monkeypatch, caplog):
+    """With proctrack/linuxproc listpids walks the tree down from the step's slurmstepd; as a batch script ends, the
+    real SLURM here once in six short jobs listed its task as PID -1 and then every process on the node, PID 1 and
+    the kernel threads among them (polled every ~20 ms through six jobs' lives) — whose whole lives' CPU counted as
+    the job's (637 s of a job that burned 1 s, test_slurm_agent, once). Such an answer is said and not used: at
+    attach (no job here), and when it comes later among a running job's new roots (the target keeps what it had).
+    A named fake scontrol gives that answer every time."""
+    import jobprobe.node.targets.slurm as slurm
+    kthread = next(p for p in map(int, filter(str.isdigit, os.listdir("/proc")))
+                   if (st := procfs.read_stat("/proc", p)) is not None and st.flags & slurm.PF_KTHREAD)
+    for pids in ([1, os.getpid()], [kthread, os.getpid()]):
+        with pytest.raises(BadInput, match="SLURM job 5 does not exist or has no processes"):
+            slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=fake_listpids(tmp_path, "5", pids))
+    assert "named 2 processes, PID 1 among them (init): not the job's" in caplog.text
+    assert f"PID {kthread} among them (a kernel thread)" in caplog.text
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        t = slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=fake_listpids(tmp_path, "5", [child.pid]))
+        assert t.pids() == [child.pid]
+        fake_listpids(tmp_path, "5", [1, kthread, child.pid, os.getpid()])     # the same scontrol, answering so
+        monkeypatch.setattr(slurm.time, "monotonic", lambda: 1e12)             # its 5 s between asks gone
+        t.refresh()
+        assert t.pids() == [child.pid] and t.steps() == ["batch"]
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.kernel

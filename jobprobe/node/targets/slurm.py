@@ -4,6 +4,7 @@ sit, else its process tree), the scontrol / squeue helpers (`scontrol listpids`,
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
@@ -16,6 +17,8 @@ from jobprobe.kernel import procfs
 from jobprobe.node.targets.base import Target
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
+
+log = logging.getLogger("jobprobe.node.slurm")
 
 
 def slurm_job_cgroup(job_id: str, mount: str) -> str | None:
@@ -44,10 +47,6 @@ def slurm_group_of(proc: str, pid: int, mount: str) -> str | None:
     return None
 
 
-def scontrol_listpids(job_id: str, scontrol: str = "scontrol") -> list[int]:
-    return [pid for pid, _ in scontrol_listpids_steps(job_id, scontrol)]
-
-
 def scontrol_listpids_steps(job_id: str, scontrol: str = "scontrol") -> list[tuple[int, str]]:
     """(pid, step id) of each process of the job on this node: `batch`, `extern`, `0`, … ([] if none)."""
     try:
@@ -61,6 +60,26 @@ def scontrol_listpids_steps(job_id: str, scontrol: str = "scontrol") -> list[tup
         cols = line.split()
         if cols and cols[0].isdigit():
             rows.append((int(cols[0]), cols[2] if len(cols) > 2 else "?"))
+    return rows
+
+
+PF_KTHREAD = 0x00200000      # a kernel thread (include/linux/sched.h), in /proc/PID/stat's flags
+
+
+def of_the_job(rows: list[tuple[int, str]], job_id: str, proc: str = "/proc") -> list[tuple[int, str]]:
+    """listpids' rows, unless they name PID 1 or a kernel thread — never a job's process: with proctrack/linuxproc,
+    listpids walks the process tree down from the step's slurmstepd, and as a batch script ends (its task's PID
+    listed as -1) SLURM 22.05 here answered once in six short jobs with every process on the node (78 of them, PID 1,
+    2, 3… first), whose whole lives' CPU then counted as the job's (637 s in a job that burned 1 s). Such an answer
+    is said in one line and none of it is used ([])."""
+    def kernel_thread(pid: int) -> bool:
+        st = procfs.read_stat(proc, pid)
+        return st is not None and bool(st.flags & PF_KTHREAD)
+    bad = [p for p, _ in rows if p == 1 or kernel_thread(p)]
+    if bad:
+        log.warning("scontrol listpids %s named %d processes, PID %d among them (%s): not the job's; not used",
+                    job_id, len(rows), bad[0], "init" if bad[0] == 1 else "a kernel thread")
+        return []
     return rows
 
 
@@ -145,14 +164,15 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         if time.monotonic() - last[0] < 5:
             return []
         last[0] = time.monotonic()
-        rows = scontrol_listpids_steps(job_id, scontrol)
-        steps[:] = sorted({s for _, s in rows})
+        rows = of_the_job(scontrol_listpids_steps(job_id, scontrol), job_id, proc)
+        steps[:] = sorted({s for _, s in rows}) or steps
         return [p for p, _ in rows]
 
     if mount:
         # No job_<id> group: a layout keyed otherwise (Slurm 26.05 names groups by SLUID) is found from where the
         # job's processes are.
-        groups = {slurm_group_of(proc, p, mount) for p in scontrol_listpids(job_id, scontrol)} - {None}
+        groups = {slurm_group_of(proc, p, mount)
+                  for p, _ in of_the_job(scontrol_listpids_steps(job_id, scontrol), job_id, proc)} - {None}
         if len(groups) == 1:
             return with_labels(with_steps(CgroupTarget(groups.pop(), mountinfo=mountinfo, job=name)), job_id,
                                scontrol)
@@ -160,7 +180,7 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
         # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
         # not exist"). The check below can still lose that race, by microseconds; then ask again.
-        rows = scontrol_listpids_steps(job_id, scontrol)
+        rows = of_the_job(scontrol_listpids_steps(job_id, scontrol), job_id, proc)
         pids = [p for p, _ in rows if Path(proc, str(p)).is_dir()]
         if not pids:
             break
