@@ -112,6 +112,17 @@ def test_a_listpids_answer_that_names_init_or_a_kernel_thread_is_not_the_jobs(tm
     assert f"PID {kthread} among them (a kernel thread)" in caplog.text
     child = subprocess.Popen(["sleep", "30"])
     try:
+        # at attach, such an answer and then the job's: asked again, attached
+        fake_listpids(tmp_path, "5", [child.pid])
+        first = tmp_path / "first"
+        first.write_text(f"#!/bin/sh\nmv {first} {first}.done\n"
+                         f"printf 'PID      JOBID    STEPID   LOCALID GLOBALID\\n1        5        batch    -       -\\n'\n")
+        first.chmod(0o755)
+        twice = tmp_path / "twice"
+        twice.write_text(f"#!/bin/sh\n[ -e {first} ] && exec {first} \"$@\"\nexec {tmp_path / 'scontrol'} \"$@\"\n")
+        twice.chmod(0o755)
+        t = slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=str(twice))
+        assert t.pids() == [child.pid] and (tmp_path / "first.done").exists()
         t = slurm_target("5", mountinfo=str(tmp_path / "none"), scontrol=fake_listpids(tmp_path, "5", [child.pid]))
         assert t.pids() == [child.pid]
         fake_listpids(tmp_path, "5", [1, kthread, child.pid, os.getpid()])     # the same scontrol, answering so

@@ -180,8 +180,11 @@ def slurm_target(job_id: str, mountinfo: str = "/proc/self/mountinfo", proc: str
         # listpids lists every process of the job, also a batch script's short-lived commands, which may exit
         # before we look: keep those still there (else a busy script fails us ~1 time in 5 with "process N does
         # not exist"). The check below can still lose that race, by microseconds; then ask again.
-        rows = of_the_job(scontrol_listpids_steps(job_id, scontrol), job_id, proc)
+        listed = scontrol_listpids_steps(job_id, scontrol)
+        rows = of_the_job(listed, job_id, proc)
         pids = [p for p, _ in rows if Path(proc, str(p)).is_dir()]
+        if listed and not rows:
+            continue                       # an answer not used (every process on the node): ask again
         if not pids:
             break
         steps[:] = sorted({s for _, s in rows})
