@@ -253,11 +253,19 @@ def test_a_job_cancelled_mid_run_is_let_go(site):
     assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
 
 
+# A job's name is its owner's to write: anything, fields of SLURM's text and a newline with a whole made-up squeue line
+# included (SLURM prints it as it is). Its labels must be its own all the same, and it must be adopted.
+HOSTILE_NAME = "while-down JobId=999 ArrayJobId=5 ArrayTaskId=3 UserId=mallory(7)\n1|mallory|debug|evil|fake"
+
+
 def test_a_job_that_starts_while_the_agent_is_down_is_attached_when_it_comes_back(site):
+    """...with its own labels, whatever its name says (HOSTILE_NAME: squeue's name column split the job's line in
+    two, the job was not adopted and a made-up job 1 of mallory's was; scontrol's text gave it JobId 999 and array
+    ids)."""
     cluster, agent, jobs = site
     agent.stop()
     try:
-        job = cluster.sbatch("--chdir", str(jobs), "-o", "/dev/null", "-J", "while-down", "--wrap",
+        job = cluster.sbatch("--chdir", str(jobs), "-o", "/dev/null", "-J", HOSTILE_NAME, "--wrap",
                              burn_script(jobs, 120))
         wait_for(lambda: cluster.job_state(job) == "RUNNING", 30, f"job {job} to run")
         wait_for(lambda: runs(cluster.base, "prolog", job), 10, "the prolog to have run")
@@ -271,7 +279,9 @@ def test_a_job_that_starts_while_the_agent_is_down_is_attached_when_it_comes_bac
         hello = agent.frames(job)[0]
         assert hello["from_start"] is False                # its start was missed: it counts from the attach
         assert (hello["labels"]["slurm_job_id"], hello["labels"]["partition"]) == (job, "debug"), hello["labels"]
-        assert hello["labels"]["user"] == "root"
+        assert hello["labels"]["user"] == "root" and hello["labels"]["uid"] == "0", hello["labels"]
+        assert hello["labels"]["job_name"] == HOSTILE_NAME and "array_job_id" not in hello["labels"], hello["labels"]
+        assert [j["job"] for j in agent.status()["jobs"] + agent.status()["pending"]].count("1") == 0
     finally:
         cluster.run("scancel", job, check=False)
     wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")

@@ -1,12 +1,11 @@
 """SLURM jobs: `slurm_target()` (the job's cgroup2 group, found by its `job_<id>` name or from where its processes
-sit, else its process tree), the scontrol / squeue helpers (`scontrol listpids`, `show job` labels,
+sit, else its process tree), the scontrol / squeue helpers (`scontrol listpids`, the job's labels from squeue,
 `slurm_running_jobs()` for a node), and the job's steps (`step_<id>` groups, or listpids' step column).
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -83,50 +82,68 @@ def of_the_job(rows: list[tuple[int, str]], job_id: str, proc: str = "/proc") ->
     return rows
 
 
-def slurm_job_labels(job_id: str, scontrol: str = "scontrol") -> dict[str, str]:
-    """The job's names as slurmctld has them (`scontrol -o show job`): what a prolog's environment may lack (array
-    ids, account, job name before Slurm 23). {} if scontrol cannot say."""
+# squeue's fields that no job's owner writes (ids, user, partition, account): a line of them cannot be forged by a job
+# name, comment or path — a name may hold "|", spaces, "JobId=…" or a newline and a whole made-up line, which SLURM
+# prints as it is (`scontrol -o show job` took JobId=999 and array ids from a job's name; squeue's line split by a
+# name's newline left the job unadopted and another line in its place). The name is asked for alone (_job_name).
+SQUEUE_FORMAT = "%A|%F|%K|%u|%U|%P|%a"
+SQUEUE_LABELS = ("slurm_job_id", "array_job_id", "array_task_id", "user", "uid", "partition", "account")
+
+
+def _squeue(squeue: str, *args: str) -> str:
     try:
-        res = subprocess.run([scontrol, "-o", "show", "job", str(job_id)], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    line = res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else ""
-    if not line.startswith("JobId="):
-        return {}
-    name = re.search(r" JobName=(.*?) UserId=", line)
-    fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
-    user = re.match(r"([^()]*)\((\d+)\)", fields.get("UserId", ""))
-    out = {"slurm_job_id": fields.get("JobId", ""), "partition": fields.get("Partition", ""),
-           "account": fields.get("Account", ""), "job_name": name.group(1) if name else "",
-           "array_job_id": fields.get("ArrayJobId", ""), "array_task_id": fields.get("ArrayTaskId", "")}
-    if user:
-        out["user"], out["uid"] = user.group(1), user.group(2)
-    return {k: v for k, v in out.items() if v and v != "(null)"}
-
-
-SQUEUE_LABELS = ("slurm_job_id", "user", "partition", "account", "job_name", "array_job_id", "array_task_id")
-
-
-def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dict[str, str]]]:
-    """The jobs running on SLURM node `node`, each with its labels (the names the prolog would have given)."""
-    fmt = "%A|%u|%P|%a|%j|%F|%K"
-    try:
-        out = subprocess.run([squeue, "--noheader", "--nodelist", node, "--states", "RUNNING", "--format", fmt],
-                             capture_output=True, text=True, timeout=15)
+        out = subprocess.run([squeue, "--noheader", *args], capture_output=True, text=True, timeout=15)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise BadInput(f"cannot run {squeue}: {err}") from err
     if out.returncode != 0:
         raise BadInput(f"{squeue} failed: {out.stderr.strip()[:200]}")
+    return out.stdout
+
+
+def _squeue_jobs(squeue: str, *args: str) -> list[dict[str, str]]:
+    """squeue's jobs (SQUEUE_FORMAT) as label maps; a line that is not one of its jobs' is skipped."""
     jobs = []
-    for line in out.stdout.splitlines():
+    for line in _squeue(squeue, *args, "--format", SQUEUE_FORMAT).splitlines():
         cols = line.split("|")
         if len(cols) != len(SQUEUE_LABELS) or not cols[0].isdigit():
             continue
         labels = dict(zip(SQUEUE_LABELS, cols))
-        if labels["array_task_id"] in ("N/A", ""):      # not an array job
+        if not labels["array_task_id"].isdigit():       # not an array task (N/A)
             del labels["array_task_id"], labels["array_job_id"]
-        jobs.append((cols[0], {k: v for k, v in labels.items() if v}))
+        jobs.append({k: v for k, v in labels.items() if v and v != "(null)"})
     return jobs
+
+
+def _job_name(job_id: str, squeue: str) -> str:
+    """The job's name, the whole of squeue's answer for it alone (newlines and all); "" if it has none."""
+    name = _squeue(squeue, "--jobs", str(job_id), "--format", "%j")
+    return name[:-1] if name.endswith("\n") else name
+
+
+def slurm_job_labels(job_id: str, squeue: str = "squeue") -> dict[str, str]:
+    """The job's names as slurmctld has them (squeue): what a prolog's environment may lack (array ids, account,
+    job name before Slurm 23). {} if squeue cannot say."""
+    try:
+        jobs = [j for j in _squeue_jobs(squeue, "--jobs", str(job_id)) if j["slurm_job_id"] == str(job_id)]
+        if not jobs:
+            return {}
+        name = _job_name(job_id, squeue)
+    except BadInput:
+        return {}
+    return {**jobs[0], **({"job_name": name} if name and name != "(null)" else {})}
+
+
+def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dict[str, str]]]:
+    """The jobs running on SLURM node `node`, each with its labels (the names the prolog would have given)."""
+    out = []
+    for labels in _squeue_jobs(squeue, "--nodelist", node, "--states", "RUNNING"):
+        job = labels["slurm_job_id"]
+        try:
+            name = _job_name(job, squeue)
+        except BadInput:             # ended since
+            name = ""
+        out.append((job, {**labels, **({"job_name": name} if name and name != "(null)" else {})}))
+    return out
 
 
 def step_dirs(target: CgroupTarget) -> list[str]:
@@ -141,7 +158,9 @@ def with_steps(target: CgroupTarget) -> CgroupTarget:
 
 
 def with_labels(target: Target, job_id: str, scontrol: str) -> Target:
-    target.static_labels = slurm_job_labels(job_id, scontrol)
+    """The job's labels from squeue (the one beside `scontrol`, where that is a path)."""
+    squeue = str(Path(scontrol).with_name("squeue")) if "/" in scontrol else "squeue"
+    target.static_labels = slurm_job_labels(job_id, squeue)
     return target
 
 
