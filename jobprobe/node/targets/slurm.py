@@ -85,7 +85,7 @@ def of_the_job(rows: list[tuple[int, str]], job_id: str, proc: str = "/proc") ->
 # squeue's fields that no job's owner writes (ids, user, partition, account): a line of them cannot be forged by a job
 # name, comment or path — a name may hold "|", spaces, "JobId=…" or a newline and a whole made-up line, which SLURM
 # prints as it is (`scontrol -o show job` took JobId=999 and array ids from a job's name; squeue's line split by a
-# name's newline left the job unadopted and another line in its place). The name is asked for alone (_job_name).
+# name's newline left the job unadopted and another line in its place). The name is asked for alone (_with_name).
 SQUEUE_FORMAT = "%A|%F|%K|%u|%U|%P|%a"
 SQUEUE_LABELS = ("slurm_job_id", "array_job_id", "array_task_id", "user", "uid", "partition", "account")
 
@@ -114,10 +114,14 @@ def _squeue_jobs(squeue: str, *args: str) -> list[dict[str, str]]:
     return jobs
 
 
-def _job_name(job_id: str, squeue: str) -> str:
-    """The job's name, the whole of squeue's answer for it alone (newlines and all); "" if it has none."""
-    name = _squeue(squeue, "--jobs", str(job_id), "--format", "%j")
-    return name[:-1] if name.endswith("\n") else name
+def _with_name(labels: dict[str, str], squeue: str) -> dict[str, str]:
+    """The labels and the job's name, asked for alone: the whole of squeue's answer for it (newlines and all)."""
+    try:
+        name = _squeue(squeue, "--jobs", labels["slurm_job_id"], "--format", "%j")
+    except BadInput:             # ended since
+        return labels
+    name = name[:-1] if name.endswith("\n") else name
+    return {**labels, "job_name": name} if name and name != "(null)" else labels
 
 
 def slurm_job_labels(job_id: str, squeue: str = "squeue") -> dict[str, str]:
@@ -125,25 +129,15 @@ def slurm_job_labels(job_id: str, squeue: str = "squeue") -> dict[str, str]:
     job name before Slurm 23). {} if squeue cannot say."""
     try:
         jobs = [j for j in _squeue_jobs(squeue, "--jobs", str(job_id)) if j["slurm_job_id"] == str(job_id)]
-        if not jobs:
-            return {}
-        name = _job_name(job_id, squeue)
     except BadInput:
         return {}
-    return {**jobs[0], **({"job_name": name} if name and name != "(null)" else {})}
+    return _with_name(jobs[0], squeue) if jobs else {}
 
 
 def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dict[str, str]]]:
     """The jobs running on SLURM node `node`, each with its labels (the names the prolog would have given)."""
-    out = []
-    for labels in _squeue_jobs(squeue, "--nodelist", node, "--states", "RUNNING"):
-        job = labels["slurm_job_id"]
-        try:
-            name = _job_name(job, squeue)
-        except BadInput:             # ended since
-            name = ""
-        out.append((job, {**labels, **({"job_name": name} if name and name != "(null)" else {})}))
-    return out
+    return [(labels["slurm_job_id"], _with_name(labels, squeue))
+            for labels in _squeue_jobs(squeue, "--nodelist", node, "--states", "RUNNING")]
 
 
 def step_dirs(target: CgroupTarget) -> list[str]:
