@@ -156,7 +156,10 @@ def cpu(frames: list[dict]) -> int:
 
 def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_last(site):
     cluster, agent, jobs = site
-    out = jobs / "nobody.out"
+    mine = jobs / "my runs"                 # a space in the output's directory (scontrol's text: words cut it there)
+    mine.mkdir(exist_ok=True)
+    os.chmod(mine, 0o1777)
+    out = mine / "nobody.out"
     res = subprocess.run(["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--chdir", str(jobs), "-o", str(out),
                           "-J", "mine", "--wrap", burn_script(jobs, 2)], capture_output=True, text=True,
                          env=cluster.env, timeout=30)
@@ -193,12 +196,12 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
         assert all(s < 5 for _, s in runs(cluster.base, name, job))
     # the epilog (JOBPROBE_SUMMARY=1) left the job's summary beside its output, written as the job's user: the page
     # `jobprobe summary` makes of the job's frames
-    page = jobs / f"jobprobe-{job}.txt"
+    page = mine / f"jobprobe-{job}.txt"
     assert page.exists(), (cluster.base / "epilog.err").read_text()[-1000:]
     assert page.stat().st_uid == int(labels["uid"])
-    mine = subprocess.run([str(REPO / ".venv" / "bin" / "jobprobe"), "summary", str(agent.out / f"{job}.mpk")],
+    ours = subprocess.run([str(REPO / ".venv" / "bin" / "jobprobe"), "summary", str(agent.out / f"{job}.mpk")],
                           capture_output=True, text=True, timeout=60)
-    assert page.read_text() == mine.stdout and f"job {job} on 1 node" in mine.stdout, (page.read_text(), mine)
+    assert page.read_text() == ours.stdout and f"job {job} on 1 node" in ours.stdout, (page.read_text(), ours)
 
 
 def test_an_array_job_each_task_its_own_job(site):
