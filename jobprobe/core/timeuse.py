@@ -53,6 +53,9 @@ STARTED = 0.75             # startup ends at the first interval at this share of
 CLEAN = 0.9                # intervals at this share of the steady pace or more give each figure's usual level
 LEAD_MIN = 0.1            # a CPU job is paced by its lead processes, not its helpers, unless they do less than this
                           # share of its work (a parent that forked its workers and waits: the workers are the job)
+NOISE = 0.01               # an interval within this share of the steady pace is at it: a one-thread job's CPU plus its
+                           # wait for a CPU reads 0.992-1.008 of its interval (the two probes' reads), the steady pace
+                           # (0.97 quantile) 1.005, and each interval at it left 0.5% to `other` (0.5 s of 24 once)
 WRITE_BURST = 1 << 20      # a checkpoint's interval writes at least this many bytes more than usual, and twice as much
 
 
@@ -243,13 +246,17 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 b["startup"] = k.dt
             else:
                 ck, cpu = bursts.checkpoint(k)
+                # an interval that wanted within NOISE of the steady pace was at it: its own wanted pace is the
+                # measure (the steady pace is a high quantile of figures each ±0.5% from the counters' reads)
+                ref = k.want if k.want is not None and (1 - NOISE) * steady <= k.want < steady else steady
+                share = min(1.0, pace / ref)
                 if by != "gpu_busy" and k.dt > 0:
-                    share = min(1.0, max(0.0, pace - cpu / k.dt) / steady)
+                    share = min(1.0, max(0.0, pace - cpu / k.dt) / ref)
                 b["checkpointing"] = ck
                 b["computing"] = min(k.dt - ck, k.dt * share)
                 # its wait for a CPU is starved as it is (the steady pace counts it as wanted), the rest by votes
                 short = k.dt - ck - b["computing"]
-                b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / steady)
+                b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / ref)
                 split(k, short - b["starved"], steady, usual, by, b, ck > 0)
             per.append(b)
     for run in runs[:-1]:
