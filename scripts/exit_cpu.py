@@ -13,6 +13,7 @@ import argparse
 import collections
 import os
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jobprobe.kernel import taskstats  # noqa: E402
 
-COMM = slice(80, 112)       # struct taskstats ac_comm[32], after cpu_run_virtual_total (offset 72)
+COMM_AT, COMM_FMT = taskstats.OFFSETS["ac_comm"]     # struct taskstats ac_comm[32]
 
 
 def group(cmdline: str) -> str:
@@ -44,7 +45,8 @@ def main() -> int:
     if not argv:
         ap.error("no COMMAND after --")
     parse = taskstats.parse_stats
-    taskstats.parse_stats = lambda raw: (parse(raw), raw[COMM].split(b"\0")[0].decode(errors="replace"))
+    taskstats.parse_stats = lambda raw: (parse(raw), struct.unpack_from(COMM_FMT, raw, COMM_AT)[0].split(b"\0")[0]
+                                         .decode(errors="replace"))
     feed = taskstats.ExitListener()
     cmd: dict[int, str] = {}
     cpu: collections.Counter = collections.Counter()

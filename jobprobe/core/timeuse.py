@@ -249,9 +249,7 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 # an interval that wanted within NOISE of the steady pace was at it: its own wanted pace is the
                 # measure (the steady pace is a high quantile of figures each ±0.5% from the counters' reads)
                 ref = k.want if k.want is not None and (1 - NOISE) * steady <= k.want < steady else steady
-                share = min(1.0, pace / ref)
-                if by != "gpu_busy" and k.dt > 0:
-                    share = min(1.0, max(0.0, pace - cpu / k.dt) / ref)
+                share = min(1.0, max(0.0, pace - (cpu / k.dt if by != "gpu_busy" and k.dt > 0 else 0.0)) / ref)
                 b["checkpointing"] = ck
                 b["computing"] = min(k.dt - ck, k.dt * share)
                 # its wait for a CPU is starved as it is (the steady pace counts it as wanted), the rest by votes
