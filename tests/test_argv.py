@@ -85,6 +85,14 @@ def test_the_read_commands_end_in_output_or_one_error_never_a_traceback(place, d
     event(f"{cmd} exit {ends_in_output_or_one_error(argv)}")
 
 
+def test_a_path_no_file_system_name_can_hold_is_one_error():
+    """A lone surrogate outside surrogateescape's range (the generator above drew '\udd00' as `read`'s FILE once:
+    UnicodeEncodeError from open(), a traceback) is one error line and exit 2, for every read command."""
+    for argv in (["read", "\udd00"], ["summary", "\udd00"], ["query", "--store", "\udd00", "--sql", "SELECT 1"],
+                 ["report", "--store", "\udd00", "--job", "j"]):
+        assert ends_in_output_or_one_error(argv) == 2, argv
+
+
 # ---- the commands that ask the node's agent (attach, detach, status, probes, trace), against a real agent's control
 # socket in this process (the `self` probe only; its job is this test's own process)
 NODE_OPTIONS = {

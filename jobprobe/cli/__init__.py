@@ -50,5 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except JobprobeError as err:
         print(f"jobprobe: error: {one_line(err)}", file=sys.stderr)
         return 1
+    except UnicodeEncodeError as err:   # a path or value no file system name can hold (a lone surrogate)
+        print(f"jobprobe: error: an argument cannot be encoded for this system: {err.object[err.start:err.end]!r}",
+              file=sys.stderr)
+        return 2
     except BrokenPipeError:
         return 0
