@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Waiting for peers against the job's own clocks: the real three-rank DDP job (jobprobe/bench/ddp.py — PyTorch,
 gloo, each rank in its own network namespace with its own agent, a controller over NATS; tests/test_stragglers.py's
-job), 20 s in step, then a rank's CPU limited to 0.25 cores three times (rank 1 twice, rank 2 once; 12–20 s each),
+job), 20 s in step, then a rank's CPU limited to 0.1 cores three times (rank 1 twice, rank 2 once; 12–20 s each),
 each until the controller names it and ends its episode. Root.
 
-    .venv/bin/python scripts/peers_truth.py [--runs 2] [--keep DIR]
+    .venv/bin/python scripts/peers_truth.py [--runs 2] [--cores 0.1] [--keep DIR]
     .venv/bin/python scripts/peers_truth.py --replay DIR/run*      # kept runs through the current summary code
 
 Per episode and waiting rank: its `waiting_for_peers` (`jobprobe summary`'s per-node bucket, the intervals inside
@@ -34,7 +34,7 @@ LIMITS = ((1, 3.0), (1, 7.0), (2, 11.0))    # (rank, seconds held after it was n
 NODES = ("node-a", "node-b", "node-c")
 
 
-def run(d: Path) -> None:
+def run(d: Path, cores: float = 0.1) -> None:
     """The job and its limits, into d: the store, the ranks' logs, marks.json (when each limit came and went)."""
     from jobprobe.bench.ddp import PROBES, Cluster, DdpJob
     from jobprobe.bench.local import until
@@ -53,7 +53,7 @@ def run(d: Path) -> None:
         for rank, hold in LIMITS:
             before = len(cluster.events("straggler"))
             t0 = time.time()
-            ddp.throttle(rank, 0.25)
+            ddp.throttle(rank, cores)
             until(lambda: cluster.events("straggler")[before:], 30, "the straggler named")
             time.sleep(hold)
             t1 = time.time()
@@ -91,6 +91,9 @@ def score(d: Path) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--cores", type=float, default=0.1,
+                    help="the limited rank's CPU (cores; at 0.25 the progress lost is a third of the episode or less, "
+                         "and the job's own pace, which moves 5-10%% a minute here, blurs the reference by up to 12%%)")
     ap.add_argument("--keep", type=Path, help="keep each run (its store, logs, marks) here")
     ap.add_argument("--replay", type=Path, nargs="+", help="kept runs to read instead of running the job")
     a = ap.parse_args()
@@ -98,7 +101,7 @@ def main() -> int:
     if not dirs:
         root = a.keep or Path(tempfile.mkdtemp(prefix="jobprobe-peers-"))
         for i in range(a.runs):
-            run(root / f"run{i}")
+            run(root / f"run{i}", a.cores)
             dirs.append(root / f"run{i}")
     rows = [r for d in dirs for r in score(d)]
     for r in rows:

@@ -123,15 +123,16 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         n0 = len(ddp.rates(0))
         balanced = rate(ddp, n0 - 3)
 
-        # (a) rank 1's CPU limited to 0.25 cores
+        # (a) rank 1's CPU limited to 0.1 cores (the job's pace a quarter of its own: the progress it loses is most
+        # of the episode, which the job's own pace, moving 5-10% a minute here, cannot blur: docs/TIMEUSE.md)
         t0 = time.time()
-        ddp.throttle(1, 0.25)
+        ddp.throttle(1, 0.1)
         ev = until(lambda: cluster.events("straggler"), 20, "a straggler named within 20 s of the CPU limit")
         named_after = time.time() - t0
         (e,) = ev
         print(f"stragglers: named {e['straggler']} {named_after:.1f} s after the limit: {e['reason']}")
         assert e["straggler"] == "node-b" and "cpu_throttled" in e["causes"] and "CPU throttled" in e["reason"]
-        assert e["evidence"]["cpu_limit_cores"] == 0.25 and e["evidence"]["throttled_share"] > 0.2
+        assert e["evidence"]["cpu_limit_cores"] == 0.1 and e["evidence"]["throttled_share"] > 0.2
         # the controller's /metrics says so too, and how fresh each node is
         m = scrape(metrics)
         assert m[("jobprobe_straggler", (("job", "ddp"), ("node", "node-b")))] == 1
@@ -153,9 +154,9 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         # while node-b was limited, by rank 0's own step count against the job's pace around the limit
         # (lost_progress), and the ranks' own main thread's time blocked in collectives above its rate in step (its
         # schedstat, scripts/ddp_job.py: not all a rank loses to its peers, a lower bound).
-        # `python scripts/peers_truth.py` (3 runs, 18 episodes x waiting ranks): 0.85-1.08x the first (median
-        # 0.96), 1.10-1.46x the second; this test's runs 0.94x, 1.04-1.05x. A rank's CPU per step, which the frames
-        # take for its progress, moves while it waits (rank 2's 11.1 -> 9.6 ms once: docs/TIMEUSE.md)
+        # `python scripts/peers_truth.py` (7 runs, 42 episodes x waiting ranks, rank 1 or 2 at 0.1 cores): 0.97-1.03x
+        # the first, 1.26-1.42x the second. A rank's CPU per step, which the frames take for its progress, moves
+        # while it waits (rank 2's 11.1 -> 9.6 ms once: docs/TIMEUSE.md)
         s = summary_of(cluster)
         (ep,) = s["stragglers"]
         lost = lost_progress(ddp.steps(0), (t0, cleared), (ep["start"], min(ep["end"], cleared + 2)))
@@ -167,7 +168,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
               f"{lost:.2f} s of progress; their own clocks {own}; paced by "
               f"{[d['pace'] for d in s['per_node'].values()]}; the limit {t0:.3f}-{cleared:.3f}, in step {in_step}")
         assert list(s["waited_for"]) == ["node-b"] and s["per_node"]["node-b"]["buckets"]["waiting_for_peers"] == 0
-        assert all(0.75 * lost <= w <= 1.25 * lost and 0.9 * own[n] <= w for n, w in waited.items()), \
+        assert all(0.9 * lost <= w <= 1.1 * lost and 0.9 * own[n] <= w for n, w in waited.items()), \
             (waited, lost, own, ep, cleared)
         # ranks that hold a (fake) GPU they never keep busy are paced by their CPU (once: all `other`, goodput 0)
         assert all(d["pace"]["of"] != "gpu_busy" and d["goodput"] > 0.2 for d in s["per_node"].values()), s
