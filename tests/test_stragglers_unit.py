@@ -326,6 +326,35 @@ def test_a_rank_given_more_work_while_another_is_the_straggler_is_not_in_step(mo
     assert not [t for t in learnt if 1110 <= t <= named_at], (learnt, named_at)
 
 
+def test_a_baseline_learns_no_window_that_held_an_episode(monkeypatch):
+    """b throttled from t = 1060 to 1120. The job is in step again once b's straggler ends, but the figures that
+    would join the baselines are the window's (its last 10 s): until b's last throttled second has left it, they
+    hold b's low CPU and its peers' waits for it. Learnt then (they were: the first after the end), a rank's usual
+    took in the episode's tail, and the next fault on it was told against that."""
+    from jobprobe.cluster import peers
+    from jobprobe.cluster.stragglers import WINDOW_S
+    learnt: list[float] = []
+    now = [0.0]
+    real = peers.Sums.in_step
+    monkeypatch.setattr(peers.Sums, "in_step", lambda self, r, v: (learnt.append(now[0]), real(self, r, v)))
+    w = StragglerWatch()
+
+    def fault(n, t):
+        if 1060 <= t < 1120:
+            return {"throttled": 0.6e9, "limit": 0.25, "cpu": 0.3e9, "wait": 0.05e9} if n == "b" else {"wait": 0.7e9}
+        return {}
+    ev = []
+    for s in range(200):
+        now[0] = 1000.0 + s
+        ev += [(now[0], *e) for e in w.feed([frame(n, now[0], **{"cpu": 0.9e9, **fault(n, now[0])})
+                                              for n in ("a", "b", "c")])]
+    assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev
+    opened, ended = ev[0][0], ev[1][0]
+    assert ended < 1119 + WINDOW_S, ev                  # (the end comes while the window still holds the fault)
+    assert not [t for t in learnt if opened <= t < 1119 + WINDOW_S], (learnt, opened, ended)
+    assert [t for t in learnt if t >= 1119 + WINDOW_S], learnt         # and the job in step is learnt again
+
+
 def test_a_rank_that_always_waits_more_hides_nobody():
     """Rank a waits 1 s/s more than its peers for the whole run (as rank 0 did in a DDP run here), so by the raw
     comparison b is 'waited for' from the first second and c, whose link is shaped, is just under the bound. Being

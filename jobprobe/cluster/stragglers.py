@@ -133,6 +133,7 @@ class JobTrack:
     last_eval: float = 0.0
     last_base: float = 0.0
     busy: set[int] = field(default_factory=set)    # the rows of its nodes holding a verdict or with an event open
+    calm_from: float = 0.0    # the first horizon whose window holds nothing of the last time one was busy
     held: list = field(default_factory=list)        # frames not summed yet: (row, t, dt, figures)
 
 
@@ -286,8 +287,11 @@ class StragglerWatch:
                     nt.open_since, nt.hold_since, nt.first_seen, nt.kind, nt.causes = None, None, None, "", ()
             (job.busy.add if nt.open_since is not None or nt.hold_since is not None or deferred
              else job.busy.discard)(r)
-        # the job in step (nothing open or building up): each node's figures, and its wait gap, join its baseline
-        if horizon - job.last_base >= BASE_EVERY_S and not any(live[r] for r in job.busy):
+        # the job in step (nothing open or building up, nor in the window the figures are of): each node's
+        # figures, and its wait gap, join its baseline — an episode's end comes while its tail is in the window
+        if any(live[r] for r in job.busy):
+            job.calm_from = horizon + self.window
+        elif horizon - job.last_base >= BASE_EVERY_S and horizon >= job.calm_from:
             job.last_base = horizon
             at = slice(int(table.starts[j]), int(table.starts[j]) + len(sums.names))
             rows = np.flatnonzero(table.member[at])
