@@ -134,7 +134,6 @@ class JobTrack:
     last_base: float = 0.0
     busy: set[int] = field(default_factory=set)    # the rows of its nodes holding a verdict or with an event open
     calm_from: float = 0.0    # the first horizon whose window holds nothing of the last time one was busy
-    pending: list = field(default_factory=list)    # (horizon, rows, figures) in step, not learnt for a window yet
     held: list = field(default_factory=list)        # frames not summed yet: (row, t, dt, figures)
 
 
@@ -290,18 +289,13 @@ class StragglerWatch:
              else job.busy.discard)(r)
         # the job in step (nothing open or building up, nor in the window the figures are of): each node's
         # figures, and its wait gap, join its baseline — an episode's end comes while its tail is in the window
-        # — and learnt a window later, if nothing held by then: a fault's first seconds, before it held, are in them
         if any(live[r] for r in job.busy):
             job.calm_from = horizon + self.window
-            job.pending.clear()
-            return events
-        while job.pending and horizon >= job.pending[0][0] + self.window:
-            sums.in_step(*job.pending.pop(0)[1:])
-        if horizon - job.last_base >= BASE_EVERY_S and horizon >= job.calm_from:
+        elif horizon - job.last_base >= BASE_EVERY_S and horizon >= job.calm_from:
             job.last_base = horizon
             at = slice(int(table.starts[j]), int(table.starts[j]) + len(sums.names))
             rows = np.flatnonzero(table.member[at])
-            job.pending.append((horizon, rows, np.vstack([table.vals[:, at][:, rows], all_waits.raw[at][rows]])))
+            sums.in_step(rows, np.vstack([table.vals[:, at][:, rows], all_waits.raw[at][rows]]))
         return events
 
     @staticmethod
