@@ -355,6 +355,18 @@ def test_a_baseline_learns_no_window_that_held_an_episode(monkeypatch):
     assert [t for t in learnt if t >= 1119 + WINDOW_S], learnt         # and the job in step is learnt again
 
 
+def test_a_job_in_step_for_20_s_has_every_nodes_baseline_when_a_fault_comes():
+    """Baselines are what a cause must have moved from and what an imbalance rises over: a job in step for 20 s
+    (the DDP test's stretch before its first fault) must have them all when its first fault comes — a rule that
+    learnt each comparison in step only once 10 s more had passed with nothing held learnt 3 in the DDP test's
+    stretch, dropped the 2 pending at the fault, and a rank never had one: its imbalance was never named."""
+    w = StragglerWatch()
+    run(w, 23)                      # frames from 1000 to 1022; the fault would come at 1023
+    sums = w.jobs["j"].sums
+    for key in ("cpu", "cpu_share", "gap"):
+        assert all(sums.baseline(sums.rows[n], key) is not None for n in "abc"), key
+
+
 def test_a_rank_that_always_waits_more_hides_nobody():
     """Rank a waits 1 s/s more than its peers for the whole run (as rank 0 did in a DDP run here), so by the raw
     comparison b is 'waited for' from the first second and c, whose link is shaped, is just under the bound. Being
