@@ -297,30 +297,36 @@ def test_a_straggler_whose_cause_went_is_cleared_while_it_waits_for_the_next_one
     assert [1120 < t <= 1120 + 15 for t, n, _, kind, _ in ev if (n, kind) == ("b", "straggler_end")] == [True], ev
 
 
-def test_a_rank_given_more_work_while_another_is_the_straggler_is_not_in_step(monkeypatch):
-    """c throttled from t = 1060 to 1120; a given 1.5x the batch from 1110 on. While c is the straggler a's
-    imbalance is not named (it may be the CPU c let go), and the job is not in step either: no node's figures join
-    their baselines from a's first such verdict until a is named, after c's end. They did in the comparison where c
-    ended (a, compared before c, was neither holding nor open): in the real DDP job, its faults back to back, the
-    rank's bigger CPU was learnt as its usual, its 10% rise fell under the bound, and it was never named."""
+def learning(monkeypatch, fault, seconds: int = 200) -> tuple[list, list[float]]:
+    """Nodes a, b and c, each at 0.9 cores and `fault`'s figures, one frame a second from t = 1000: the events, and
+    when the figures of a comparison in step joined the baselines."""
     from jobprobe.cluster import peers
     learnt: list[float] = []
     now = [0.0]
     real = peers.Sums.in_step
     monkeypatch.setattr(peers.Sums, "in_step", lambda self, r, v: (learnt.append(now[0]), real(self, r, v)))
     w = StragglerWatch()
+    ev = []
+    for s in range(seconds):
+        now[0] = 1000.0 + s
+        ev += [(now[0], *e) for e in w.feed([frame(n, now[0], **{"cpu": 0.9e9, **fault(n, now[0])})
+                                              for n in ("a", "b", "c")])]
+    return ev, learnt
 
+
+def test_a_rank_given_more_work_while_another_is_the_straggler_is_not_in_step(monkeypatch):
+    """c throttled from t = 1060 to 1120; a given 1.5x the batch from 1110 on. While c is the straggler a's
+    imbalance is not named (it may be the CPU c let go), and the job is not in step either: no node's figures join
+    their baselines from a's first such verdict until a is named, after c's end. They did in the comparison where c
+    ended (a, compared before c, was neither holding nor open): in the real DDP job, its faults back to back, the
+    rank's bigger CPU was learnt as its usual, its 10% rise fell under the bound, and it was never named."""
     def fault(n, t):
         if 1060 <= t < 1120 and n == "c":
             return {"throttled": 0.6e9, "limit": 0.25, "runq": 0.7e9, "wait": 0.05e9}
         if t >= 1110 and n == "a":
             return {"cpu": 1.35e9, "wait": 0.05e9}
         return {"wait": 0.7e9} if t >= 1060 else {}
-    ev = []
-    for s in range(200):
-        now[0] = 1000.0 + s
-        ev += [(now[0], *e) for e in w.feed([frame(n, now[0], **{"cpu": 0.9e9, **fault(n, now[0])})
-                                              for n in ("a", "b", "c")])]
+    ev, learnt = learning(monkeypatch, fault)
     assert named(ev) == [("c", "straggler"), ("c", "straggler_end"), ("a", "imbalance")], ev
     named_at = ev[2][0]
     assert not [t for t in learnt if 1110 <= t <= named_at], (learnt, named_at)
@@ -331,23 +337,13 @@ def test_a_baseline_learns_no_window_that_held_an_episode(monkeypatch):
     would join the baselines are the window's (its last 10 s): until b's last throttled second has left it, they
     hold b's low CPU and its peers' waits for it. Learnt then (they were: the first after the end), a rank's usual
     took in the episode's tail, and the next fault on it was told against that."""
-    from jobprobe.cluster import peers
     from jobprobe.cluster.stragglers import WINDOW_S
-    learnt: list[float] = []
-    now = [0.0]
-    real = peers.Sums.in_step
-    monkeypatch.setattr(peers.Sums, "in_step", lambda self, r, v: (learnt.append(now[0]), real(self, r, v)))
-    w = StragglerWatch()
 
     def fault(n, t):
         if 1060 <= t < 1120:
             return {"throttled": 0.6e9, "limit": 0.25, "cpu": 0.3e9, "wait": 0.05e9} if n == "b" else {"wait": 0.7e9}
         return {}
-    ev = []
-    for s in range(200):
-        now[0] = 1000.0 + s
-        ev += [(now[0], *e) for e in w.feed([frame(n, now[0], **{"cpu": 0.9e9, **fault(n, now[0])})
-                                              for n in ("a", "b", "c")])]
+    ev, learnt = learning(monkeypatch, fault)
     assert named(ev) == [("b", "straggler"), ("b", "straggler_end")], ev
     opened, ended = ev[0][0], ev[1][0]
     assert ended < 1119 + WINDOW_S, ev                  # (the end comes while the window still holds the fault)
