@@ -13,7 +13,6 @@ import argparse
 import collections
 import os
 import re
-import struct
 import subprocess
 import sys
 import time
@@ -21,8 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jobprobe.kernel import taskstats  # noqa: E402
-
-COMM_AT, COMM_FMT = taskstats.OFFSETS["ac_comm"]     # struct taskstats ac_comm[32]
 
 
 def group(cmdline: str) -> str:
@@ -45,7 +42,7 @@ def main() -> int:
     if not argv:
         ap.error("no COMMAND after --")
     parse = taskstats.parse_stats
-    taskstats.parse_stats = lambda raw: (parse(raw), struct.unpack_from(COMM_FMT, raw, COMM_AT)[0].split(b"\0")[0]
+    taskstats.parse_stats = lambda raw: (parse(raw), taskstats.field(raw, "ac_comm").split(b"\0")[0]
                                          .decode(errors="replace"))
     feed = taskstats.ExitListener()
     cmd: dict[int, str] = {}

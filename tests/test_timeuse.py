@@ -706,9 +706,8 @@ def test_torchruns_ranks_are_the_lead_and_their_dataloader_workers_helpers(tmp_p
 def uncovered(frames_file: Path) -> str:
     """What a failed `other` bound prints: the steady pace, and each interval that left over 0.01 s to `other`
     with its buckets and the figures it was split by (CPU, wait for a CPU, time off CPU, each probe's read_dt)."""
-    from jobprobe.core.frame import StreamReader
-    with open(frames_file, "rb") as f:
-        frames = [x for x in StreamReader(f) if isinstance(x, dict)]
+    from jobprobe.cluster.report import frames_of_files
+    frames = frames_of_files([str(frames_file)])
     d = decompose(frames, intervals=True)
     rows = []
     for i, f in zip(d["intervals"], [x for x in frames if x.get("kind") == "sample"]):

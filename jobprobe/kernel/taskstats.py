@@ -15,7 +15,7 @@ import os
 import socket
 import struct
 import threading
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jobprobe.core.errors import ProbeUnavailable
 
@@ -86,10 +86,16 @@ def attr(t: int, payload: bytes) -> bytes:
     return struct.pack("=HH", n, t) + payload + b"\0" * (((n + 3) & ~3) - n)
 
 
+def field(raw: bytes, name: str) -> Any:
+    """Field `name` of a struct taskstats (OFFSETS), or its zero where the kernel's struct is too short to hold it."""
+    off, fmt = OFFSETS[name]
+    end = off + struct.calcsize("=" + fmt)
+    return struct.unpack_from("=" + fmt, raw if end <= len(raw) else bytes(end), off)[0]
+
+
 def parse_stats(raw: bytes) -> ExitRecord:
     def get(name: str) -> int:
-        off, fmt = OFFSETS[name]
-        return struct.unpack_from("=" + fmt, raw, off)[0] if off + struct.calcsize(fmt) <= len(raw) else 0
+        return field(raw, name)
     version = get("version")
     return ExitRecord(get("ac_pid"), get("ac_tgid") if version >= TGID_VERSION else 0, get("ac_ppid"),
                       get("read_bytes"), get("write_bytes"), get("ac_utime"), get("ac_stime"),
