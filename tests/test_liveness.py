@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from conftest import until as wait_for
+from jobprobe.cluster.summary import MIN_SAMPLES
 from jobprobe.core.frame import FrameBuilder, MalformedFrame, encode
 from jobprobe.core.wire import beat_subject, subject_of
 
@@ -96,7 +97,7 @@ def test_a_stopping_heartbeat_means_no_node_lost_ever_and_its_next_frame_no_node
 def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path):
     ctl = ctl_for(tmp_path)
     job, node = FrameBuilder("n1", "j1", "r1"), FrameBuilder("n1", "node", "b1")
-    frames = [hello(job), sample(job)] + [beat(node) for _ in range(5)]
+    frames = [hello(job)] + [sample(job) for _ in range(MIN_SAMPLES)] + [beat(node) for _ in range(5)]
     msgs = [SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames]
     assert ctl.ingest(msgs, now=100.0) == msgs                    # every message acked
     for k in range(1, 6):
@@ -104,11 +105,11 @@ def test_heartbeats_refresh_freshness_through_ingest_and_are_not_stored(tmp_path
     ctl.ingest([], now=107.9)                                     # 2.9 intervals after the last heartbeat
     db = sqlite3.connect(tmp_path / "s.db")
     assert db.execute("SELECT kind, COUNT(*) FROM frames GROUP BY kind ORDER BY kind").fetchall() == \
-        [("event", 1), ("hello", 1), ("sample", 1)]                  # the event: j1's summary (below)
+        [("event", 1), ("hello", 1), ("sample", MIN_SAMPLES)]        # the event: j1's summary (below)
     assert db.execute("SELECT event, job FROM events").fetchall() == [("summary", "j1")]   # no node_lost: the
     # beats kept it; j1, whose samples stopped while its node lived on, ended there (its summary)
     assert ctl.nodes["n1"].heartbeats == 10 and ctl.nodes["n1"].last == 105.0
-    assert ctl.counts["stored"] == 2 and ctl.counts["rejected"] == 0
+    assert ctl.counts["stored"] == 1 + MIN_SAMPLES and ctl.counts["rejected"] == 0
 
 
 def test_a_heartbeats_fields_are_checked(tmp_path):

@@ -34,7 +34,7 @@ class Sums:
         self.keep, self.history = keep, history
         self.names: list[str] = []
         self.rows: dict[str, int] = {}
-        self._resize(4, 64)
+        self._resize(0, 8)          # grown as nodes and frames come: a job of one node has no row (stragglers.HELD)
 
     def row(self, name: str) -> int:
         """The node's row (a new one for a node not seen before)."""
@@ -42,8 +42,8 @@ class Sums:
         if r is None:
             r = self.rows[name] = len(self.names)
             self.names.append(name)
-            if r == len(self.lo):
-                self._resize(2 * r, self.t.shape[1])
+            if r >= len(self.lo) and r:      # a job's first node alone has no row yet: it is never compared
+                self._resize(max(2, 2 * r), self.t.shape[1])
         return r
 
     def _resize(self, rows: int, depth: int) -> None:

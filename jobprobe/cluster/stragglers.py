@@ -64,7 +64,8 @@ IMBALANCE_WAIT = -WAITED_S  # others' wait for it not below usual by more than i
                           # in 3 s slices in step; a window 0.07 s/s under its baseline gap held one naming 6 s)
 
 BASELINE_N = 12           # a node's own baseline: the median of its last 12 (one a minute) while the job was in step
-HELD = 32                 # a job of one node: its frames summed this many at a time
+HELD = 8                  # a job of one node is never compared: only its newest frames are held (none summed), so
+                          # that a second node's first comparison has them; ~4 KiB a one-node job (ARCHITECTURE.md)
 
 
 @dataclass
@@ -169,8 +170,8 @@ class StragglerWatch:
         finally:
             for name, got in taken.items():
                 job = self.jobs[name]
-                if len(job.nodes) == 1 and len(job.held) + len(got) < HELD:   # a job of one node is never compared:
-                    job.held += got             # its frames are summed HELD at a time (or when a second node comes)
+                if len(job.nodes) == 1:
+                    job.held = (job.held + got)[-HELD:]
                     continue
                 job.sums.add(job.held + got)
                 job.held = []

@@ -41,6 +41,7 @@ def job_frames(store: Any, job: str) -> list[dict]:
 
 END_AFTER = 3           # intervals with no sample of a job from any of its nodes, they alive: the job has ended
 KEEP = 1000             # summaries kept for the controller's metrics (the newest)
+MIN_SAMPLES = 3         # a job's samples (from all its nodes) before its end is summarized: one that never ran has none
 
 
 class JobEnds:
@@ -50,6 +51,7 @@ class JobEnds:
 
     def __init__(self) -> None:
         self.seen: dict[str, dict[str, float]] = {}    # job → node → when its newest sample arrived
+        self.samples: dict[str, int] = {}               # job → samples seen (up to MIN_SAMPLES)
         self.open: set[str] = set()                     # jobs with samples since their last end
         self.done: dict[str, dict[str, Any]] = {}       # job → its newest summary, for metrics
 
@@ -58,6 +60,7 @@ class JobEnds:
             if f.get("kind") == "sample":
                 self.seen.setdefault(f["job"], {})[f["node"]] = now
                 self.open.add(f["job"])
+                self.samples[f["job"]] = min(MIN_SAMPLES, self.samples.get(f["job"], 0) + 1)
 
     def ended(self, now: float, alive: Any, interval: Any) -> list[str]:
         """Jobs that ended since the last call: `alive(node)` says a node is heard from, `interval(node)` its tick."""
@@ -66,7 +69,8 @@ class JobEnds:
             nodes = self.seen.get(job, {})
             if nodes and all(alive(n) and now - t > END_AFTER * interval(n) for n, t in nodes.items()):
                 self.open.discard(job)
-                out.append(job)
+                if self.samples.get(job, 0) >= MIN_SAMPLES:
+                    out.append(job)
         return out
 
     def keep(self, job: str, summary: dict[str, Any]) -> None:
@@ -79,6 +83,7 @@ class JobEnds:
         """Jobs no node reports any more (the controller's own hour): their tracks go, their summaries stay."""
         for job in [j for j in self.seen if j not in live]:
             del self.seen[job]
+            self.samples.pop(job, None)
             self.open.discard(job)
 
 
