@@ -456,7 +456,7 @@ def frame(node="n1", job="j", seq=0, **extra) -> dict:
 
 def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_stored(tmp_path):
     from jobprobe.cluster.controller import Controller
-    from jobprobe.cluster.store import Store
+    from jobprobe.cluster.store import REJECT_SAMPLES, Store
     store = Store(tmp_path / "s.db")
     ctl = Controller(store, "nats://unused")
     rng = random.Random(7)
@@ -491,7 +491,10 @@ def test_a_thousand_mutated_frames_are_refused_and_counted_and_the_good_ones_sto
     store.add(frames)
     assert len(frames) == n_good and ctl.counts["rejected"] == 1000 - n_good
     db = sqlite3.connect(tmp_path / "s.db")
-    assert db.execute("SELECT COUNT(*) FROM rejects").fetchone()[0] == 1000 - n_good
+    assert db.execute("SELECT SUM(n) FROM reject_counts").fetchone()[0] == 1000 - n_good
+    reasons = {r for (r,) in db.execute("SELECT reason FROM reject_counts")}
+    assert reasons == {"malformed", "subject", "quota_frame_size"}, reasons      # the map past 1 MiB: at the door
+    assert db.execute("SELECT COUNT(*) FROM rejects").fetchone()[0] == len(reasons) * REJECT_SAMPLES
     assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == n_good
     assert db.execute("SELECT rejected FROM delivery WHERE node = 'n1'").fetchone()[0] == 1000 - n_good
     with pytest.raises(MalformedFrame, match="a node publishes its own frames"):

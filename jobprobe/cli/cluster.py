@@ -51,6 +51,8 @@ def cmd_controller(args) -> int:
         return 0
     if not (args.raw_minutes >= 0 and args.stream_hours > 0):
         raise BadInput("--raw-minutes: 0 or more; --stream-hours: more than 0")
+    from jobprobe.cluster.quota import Limits
+    limits = Limits.parse(args.quota)     # a bad quota: one line, before anything starts
     if args.prices:
         from jobprobe.cluster.cost import load as load_prices
         load_prices(args.prices)         # a bad price file: one line, before anything starts
@@ -67,7 +69,7 @@ def cmd_controller(args) -> int:
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition,
-                     raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600)
+                     raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600, limits=limits)
     server = None
     if args.metrics:
         from jobprobe.cluster.metrics import serve_metrics

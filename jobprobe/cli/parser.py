@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "--metrics")
     co.add_argument("--tsdb", metavar="URL", help="also write every sample to VictoriaMetrics: "
                     "victoriametrics://HOST:8428 (a single node) or …://VMINSERT:8480/insert/0/prometheus")
+    co.add_argument("--quota", metavar="NAME=VALUE", action="append", help="a per-node quota (docs/SECURITY.md): "
+                    "frames_per_s (default 1000), bytes_per_s (4194304), live_jobs (512), max_frame (1048576); "
+                    "again for another")
     co.add_argument("--metrics", metavar="HOST:PORT", help="serve cluster-wide metrics for Prometheus (freshness "
                     "per node, nodes lost, frames stored and refused, stragglers named)")
     co.set_defaults(func=cluster.cmd_controller)

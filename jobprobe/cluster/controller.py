@@ -27,12 +27,13 @@ import asyncio
 import logging
 import sqlite3
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from jobprobe.cluster import framecheck
-from jobprobe.cluster.ingest import MAX_FRAME, StoreDown, serve
+from jobprobe.cluster.ingest import StoreDown, serve
+from jobprobe.cluster.quota import Limits, Quotas
+from jobprobe.cluster.refusals import Refusals, WrongSubject, inflate
 from jobprobe.cluster.store import Store
 from jobprobe.cluster.stragglers import StragglerWatch
 from jobprobe.cluster.summary import JobEnds, job_frames, summarize
@@ -44,12 +45,10 @@ log = logging.getLogger("jobprobe.cluster.controller")
 
 LOST_AFTER = 3          # intervals of silence before a node is lost
 LIVE_JOB_INTERVALS = 3  # a lost node's jobs named in node_lost: those seen this many intervals before its silence
-MAX_INFLATED = 1 << 20  # bytes of msgpack a compressed frame may inflate to
 MAX_RUNS = 10_000       # runs whose declared schema is kept (the oldest go first)
 MAX_JOBS_PER_NODE = 4096
 FORGET_NODE_S = 86400.0 # a node silent this long is forgotten (its node_lost was said long before)
 CONTROLLER_RUN = "controller"   # the run of the controller's own events; no node's frame may claim it
-REJECT_LOG_PER_MIN = 10
 SUMMARY_MAX_SAMPLES = 50_000    # samples the controller reads for a summary event, inline (0.65 s per 10^4 here)
 
 
@@ -72,7 +71,8 @@ class Controller:
 
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
                  ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None,
-                 part: tuple[int, int] = (0, 1), raw_s: float = 600.0, stream_s: float = 7 * 86400.0):
+                 part: tuple[int, int] = (0, 1), raw_s: float = 600.0, stream_s: float = 7 * 86400.0,
+                 limits: Limits | None = None):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         if not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1] <= 1024):
             raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
@@ -82,7 +82,9 @@ class Controller:
         self.active = False           # it holds its partition's lease (jobprobe/cluster/lease.py): it consumes
         self.replicas = replicas      # copies of the stream on a JetStream cluster (3: survives a server's loss)
         self.nodes: dict[str, NodeState] = {}
-        self._reject_window = [0.0, 0]          # (start, refused in it): what was logged this minute
+        self.quotas = Quotas(limits)
+        self.refusals = Refusals()
+        self.refused_by: dict[str, int] = {}           # reason → refusals (a handful of reasons: bounded)
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0, "consumer_errors": 0}
         self.consumer_errors: dict[str, int] = {}      # consumer (stragglers, cost, tsdb, freshness) → errors
         self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
@@ -119,16 +121,10 @@ class Controller:
         decoded within framecheck's bounds on objects, every value checked (framecheck.check, against the run's
         declared schema when its hello was seen), on its own subject (_subject_fits), not claiming the
         controller's own run."""
-        if len(data) > MAX_FRAME:
-            raise MalformedFrame(f"{len(data)} bytes: larger than {MAX_FRAME}")
-        if data[:1] == b"\x78":          # zlib (the agents' default); a msgpack map never starts with 0x78
-            z = zlib.decompressobj()
-            try:
-                data = z.decompress(data, MAX_INFLATED + 1)
-            except zlib.error as err:
-                raise MalformedFrame(f"not a zlib stream: {err}") from err
-            if len(data) > MAX_INFLATED or z.unconsumed_tail:
-                raise MalformedFrame(f"inflates past {MAX_INFLATED} bytes")
+        return self._check(subject, inflate(data))
+
+    def _check(self, subject: str, data: bytes) -> dict:
+        """check(), of a message's msgpack (inflated)."""
         obj = framecheck.decode(data)
         key = (obj.get("node"), obj.get("job"), obj.get("run")) if isinstance(obj, dict) else None
         frame = framecheck.check(obj, self.declared.get(key) if key and all(isinstance(k, str) for k in key)
@@ -150,52 +146,70 @@ class Controller:
         try:
             part, job_tok, node_tok = parse_subject(subject)
         except ValueError as err:
-            raise MalformedFrame(str(err)) from None
+            raise WrongSubject(str(err)) from None
         if _token_or_none(frame["node"]) != node_tok:
-            raise MalformedFrame(f"node {frame['node'][:80]!r} on subject {subject[:120]!r}: a node publishes its "
+            raise WrongSubject(f"node {frame['node'][:80]!r} on subject {subject[:120]!r}: a node publishes its "
                                  "own frames")
         if (job_tok is None) != (frame["kind"] == "heartbeat"):
-            raise MalformedFrame(f"a {frame['kind']} on subject {subject[:120]!r}: heartbeats, and only they, go "
+            raise WrongSubject(f"a {frame['kind']} on subject {subject[:120]!r}: heartbeats, and only they, go "
                                  "on the beat subject")
         if job_tok is None:
             return
         if job_token(frame["job"]) != job_tok:
-            raise MalformedFrame(f"job {frame['job'][:80]!r} on subject {subject[:120]!r}: a frame goes on its "
+            raise WrongSubject(f"job {frame['job'][:80]!r} on subject {subject[:120]!r}: a frame goes on its "
                                  "job's subject")
         if (part is not None) if self.part[1] == 1 else (part != self.part[0] or not self.owns_job(frame["job"])):
-            raise MalformedFrame(f"subject {subject[:120]!r} is not partition {self.part[0]}/{self.part[1]}'s, or "
+            raise WrongSubject(f"subject {subject[:120]!r} is not partition {self.part[0]}/{self.part[1]}'s, or "
                                  "not its job's partition")
 
-    def take(self, msgs: list[Any]) -> list[dict]:
-        """Validate a batch; refuse what is not a frame. Returns the frames to store."""
-        return [f for _, f in self._take(msgs)]
+    def take(self, msgs: list[Any], now: float | None = None) -> list[dict]:
+        """Validate a batch; refuse what is not a frame (recorded in the store at once). Returns the frames to
+        store."""
+        good = [f for _, f in self._take(msgs, time.time() if now is None else now)]
+        self.flush_refusals()
+        return good
 
-    def _take(self, msgs: list[Any]) -> list[tuple[Any, dict]]:
-        """take(), with each frame's message: (message, frame)."""
+    def _take(self, msgs: list[Any], now: float) -> list[tuple[Any, dict]]:
+        """take(), with each frame's message: (message, frame). Each message's node (its subject's) must have the
+        quota for it before it is decoded (jobprobe/cluster/quota.py); what it inflates to beyond its size is
+        charged to the node too."""
         good = []
         for m in msgs:
             try:
-                good.append((m, self.check(m.subject, m.data)))
+                _, job, node = parse_subject(m.subject)
+            except ValueError as err:
+                self.refuse(m.subject, None, str(err), len(m.data), "subject", m.data, now)
+                continue
+            over = self.quotas.admit(node, job, len(m.data), now)
+            if over:
+                self.refuse(m.subject, node, f"over the node's quota ({over[6:]})", len(m.data), over, m.data, now)
+                continue
+            try:
+                data = inflate(m.data)
+                self.quotas.charge(node, len(data) - len(m.data))
+                good.append((m, self._check(m.subject, data)))
             except MalformedFrame as err:
-                self.refuse(m.subject, _node_or_none(m.subject), str(err), len(m.data))
+                kind = "subject" if isinstance(err, WrongSubject) else "malformed"
+                self.refuse(m.subject, node, str(err), len(m.data), kind, m.data, now)
         return good
 
-    def refuse(self, subject: str, node: str | None, why: str, size: int) -> None:
-        """Count and record one refusal; the log says the first REJECT_LOG_PER_MIN of each minute."""
+    def refuse(self, subject: str, node: str | None, why: str, size: int, reason: str = "malformed",
+               body: bytes = b"", now: float | None = None) -> None:
+        """Count one refusal (reason: its kind) and keep it until the batch's end (flush_refusals)."""
         self.counts["rejected"] += 1
+        self.refused_by[reason] = self.refused_by.get(reason, 0) + 1
+        self.refusals.add(node or "", reason, subject, why, size, body, time.time() if now is None else now)
+
+    def flush_refusals(self) -> None:
+        """The batch's refusals into the store, one transaction (a flood of them is one write, not one each)."""
+        counts, kept = self.refusals.take()
+        if not counts:
+            return
         try:
-            self.store.reject(subject[:200], node[:200] if node else None, why, size)
+            self.store.reject(counts, kept)
         except Exception as err:    # the store failing here must not stop the loop: the count and the log remain
-            log.warning("could not record a refusal in the store: %s: %s", type(err).__name__, err)
-        now = time.monotonic()
-        if now - self._reject_window[0] > 60:
-            if self._reject_window[1] > REJECT_LOG_PER_MIN:
-                log.warning("… and %d more refused frames in that minute (all in rejects)",
-                            self._reject_window[1] - REJECT_LOG_PER_MIN)
-            self._reject_window = [now, 0]
-        self._reject_window[1] += 1
-        if self._reject_window[1] <= REJECT_LOG_PER_MIN:   # a flood of bad frames must not flood the log
-            log.warning("refused a frame on %s: %s", subject[:200], why)
+            log.warning("could not record %d refusals in the store: %s: %s", sum(c[0] for c in counts.values()),
+                        type(err).__name__, err)
 
     def seen(self, frames: list[dict], now: float) -> list[dict]:
         """Freshness upkeep: any frame, a heartbeat included, says its node is alive; a heartbeat with no job
@@ -316,7 +330,7 @@ class Controller:
         its own error boundary, so that one failing on a frame neither stops the loop nor the other consumers —,
         stored. Returns the messages to ack (all of `msgs`: stored, or refused for good). Raises StoreDown when the
         store cannot take anything (a full disk, a lock): then nothing is acked."""
-        taken = self._take(list(beats) + list(msgs))
+        taken = self._take(list(beats) + list(msgs), now)
         frames = [f for _, f in taken]
         extra = self._guard("freshness", lambda: self.seen(frames, now) + self.lost_nodes(now), [])
         taken = [(m, f) for m, f in taken if f["kind"] != "heartbeat"]   # liveness only: not stored, acked
@@ -329,6 +343,7 @@ class Controller:
             self._guard("tsdb", lambda: self.tsdb.add(kept), None)   # a copy for dashboards, queued
         for f in kept:
             self._guard("cost", lambda: self.meter.add(f), None, f)
+        self.flush_refusals()
         return list(msgs)
 
     def store_frames(self, taken: list[tuple[Any, dict]], extra: list[dict], now: float) -> set[int]:
@@ -342,7 +357,8 @@ class Controller:
             err = self._store_one([f], now)
             if err is not None:
                 refused.add(id(m))
-                self.refuse(m.subject, f.get("node"), f"the store: {type(err).__name__}: {err}", len(m.data))
+                self.refuse(m.subject, f.get("node"), f"the store: {type(err).__name__}: {err}", len(m.data),
+                            "store", m.data, now)
         for ev in extra:
             err = self._store_one([ev], now, own=1)
             if err is not None:
@@ -376,16 +392,9 @@ class Controller:
             self.counts["consumer_errors"] += 1
             self.consumer_errors[consumer] = self.consumer_errors.get(consumer, 0) + 1
             subject = f"(node {frame['node'][:80]!r}, job {frame['job'][:80]!r})" if frame else f"({consumer})"
-            self.refuse(subject, frame.get("node") if frame else None, f"{consumer}: {type(err).__name__}: {err}", 0)
+            self.refuse(subject, frame.get("node") if frame else None, f"{consumer}: {type(err).__name__}: {err}", 0,
+                        f"consumer_{consumer}")
             return default
-
-
-def _node_or_none(subject: str) -> str | None:
-    """The node token a frame's subject names, or None."""
-    try:
-        return parse_subject(subject)[2]
-    except ValueError:
-        return None
 
 
 def _token_or_none(node: str) -> str | None:

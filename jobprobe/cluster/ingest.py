@@ -34,7 +34,7 @@ from jobprobe.cluster import trace
 from jobprobe.cluster.lease import TRY_S, Lease
 from jobprobe.core.errors import BadInput
 from jobprobe.core.retry import Backoff
-from jobprobe.core.wire import BEATS, CLUSTER_TRACE, FRAMES, PARTS
+from jobprobe.core.wire import BEATS, CLUSTER_TRACE, FRAMES, PARTS, parse_subject
 from jobprobe.transport.credentials import auth_options
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ MAX_FRAME = 1 << 20     # bytes; the stream's max_msg_size and its nats-server's
 # 30 s held a restarted controller's store short of a killed one's last batch for that long.
 ACK_WAIT_S = 10.0
 FETCH_BYTES = 4 << 20   # bytes per fetch (≥ MAX_FRAME: the server never hands over a message larger than this)
-MAX_BEATS_WAITING = 200_000   # heartbeats held between two batches (a flood beyond it is dropped: liveness only)
+MAX_BEATS_WAITING = 10_000    # nodes whose newest heartbeat is held between two batches (more: dropped, liveness only)
+MAX_BEAT = 4096               # bytes: the largest heartbeat (the beats' stream's max_msg_size)
 
 
 class StoreDown(Exception):
@@ -102,11 +103,19 @@ async def serve(ctl: "Controller") -> None:
     async def on_trace(msg: Any) -> None:
         if ctl.active:
             await trace.answer(ctl.nodes, nc, msg, ctl.owns_job)
-    beats: list[Any] = []
+    beats: dict[str, Any] = {}
 
     async def on_beat(msg: Any) -> None:
-        if ctl.active and len(beats) < MAX_BEATS_WAITING:
-            beats.append(msg)
+        """A node's newest heartbeat is all liveness needs: kept until the next batch, one per subject. One larger
+        than a heartbeat can be is refused before it is kept or decoded (a plain subscription: the beats' stream's
+        max_msg_size does not bound what reaches it)."""
+        if not ctl.active:
+            return
+        if len(msg.data) > MAX_BEAT:
+            ctl.refuse(msg.subject, _node_of(msg.subject), f"a heartbeat of {len(msg.data)} bytes: larger than "
+                       f"{MAX_BEAT}", len(msg.data), "quota_frame_size", msg.data[:64])
+        elif msg.subject in beats or len(beats) < MAX_BEATS_WAITING:
+            beats[msg.subject] = msg
     await nc.subscribe(CLUSTER_TRACE, cb=on_trace)
     await nc.subscribe(f"{BEATS}.>", cb=on_beat)
     log.warning("controller %d/%d: connected to %s (lease %s)", *ctl.part, ctl.url, lease.holder)
@@ -127,7 +136,7 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
     from nats.js.errors import NotFoundError
     js = nc.jetstream()
     beats = StreamConfig(name=BEATS_STREAM, subjects=[f"{BEATS}.>"], duplicate_window=30.0, max_age=60.0,
-                         max_msgs_per_subject=1, max_msg_size=4096, num_replicas=replicas)
+                         max_msgs_per_subject=1, max_msg_size=MAX_BEAT, num_replicas=replicas)
     for config in (StreamConfig(name=stream, subjects=[subjects], duplicate_window=120.0, max_age=max_age,
                                 max_msg_size=MAX_FRAME, num_replicas=replicas), beats):
         try:
@@ -144,7 +153,7 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
     return True
 
 
-async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: list[Any]) -> None:
+async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: dict[str, Any]) -> None:
     """Batch after batch until ctl.stop_event, while the lease is ours: ctl.ingest, then the acks; once a minute,
     retention and forgetting. Without the lease: standing by, trying to take it every TRY_S."""
     next_sweep, next_compact, said = time.time() + 60, time.time() + 10, False
@@ -173,7 +182,8 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
             await asyncio.sleep(0.5)
             msgs = []
         now = time.time()
-        got, beats[:] = beats[:], []
+        got = list(beats.values())
+        beats.clear()
         try:
             done = ctl.ingest(msgs, now, got)
         except StoreDown as err:       # nothing acked: the server delivers them again
@@ -197,6 +207,13 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
                 log.warning("retention: %s: %s", type(err).__name__, err)
             ctl.forget(now)
             next_sweep = now + 60
+
+
+def _node_of(subject: str) -> str | None:
+    try:
+        return parse_subject(subject)[2]
+    except ValueError:
+        return None
 
 
 async def _quietly(coro: Any) -> None:

@@ -6,6 +6,7 @@ by state and each one's newest frame age, open stragglers, each job's energy and
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from typing import Any
 
@@ -29,6 +30,12 @@ class MetricsCollector:
             c = CounterMetricFamily(f"jobprobe_controller_frames_{key}", doc)
             c.add_metric([], ctl.counts[key])
             yield c
+        c = CounterMetricFamily("jobprobe_controller_frames_refused", "messages refused, by reason (malformed, "
+                                "subject: not its own, quota_*: over its node's quota, store, consumer_*)",
+                                labels=["reason"])
+        for reason, n in list(ctl.refused_by.items()):
+            c.add_metric([reason], n)
+        yield c
         c = CounterMetricFamily("jobprobe_controller_consumer_errors", "frames a consumer (freshness, stragglers, "
                                 "cost, tsdb) could not take; the others took them", labels=["consumer"])
         for consumer, n in list(ctl.consumer_errors.items()):
@@ -143,6 +150,14 @@ def stats(store: Store, now: float | None = None) -> dict[str, Any]:
     for node, t, worst, checks in rows:
         bad = [c["name"] for c in json.loads(checks or "[]") if c.get("status") in ("fail", "warn")]
         nodes.setdefault(node, {})["doctor"] = {"worst": worst, "t": t, "not_pass": bad}
-    _, rows = store.sql("SELECT COUNT(*) FROM rejects")
+    total = 0
+    try:
+        _, rows = store.sql("SELECT node, reason, SUM(n) FROM reject_counts GROUP BY node, reason")
+    except sqlite3.OperationalError:     # a store written before refusals were counted (read-only: not migrated)
+        _, rows = store.sql("SELECT COALESCE(node, ''), 'unclassified', COUNT(*) FROM rejects GROUP BY node")
+    for node, reason, n in rows:
+        total += n
+        if node:
+            nodes.setdefault(node, {}).setdefault("refused", {})[reason] = n
     unready = sorted(n for n, v in nodes.items() if (v.get("doctor") or {}).get("worst") == "fail")
-    return {"t": now, "nodes": nodes, "rejected_total": rows[0][0], "unready_nodes": unready}
+    return {"t": now, "nodes": nodes, "rejected_total": total, "unready_nodes": unready}

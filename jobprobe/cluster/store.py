@@ -12,7 +12,10 @@ Tables and views:
   frame's own time (end of its interval, UNIX s); `received`: when the controller stored it; `body`: the whole frame
   as JSON.
 - `samples`, `events` (views of frames; `events.event` is the event's name): what queries mostly want.
-- `rejects(received, subject, node, reason, size)` — frames refused (malformed, wrong node for the subject).
+- `reject_counts(node, reason, minute, n, bytes)` — messages refused, counted per node, reason (a short kind:
+  `malformed`, `subject`, `quota_frames`…) and minute (UNIX s // 60).
+- `rejects(received, subject, node, reason, size, body)` — the first REJECT_SAMPLES refusals of each node, reason
+  and minute, whole reason text and the body's first REJECT_BODY bytes: for diagnosis. Both kept for the retention.
 - `delivery(node, …)` — per node: frames stored, duplicates, rejected, newest frame time, last received, lost.
 Controller-made events (`node_lost`, `node_back`) are frames of run `controller` in `frames`.
 
@@ -53,7 +56,9 @@ CREATE INDEX IF NOT EXISTS frames_t ON frames(t);
 CREATE INDEX IF NOT EXISTS frames_job ON frames(job, t);
 {views}
 CREATE TABLE IF NOT EXISTS rejects(received REAL NOT NULL, subject TEXT, node TEXT, reason TEXT NOT NULL,
-    size INTEGER NOT NULL);
+    size INTEGER NOT NULL, body BLOB);
+CREATE TABLE IF NOT EXISTS reject_counts(node TEXT NOT NULL, reason TEXT NOT NULL, minute INTEGER NOT NULL,
+    n INTEGER NOT NULL, bytes INTEGER NOT NULL, PRIMARY KEY (node, reason, minute)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NULL DEFAULT 0,
     duplicates INTEGER NOT NULL DEFAULT 0, rejected INTEGER NOT NULL DEFAULT 0, newest_t REAL, last_received REAL,
     lost INTEGER NOT NULL DEFAULT 0);
@@ -61,6 +66,25 @@ CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NU
 
 
 MAX_STORES = 10     # SQLite's limit on attached databases
+VERSION = 1         # PRAGMA user_version of a store this code writes (migrate() brings older ones to it)
+REJECT_SAMPLES = 3  # refusals kept whole per node, reason and minute (the rest only counted)
+REJECT_BODY = 256   # bytes of a kept refusal's body
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """An older store brought to VERSION, in one transaction. 0 → 1: `rejects` held one row per refusal and no
+    body; its rows are counted into `reject_counts` (reason `unclassified`: their text is kept in rejects)."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > VERSION:
+        raise ValueError(f"the store is of version {version}, newer than this jobprobe's {VERSION}: upgrade jobprobe")
+    with db:
+        if version < 1:
+            if "body" not in [r[1] for r in db.execute("PRAGMA table_info(rejects)")]:
+                db.execute("ALTER TABLE rejects ADD COLUMN body BLOB")
+            db.execute("INSERT OR REPLACE INTO reject_counts SELECT COALESCE(node, ''), 'unclassified', "
+                       "CAST(received / 60 AS INTEGER), COUNT(*), SUM(size) FROM rejects "
+                       "GROUP BY COALESCE(node, ''), CAST(received / 60 AS INTEGER)")
+        db.execute(f"PRAGMA user_version = {VERSION}")
 
 
 def store_files(path: str | Path | list) -> list[str]:
@@ -98,8 +122,12 @@ class Store:
         self.db = sqlite3.connect(self.path, timeout=30)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
+        new = not self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'frames'").fetchone()
         self.db.executescript(SCHEMA + compact.SCHEMA)
         self.db.commit()
+        if new:
+            self.db.execute(f"PRAGMA user_version = {VERSION}")
+        migrate(self.db)
         self.books = [compact.Paths(self.db)]
 
     # ---- writing (the controller) --------------------------------------------------------------------------
@@ -139,13 +167,22 @@ class Store:
                     (node, ok, dups, newest or None, now))
         return stored, dup
 
-    def reject(self, subject: str, node: str | None, reason: str, size: int) -> None:
+    def reject(self, counts: dict[tuple[str, str, int], list[int]], kept: list[tuple]) -> None:
+        """Refusals in one transaction: counts {(node, reason, minute): [n, bytes]} added to reject_counts and to
+        each node's `delivery.rejected` (node '' : no node could be read from the subject); kept: rows of
+        `rejects` (received, subject, node, reason text, size, body)."""
+        per_node: dict[str, int] = {}
         with self.db:
-            self.db.execute("INSERT INTO rejects VALUES (?, ?, ?, ?, ?)", (time.time(), subject, node, reason[:500],
-                                                                            size))
-            if node:
-                self.db.execute("INSERT INTO delivery(node, rejected) VALUES (?, 1) ON CONFLICT(node) DO UPDATE "
-                                "SET rejected = rejected + 1", (node,))
+            self.db.executemany(
+                "INSERT INTO reject_counts VALUES (?, ?, ?, ?, ?) ON CONFLICT(node, reason, minute) DO UPDATE "
+                "SET n = n + excluded.n, bytes = bytes + excluded.bytes",
+                [(node, reason, minute, n, size) for (node, reason, minute), (n, size) in counts.items()])
+            self.db.executemany("INSERT INTO rejects VALUES (?, ?, ?, ?, ?, ?)", kept)
+            for (node, _, _), (n, _) in counts.items():
+                if node:
+                    per_node[node] = per_node.get(node, 0) + n
+            self.db.executemany("INSERT INTO delivery(node, rejected) VALUES (?, ?) ON CONFLICT(node) DO UPDATE "
+                                "SET rejected = rejected + excluded.rejected", list(per_node.items()))
 
     def next_controller_seq(self, node: str, job: str) -> int:
         row = self.db.execute("SELECT MAX(seq) FROM frames WHERE node = ? AND job = ? AND run = 'controller'",
@@ -164,8 +201,10 @@ class Store:
         return moved
 
     def forget_before(self, t: float) -> int:
-        """Retention: frames older than t (their own time) go. How many."""
+        """Retention: frames older than t (their own time) go, and refusals received before it. How many frames."""
         with self.db:
+            self.db.execute("DELETE FROM rejects WHERE received < ?", (t,))
+            self.db.execute("DELETE FROM reject_counts WHERE minute < ?", (int(t // 60),))
             return self.db.execute("DELETE FROM frames WHERE t < ?", (t,)).rowcount
 
     # ---- reading ---------------------------------------------------------------------------------------
@@ -279,6 +318,7 @@ def _union(files: list[str]) -> sqlite3.Connection:
     db.executescript(f"""
         CREATE TEMP VIEW frames AS {every('frames')};
         CREATE TEMP VIEW rejects AS {every('rejects')};
+        CREATE TEMP VIEW reject_counts AS {every('reject_counts')};
         CREATE TEMP VIEW delivery AS SELECT node, SUM(frames) AS frames, SUM(duplicates) AS duplicates,
             SUM(rejected) AS rejected, MAX(newest_t) AS newest_t, MAX(last_received) AS last_received,
             SUM(lost) AS lost FROM ({every('delivery')}) GROUP BY node;
