@@ -47,6 +47,11 @@ log = logging.getLogger("jobprobe.nats")
 SEGMENT_BYTES = 4 << 20
 WINDOW = 256                         # frames published before their acks are awaited
 COALESCE_S = 0.05                    # after a wake-up, the rest of the tick's frames are awaited this long
+# A spool's backlog goes out at most this fast: half the controller's default per-node quota (cluster/quota.py),
+# so that catching up after an outage is never refused there.
+PACE_FRAMES_PER_S = 500.0
+PACE_BYTES_PER_S = float(1 << 20)    # on the wire (zlib: ~2-3x less than the quota's inflated bytes)
+PACE_BURST_S = 2.0
 
 
 class Spool:
@@ -207,6 +212,7 @@ class NatsSink:
                          allow_plaintext_password=allow_plaintext_password,
                          inbox=inbox_prefix(node) if node else "_INBOX")
         self.backoff = Backoff(0.5, 5.0)
+        self.paced_at = self.pace_frames = self.pace_bytes = 0.0     # _pace: a token bucket on the backlog
         self.ldm_said: str | None = None  # the lame-duck server already logged (one server: nowhere to move)
         self.spool = Spool(spool_dir, max_bytes)
         self.counts: dict[str, dict[str, int]] = {}      # job → queued, written (acked), errors
@@ -316,6 +322,7 @@ class NatsSink:
                     self._answer()
                     connected = self._stay(connected)
                     continue
+                self._pace(batch)
                 self._publish(batch)
                 if wire.subs:
                     wire.service()       # a request that came with the acks, read now rather than next tick
@@ -338,6 +345,19 @@ class NatsSink:
                 self.last_try_failed = True
                 self.hurry.wait(self.backoff.next())
         wire.close()
+
+    def _pace(self, batch: list[tuple]) -> None:
+        """Wait until the window may go at PACE_*: a backlog drains at the pace, a tick's frames go at once."""
+        now = time.monotonic()
+        fill = min(PACE_BURST_S, now - self.paced_at) if self.paced_at else PACE_BURST_S
+        self.paced_at = now
+        self.pace_frames = min(PACE_FRAMES_PER_S * PACE_BURST_S, self.pace_frames + fill * PACE_FRAMES_PER_S)
+        self.pace_bytes = min(PACE_BYTES_PER_S * PACE_BURST_S, self.pace_bytes + fill * PACE_BYTES_PER_S)
+        self.pace_frames -= len(batch)
+        self.pace_bytes -= sum(len(rec[6]) for rec in batch)
+        short = max(-self.pace_frames / PACE_FRAMES_PER_S, -self.pace_bytes / PACE_BYTES_PER_S, 0.0)
+        if short:
+            self.closing.wait(short)
 
     def _publish(self, batch: list[tuple]) -> None:
         """One window: the frames the server can take published and acked; those it never will (past its
