@@ -6,6 +6,8 @@ decoding bounded in objects, every value against the declared types); a frame th
 and logged (`rejects`), and acked: it will never become valid. Each consumer of frames (freshness, stragglers, the
 cost meter, the TSDB writer, the store) has its own error boundary: one failing on a frame neither stops the loop
 nor the others (docs/SECURITY.md). A store that cannot write at all raises StoreDown: nothing of the batch is acked.
+A store whose fence says another controller holds the lease now raises Fenced (jobprobe/cluster/store.py): nothing
+is stored or acked, and the controller stands by (ingest.py).
 
 Freshness: per node, when its newest frame or heartbeat arrived. Every agent sends a `heartbeat` each tick on its
 node's beat subject (read by every controller, used for freshness only, never stored), saying how many jobs it has

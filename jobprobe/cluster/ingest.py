@@ -17,7 +17,10 @@ come through a plain subscription — liveness is worth something only fresh, an
 
 Only the holder of the partition's lease (jobprobe/cluster/lease.py) fetches; another controller of the partition
 stands by, connected, and takes over from the durable consumer's position when the lease comes free. Both use the
-partition's one store (the key makes a batch stored by the one and delivered again to the other a no-op).
+partition's one store (the key makes a batch stored by the one and delivered again to the other a no-op). Taking
+the lease, a controller writes its fencing token in the store before it fetches anything; a write of a controller
+whose token is no longer the store's newest (paused past its lease, then woken) is refused (Fenced): it acks
+nothing of that batch and stands by.
 
 The same connection answers `jobprobe trace --job` requests for the jobs of its partition, while active
 (jobprobe/cluster/trace.py).
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from jobprobe.cluster import trace
 from jobprobe.cluster.lease import TRY_S, Lease
+from jobprobe.cluster.store import Fenced
 from jobprobe.core.errors import BadInput
 from jobprobe.core.retry import Backoff
 from jobprobe.core.wire import BEATS, CLUSTER_TRACE, FRAMES, PARTS, parse_subject
@@ -171,6 +175,14 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
                 except asyncio.TimeoutError:
                     pass
                 continue
+            try:       # before anything is fetched: from now on the holder before us can write nothing
+                ctl.store.take_fence(ctl.part[0], lease.token, lease.holder)
+            except Exception as err:     # Fenced (a newer token there: not ours after all), a store that is down
+                log.warning("controller %d/%d: the lease taken, but not the store's fence (%s: %s): standing by",
+                            *ctl.part, type(err).__name__, err)
+                await lease.release()
+                await _stopped_or_after(ctl, TRY_S)
+                continue
             ctl.reset()
             ctl.active, said = True, False
             log.warning("controller %d/%d: active: consuming %s into %s", *ctl.part, pull.subject.split(".")[-2],
@@ -186,6 +198,9 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
         beats.clear()
         try:
             done = ctl.ingest(msgs, now, got)
+        except Fenced as err:          # another controller holds the store now: nothing acked, and we stand by
+            await _fenced(ctl, lease, err, msgs)
+            continue
         except StoreDown as err:       # nothing acked: the server delivers them again
             log.warning("the store refused a batch (%s); %d frames will be delivered again", err, len(msgs))
             for m in msgs:
@@ -197,12 +212,18 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
         if now > next_compact:     # samples past the raw window into blocks, a bounded step between batches
             try:
                 next_compact = now + (0.0 if ctl.store.compact(now, ctl.raw_s) else 10.0)
+            except Fenced as err:
+                await _fenced(ctl, lease, err, [])
+                continue
             except Exception as err:
                 log.warning("compaction: %s: %s", type(err).__name__, err)
                 next_compact = now + 60.0
         if now > next_sweep:
             try:
                 ctl.store.forget_before(now - ctl.retention_s)
+            except Fenced as err:
+                await _fenced(ctl, lease, err, [])
+                continue
             except Exception as err:
                 log.warning("retention: %s: %s", type(err).__name__, err)
             ctl.forget(now)
@@ -214,6 +235,23 @@ def _node_of(subject: str) -> str | None:
         return parse_subject(subject)[2]
     except ValueError:
         return None
+
+
+async def _fenced(ctl: "Controller", lease: Lease, err: Fenced, msgs: list[Any]) -> None:
+    """A write refused by the store's fence: the lease is another's (we were paused past it). The batch goes back
+    to the stream unacked (nak: the holder gets it at once, not after ACK_WAIT_S); we stand by."""
+    log.warning("controller %d/%d: fenced: %s; %d frames left to the holder; standing by", *ctl.part, err, len(msgs))
+    for m in msgs:
+        await _quietly(m.nak())
+    ctl.active = False
+    lease.drop()
+
+
+async def _stopped_or_after(ctl: "Controller", seconds: float) -> None:
+    try:
+        await asyncio.wait_for(ctl.stop_event.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
 
 
 async def _quietly(coro: Any) -> None:

@@ -15,6 +15,11 @@ key is `p<I>` (`p0` unpartitioned), its value who holds it.
   consumer's position (what was not acked is delivered again). A holder that stops cleanly deletes the key: the
   standby takes over at its next try. A controller restarted on the holder's host whose holder process is gone (a
   crash, then systemd's restart) takes the lease at once rather than waiting for it to expire.
+- Each taking gets a fencing token (`token`), larger for every newer holder: the store refuses a write whose token
+  is not the newest (jobprobe/cluster/store.py take_fence), so a holder paused past its lease and woken writes
+  nothing. It is the KV revision of the taking write (the bucket's stream sequence: it only grows) plus the
+  bucket's creation time (s since 2020) × 2^32: a bucket made again (JetStream's data lost) starts its revisions at
+  1 again, but its tokens are still the larger — the old bucket's revisions grew by far less than 2^32 a second.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ LEASE_S = 5.0       # a lease not renewed for this long is gone
 RENEW_S = 1.0       # the holder renews this often
 TRY_S = 1.0         # a standby tries to take it this often
 MARGIN_S = 1.0      # the holder stops this long before its lease could expire
+EPOCH_2020 = 1577836800     # the fencing token counts the bucket's creation time from 2020-01-01 (UNIX s)
 
 
 class Lease:
@@ -39,6 +45,8 @@ class Lease:
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self.kv: Any = None
         self.rev: int | None = None      # the revision we last wrote (None: not ours)
+        self.epoch = 0                   # the bucket's creation time, s since 2020 (open)
+        self.token = 0                   # the fencing token of our last taking (take)
         self.until = 0.0                 # monotonic: the lease is ours until then
         self.next_renew = 0.0
 
@@ -50,6 +58,8 @@ class Lease:
         except (BucketNotFoundError, NotFoundError):
             self.kv = await self.js.create_key_value(bucket=BUCKET, ttl=LEASE_S, history=1,
                                                      replicas=self.replicas)
+        created = (await self.js.stream_info(f"KV_{BUCKET}")).created
+        self.epoch = max(0, int(created.timestamp()) - EPOCH_2020) if created else 0
 
     def held(self) -> bool:
         return self.rev is not None and time.monotonic() < self.until
@@ -66,7 +76,12 @@ class Lease:
             if self.rev is None:
                 return False
         self.until, self.next_renew = sent + LEASE_S - MARGIN_S, sent + RENEW_S
+        self.token = (self.epoch << 32) + self.rev     # < 2^63, SQLite's largest INTEGER, until 2088
         return True
+
+    def drop(self) -> None:
+        """The lease is someone else's (the store's fence said so): forgotten without touching the key."""
+        self.rev, self.until = None, 0.0
 
     async def _from_dead_predecessor(self) -> int | None:
         """The lease, when its holder was a process of this host that no longer runs (its revision then), else

@@ -17,6 +17,8 @@ Tables and views:
 - `rejects(received, subject, node, reason, size, body)` — the first REJECT_SAMPLES refusals of each node, reason
   and minute, whole reason text and the body's first REJECT_BODY bytes: for diagnosis. Both kept for the retention.
 - `delivery(node, …)` — per node: frames stored, duplicates, rejected, newest frame time, last received, lost.
+- `fence(part, token, holder, taken, last_write, writes)` — the lease tokens of the controllers that held the store
+  (take_fence); every write checks in its own transaction that the newest is its own (Fenced otherwise).
 Controller-made events (`node_lost`, `node_back`) are frames of run `controller` in `frames`.
 
 Partitions (`jobprobe controller --partition I/N`): each partition has its own store (the two controllers of a
@@ -26,6 +28,7 @@ partition's store, so nothing is counted twice), `delivery` summed per node. SQL
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -86,6 +89,21 @@ def migrate(db: sqlite3.Connection) -> None:
                        "GROUP BY COALESCE(node, ''), CAST(received / 60 AS INTEGER)")
         db.execute(f"PRAGMA user_version = {VERSION}")
 
+# Fencing (docs/ARCHITECTURE.md, "Two controllers, one store"): each controller that takes its partition's lease
+# writes the lease's token here (jobprobe/cluster/lease.py: a newer holder's is always larger); a write is refused
+# unless the newest token of its partition is its own. The newest FENCE_KEEP rows per partition are kept (~100 B
+# each): one row per takeover. `last_write`/`writes`: each holder's last committed write, and how many.
+FENCE = """
+CREATE TABLE IF NOT EXISTS fence(part INTEGER NOT NULL, token INTEGER NOT NULL, holder TEXT NOT NULL,
+    taken REAL NOT NULL, last_write REAL, writes INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (part, token));
+"""
+FENCE_KEEP = 16
+
+
+class Fenced(Exception):
+    """A write refused: another controller took the lease since this one did (a larger token in `fence`), or this
+    writer holds none and the store is fenced. Nothing of the write was stored; the writer must stop writing."""
+
 
 def store_files(path: str | Path | list) -> list[str]:
     """The store files a reader was given: a file, a directory (every *.db in it), or a list of either."""
@@ -123,12 +141,50 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")   # WAL + NORMAL: durable at each checkpoint, never corrupt
         new = not self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'frames'").fetchone()
-        self.db.executescript(SCHEMA + compact.SCHEMA)
+        self.db.executescript(SCHEMA + compact.SCHEMA + FENCE)
         self.db.commit()
         if new:
             self.db.execute(f"PRAGMA user_version = {VERSION}")
         migrate(self.db)
         self.books = [compact.Paths(self.db)]
+        self.fence: tuple[int, int] | None = None   # (partition, token) of the lease this writer holds
+
+    # ---- fencing (the controller: take_fence when it takes the lease; every write checked) ---------------------
+    def take_fence(self, part: int, token: int, holder: str) -> None:
+        """This writer holds partition `part`'s lease with `token`: written, so that any writer with a smaller one
+        (the holder before, woken from a pause) is refused from now on. Fenced when a larger token is there."""
+        self.db.execute("BEGIN IMMEDIATE")
+        with self.db:
+            newest = self._newest_token(part)
+            if newest is not None and newest > token:
+                raise Fenced(f"partition {part}: token {token} is older than the store's {newest}")
+            self.db.execute("INSERT OR IGNORE INTO fence(part, token, holder, taken) VALUES (?, ?, ?, ?)",
+                            (part, token, holder, time.time()))
+            self.db.execute("DELETE FROM fence WHERE part = ? AND token NOT IN (SELECT token FROM fence WHERE "
+                            "part = ? ORDER BY token DESC LIMIT ?)", (part, part, FENCE_KEEP))
+        self.fence = (part, token)
+
+    def _newest_token(self, part: int) -> int | None:
+        return self.db.execute("SELECT MAX(token) FROM fence WHERE part = ?", (part,)).fetchone()[0]
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """One write transaction, fenced: BEGIN IMMEDIATE takes the write lock first, so no other writer's token can
+        land between the check and the commit; then the check (the partition's newest token is ours; a writer
+        holding none is refused once any was written) — Fenced, and nothing written, when it fails."""
+        self.db.execute("BEGIN IMMEDIATE")
+        with self.db:
+            if self.fence is None:
+                if self.db.execute("SELECT 1 FROM fence LIMIT 1").fetchone():
+                    raise Fenced("the store is fenced (a controller holds it) and this writer holds no token")
+            else:
+                part, token = self.fence
+                newest = self._newest_token(part)
+                if newest != token:
+                    raise Fenced(f"partition {part}: token {token} is no longer the store's ({newest})")
+                self.db.execute("UPDATE fence SET last_write = ?, writes = writes + 1 WHERE part = ? AND token = ?",
+                                (time.time(), part, token))
+            yield
 
     # ---- writing (the controller) --------------------------------------------------------------------------
     def add(self, frames: Iterable[dict], received: float | None = None) -> tuple[int, int]:
@@ -137,7 +193,10 @@ class Store:
         now = time.time() if received is None else received
         stored = dup = 0
         per_node: dict[str, list[float]] = {}
-        with self.db:
+        frames = list(frames)
+        if not frames:      # no transaction at all (a fenced writer's empty batch writes nothing either)
+            return 0, 0
+        with self._writing():
             for f in frames:
                 cur = self.db.execute(
                     "INSERT OR IGNORE INTO frames VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -172,7 +231,7 @@ class Store:
         each node's `delivery.rejected` (node '' : no node could be read from the subject); kept: rows of
         `rejects` (received, subject, node, reason text, size, body)."""
         per_node: dict[str, int] = {}
-        with self.db:
+        with self._writing():
             self.db.executemany(
                 "INSERT INTO reject_counts VALUES (?, ?, ?, ?, ?) ON CONFLICT(node, reason, minute) DO UPDATE "
                 "SET n = n + excluded.n, bytes = bytes + excluded.bytes",
@@ -193,16 +252,19 @@ class Store:
         """One step of moving samples past the raw window into blocks (compact.compact_step), else of rolling up
         the hours complete (compact.rollup_step): how much was done (0: nothing left). Then each level's
         retention."""
-        moved = compact.compact_step(self.db, self.books[0], now - raw_s)
+        with self._writing():     # each step commits its own transaction: fenced one by one
+            moved = compact.compact_step(self.db, self.books[0], now - raw_s)
         if not moved:
-            moved = compact.rollup_step(self.db, self.books[0], now - raw_s)
+            with self._writing():
+                moved = compact.rollup_step(self.db, self.books[0], now - raw_s)
         if not moved:
-            compact.forget_levels(self.db, now)
+            with self._writing():
+                compact.forget_levels(self.db, now)
         return moved
 
     def forget_before(self, t: float) -> int:
         """Retention: frames older than t (their own time) go, and refusals received before it. How many frames."""
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM rejects WHERE received < ?", (t,))
             self.db.execute("DELETE FROM reject_counts WHERE minute < ?", (int(t // 60),))
             return self.db.execute("DELETE FROM frames WHERE t < ?", (t,)).rowcount
