@@ -70,6 +70,9 @@ def cmd_controller(args) -> int:
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition,
                      raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600, limits=limits)
+    if local is not None:
+        local.supervise()          # from now on a server that exits is started again (natsserver.py)
+        ctl.server = local
     server = None
     if args.metrics:
         from jobprobe.cluster.metrics import serve_metrics

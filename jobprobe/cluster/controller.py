@@ -91,6 +91,8 @@ class Controller:
         self.consumer_errors: dict[str, int] = {}      # consumer (stragglers, cost, tsdb, freshness) → errors
         self.declared: dict[tuple, dict] = {}          # (node, job, run) → its hello's schema
         self.stop_event = asyncio.Event()
+        self.nc: Any = None           # its NATS connection, once made (ingest.serve): /metrics' nats_up
+        self.server: Any = None       # the nats-server it runs and supervises (natsserver.LocalNats; no --nats)
         self.reset()
         from jobprobe.cluster.cost import Meter, load as load_prices
         self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics

@@ -90,7 +90,7 @@ async def serve(ctl: "Controller") -> None:
     while lease is None:   # a server still starting, a JetStream cluster still electing its leader: wait
         try:
             if nc is None:
-                nc = await nats.connect(**opts)
+                nc = ctl.nc = await nats.connect(**opts)
             if sub is None:
                 sub = await (Puller(nc, stream, DURABLE).start() if await subscribe(
                     nc, ctl.replicas, stream, subjects, ctl.stream_s) else None)

@@ -1,7 +1,8 @@
 """The controller's numbers. Live, from its own state: MetricsCollector, read at each scrape of its Prometheus
-endpoint (`jobprobe controller --metrics`, serve_metrics) — frames stored, duplicate, refused, consumer errors, nodes
-by state and each one's newest frame age, open stragglers, each job's energy and cost. From the store: stats
-(`jobprobe controller stats`) — freshness and delivery per node, and each node's latest doctor verdict.
+endpoint (`jobprobe controller --metrics`, serve_metrics) — frames stored, duplicate, refused, consumer errors, the
+data plane up (and its own nats-server's restarts), nodes by state and each one's newest frame age, open stragglers,
+each job's energy and cost. From the store: stats (`jobprobe controller stats`) — freshness and delivery per node,
+and each node's latest doctor verdict.
 """
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ class MetricsCollector:
                               "and consumes; 0 while it stands by", labels=["partition"])
         g.add_metric([f"{ctl.part[0]}/{ctl.part[1]}"], 1 if ctl.active else 0)
         yield g
+        g = GaugeMetricFamily("jobprobe_controller_nats_up", "1 while the controller is connected to NATS (its data "
+                              "plane: frames come in); 0 while not — its own nats-server down and being restarted, "
+                              "or the --nats servers out of reach")
+        g.add_metric([], 1 if ctl.nc is not None and ctl.nc.is_connected else 0)
+        yield g
+        if ctl.server is not None:
+            c = CounterMetricFamily("jobprobe_controller_nats_server_restarts", "times the controller's own "
+                                    "nats-server exited and was started again (its log says how each exited)")
+            c.add_metric([], ctl.server.restarts)
+            yield c
         g = GaugeMetricFamily("jobprobe_controller_nodes", "nodes heard from, by state", labels=["state"])
         g.add_metric(["live"], sum(1 for _, st in nodes if not st.lost and not st.stopped))
         g.add_metric(["lost"], sum(1 for _, st in nodes if st.lost))

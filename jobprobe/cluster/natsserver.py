@@ -4,7 +4,8 @@ to its job's partition (jobprobe/core/wire.py); the controllers of the other par
 
 It is authenticated (jobprobe/transport/natsauth.py: the controller's nkey and one per node enrolled with
 `jobprobe controller enroll NODE`, whose permissions write_auth puts in the server's auth.conf), TLS or loopback
-unless told otherwise, and gone with the controller.
+unless told otherwise, and gone with the controller. Supervised (supervise()): a server that exits while the
+controller runs is started again after a backoff, its exit logged; /metrics counts the restarts.
 """
 from __future__ import annotations
 
@@ -14,17 +15,21 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 from jobprobe.cluster.ingest import MAX_FRAME
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
+from jobprobe.core.retry import Backoff
 from jobprobe.core.wire import host_port, mappings_conf
 from jobprobe.transport.credentials import is_loopback
 from jobprobe.transport.natsauth import Auth, server_pid, write_secret
 
 log = logging.getLogger("jobprobe.cluster.natsserver")
+
+RESET_AFTER_S = 60.0    # a server that ran this long before it exited is restarted after the shortest delay again
 
 
 class LocalNats:
@@ -74,9 +79,51 @@ class LocalNats:
         os.chmod(self.conf, 0o600)
         self.log = open(os.open(self.data / "nats-server.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                                 0o600), "ab")
-        self.proc = subprocess.Popen([exe, "-c", str(self.conf)], stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        self.exe, self.restarts = exe, 0
+        self.lock = threading.Lock()         # stop() and a restart: never a server started after stop()
+        self.stopping = threading.Event()
+        self.watcher: threading.Thread | None = None
+        self.proc = self._start()
         self.host, self.port = host or "127.0.0.1", port
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen([self.exe, "-c", str(self.conf)], stdin=subprocess.DEVNULL, stdout=self.log,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def supervise(self) -> None:
+        """From now on (the server listening: wait()), a server that exits is started again, after a backoff
+        (0.5 s, doubling with jitter to 30 s; short again once one ran RESET_AFTER_S), until stop(). The agents
+        spool meanwhile and the controller's client reconnects: nothing is lost (tests/test_natsserver.py)."""
+        self.watcher = threading.Thread(target=self._watch, name="nats-server", daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        # this thread forks every restarted server: PR_SET_PDEATHSIG fires when the forking *thread* ends, so it
+        # lives as long as the servers it starts (until stop())
+        backoff = Backoff(initial=0.5, maximum=30.0)
+        while True:
+            began = time.monotonic()
+            proc = self.proc
+            code = proc.wait()
+            if self.stopping.is_set():
+                return
+            if time.monotonic() - began > RESET_AFTER_S:   # a rare crash comes back fast; a crash loop slows down
+                backoff.reset()
+            delay = backoff.next()
+            log.warning("nats-server (pid %d) exited: %s; starting it again in %.1f s (%s)", proc.pid, _how(code),
+                        delay, self.data / "nats-server.log")
+            if self.stopping.wait(delay):
+                return
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                try:
+                    self.proc = self._start()
+                except OSError as err:     # the binary gone, no memory to fork: tried again after the next delay
+                    log.warning("nats-server: could not start it again: %s", err)
+                    continue
+                self.restarts += 1
+            log.warning("nats-server started again (pid %d, restart %d)", self.proc.pid, self.restarts)
 
     def _stop_our_orphan(self) -> None:
         """A nats-server left by an earlier controller of this data directory (its pid file, its config) goes."""
@@ -100,8 +147,22 @@ class LocalNats:
         raise BadInput(f"nats-server did not listen on {self.url} within {timeout:.0f} s")
 
     def stop(self) -> None:
+        with self.lock:
+            self.stopping.set()
         stop_child(self.proc, 10)
+        if self.watcher is not None:
+            self.watcher.join(10)
         self.log.close()
+
+
+def _how(code: int) -> str:
+    """A child's exit status in words: `code 1`, `killed by signal SIGKILL`."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"killed by signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 def write_auth(data_dir: str | Path) -> Path:
