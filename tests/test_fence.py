@@ -51,19 +51,20 @@ def test_a_writer_whose_token_is_not_the_newest_stores_nothing(tmp_path):
     with pytest.raises(Fenced):
         old.add(frames(3, start=1))
     assert keys(path) == [("n1", "j1", "r1", 0)], "a fenced writer's batch was (partly) stored"
-    for write in (lambda: old.reject("s", "n1", "bad", 1), lambda: old.forget_before(2e9),
+    for write in (lambda: old.reject({("n1", "malformed", 1): [1, 1]}, [(1.0, "s", "n1", "bad", 1, b"")]), lambda: old.forget_before(2e9),
                   lambda: old.compact(2e9, 0), lambda: plain.add(frames(1, start=1))):
         with pytest.raises(Fenced):
             write()
     assert keys(path) == [("n1", "j1", "r1", 0)]
     assert new.sql("SELECT COUNT(*) FROM rejects")[1] == [(0,)]
+    assert new.sql("SELECT COUNT(*) FROM reject_counts")[1] == [(0,)]
     with pytest.raises(Fenced):
         old.take_fence(0, 4, "old")        # a smaller token never comes back
     assert new.add(frames(2, start=1)) == (2, 0)
     assert len(keys(path)) == 3
     free = Store(tmp_path / "free.db")     # `jobprobe run`, tests, readers: no lease, no fence
     assert free.add(frames(2)) == (2, 0)
-    free.reject("s", None, "bad", 1)
+    free.reject({("", "malformed", 1): [1, 1]}, [(1.0, "s", None, "bad", 1, b"")])
     for s in (old, new, plain, free):
         s.close()
 
