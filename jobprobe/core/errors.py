@@ -30,3 +30,8 @@ class ProbeUnavailable(JobprobeError):
 
 class ProbeFailed(JobprobeError):
     """A probe that was running has failed; it is stopped and reported, the others go on."""
+
+
+class UnsafeFile(BadInput):
+    """A file or directory the agent would write is not safely its own — a symbolic link, a FIFO, another user's
+    file, a directory others may write (jobprobe/core/safefile.py): refused, one line naming the path and why."""
