@@ -7,39 +7,22 @@ frame again, so every file decodes on its own.
 
 Frames hold other users' command lines and stacks (shared SLURM nodes), so every file is 0600 and every directory
 made for them 0700, whatever the umask. `job_filename` (jobprobe/core/names.py) maps a job to its file's name injectively: two jobs never
-share a file (`a/b` and `a_b` are two files).
+share a file (`a/b` and `a_b` are two files). `--out` may be a shared directory (/tmp): every file is opened through
+jobprobe/core/safefile.py, so a link, a FIFO or another user's file planted at its name is refused, never written.
 """
 from __future__ import annotations
 
 import os
-import stat
 
 from jobprobe.core.names import job_filename
-
-FILE_MODE = 0o600
-DIR_MODE = 0o700
-def private_dir(path: str) -> None:
-    """Make directory `path` and any missing parent, each 0700 whatever the umask. A directory that exists already
-    is left as it is: `--out` may name a shared one (`/tmp`) that is not ours to close."""
-    path = os.path.abspath(path)
-    if os.path.isdir(path):
-        return
-    parent = os.path.dirname(path)
-    if parent != path:
-        private_dir(parent)
-    try:
-        os.mkdir(path, DIR_MODE)
-    except FileExistsError:
-        if not os.path.isdir(path):
-            raise
-        return                      # made by another writer at the same moment: theirs, as it is
-    os.chmod(path, DIR_MODE)        # mkdir's mode passes through the umask: it can only narrow, but say it exactly
+from jobprobe.core.safefile import Dir, write_all
 
 
 def job_path(out_dir: str, job: str) -> str:
-    """The frame file of `job` under `out_dir` (`--out DIR`), the directory made 0700 if missing."""
-    private_dir(out_dir)
-    return os.path.join(out_dir, f"{job_filename(job)}.mpk")
+    """The frame file of `job` under `out_dir` (`--out DIR`), the directory checked (safefile's shared rule) and
+    made 0700 if missing."""
+    Dir(out_dir, shared=True).close()
+    return os.path.join(os.path.abspath(out_dir), f"{job_filename(job)}.mpk")
 
 
 class FileSink:
@@ -49,39 +32,35 @@ class FileSink:
         self.keep = keep
         self.written = 0
         self._hello: bytes | None = None
-        self._fd = self._open()
+        self.dir = Dir(os.path.dirname(path), shared=True)   # held: rotation renames inside the directory checked
+        self.name = os.path.basename(path)
+        try:
+            self._fd = self._open()
+        except BaseException:
+            self.dir.close()
+            raise
 
     def _open(self) -> int:
-        """The file opened for appending, created 0600 — never briefly wider, whatever the umask — and narrowed to
-        0600 if it existed (written by an older version, or by hand). Only a regular file of ours is narrowed:
-        `--out /dev/null` as root must not change /dev/null."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
-        try:
-            st = os.fstat(fd)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o7077:
-                os.fchmod(fd, FILE_MODE)
-            self._size = st.st_size
-        except BaseException:
-            os.close(fd)
-            raise
+        """The file opened for appending: made 0600 — never briefly wider, whatever the umask — or, if it exists, a
+        regular file of ours with one link (written by an earlier run), narrowed to 0600; else UnsafeFile."""
+        fd = self.dir.open(self.name, os.O_WRONLY | os.O_APPEND)
+        self._size = os.fstat(fd).st_size
         return fd
 
     def _rotate(self) -> None:
         os.close(self._fd)
+        self._fd = -1
         for i in range(self.keep - 1, 0, -1):
-            src = f"{self.path}.{i}"
-            if os.path.exists(src):
-                os.replace(src, f"{self.path}.{i + 1}")
-        os.replace(self.path, f"{self.path}.1")
+            src = f"{self.name}.{i}"
+            if self.dir.exists(src):
+                self.dir.replace(src, f"{self.name}.{i + 1}")
+        self.dir.replace(self.name, f"{self.name}.1")
         self._fd = self._open()
         if self._hello is not None:
             self._write(self._hello)
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:  # O_APPEND makes each write atomic in position; loop only on a short write
-            n = os.write(self._fd, view)
-            view = view[n:]
+        write_all(self._fd, data)  # O_APPEND makes each write atomic in position; it loops only on a short write
         self._size += len(data)
         self.written += len(data)
 
@@ -96,6 +75,7 @@ class FileSink:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self.dir.close()
 
     def __repr__(self) -> str:
         return f"FileSink({self.path!r})"

@@ -342,3 +342,38 @@ def steal_ns() -> int:
 # scheduler to the task woken; ~5.5 µs each for cgroup targets and ~3.7 µs for PID trees one day, 7.5 and 6.4
 # another). Tests beside other tests' wakeups (phase 1) see thousands of such switches a second.
 PREEMPT_SKEW_NS = {"cgroup": 7_500, "pids": 5_000}
+
+
+# ---- another local user: what user `nobody` can do where the agent writes -----------------------------------------
+needs_root_to_be_nobody = pytest.mark.skipif(not IS_ROOT, reason="needs root to act as user nobody (setuid); CI "
+                                             "runs as root")
+
+
+def as_nobody(where: Path, act) -> None:
+    """act() in a forked child as user nobody, in directory `where` — entered as root first: a test's tmp_path lies
+    under root's 0700 directories, which nobody cannot cross, so act() uses names relative to `where`. Fails the
+    test if act() raised."""
+    import pwd
+    import traceback
+    pw = pwd.getpwnam("nobody")
+    pid = os.fork()
+    if pid == 0:                                    # pragma: no cover (the child)
+        code = 1
+        try:
+            os.chdir(where)
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            act()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "what user nobody did failed (its traceback is above)"
+
+
+def nobody_uid() -> int:
+    import pwd
+    return pwd.getpwnam("nobody").pw_uid

@@ -3,16 +3,24 @@ BadInput (one line: the CLI's exit 2, the agent's logged refusal), never another
 document over the keys each one knows (and some it does not) with values of any TOML type."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import as_nobody, needs_root_to_be_nobody, nobody_uid
 from jobprobe.cluster import cost
 from jobprobe.core import efficiency
-from jobprobe.core.errors import BadInput
+from jobprobe.core.errors import BadInput, UnsafeFile
 from jobprobe.node import rules
 from jobprobe.node.config import Config
 
@@ -193,3 +201,92 @@ def test_any_frame_file_is_summed_and_drawn_or_refused_in_one_line(tmp_path, fra
     job.sort()
     page = read_or_refuse(lambda _: report.render(job, None, summary.html_table(s)), path)
     assert page is None and not job.nodes or page.lstrip().lower().startswith("<!doctype html>")
+
+
+# ---- files the agent writes where another local user may reach (issue 48): a link, a FIFO or a file of theirs
+# planted where the agent will write is refused in one line, and nothing outside is written
+PLANTS = {"symlink": lambda name: os.symlink("../victim", name),    # from the shared directory to tmp_path/victim
+          "fifo": lambda name: os.mkfifo(name, 0o666),
+          "their file": lambda name: Path(name).write_bytes(b"theirs")}
+
+
+def victim(tmp_path: Path) -> Path:
+    """A file of root's outside every directory the agent writes: it must stay as it is."""
+    v = tmp_path / "victim"
+    v.write_bytes(b"root's own\n")
+    v.chmod(0o644)
+    return v
+
+
+def untouched(v: Path) -> bool:
+    return v.read_bytes() == b"root's own\n" and stat.S_IMODE(v.stat().st_mode) == 0o644
+
+
+def shared_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "shared"                     # like /tmp: anyone may add a name, no one may move another's
+    d.mkdir()
+    d.chmod(0o1777)
+    return d
+
+
+def nobodys_dir(tmp_path: Path, name: str) -> Path:
+    d = tmp_path / name                         # a directory another user owns (their home, a path they made first)
+    d.mkdir()
+    os.chown(d, nobody_uid(), -1)
+    return d
+
+
+@contextlib.contextmanager
+def alarm(seconds: int):
+    """A blocked open (a FIFO with no reader) fails the test instead of hanging it."""
+    def ring(*_):
+        raise TimeoutError(f"blocked for {seconds} s")
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def refused_in_one_line(err: pytest.ExceptionInfo, path) -> None:
+    assert "\n" not in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+@needs_root_to_be_nobody
+@pytest.mark.parametrize("plant", [*PLANTS, "hard link"])
+def test_what_another_user_planted_as_a_jobs_file_in_a_shared_out_is_refused(tmp_path, plant):
+    """--out /tmp: user nobody makes the name the job's frame file will have first. A hard link to root's file
+    is made by root here: what nobody can do on a host with fs.protected_hardlinks=0."""
+    from jobprobe.exporters.file import FileSink, job_path
+    v, out = victim(tmp_path), shared_dir(tmp_path)
+    path = job_path(str(out), "train/7")
+    if plant == "hard link":
+        os.link(v, path)
+    else:
+        as_nobody(out, lambda: PLANTS[plant](os.path.basename(path)))
+    with alarm(5), pytest.raises(UnsafeFile) as err:
+        FileSink(path).close()
+    refused_in_one_line(err, path)
+    assert untouched(v)
+    if plant == "their file":
+        assert Path(path).read_bytes() == b"theirs" and Path(path).stat().st_uid == nobody_uid()
+
+
+@needs_root_to_be_nobody
+def test_the_cli_refuses_a_planted_out_file_and_another_users_out_dir_in_one_line(tmp_path):
+    v, out = victim(tmp_path), shared_dir(tmp_path)
+    as_nobody(out, lambda: os.symlink("../victim", "frames.mpk"))
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "run", "--pid", str(os.getpid()), "--probes", "self",
+                          "--duration", "1", "--out", str(out / "frames.mpk")], capture_output=True, text=True,
+                         timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and str(out / "frames.mpk") in lines[0], res
+    assert untouched(v)
+    theirs = nobodys_dir(tmp_path, "theirs")
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "agent", "--out", str(theirs),
+                          "--socket", str(tmp_path / "a.sock"), "--state", str(tmp_path / "jobs.json"),
+                          "--probes", "self"], capture_output=True, text=True, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and str(theirs) in lines[0] and "uid" in lines[0], res

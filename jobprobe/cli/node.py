@@ -156,6 +156,17 @@ def cmd_run(args) -> int:
 
 
 # ---- agent -------------------------------------------------------------------------------------------------------
+def check_dirs(cfg) -> None:
+    """The directories the agent writes in, checked now (jobprobe/core/safefile.py; a refusal is the CLI's one line,
+    exit 2) rather than at a job's attach: --out (may be shared, like /tmp), the state file's directory, the spool."""
+    from jobprobe.core.safefile import Dir
+    if cfg.out:
+        Dir(cfg.out, shared=True).close()
+    Dir(os.path.dirname(os.path.abspath(cfg.state))).close()
+    if cfg.nats:
+        Dir(cfg.spool).close()
+
+
 def cmd_agent(args) -> int:
     from jobprobe.node.agent import Agent
     from jobprobe.node.config import DEFAULT_CONFIG, Config
@@ -180,6 +191,7 @@ def cmd_agent(args) -> int:
         from jobprobe.node.k8s import pods_path, tls_context
         tls_context(cfg.k8s, cfg.k8s_ca, cfg.k8s_insecure, cfg.k8s_token_file)
         pods_path(cfg.k8s_node)
+    check_dirs(cfg)
     try:
         agent = Agent(cfg, host)
     except (ValueError, OSError) as err:  # a credentials file unreadable or malformed, a spool or port not usable
