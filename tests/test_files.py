@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -272,6 +273,36 @@ def test_what_another_user_planted_as_a_jobs_file_in_a_shared_out_is_refused(tmp
     assert untouched(v)
     if plant == "their file":
         assert Path(path).read_bytes() == b"theirs" and Path(path).stat().st_uid == nobody_uid()
+
+
+@needs_root_to_be_nobody
+def test_a_trace_window_in_another_users_dir_is_refused_and_says_why(tmp_path):
+    from jobprobe.node.tracewin import Tracer
+    traces = nobodys_dir(tmp_path, "traces")
+    t = Tracer("j", str(traces), lambda: [], lambda p: "", lambda p: False, None)
+    got = t.open("request", duration=1.0)
+    assert got["ok"] is False and str(traces) in got["why"] and "\n" not in got["why"], got
+    assert os.listdir(traces) == [] and stat.S_IMODE(traces.stat().st_mode) == 0o755   # not narrowed: not ours
+
+
+@needs_root_to_be_nobody
+def test_the_state_file_is_0600_and_never_written_through_a_link(tmp_path, caplog):
+    from jobprobe.node.adopt import Adoption
+
+    class Table(Adoption):            # the agent's job table, empty: what _save needs of it
+        def __init__(self, state: Path):
+            self.persist, self.cfg, self.jobs, self.pending = True, SimpleNamespace(state=str(state)), {}, {}
+    old = os.umask(0o022)
+    try:
+        Table(tmp_path / "run" / "jobs.json")._save()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "run" / "jobs.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
+    v, state = victim(tmp_path), nobodys_dir(tmp_path, "state")
+    as_nobody(state, lambda: (os.symlink("../victim", "jobs.tmp"), os.symlink("../victim", "jobs.json")))
+    Table(state / "jobs.json")._save()             # said in one line, the agent goes on
+    assert untouched(v) and [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
 
 
 @needs_root_to_be_nobody

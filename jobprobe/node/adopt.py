@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from jobprobe.core.errors import BadInput
+from jobprobe.core.errors import BadInput, UnsafeFile
+from jobprobe.core.safefile import Dir
 from jobprobe.node.jobspec import JobSpec
 
 log = logging.getLogger("jobprobe.node.agent")
@@ -28,23 +28,24 @@ class Adoption:
         specs = [asdict(j.spec) for j in self.jobs.values() if j.spec is not None and not j.leaving]
         specs += [asdict(s) for s, _, _ in self.pending.values()]
         path = Path(self.cfg.state)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"jobs": specs}))
-            os.replace(tmp, path)
-        except OSError as err:
+        try:     # 0600, replaced at once through a temp file made O_EXCL in a directory of ours alone (safefile)
+            with Dir(str(path.parent)) as d:
+                d.write_atomic(path.name, json.dumps({"jobs": specs}).encode())
+        except (OSError, UnsafeFile) as err:
             log.error("cannot write %s: %s", path, err)
 
     def restore(self) -> list[dict[str, Any]]:
         """Attach again the jobs a previous agent had (its state file), those still running; the others go. A file
         that cannot be read as a list of jobs (a crash mid-write, a full disk, a hand edit) is said and replaced:
         the agent starts with the jobs it could read."""
+        path = Path(self.cfg.state)
         try:
-            data = json.loads(Path(self.cfg.state).read_text())
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError) as err:          # (not UTF-8 is a ValueError too)
+            with Dir(str(path.parent)) as d:
+                raw = d.read(path.name)
+            if raw is None:
+                return []
+            data = json.loads(raw)
+        except (OSError, ValueError, UnsafeFile) as err:  # (not UTF-8 is a ValueError too)
             log.error("cannot read %s: %s; starting with no jobs", self.cfg.state, err)
             data = {}
         specs = data.get("jobs") if isinstance(data, dict) else None

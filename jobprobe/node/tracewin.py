@@ -27,7 +27,8 @@ are held to all of it like a rule; a person's request on the node's root-only co
 request says why.
 
 Files: the trace directory is made (or set) 0700 and every trace is written 0600 — a trace holds the job's command
-lines, stacks and function names, which other users of a shared node must not read.
+lines, stacks and function names, which other users of a shared node must not read; a directory another user owns
+or may write is refused (jobprobe/core/safefile.py), the window with it.
 """
 from __future__ import annotations
 
@@ -39,9 +40,11 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any, Callable
 
+from jobprobe.core.errors import UnsafeFile
 from jobprobe.core.names import job_filename
+from jobprobe.core.safefile import Dir
 
 log = logging.getLogger("jobprobe.trace")
 
@@ -135,7 +138,7 @@ class Window:
         self.frames: list[dict] = []
         self.out_dir = Path(out_dir)
         self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
-        private_dir(self.out_dir)
+        Dir(str(self.out_dir)).close()     # checked (ours alone, else UnsafeFile), made or narrowed to 0700
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
         self.path = self.out_dir / f"{job_filename(job)}-{stamp}.trace.json.gz"   # injective: two jobs never share a name
         for pid in pids if py_spy else ():
@@ -162,6 +165,10 @@ class Window:
 
     def finish(self, roles: dict[int, str]) -> dict[str, Any]:
         """Wait for the recorders, merge, write the file. Returns the `trace` frame's body."""
+        with Dir(str(self.out_dir)) as d:     # checked again: a window lasts long enough for a directory to change
+            return self._written(d, roles)
+
+    def _written(self, d: Dir, roles: dict[int, str]) -> dict[str, Any]:
         events: list[dict] = []
         said = []
         for pid, proc, tmp in self.recorders:
@@ -171,12 +178,12 @@ class Window:
                 proc.kill()
                 _, err = proc.communicate()
             try:
-                raw = json.loads(tmp.read_text())
+                raw = json.loads(d.read(tmp.name) or b"")
             except (OSError, ValueError):
                 said.append(f"pid {pid}: {(err or b'').decode(errors='replace').strip().splitlines()[:1]}")
                 continue
             finally:
-                tmp.unlink(missing_ok=True)
+                d.unlink(tmp.name)
             raw = raw.get("traceEvents", []) if isinstance(raw, dict) else raw
             for e in raw:                  # py-spy's ts are µs since its start: the window's start here
                 if isinstance(e, dict) and isinstance(e.get("ts"), (int, float)):
@@ -224,10 +231,10 @@ class Window:
                              "duration_s": self.duration, "tool": "jobprobe",
                              "monotonic_ns_at_0": self.kclock.mono0_ns, "kernel_events_us": self.deep_span,
                              "kernel_events_us_by_probe": spans}}
-        tmp = self.path.with_suffix(".tmp")
-        with private_file(tmp) as raw, gzip.open(raw, "wt") as f:
+        tmp = self.path.with_suffix(".tmp").name
+        with os.fdopen(d.open(tmp, os.O_WRONLY | os.O_TRUNC), "wb") as raw, gzip.open(raw, "wt") as f:
             json.dump(doc, f)
-        os.replace(tmp, self.path)
+        d.replace(tmp, self.path.name)
         body = {"path": str(self.path), "reason": self.reason, "start": self.t0, "duration_s": self.duration,
                 "processes": pids, "events": len(events), "kernel_events": counts, "evidence": self.evidence}
         if not self.recorders:
@@ -260,24 +267,6 @@ def balanced(events: list[dict], end_ts: float) -> list[dict]:
         last = max(end_ts, max((b["ts"] for b in st), default=0))
         out += [{**b, "ph": "E", "ts": last} for b in reversed(st)]
     return out
-
-
-def private_dir(path: Path) -> None:
-    """`path` made if missing, and 0700 either way (one made earlier, by hand or by an older agent, included)."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)
-
-
-def private_file(path: Path) -> IO[bytes]:
-    """`path` opened for writing (binary), created 0600 — never briefly wider whatever the umask — and set 0600 if it
-    existed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        return os.fdopen(fd, "wb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 class Tracer:
@@ -333,8 +322,11 @@ class Tracer:
             return {"ok": False, "state": "refused", "why": why}
         pids = [p for p in self.pids() if self.is_python(p)]    # a recorder per process (py-spy's --subprocesses
         # takes a forked child's thread for its parent's: the same pthread id on both sides of the fork)
-        self.window = Window(self.job, reason, evidence or {}, duration, pids, self.out_dir, self.py_spy,
-                             clock=self.clock)
+        try:
+            self.window = Window(self.job, reason, evidence or {}, duration, pids, self.out_dir, self.py_spy,
+                                 clock=self.clock)
+        except UnsafeFile as err:             # a trace directory another user could turn: said, in one line
+            return {"ok": False, "state": "refused", "why": str(err)}
         self.traced_s += duration
         log.warning("job %s: trace window open for %.0f s (%s): %s", self.job, duration, reason, self.window.path)
         return {"ok": True, "state": "tracing", "path": str(self.window.path), "duration_s": duration}
