@@ -518,7 +518,7 @@ def test_node_lost_after_three_silent_intervals_and_back(tmp_path):
 
 
 def test_the_spool_keeps_order_across_a_restart_and_drops_the_oldest_past_its_bound(tmp_path):
-    from jobprobe.exporters.nats import Spool
+    from jobprobe.exporters.spool import Spool
     sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)
     for i in range(10):
         sp.append(f"id{i}", "s", "j", b"x" * 100)
@@ -545,7 +545,7 @@ def test_a_spool_left_by_an_agent_of_before_job_subjects_goes_out_on_them(tmp_pa
     """Records spooled on `jobprobe.frames.<node>` (an agent before frames carried their job in the subject) are
     read back on `jobprobe.frames.<job>.<node>`, which a stream takes; newer subjects are left as they are."""
     from jobprobe.core.wire import beat_subject
-    from jobprobe.exporters.nats import Spool
+    from jobprobe.exporters.spool import Spool
     sp = Spool(tmp_path / "sp")
     sp.append("a", "jobprobe.frames.gpu-1", "train.7", b"x")
     sp.append("b", frames_subject("gpu-1", "train.7"), "train.7", b"x")
@@ -576,7 +576,7 @@ def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_t
 def test_a_runs_hello_outlives_the_spools_bound_and_is_never_counted_lost(tmp_path):
     """The hello holds the run's schema and interval: when its segment goes, it is written again at the end (kept
     across a restart too); every other frame of that segment is counted lost — the count equals what is missing."""
-    from jobprobe.exporters.nats import Spool
+    from jobprobe.exporters.spool import Spool
     sp = Spool(tmp_path / "sp", max_bytes=64 << 10, segment_bytes=16 << 10)
     sp.append("hello-a", "s", "a", b"h" * 100, keep=True)
     for i in range(2000):
