@@ -117,6 +117,28 @@ class FakeListener:
         pass
 
 
+@pytest.mark.parametrize("given", ["../outside", "job/../../outside", "{mount}/../outside", "/../../outside",
+                                   "link", "{mount}/link/x"])
+def test_a_cgroup_path_that_leads_out_of_the_cgroup2_mount_is_refused(tmp_path, given):
+    """--cgroup names a group inside the cgroup2 hierarchy: `..` (or a link) leading anywhere else is refused in
+    one line — a directory elsewhere holding a file named cgroup.procs is not a job (issue 48)."""
+    from jobprobe.core.errors import BadInput
+    mount = tmp_path / "cg"
+    for d in (mount, mount / "job", tmp_path / "outside", tmp_path / "outside" / "x"):
+        d.mkdir(parents=True)
+        (d / "cgroup.procs").write_text("1\n")
+    (mount / "link").symlink_to(tmp_path / "outside")
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(f"41 31 0:38 / {mount} rw,relatime - cgroup2 cgroup2 rw\n")
+    with pytest.raises(BadInput) as err:
+        CgroupTarget(given.format(mount=mount), mountinfo=str(mountinfo))
+    assert "outside the cgroup2 hierarchy" in str(err.value) and "\n" not in str(err.value), str(err.value)
+    for fine in ("job", "/job", f"{mount}/job", "job/../job", str(mount)):       # inside: taken, resolved
+        t = CgroupTarget(fine, mountinfo=str(mountinfo))
+        assert t.cgroup_path == (str(mount) if fine == str(mount) else str(mount / "job")), fine
+        t.close()
+
+
 def rec(tid, tgid, ppid, rd, wr=0, utime_us=0, stime_us=0) -> ExitRecord:
     return ExitRecord(tid, tgid, ppid, rd, wr, utime_us, stime_us, 0)
 

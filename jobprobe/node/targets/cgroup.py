@@ -23,6 +23,11 @@ class CgroupTarget(Target):
         p = Path(path)
         if not p.is_absolute() or not str(p).startswith(mount.rstrip("/") + "/") and str(p) != mount:
             p = Path(mount, str(path).lstrip("/"))
+        # resolved, then held inside the mount: `..` or a link could name any directory with a cgroup.procs file
+        # (issue 48: --cgroup ../../x attached a directory outside the hierarchy)
+        root, p = os.path.realpath(mount), Path(os.path.realpath(p))
+        if str(p) != root and not str(p).startswith(root.rstrip("/") + "/"):
+            raise BadInput(f"cgroup {path} is outside the cgroup2 hierarchy at {mount} (it resolves to {p})")
         if not (p / "cgroup.procs").is_file():
             raise BadInput(f"cgroup {path} does not exist (looked for {p} in the cgroup2 hierarchy at {mount})")
         self.mount = mount
