@@ -276,6 +276,29 @@ def test_what_another_user_planted_as_a_jobs_file_in_a_shared_out_is_refused(tmp
 
 
 @needs_root_to_be_nobody
+def test_a_private_dir_another_user_owns_or_may_write_is_refused(tmp_path):
+    """The spool's and the traces' directories are the agent's alone: one of nobody's, with a link where a
+    segment will be, is refused — neither read nor written; so is a directory of ours that others may write."""
+    from jobprobe.core.safefile import Dir
+    from jobprobe.exporters.spool import Spool
+    v, spool = victim(tmp_path), nobodys_dir(tmp_path, "spool")
+    as_nobody(spool, lambda: (os.symlink("../victim", "seg-0"), os.symlink("../victim", "cursor")))
+    with pytest.raises(UnsafeFile) as err:
+        Spool(spool).close()
+    refused_in_one_line(err, spool)
+    assert "uid" in str(err.value) and untouched(v)
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    wide.chmod(0o777)
+    with pytest.raises(UnsafeFile, match="writable by group or others"):
+        Dir(str(wide))
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(UnsafeFile, match="symbolic link"):
+        Dir(str(link))
+
+
+@needs_root_to_be_nobody
 def test_a_trace_window_in_another_users_dir_is_refused_and_says_why(tmp_path):
     from jobprobe.node.tracewin import Tracer
     traces = nobodys_dir(tmp_path, "traces")

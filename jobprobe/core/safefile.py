@@ -32,8 +32,9 @@ class Dir:
         _make_dirs(self.path)
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as err:
-            raise _refusal(self.path, err) from None
+        except OSError as err:   # O_DIRECTORY|O_NOFOLLOW on a link says ENOTDIR: said as what it is
+            raise (UnsafeFile(f"{self.path}: a symbolic link; refused") if os.path.islink(self.path)
+                   else _refusal(self.path, err)) from None
         try:
             st, me = os.fstat(fd), os.geteuid()
             private = st.st_uid == me and not st.st_mode & 0o022
