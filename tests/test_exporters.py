@@ -6,7 +6,7 @@ import os
 import stat
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jobprobe.core.names import MAX_FILE_NAME as MAX_NAME, job_filename
 from jobprobe.exporters.file import FileSink, job_path
@@ -141,3 +141,18 @@ def test_job_filename_injective_on_near_misses(chars, data):
     b = "".join(data.draw(st.lists(st.sampled_from(["a", "_", "/", ".", "2", "f", "e", "5"]), min_size=1,
                                    max_size=12)))
     assert (job_filename(a) == job_filename(b)) == (a == b)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(min_size=1, max_size=300))
+def test_no_job_name_puts_its_frames_outside_out(tmp_path, job):
+    """Any job name (`..`, `/etc/x`, NULs, any script): its frames land in one regular file directly in --out."""
+    out = tmp_path / "out"
+    path = job_path(str(out), job)
+    exp = FileSink(path)
+    for f in stream(0):
+        exp.write(f, encode(f))
+    exp.close()
+    assert os.path.dirname(path) == str(out) and os.path.isfile(path) and not os.path.islink(path)
+    assert all(p.parent == out and p.is_file() for p in tmp_path.rglob("*") if p != out), job
+
