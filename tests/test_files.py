@@ -1,6 +1,7 @@
 """Every file a person hands jobprobe — the agent's config, a rules file, a price file — is read, or refused with
 BadInput (one line: the CLI's exit 2, the agent's logged refusal), never another exception: any bytes, and any TOML
-document over the keys each one knows (and some it does not) with values of any TOML type."""
+document over the keys each one knows (and some it does not) with values of any TOML type. And every file the agent
+writes where another local user may reach is its own: what user nobody plants there is refused in one line."""
 from __future__ import annotations
 
 import contextlib
