@@ -22,7 +22,7 @@ def job_path(out_dir: str, job: str) -> str:
     """The frame file of `job` under `out_dir` (`--out DIR`), the directory checked (safefile's shared rule) and
     made 0700 if missing."""
     Dir(out_dir, shared=True).close()
-    return os.path.join(os.path.abspath(out_dir), f"{job_filename(job)}.mpk")
+    return os.path.join(out_dir, f"{job_filename(job)}.mpk")
 
 
 class FileSink:
