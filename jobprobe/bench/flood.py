@@ -75,7 +75,15 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
             try:
                 while not stop.is_set():
                     f = frame(node, f"train-{node}", sent[node], time.time())
-                    w.publish([(frames_subject(node, f["job"]), msg_id(f), zlib.compress(encode(f)))], timeout=10)
+                    m = (frames_subject(node, f["job"]), msg_id(f), zlib.compress(encode(f)))
+                    while True:      # as an agent does: the same frame again until acked (its id: stored once)
+                        try:
+                            w.publish([m], timeout=10)
+                            break
+                        except Exception:
+                            w.close()
+                            time.sleep(0.5)
+                            w.connect()
                     sent[node] += 1
                     stop.wait(0.2)
             finally:
