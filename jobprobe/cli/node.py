@@ -162,7 +162,7 @@ def check_dirs(cfg) -> None:
     from jobprobe.core.safefile import Dir
     if cfg.out:
         Dir(cfg.out, shared=True).close()
-    Dir(os.path.dirname(os.path.abspath(cfg.state))).close()
+    Dir(os.path.dirname(os.path.abspath(cfg.state)), narrow=False).close()
     if cfg.nats:
         Dir(cfg.spool).close()
 

@@ -24,9 +24,11 @@ _OPEN = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK   # O_NONBLOCK: no effect o
 
 
 class Dir:
-    """A directory checked by the rules above and held open (`fd`); close() when done."""
+    """A directory checked by the rules above and held open (`fd`); close() when done. `narrow`: an existing
+    directory of ours is set to 0700 (False for one the agent only keeps a file in, such as the state file's, which
+    may hold the admin's other files: other users may need to pass through it)."""
 
-    def __init__(self, path: str, shared: bool = False):
+    def __init__(self, path: str, shared: bool = False, narrow: bool = True):
         self.path = os.path.abspath(path or ".")
         self.fd = -1
         _make_dirs(self.path)
@@ -42,7 +44,7 @@ class Dir:
                 why = "writable by group or others" if st.st_uid == me else f"owned by uid {st.st_uid}"
                 raise UnsafeFile(f"{self.path}: a directory {why}; the agent writes only in one of its own"
                                  f"{' or a sticky one (like /tmp)' if shared else ''}")
-            if private and not shared and stat.S_IMODE(st.st_mode) != DIR_MODE:
+            if private and narrow and not shared and stat.S_IMODE(st.st_mode) != DIR_MODE:
                 os.fchmod(fd, DIR_MODE)          # ours, made wider by hand or by an older agent
         except BaseException:
             os.close(fd)

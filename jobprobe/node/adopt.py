@@ -29,7 +29,7 @@ class Adoption:
         specs += [asdict(s) for s, _, _ in self.pending.values()]
         path = Path(self.cfg.state)
         try:     # 0600, replaced at once through a temp file made O_EXCL in a directory of ours alone (safefile)
-            with Dir(str(path.parent)) as d:
+            with Dir(str(path.parent), narrow=False) as d:
                 d.write_atomic(path.name, json.dumps({"jobs": specs}).encode())
         except (OSError, UnsafeFile) as err:
             log.error("cannot write %s: %s", path, err)
@@ -40,7 +40,7 @@ class Adoption:
         the agent starts with the jobs it could read."""
         path = Path(self.cfg.state)
         try:
-            with Dir(str(path.parent)) as d:
+            with Dir(str(path.parent), narrow=False) as d:
                 raw = d.read(path.name)
             if raw is None:
                 return []
