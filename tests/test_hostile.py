@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import free_port, until
 
+from jobprobe.bench.flood import listening
 from jobprobe.cluster.controller import CONTROLLER_RUN, Controller
 from jobprobe.cluster.metrics import stats
 from jobprobe.core.errors import BadInput
@@ -274,7 +274,7 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
     log = tmp_path / "controller.log"
     ctl = None
     try:
-        until(lambda: _listening(port), 10, "nats-server")
+        until(lambda: listening(port), 10, "nats-server")
         ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store",
                                 str(tmp_path / "store.db")], cwd=REPO, stdout=subprocess.DEVNULL,
                                stderr=open(log, "ab"))
@@ -332,14 +332,6 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
             ctl.wait(timeout=30)
         server.terminate()
         server.wait(timeout=10)
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-        return True
-    except OSError:
-        return False
 
 
 def _pending(url: str) -> tuple[int, int]:

@@ -63,7 +63,7 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
     stop = threading.Event()
     sent: dict[str, int] = {"h1": 0, "h2": 0}
     try:
-        _wait(lambda: _listening(port), 10, "nats-server")
+        _wait(lambda: listening(port), 10, "nats-server")
         ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store", str(db)],
                                stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
         _wait(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
@@ -184,7 +184,8 @@ def _size(path: str) -> int:
         return 0
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on loopback `port` (a server started, not yet ready)."""
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
         return True
