@@ -131,6 +131,15 @@ def test_command_exit_code_and_its_cgroup_is_removed():
     cg = frames[0]["target"]["cgroup"]
     assert cg.startswith(find_cgroup2_mount()) and not os.path.exists(cg)
     assert [f["seq"] for f in frames] == list(range(len(frames)))
+    # its last frame says how it ended, and only that one
+    samples = [f for f in frames if f["kind"] == "sample"]
+    assert samples[-1]["end"]["exit_code"] == 7 and samples[-1]["end"]["why"], samples[-1]
+    assert not any("end" in f for f in samples[:-1])
+    # killed by a signal: the signal, not an exit code
+    res, frames = run_json("--probes", "cgroup", "--interval", "0.2", "--", "sh", "-c", "sleep 0.5; kill -9 $$")
+    assert res.returncode == 128 + 9, res.stderr
+    end = [f for f in frames if f["kind"] == "sample"][-1]["end"]
+    assert end["signal"] == 9 and "exit_code" not in end, end
 
 
 @pytest.mark.kernel

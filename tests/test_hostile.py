@@ -99,6 +99,11 @@ def named_cases() -> list[tuple[str, bytes]]:
         "read_dt NaN": encode({**sample(), "read_dt": {"sched": float("nan")}}),
         "read_dt below 0": encode({**sample(), "read_dt": {"sched": -1.0}}),
         "read_dt a list": encode({**sample(), "read_dt": [1.0]}),
+        "end not a map": encode({**sample(), "end": "crashed"}),
+        "end without why": encode({**sample(), "end": {"exit_code": 1}}),
+        "end exit code 256": encode({**sample(), "end": {"why": "x", "exit_code": 256}}),
+        "end signal 0": encode({**sample(), "end": {"why": "x", "signal": 0}}),
+        "end a field of its own": encode({**sample(), "end": {"why": "x", "pids": list(range(9))}}),
         "a map as a map's key": b"\x81\x81\xa1a\x01\x02",     # packed by hand: unhashable where it is read
     }
     return list(cases.items())

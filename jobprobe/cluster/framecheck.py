@@ -191,6 +191,16 @@ def _heartbeat(f: dict) -> None:
         raise MalformedFrame("heartbeat field 'stopping': expected a bool")
 
 
+def _end(end: Any) -> None:
+    """A job's last frame's `end`: why (a string), and exit_code 0..255 or signal 1..127 where known."""
+    ok = isinstance(end, dict) and isinstance(end.get("why"), str) and len(end["why"]) <= MAX_NAME and \
+        set(end) <= {"why", "exit_code", "signal"} and \
+        all(is_int(end[k]) and lo <= end[k] <= hi for k, lo, hi in (("exit_code", 0, 255), ("signal", 1, 127))
+            if k in end)
+    if not ok:
+        raise MalformedFrame("sample field 'end': expected a map of why (text), exit_code 0..255 or signal 1..127")
+
+
 def _sample(f: dict, declared: dict | None) -> None:
     probes, status = f.get("probes"), f.get("status", {})
     if not isinstance(probes, dict):
@@ -201,6 +211,8 @@ def _sample(f: dict, declared: dict | None) -> None:
     if not isinstance(reads, dict) or not all(isinstance(k, str) and _is_num(v) and 0 <= v <= 86400
                                               for k, v in reads.items()):
         raise MalformedFrame("sample field 'read_dt': expected a map of probe → seconds from 0 to a day")
+    if "end" in f:
+        _end(f["end"])
     known = known_fields()
     for probe, fields in probes.items():
         if not isinstance(fields, dict):

@@ -20,7 +20,8 @@ from jobprobe.core.timeuse import BUCKETS, decompose, num, usable
 
 WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "waiting for input",
          "waiting_for_peers": "waiting for peers", "starved": "starved or throttled", "checkpointing": "checkpointing",
-         "gpu_idle": "GPU idle", "lost": "lost to failures", "other": "other (not attributed)"}
+         "gpu_idle": "GPU idle", "lost": "lost to failures", "teardown": "teardown (its exit)",
+         "other": "other (not attributed)"}
 
 
 def frames_of_store(path: Any, job: str) -> list[dict]:

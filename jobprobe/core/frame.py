@@ -52,9 +52,12 @@ class FrameBuilder:
     def hello(self, **body: Any) -> dict:
         return self._frame("hello", time.time(), 0.0, **body)
 
-    def sample(self, t: float, dt: float, probes: dict, status: dict, read_dt: dict | None = None) -> dict:
-        """read_dt: probe → seconds its counters cover (its last read to this one), where that is known."""
-        return self._frame("sample", t, dt, probes=probes, status=status, **({"read_dt": read_dt} if read_dt else {}))
+    def sample(self, t: float, dt: float, probes: dict, status: dict, read_dt: dict | None = None,
+               end: dict | None = None) -> dict:
+        """read_dt: probe → seconds its counters cover (its last read to this one), where that is known; end: how
+        the job ended, in its last frame (`why`, and `exit_code` or `signal` where known)."""
+        return self._frame("sample", t, dt, probes=probes, status=status, **({"read_dt": read_dt} if read_dt else {}),
+                           **({"end": end} if end else {}))
 
     def trace(self, t: float, **body: Any) -> dict:
         return self._frame("trace", t, 0.0, **body)

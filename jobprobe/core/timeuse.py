@@ -9,7 +9,8 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
   the intervals' *wanted* paces — the pace plus the threads' wait for a CPU (`sched.runq_lat_ns`), up to the CPUs
   the job may use (its limit, cpuset or node): how fast it goes when nothing holds it back (a neighbour there the
   whole run is not its pace).
-- **startup**: from the first interval to the first one at 3/4 of the steady pace or more (that one's shortfall too).
+- **startup**: from the first interval to the first one at 3/4 of the steady pace or more (of that one, what ran at
+  the pace of the interval before it: `switched`).
 - **checkpointing**: in an interval that wrote ≥ 1 MiB more than twice the job's median interval
   (`cgroup.io_write_bytes`), the writing thread's system CPU (`cgroup.cpu_system_ns`: copies into the page cache)
   above the job's usual share of system to user time, and its uninterruptible waits (`sched.offcpu_io_ns`: fsync)
@@ -32,6 +33,8 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
 - *lost*: where the job started again (a new agent run whose hello says its processes were new: a SLURM requeue, a
   restarted pod), the computing of the run before it since its last checkpoint (all of it, without one); each run
   has its own startup.
+- *teardown*: a run whose last frame says it ended (`end`): its trailing intervals below STARTED of the steady pace,
+  without a checkpoint, whose shortfall no figure explains — its exit after its last step, not computing.
 - *waiting_for_peers* is never given from one node's frames: the controller gives it from who waited for whom
   across the job's nodes.
 
@@ -45,7 +48,7 @@ import math
 from typing import Any, Iterable
 
 BUCKETS = ("startup", "computing", "waiting_for_input", "waiting_for_peers", "starved", "checkpointing", "gpu_idle",
-           "lost", "other")
+           "lost", "teardown", "other")
 STEADY_PCT = 0.97          # the steady pace: this percentile of the intervals' paces (a job held back in most of
                            # its intervals — a stall every few seconds — has few clean ones: the 90th read 7% low)
 STARTED = 0.75             # startup ends at the first interval at this share of the steady pace (imports
@@ -232,19 +235,24 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first]
     bursts = Bursts(after)
     per = []
+
+    def share_of(i: int) -> float:
+        return min(1.0, (ticks[i].pace or 0.0) / steady)
     for run, first in zip(runs, firsts):
         for i in run:
             k = ticks[i]
             b = dict.fromkeys(BUCKETS, 0.0)
-            pace = k.pace or 0.0
-            share = min(1.0, pace / steady)
+            share = share_of(i)
             if i == first:
                 if out["startup_end"] is None:
                     out["startup_end"] = k.t
-                b["computing"], b["startup"] = k.dt * share, k.dt * (1 - share)
+                # the interval startup ends in ran at startup's pace (the interval before's) until it did not
+                b["computing"] = k.dt * switched(share, share_of(i - 1) if i > run[0] else 0.0)
+                b["startup"] = k.dt - b["computing"]
             elif i < first:
                 b["startup"] = k.dt
             else:
+                pace = k.pace or 0.0
                 ck, cpu = bursts.checkpoint(k)
                 # an interval that wanted within NOISE of the steady pace was at it: its own wanted pace is the
                 # measure (the steady pace is a high quantile of figures each ±0.5% from the counters' reads)
@@ -257,6 +265,9 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / ref)
                 split(k, short - b["starved"], steady, usual, by, b, ck > 0)
             per.append(b)
+    for run, first in zip(runs, firsts):
+        if isinstance(samples[run[-1]].get("end"), dict):
+            teardown(run, first, ticks, per, steady)
     for run in runs[:-1]:
         # a run the job started again after: its work since its last checkpoint was lost (all of it, without one)
         last = max((i for i in run if per[i]["checkpointing"] > 0), default=run[0] - 1)
@@ -279,6 +290,24 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
         if mean is not None:
             out.setdefault("gpu", {})[key] = mean
     return out
+
+
+def teardown(run: list[int], first: int, ticks: list[Tick], per: list[dict[str, float]], steady: float) -> None:
+    """A run that ended (its last frame says so: its processes exited) tears down from its last step: its trailing
+    intervals below STARTED of the steady pace, without a checkpoint, whose shortfall no figure explains (half of it
+    or more `other`: the interpreter's exit, its workers joined) are `teardown`, not computing at a low pace."""
+    j = run[-1]
+    while j > first and (ticks[j].want or 0.0) < STARTED * steady and per[j]["checkpointing"] == 0 and \
+            per[j]["other"] >= 0.5 * (ticks[j].dt - per[j]["computing"]) > 0:
+        per[j] = dict.fromkeys(BUCKETS, 0.0) | {"teardown": ticks[j].dt}
+        j -= 1
+
+
+def switched(share: float, other: float) -> float:
+    """The share of an interval at the steady pace, where it ran at `other`'s share of it (startup's, teardown's)
+    for the rest: share = x + (1 - x) × other."""
+    other = min(max(other, 0.0), share)
+    return min(1.0, max(0.0, (share - other) / (1.0 - other))) if other < 1.0 else 1.0
 
 
 def _mean_by_dt(had: list[tuple[float, float]]) -> float | None:

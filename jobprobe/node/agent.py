@@ -49,6 +49,7 @@ from jobprobe.kernel.membership import Node
 log = logging.getLogger("jobprobe.node.agent")
 
 RECENT = 256     # jobs that ended, remembered (with why) for status and for an epilog's detach that comes after
+END_WHY = 200    # characters of why a job ended that its last frame carries (a path in it is the longest part)
 
 
 class Job:
@@ -298,8 +299,10 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                 job.had_procs |= has
         except TargetGone as err:
             job.ended = str(err)
+        # the job's end, in its last frame: why, and how its lead process ended where the target knows it
+        end = {"why": job.ended[:END_WHY], **job.target.exit_status()} if job.ended else None
         try:
-            job.sampler.tick()
+            job.sampler.tick(end)
         except Exception:
             log.exception("tick of %s", job.name)
         if job.ended or job.sampler.end_reason:

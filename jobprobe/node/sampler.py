@@ -271,7 +271,8 @@ class Sampler:
             log.exception("labels of %s", self.target.job)
             return self.builder.labels
 
-    def tick(self) -> dict:
+    def tick(self, end: dict | None = None) -> dict:
+        """One sample frame (and its events, stacks, traces); `end`: the job ended, this is its last frame."""
         self.builder.labels = self._labels()
         now = self.clock()
         dt, self._last = now - self._last, now
@@ -304,7 +305,7 @@ class Sampler:
                 log.warning("probe %s failed: %s", name, err)
                 self.status[name] = f"failed: {_reason(err)}"
                 self._stop_probe(name)
-        frame = self.builder.sample(t, dt, values, dict(self.status), reads)
+        frame = self.builder.sample(t, dt, values, dict(self.status), reads, end)
         self._emit(frame)
         if self.ruleset is not None:           # rules over the job's recent frames: fired and ended as events
             for ev in self.ruleset.feed(frame):

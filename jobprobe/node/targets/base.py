@@ -59,5 +59,10 @@ class Target:
     def refresh(self) -> None:
         """Called once per tick before the probes sample; raises TargetGone when the job has ended."""
 
+    def exit_status(self) -> dict[str, int]:
+        """How the job's lead process ended, where this target knows it: {"exit_code": 0..255} or {"signal": N};
+        {} where it does not (a group or tree it did not start) or it has not ended."""
+        return {}
+
     def close(self) -> None:
         """Release what the target made (a cgroup we created, a child we started). Idempotent."""

@@ -81,6 +81,12 @@ class CommandTarget(CgroupTarget):
         if self.proc_handle is not None and self.proc_handle.poll() is not None and not self.pids():
             raise TargetGone(f"{self.argv[0]} exited with code {self.proc_handle.returncode}")
 
+    def exit_status(self) -> dict[str, int]:
+        code = self.proc_handle.poll() if self.proc_handle is not None else None
+        if code is None:
+            return {}
+        return {"signal": -code} if code < 0 else {"exit_code": code}
+
     def close(self) -> None:
         if self._made is not None:
             self._remove_group()
