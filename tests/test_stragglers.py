@@ -249,8 +249,15 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
         assert e["evidence"]["gpu_sm_clock_mhz"] < e["evidence"]["peers_gpu_sm_clock_mhz"], e["evidence"]
         # (b) rank 2's link shaped: 200 Mbit/s out of its namespace
         t0 = time.time()
+        n0 = len(ddp.rates(0))
         ddp.shape(2, "200mbit")
-        ev = until(lambda: cluster.events("straggler")[6:], 20, "a straggler named within 20 s of the shaping")
+        try:
+            ev = until(lambda: cluster.events("straggler")[6:], 20, "a straggler named within 20 s of the shaping")
+        except AssertionError as err:     # a CI run timed out here once, with no account: did the job slow, who
+            since = [(x["event"], x.get("straggler") or x.get("node"), str(x.get("reason"))[:100])
+                     for x in cluster.events() if x.get("t", 0) >= t0 - 1]     # waited, was anything else named
+            raise AssertionError(f"{err}; the job {rate(ddp, n0 - 3):.1f} steps/s before, {rate(ddp, n0):.1f} "
+                                 f"after; tc {ddp.tc_stats(2)}; named since {since}; {window(cluster, t0)}") from None
         e = ev[0]
         ended()
         print(f"stragglers: named {e['straggler']} {time.time() - t0:.1f} s after the shaping: {e['reason']}")
