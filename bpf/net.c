@@ -19,7 +19,8 @@
  * Only tracepoint arguments, packet bytes (bpf_skb_load_bytes) and helpers are read, never kernel structs.
  * Oldest kernel: 4.16 (inet_sock_set_state with protocol); packets path 5.7 (BPF_LINK_CREATE for cgroups);
  *   syscalls path and socket learning 6.3 (sock_send_length). tcp_retransmit_skb's err field (recent kernels) is
- *   honoured where the format file has it (-DRETRANS_HAS_ERR): failed retransmit attempts are not retransmits.
+ *   honoured where the format file has it (-DRETRANS_HAS_ERR): an attempt that gave up before the kernel counted
+ *   it is no retransmit; one whose transmit failed after it was counted is one, as TCP_INFO and RetransSegs say.
  * Cost (bpf_stats, 2-core 6.18 VM): the skb programs run only for the job's packets: 2-3 skb loads, 2 lookups,
  *   one atomic add to the peer table, ~150-160 ns per skb (one run per GSO/GRO skb, not per segment).
  *   sock_*_length runs on every send/recv call of the node (AF_UNIX too): a family check, then the membership
@@ -336,6 +337,18 @@ int on_state(struct tracepoint__sock__inet_sock_set_state *args)
     return 0;
 }
 
+#ifdef RETRANS_HAS_ERR
+/* The tracepoint fires with err for every attempt. The kernel counts a retransmit (the socket's total_retrans,
+ * RetransSegs) before it transmits it: an attempt that gave up before that — the socket's memory full (-EAGAIN),
+ * the original still in a host queue (-EBUSY), no memory to split or trim it (-ENOMEM) — is no retransmit; one whose
+ * transmit failed after it (a qdisc or a veth backlog full, NET_XMIT_DROP; netfilter, -EPERM; -ENOBUFS) is one. A
+ * CI run under load read 39 retransmits of the socket's 40 when every err was left out. */
+#define RETRANS_COUNTED(err) ((err) != -NET_EAGAIN && (err) != -NET_EBUSY && (err) != -NET_ENOMEM)
+#define NET_EAGAIN 11
+#define NET_ENOMEM 12
+#define NET_EBUSY 16
+#endif
+
 static inline void on_retransmitted(u64 sk)
 {
     struct sock_info *info = socks.lookup(&sk);
@@ -361,7 +374,7 @@ int on_destroy(struct tracepoint__tcp__tcp_destroy_sock *args)
 int on_retransmit(struct tracepoint__tcp__tcp_retransmit_skb *args)
 {
 #ifdef RETRANS_HAS_ERR
-    if (args->err)
+    if (!RETRANS_COUNTED(args->err))
         return 0;
 #endif
     on_retransmitted((u64)args->skaddr);
@@ -378,7 +391,7 @@ int on_retransmit(struct tracepoint__tcp__tcp_retransmit_skb *args)
 int on_retransmit_raw(struct bpf_raw_tracepoint_args *ctx)
 {
 #ifdef RETRANS_HAS_ERR
-    if ((int)ctx->args[2])
+    if (!RETRANS_COUNTED((int)ctx->args[2]))
         return 0;
 #endif
     on_retransmitted(ctx->args[0]);
