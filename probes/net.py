@@ -143,7 +143,10 @@ class NetProbe(BpfProbe):
         "udp_rx_packets": Field("int", "count", "UDP datagrams delivered to the job's sockets (packets source "
                                 "only)"),
         "tcp_retransmits": Field("int", "count", "TCP retransmissions (skbs, one or more segments each) on the "
-                                 "job's sockets"),
+                                 "job's sockets, as the kernel counts them (the socket's TCP_INFO, RetransSegs): one "
+                                 "whose transmit failed on the node's own way out (a full qdisc or veth backlog, "
+                                 "netfilter) counts; an attempt given up before it (the original still in a host "
+                                 "queue, no memory) does not"),
         "tcp_active_opens": Field("int", "count", "TCP connects the job started (SYN sent)"),
         "tcp_passive_opens": Field("int", "count", "TCP connections the job accepted, counted when it first used "
                                    "or closed them"),
