@@ -140,14 +140,35 @@ def test_each_level_goes_at_its_own_retention(tmp_path):
     minutes = len({f["t"] // compact.BLOCK_S for f in raw})
     hours = len({f["t"] // 3600 for f in raw})         # a rollup block per hour and level
     assert count == {1: minutes, 10: hours, 60: hours}     # (minutes: level-1 blocks, BLOCK_S each)
-    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[1] + 1)           # a day on: the 1 s level gone
+    # a level's blocks go once both their time and when they came are past its retention (they came at T0 + 1000)
+    compact.forget_levels(st_.db, T0 + 1000 + compact.LEVELS[1] - 1)          # a day after their time, not after
+    assert st_.sql("SELECT COUNT(*) FROM blocks WHERE level = 1")[1][0][0] == minutes     # they came: kept
+    compact.forget_levels(st_.db, T0 + 1000 + compact.LEVELS[1] + 1)          # a day on: the 1 s level gone
     assert [st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)] == \
         [0, hours, hours]
-    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[10] + 1)
+    compact.forget_levels(st_.db, T0 + 1000 + compact.LEVELS[10] + 1)
     assert [st_.sql("SELECT COUNT(*) FROM blocks WHERE level = ?", (lv,))[1][0][0] for lv in (1, 10, 60)] == \
         [0, 0, hours]
-    compact.forget_levels(st_.db, T0 + 120 + compact.LEVELS[60] + 1)
+    compact.forget_levels(st_.db, T0 + 1000 + compact.LEVELS[60] + 1)
     assert st_.sql("SELECT COUNT(*) FROM blocks")[1] == [(0,)]
+
+
+def test_a_node_eight_days_behind_is_kept_for_the_retention_after_its_frames_came(tmp_path):
+    """A node whose clock is 8 days behind: its frames' times are past every retention the moment they come. Kept
+    — raw, then compacted, then rolled up — for each retention counted from when they came; gone after it. (Before:
+    deleted by the first sweep, a minute after they came, without a word.)"""
+    st_ = Store(tmp_path / "s.db")
+    came = T0 + 8 * 86400
+    st_.add(samples("late", "j", 120), received=came)
+    assert st_.forget_before(came + 60 - 7 * 86400) == 0           # the controller's sweep a minute on: kept
+    assert st_.sql("SELECT COUNT(*) FROM frames")[1][0][0] == 120
+    while st_.compact(came + 700):                                  # past the raw window after they came
+        pass
+    compact.forget_levels(st_.db, came + 700)
+    assert st_.sql("SELECT SUM(n) FROM blocks WHERE level = 1")[1][0][0] == 120
+    assert {lv for (lv,) in st_.sql("SELECT level FROM blocks")[1]} == {1, 10, 60}
+    compact.forget_levels(st_.db, came + compact.LEVELS[1] + 1)
+    assert {lv for (lv,) in st_.sql("SELECT level FROM blocks")[1]} == {10, 60}
 
 
 def test_a_field_over_a_window_and_the_hottest_nodes_read_raw_and_compacted_alike(tmp_path):

@@ -32,6 +32,11 @@ NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
 need_nats = pytest.mark.skipif(not os.path.exists(NATS), reason="nats-server is not installed (scripts/setup.sh)")
 
 
+# an agent whose clock is off: its time.time() moved by argv[1] seconds (frames, file names, the publish header)
+FAKE_CLOCK = ("import sys, time; _real = time.time; _off = float(sys.argv.pop(1)); time.time = lambda: _real() + _off;"
+              " from jobprobe.cli import main; sys.exit(main())")
+
+
 class Site:
     """A NATS server, a controller, agents (each its own node name, spool and control socket), all real."""
 
@@ -49,11 +54,13 @@ class Site:
                                            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "controller.log", "ab"))
         wait_for(lambda: "consuming" in (self.tmp / "controller.log").read_text(), 30, "the controller to consume")
 
-    def start_agent(self, node: str, spool_mb: float = 64, creds: Path | None = None, ca: Path | None = None) -> None:
+    def start_agent(self, node: str, spool_mb: float = 64, creds: Path | None = None, ca: Path | None = None,
+                    clock_s: float = 0.0) -> None:
+        """clock_s: the agent's clock that far off (a fake clock: its time.time() moved, nothing else)."""
         d = self.tmp / node
         d.mkdir(exist_ok=True)
         self.agents[node] = subprocess.Popen(
-            [*JOBPROBE, "agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
+            ([sys.executable, "-c", FAKE_CLOCK, str(clock_s)] if clock_s else JOBPROBE) + ["agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
              "--spool-max-mb", str(spool_mb), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
              "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"]
             + (["--nats-creds", str(creds)] if creds else []) + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,
@@ -168,6 +175,40 @@ def test_three_nodes_every_frame_arrives_across_a_controller_killed_mid_run(site
         assert n["dropped_at_source"] == 0 and n["rejected"] == 0 and n["duplicates"] >= 0
         assert abs(n["longest_gap_s"] - gaps[node]) <= 0.001, (n, gaps[node])
         assert n["arrival_delay_s"]["median"] >= 0 and n["newest_sample_age_s"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.kernel
+@need_nats
+def test_a_node_eight_days_behind_is_named_and_its_frames_kept_for_the_retention_after_they_came(site):
+    """An agent whose clock is 8 days behind (a fake clock) beside one on time: its frames' times are past the
+    7-day retention as they come. The controller names it (`clock_skew`, its offset against the stream's time of
+    its messages, in `controller stats`), the one on time is not named, and a controller started again — which
+    sweeps retention at once — keeps every frame of both (before: the first sweep deleted them, silently)."""
+    site.start_controller()
+    site.start_agent("behind", clock_s=-8 * 86400)
+    site.start_agent("ontime")
+    time.sleep(2)
+    site.stop_agents()
+    want = complete(site)
+    assert {n for n, *_ in want} == {"behind", "ontime"}
+    site.controller.terminate()
+    site.controller.wait(timeout=30)
+    site.start_controller()                       # its first sweep: retention by the frames' time and receipt
+    wait_for(lambda: "retention swept" in (site.tmp / "controller.log").read_text(), 30, "the first sweep")
+    assert set(site.stored()) == want             # every frame of both kept
+    res = subprocess.run([*JOBPROBE, "controller", "stats", "--store", str(site.store), "--json"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    nodes = json.loads(res.stdout)["nodes"]
+    assert nodes["behind"]["clock"]["skewed"] and abs(nodes["behind"]["clock"]["offset_s"] + 8 * 86400) < 30, nodes
+    assert "clock" not in nodes["ontime"], nodes["ontime"]
+    db = sqlite3.connect(f"file:{site.store}?mode=ro", uri=True)
+    events = db.execute("SELECT node, json_extract(body, '$.offset_s') FROM events WHERE event = 'clock_skew'"
+                        ).fetchall()
+    ts = db.execute("SELECT MAX(t) FROM frames WHERE node = 'behind' AND run != 'controller'").fetchone()[0]
+    db.close()
+    assert [n for n, _ in events] == ["behind"], events            # once, not per frame or batch
+    assert time.time() - ts > 8 * 86400 - 60                        # its frames' own times, 8 days ago
 
 
 @pytest.mark.integration
@@ -650,7 +691,7 @@ def test_query_reads_the_store_as_sql_as_a_field_over_time_and_in_three_formats(
     frames = [frame(node=n, seq=i, t=1000.0 + i) for n in ("n1", "n2") for i in range(3)]
     for i, f in enumerate(frames):
         f["probes"] = {"cgroup": {"cpu_user_ns": 100 * i}}
-    assert store.add(frames) == (6, 0)
+    assert sum(store.add([f], received=f["t"] + 0.2)[0] for f in frames) == 6     # each came as it was made
     store.close()
 
     def query(*args):
@@ -672,7 +713,7 @@ def test_query_reads_the_store_as_sql_as_a_field_over_time_and_in_three_formats(
     res = subprocess.run([*JOBPROBE, "query", "--store", str(tmp_path / "none.db"), "--sql", "SELECT 1"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "no store" in res.stderr
-    # retention: frames older than the bound go, by their own time
+    # retention: frames older than the bound go, by their own time and when they came
     store = Store(tmp_path / "s.db")
     assert store.forget_before(1001.5) == 4
     assert store.sql("SELECT COUNT(*) FROM frames")[1] == [(2,)]

@@ -37,12 +37,13 @@ def cmd_controller(args) -> int:
             print(json.dumps(st, indent=1))
             return 0
         print(f"{'node':<20} {'frames':>8} {'dup':>5} {'rej':>5} {'newest age s':>13} {'delay p50/p99 s':>16} "
-              f"{'longest gap s':>14} {'dropped':>8} {'missing':>8}")
+              f"{'longest gap s':>14} {'dropped':>8} {'missing':>8} {'clock s':>8}")
         for node, n in sorted(st["nodes"].items()):
             d = n.get("arrival_delay_s") or {}
             print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
                   f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
-                  f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8} {n.get('missing_frames', 0):>8}")
+                  f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8} {n.get('missing_frames', 0):>8} "
+                  f"{(n.get('clock') or {}).get('offset_s', '')!s:>8}")
         for node, n in sorted(st["nodes"].items()):
             doc = n.get("doctor")
             if doc and doc["worst"] != "pass":

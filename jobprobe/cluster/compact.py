@@ -33,7 +33,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS paths(id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE);
 CREATE TABLE IF NOT EXISTS blocks(level INTEGER NOT NULL, node TEXT NOT NULL, job TEXT NOT NULL, run TEXT NOT NULL,
     seq0 INTEGER NOT NULL, seq1 INTEGER NOT NULL, t0 REAL NOT NULL, t1 REAL NOT NULL, n INTEGER NOT NULL,
-    data BLOB NOT NULL, PRIMARY KEY (level, node, job, run, seq0)) WITHOUT ROWID;
+    data BLOB NOT NULL, received REAL, PRIMARY KEY (level, node, job, run, seq0)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_job ON blocks(job, level, t1);
 CREATE INDEX IF NOT EXISTS blocks_t ON blocks(level, t1);
 """
@@ -81,18 +81,18 @@ def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
     moved = 0
     with db:
         for node, job, run, m in groups:
-            rows = db.execute("SELECT seq, body FROM frames WHERE node = ? AND job = ? AND run = ? AND kind = "
-                              "'sample' AND t >= ? AND t < ? AND received < ? ORDER BY seq",
+            rows = db.execute("SELECT seq, body, received FROM frames WHERE node = ? AND job = ? AND run = ? AND "
+                              "kind = 'sample' AND t >= ? AND t < ? AND received < ? ORDER BY seq",
                               (node, job, run, m * BLOCK_S, (m + 1) * BLOCK_S, before)).fetchall()
             if not rows:
                 continue
-            frames = [json.loads(b) for _, b in rows]
+            frames = [json.loads(b) for _, b, _ in rows]
             _put(db, 1, node, job, run, frames[0]["seq"], frames[-1]["seq"], frames[0]["t"], frames[-1]["t"],
-                 len(frames), blocks.encode(frames, book.id))
+                 len(frames), blocks.encode(frames, book.id), max(r for _, _, r in rows))
             db.execute("DELETE FROM blocks WHERE level IN (10, 60) AND node = ? AND job = ? AND run = ? AND "
                        "seq0 = ?", (node, job, run, int(frames[0]["t"] // HOUR)))    # a late span: made again
             db.executemany("DELETE FROM frames WHERE node = ? AND job = ? AND run = ? AND seq = ?",
-                           [(node, job, run, s) for s, _ in rows])
+                           [(node, job, run, s) for s, _, _ in rows])
             moved += len(rows)
     return moved
 
@@ -106,22 +106,24 @@ def rollup_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
         (HOUR, math.floor(before / HOUR) * HOUR, GROUPS_PER_STEP)).fetchall()
     with db:
         for node, job, run, h in hours:
-            frames = []
-            for (data,) in db.execute("SELECT data FROM blocks WHERE level = 1 AND node = ? AND job = ? AND run = ? "
-                                      "AND t0 >= ? AND t0 < ?", (node, job, run, h * HOUR, (h + 1) * HOUR)):
+            frames, received = [], None
+            for data, got in db.execute("SELECT data, received FROM blocks WHERE level = 1 AND node = ? AND job = ? "
+                                        "AND run = ? AND t0 >= ? AND t0 < ?", (node, job, run, h * HOUR, (h + 1) * HOUR)):
                 frames += blocks.decode(data, [("t",), ("dt",), ("probes",)], book.path)
+                received = got if received is None or (got is not None and got > received) else received
             frames.sort(key=lambda f: f["t"])
             for level in (10, 60):
                 recs = [r for _, r in sorted(rollup(frames, level).items())]
                 _put(db, level, node, job, run, h, h, recs[0]["t0"], recs[-1]["t1"], len(recs),
-                     blocks.encode(recs, book.id))
+                     blocks.encode(recs, book.id), received)
     return len(hours)
 
 
 def _put(db: sqlite3.Connection, level: int, node: str, job: str, run: str, seq0: int, seq1: int, t0: float,
-         t1: float, n: int, data: bytes) -> None:
-    db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               (level, node, job, run, seq0, seq1, t0, t1, n, data))
+         t1: float, n: int, data: bytes, received: float | None) -> None:
+    """received: when its newest frame came (retention counts from it too: a node whose clock is behind)."""
+    db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (level, node, job, run, seq0, seq1, t0, t1, n, data, received))
 
 
 def numeric(frame: dict) -> Iterable[tuple[tuple, float]]:
@@ -169,10 +171,12 @@ def seen_in_blocks(db: sqlite3.Connection, book: Paths, node: str, job: str, run
 
 
 def forget_levels(db: sqlite3.Connection, now: float) -> int:
-    """Each level's blocks older than its retention go. How many."""
+    """Each level's blocks older than its retention go — by their own time and by when they came: a node whose
+    clock is days behind has its blocks kept as long as anyone's (a block made before receipts were kept: its time).
+    How many."""
     with db:
-        return sum(db.execute("DELETE FROM blocks WHERE level = ? AND t1 < ?", (level, now - keep)).rowcount
-                   for level, keep in LEVELS.items())
+        return sum(db.execute("DELETE FROM blocks WHERE level = ? AND t1 < ? AND COALESCE(received, t1) < ?",
+                              (level, now - keep, now - keep)).rowcount for level, keep in LEVELS.items())
 
 
 def samples(db: sqlite3.Connection, book: Paths, job: str, node: str | None = None, since: float = -math.inf,

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobprobe.cluster import framecheck
+from jobprobe.cluster.clocks import Clocks
 from jobprobe.cluster.ingest import StoreDown, serve
 from jobprobe.cluster.quota import Limits, Quotas
 from jobprobe.cluster.refusals import Refusals, WrongSubject, inflate
 from jobprobe.cluster.store import Store
 from jobprobe.cluster.stragglers import StragglerWatch
-from jobprobe.cluster.summary import JobEnds, job_frames, summarize
+from jobprobe.cluster.summary import MIN_SAMPLES, JobEnds, job_frames, summarize
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import NODE_JOB, MalformedFrame
 from jobprobe.core.wire import job_token, parse_subject, partition, token
@@ -86,6 +87,9 @@ class Controller:
         self.nodes: dict[str, NodeState] = {}
         self.quotas = Quotas(limits)
         self.refusals = Refusals()
+        self.clocks = Clocks()
+        self.ended_by: dict[str, int] = {}     # jobs summarized since the start, by how they ended (/metrics)
+        self._given: dict[tuple[str, str], int] = {}   # (node, job) → the last seq an event of this batch took
         self.refused_by: dict[str, int] = {}           # reason → refusals (a handful of reasons: bounded)
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0, "consumer_errors": 0}
         self.consumer_errors: dict[str, int] = {}      # consumer (stragglers, cost, tsdb, freshness) → errors
@@ -110,6 +114,7 @@ class Controller:
         self.declared.clear()
         self.stragglers = StragglerWatch()
         self.ends = JobEnds()                  # when each job's last node let it go: its `summary` event
+        self.clocks = Clocks()
 
     def owns_job(self, job: str) -> bool:
         """Whether the job's frames come to this controller's partition."""
@@ -286,23 +291,47 @@ class Controller:
         def alive(node: str) -> bool:
             st = self.nodes.get(node)
             return st is not None and not st.lost and now - st.last <= LOST_AFTER * st.interval
-        out = []
-        for job in self.ends.ended(now, alive, lambda n: self.nodes[n].interval):
-            first = min(self.ends.seen.get(job) or [NODE_JOB])     # the event's node: the job's first by name
-            n = self.store.count_samples(job)
-            if n > SUMMARY_MAX_SAMPLES:     # read inline, between two batches: a bound on the pause it makes
-                log.info("job %s ended: %d samples, over the %d the controller sums inline", job, n,
-                         SUMMARY_MAX_SAMPLES)
-                out.append(self.node_event(first, job, "summary", now,
-                                           {"skipped": f"{n} samples: run `jobprobe summary --store`"}))
-                continue
-            s = summarize(job_frames(self.store, job), job)
-            if not s["nodes"]:
-                continue
-            self.ends.keep(job, s)
-            log.info("job %s ended: %.0f s, goodput %.0f%%", job, s["wall_s"], 100 * s["goodput"])
-            out.append(self.node_event(first, job, "summary", now, {k: v for k, v in s.items() if k != "job"}))
+        ended = self.ends.ended(now, alive, lambda n: self.nodes[n].interval)
+        # a job summarized before (its summary kept) whose samples came again is summarized again, whole
+        out = [ev for job in ended if self.ends.samples.get(job, 0) >= MIN_SAMPLES or job in self.ends.done
+               for ev in self._summary(job, now)]
+        for job in ended:
+            self.end_job(job)
         return out
+
+    def _summary(self, job: str, now: float) -> list[dict]:
+        """The ended job's `summary` event (none for a job with no node's samples)."""
+        first = min(self.ends.seen.get(job) or [NODE_JOB])     # the event's node: the job's first by name
+        n = self.store.count_samples(job)
+        if n > SUMMARY_MAX_SAMPLES:     # read inline, between two batches: a bound on the pause it makes
+            log.info("job %s ended: %d samples, over the %d the controller sums inline", job, n,
+                     SUMMARY_MAX_SAMPLES)
+            return [self.node_event(first, job, "summary", now,
+                                    {"skipped": f"{n} samples: run `jobprobe summary --store`"})]
+        s = summarize(job_frames(self.store, job), job)
+        if not s["nodes"]:
+            return []
+        self.ends.keep(job, s)
+        kind = "unknown" if not s.get("ended") else "ok" if s["ended"]["ok"] else "failed"
+        self.ended_by[kind] = self.ended_by.get(kind, 0) + 1
+        log.info("job %s ended (%s): %.0f s, goodput %.0f%%", job, (s.get("ended") or {}).get("how", "how unknown"),
+                 s["wall_s"], 100 * s["goodput"])
+        return [self.node_event(first, job, "summary", now, {k: v for k, v in s.items() if k != "job"})]
+
+    def end_job(self, job: str) -> None:
+        """A job that ended lets go of what the controller held for it — its straggler track, its end's
+        bookkeeping, its runs' declared schemas, its place among each node's jobs, its energy once the newest
+        KEEP_ENDED ended jobs' are enough — so a month of short jobs costs what the live ones do (a frame of it that
+        comes later starts them again). Its summary stays (summary.KEEP newest)."""
+        self.stragglers.jobs.pop(job, None)
+        self.ends.seen.pop(job, None)
+        self.ends.samples.pop(job, None)
+        for key in [k for k in self.declared if k[1] == job]:
+            del self.declared[key]
+        for st in self.nodes.values():
+            st.jobs.pop(job, None)
+            st.live.discard(job)
+        self.meter.end(job)
 
     def forget(self, now: float) -> None:
         """Bounded state: nodes silent for FORGET_NODE_S go, each node's jobs unseen for an hour, and the straggler
@@ -317,12 +346,17 @@ class Controller:
         self.ends.forget(live)
         for key in [k for k in self.declared if k[1] not in live]:
             del self.declared[key]
+        self.clocks.forget(set(self.nodes))
 
     def node_event(self, node: str, job: str, name: str, now: float, body: dict | None = None, **fields: Any) -> dict:
         """An event of the controller's own about `node`: `body` and `fields` under the frame's keys, which win (a
         body may name the node again, as `imbalance`'s `node` does)."""
+        # two events of one (node, job) in a batch (node_back and a summary) must not share a seq: the second would
+        # be stored as the first's duplicate — the store has neither yet
+        seq = max(self.store.next_controller_seq(node, job), self._given.get((node, job), -1) + 1)
+        self._given[(node, job)] = seq
         return {**(body or {}), **fields, "v": 1, "kind": "event", "node": node, "job": job, "run": CONTROLLER_RUN,
-                "seq": self.store.next_controller_seq(node, job), "t": now, "dt": 0.0, "event": name}
+                "seq": seq, "t": now, "dt": 0.0, "event": name}
 
     # ---- the loop ----------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -334,9 +368,12 @@ class Controller:
         its own error boundary, so that one failing on a frame neither stops the loop nor the other consumers —,
         stored. Returns the messages to ack (all of `msgs`: stored, or refused for good). Raises StoreDown when the
         store cannot take anything (a full disk, a lock): then nothing is acked."""
+        self._given.clear()
         taken = self._take(list(beats) + list(msgs), now)
         frames = [f for _, f in taken]
         extra = self._guard("freshness", lambda: self.seen(frames, now) + self.lost_nodes(now), [])
+        extra += self._guard("clocks", lambda: [self.node_event(n, j, e, now, b)        # a clock off, or back
+                                                for n, j, e, b in self.clocks.feed(taken, now)], [])
         taken = [(m, f) for m, f in taken if f["kind"] != "heartbeat"]   # liveness only: not stored, acked
         frames = [f for _, f in taken]
         extra += self._guard("stragglers", lambda: self.straggler_events(frames, now), [])

@@ -255,6 +255,9 @@ def text(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+KEEP_ENDED = 1000    # ended jobs whose energy and cost the controller's /metrics still says
+
+
 class Meter:
     """Running totals per job for the controller's Prometheus metrics: energy (J) and, with prices, money — added
     as each sample frame is stored (counters since the controller started)."""
@@ -263,11 +266,24 @@ class Meter:
         self.prices = prices
         self.energy: dict[str, float] = {}
         self.cost: dict[str, float] = {}
+        self.ended: dict[str, None] = {}      # jobs that ended, oldest first: the newest KEEP_ENDED keep their totals
+
+    def end(self, job: str) -> None:
+        """The job ended: its totals stay for the newest KEEP_ENDED ended jobs (a scrape sees their last value),
+        then go — a month of short jobs is not a series each forever."""
+        self.ended.pop(job, None)
+        self.ended[job] = None
+        while len(self.ended) > KEEP_ENDED:
+            old = next(iter(self.ended))
+            del self.ended[old]
+            self.energy.pop(old, None)
+            self.cost.pop(old, None)
 
     def add(self, frame: dict) -> None:
         if frame.get("kind") != "sample":
             return
         p, job = frame.get("probes") or {}, frame["job"]
+        self.ended.pop(job, None)
         gpus = [g for g in ((p.get("gpu") or {}).get("gpus") or []) if isinstance(g, dict) and not g.get("lost")]
         en = p.get("energy") or {}
         j = float(en.get("cpu_energy_j") or 0) + float(en.get("dram_energy_j") or 0) + \

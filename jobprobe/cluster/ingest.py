@@ -160,7 +160,8 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
 async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: dict[str, Any]) -> None:
     """Batch after batch until ctl.stop_event, while the lease is ours: ctl.ingest, then the acks; once a minute,
     retention and forgetting. Without the lease: standing by, trying to take it every TRY_S."""
-    next_sweep, next_compact, said = time.time() + 60, time.time() + 10, False
+    next_sweep, next_compact, said = time.time(), time.time() + 10, False     # retention at once, then each minute
+    swept = False
     while not ctl.stop_event.is_set():
         if not await lease.keep():
             if ctl.active:
@@ -220,7 +221,12 @@ async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beat
                 next_compact = now + 60.0
         if now > next_sweep:
             try:
-                ctl.store.forget_before(now - ctl.retention_s)
+                gone = ctl.store.forget_before(now - ctl.retention_s)
+                # said at the first sweep (at start) and whenever frames went; quiet otherwise
+                (log.warning if gone or not swept else log.info)(
+                    "controller %d/%d: retention swept: %d frames past %.0f s (by their time and when they came) "
+                    "gone", *ctl.part, gone, ctl.retention_s)
+                swept = True
             except Fenced as err:
                 await _fenced(ctl, lease, err, [])
                 continue

@@ -66,6 +66,11 @@ class MetricsCollector:
         for node, st in nodes:
             age.add_metric([node], round(now - st.last, 3))
         yield age
+        clock = GaugeMetricFamily("jobprobe_node_clock_offset_seconds", "the node's clock less the stream's time of "
+                                  "its newest message (a node beyond 60 s gets a clock_skew event)", labels=["node"])
+        for node, off in list(ctl.clocks.offset.items()):
+            clock.add_metric([node], off)
+        yield clock
         s = GaugeMetricFamily("jobprobe_straggler", "1 while the node is named the straggler of the job",
                               labels=["job", "node"])
         for job, node in ctl.stragglers.open():
@@ -170,5 +175,10 @@ def stats(store: Store, now: float | None = None) -> dict[str, Any]:
         total += n
         if node:
             nodes.setdefault(node, {}).setdefault("refused", {})[reason] = n
+    # each node's clock offset, as its newest clock_skew or clock_skew_end said (nodes never off: none)
+    _, rows = store.sql("SELECT node, event, json_extract(body, '$.offset_s') FROM events WHERE event IN "
+                        "('clock_skew', 'clock_skew_end') ORDER BY t")
+    for node, event, off in rows:
+        nodes.setdefault(node, {})["clock"] = {"offset_s": off, "skewed": event == "clock_skew"}
     unready = sorted(n for n, v in nodes.items() if (v.get("doctor") or {}).get("worst") == "fail")
     return {"t": now, "nodes": nodes, "rejected_total": total, "unready_nodes": unready}

@@ -69,14 +69,15 @@ CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NU
 
 
 MAX_STORES = 10     # SQLite's limit on attached databases
-VERSION = 1         # PRAGMA user_version of a store this code writes (migrate() brings older ones to it)
+VERSION = 2         # PRAGMA user_version of a store this code writes (migrate() brings older ones to it)
 REJECT_SAMPLES = 3  # refusals kept whole per node, reason and minute (the rest only counted)
 REJECT_BODY = 256   # bytes of a kept refusal's body
 
 
 def migrate(db: sqlite3.Connection) -> None:
     """An older store brought to VERSION, in one transaction. 0 → 1: `rejects` held one row per refusal and no
-    body; its rows are counted into `reject_counts` (reason `unclassified`: their text is kept in rejects)."""
+    body; its rows are counted into `reject_counts` (reason `unclassified`: their text is kept in rejects). 1 → 2:
+    `blocks.received` (when a block's newest frame came; NULL in older blocks: retention by their own time)."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > VERSION:
         raise ValueError(f"the store is of version {version}, newer than this jobprobe's {VERSION}: upgrade jobprobe")
@@ -87,6 +88,8 @@ def migrate(db: sqlite3.Connection) -> None:
             db.execute("INSERT OR REPLACE INTO reject_counts SELECT COALESCE(node, ''), 'unclassified', "
                        "CAST(received / 60 AS INTEGER), COUNT(*), SUM(size) FROM rejects "
                        "GROUP BY COALESCE(node, ''), CAST(received / 60 AS INTEGER)")
+        if version < 2 and "received" not in [r[1] for r in db.execute("PRAGMA table_info(blocks)")]:
+            db.execute("ALTER TABLE blocks ADD COLUMN received REAL")
         db.execute(f"PRAGMA user_version = {VERSION}")
 
 # Fencing (docs/ARCHITECTURE.md, "Two controllers, one store"): each controller that takes its partition's lease
@@ -263,11 +266,13 @@ class Store:
         return moved
 
     def forget_before(self, t: float) -> int:
-        """Retention: frames older than t (their own time) go, and refusals received before it. How many frames."""
+        """Retention: frames older than t — by their own time and by when they came: a node whose clock is days
+        behind has its frames kept for the retention after they came, not deleted at once — and refusals received
+        before it. How many frames."""
         with self._writing():
             self.db.execute("DELETE FROM rejects WHERE received < ?", (t,))
             self.db.execute("DELETE FROM reject_counts WHERE minute < ?", (int(t // 60),))
-            return self.db.execute("DELETE FROM frames WHERE t < ?", (t,)).rowcount
+            return self.db.execute("DELETE FROM frames WHERE t < ? AND received < ?", (t, t)).rowcount
 
     # ---- reading ---------------------------------------------------------------------------------------
     def sql(self, query: str, params: Iterable[Any] = ()) -> tuple[list[str], list[tuple]]:

@@ -64,14 +64,14 @@ class JobEnds:
                 self.samples[f["job"]] = min(MIN_SAMPLES, self.samples.get(f["job"], 0) + 1)
 
     def ended(self, now: float, alive: Any, interval: Any) -> list[str]:
-        """Jobs that ended since the last call: `alive(node)` says a node is heard from, `interval(node)` its tick."""
+        """Jobs that ended since the last call: `alive(node)` says a node is heard from, `interval(node)` its tick.
+        A job with fewer than MIN_SAMPLES samples ended too: the caller summarizes only the others."""
         out = []
         for job in list(self.open):
             nodes = self.seen.get(job, {})
             if nodes and all(alive(n) and now - t > END_AFTER * interval(n) for n, t in nodes.items()):
                 self.open.discard(job)
-                if self.samples.get(job, 0) >= MIN_SAMPLES:
-                    out.append(job)
+                out.append(job)
         return out
 
     def keep(self, job: str, summary: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ PARTS = "jobprobe.part"               # .<partition>.frames.<job token>.<node to
 CONTROL = "jobprobe.ctl.node"         # .<token>
 CLUSTER_TRACE = "jobprobe.ctl.trace"
 INBOX = "_INBOX_JP"                   # .<token>.<random>
+SENT_HEADER = "Jobprobe-Sent"         # a message's header: the node's UNIX time when it published it
 MAX_TOKEN = 200                       # a node name longer than this is refused (a subject is not a store)
 
 

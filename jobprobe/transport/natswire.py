@@ -6,7 +6,7 @@ general client cost it ~11 MiB and a loop wake-up per tick for that. This speaks
 
     server: INFO {json}                       client: CONNECT {json} / PING, expects PONG (or -ERR '…')
     client: SUB _INBOX.<id>.> 1               the replies (JetStream's PubAcks) come back on it
-    client: HPUB <subject> <reply> <hdr> <total>\\r\\nNATS/1.0\\r\\nNats-Msg-Id: <key>\\r\\n\\r\\n<payload>\\r\\n
+    client: HPUB <subject> <reply> <hdr> <total>\\r\\nNATS/1.0\\r\\nNats-Msg-Id: <key>\\r\\nJobprobe-Sent: <t>\\r\\n\\r\\n<payload>\\r\\n
     server: MSG <reply> 1 <n>\\r\\n{"stream":…,"seq":…}   — the frame is in the stream (or {"error":…})
             HMSG … NATS/1.0 503                          — no stream listens on the subject (no responders)
             PING → PONG; -ERR '…' (a permission refused) noted and said with the failure it causes
@@ -36,6 +36,7 @@ import time
 from typing import Callable
 from urllib.parse import SplitResult, urlsplit
 
+from jobprobe.core.wire import SENT_HEADER
 from jobprobe.transport.credentials import Credentials, NatsError, client_tls, refuse_plaintext_password
 
 log = logging.getLogger("jobprobe.nats")
@@ -175,7 +176,7 @@ class Wire:
     # ---- publishing ---------------------------------------------------------------------------------------
     def fits(self, mid: str, data: bytes) -> bool:
         """Whether the server takes this message (its headers and payload within the server's max_payload)."""
-        return len(_headers(mid)) + len(data) <= self.max_payload
+        return len(_headers(mid, time.time())) + len(data) <= self.max_payload
 
     def publish(self, msgs: list[tuple[str, str, bytes]], timeout: float = 5.0,
                 optional: Callable[[str], bool] | None = None) -> list[dict]:
@@ -192,8 +193,9 @@ class Wire:
         self.batch_no += 1
         prefix = f"{self.inbox}.{self.batch_no}."
         out = bytearray()
+        sent = time.time()
         for i, (subject, mid, data) in enumerate(msgs):
-            hdr = _headers(mid)
+            hdr = _headers(mid, sent)
             out += f"HPUB {subject} {prefix}{i} {len(hdr)} {len(hdr) + len(data)}\r\n".encode()
             out += hdr
             out += data
@@ -334,8 +336,10 @@ def _split(url: str) -> SplitResult:
     return urlsplit(url if "://" in url else f"nats://{url}")
 
 
-def _headers(mid: str) -> bytes:
-    return f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n\r\n".encode()
+def _headers(mid: str, sent: float = 0.0) -> bytes:
+    """Nats-Msg-Id (the frame's key: duplicates dropped) and SENT_HEADER, this node's clock when it was published
+    (the controller compares it with the stream's own time of it: the node's clock offset, docs/FRAMES.md)."""
+    return f"NATS/1.0\r\nNats-Msg-Id: {mid}\r\n{SENT_HEADER}: {sent:.3f}\r\n\r\n".encode()
 
 
 def _err_code(ack: dict) -> int | None:

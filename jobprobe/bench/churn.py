@@ -1,0 +1,145 @@
+"""A month of job churn in a minute: `python -m jobprobe.bench.churn [--nodes 50] [--runs 2000]` (docs/PERFORMANCE.md).
+
+A real nats-server on loopback and `jobprobe controller` as a process; `nodes` simulated nodes each run short jobs
+back to back until `runs` jobs have run in all: a job is a hello, `samples` sample frames `interval` s apart (the
+figures a CPU job's agent sends: enough for its summary), then the node's next job — so each ends, is summarized
+and let go by the controller as an agent's would be. Measured: the controller's RSS (VmRSS, sampled every 0.25 s)
+when half the runs were stored and at the end, its growth over the second half, its peak; every frame stored.
+A controller that keeps what each ended job held grows linearly with the runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+
+from jobprobe.bench.flood import _wait, listening
+from jobprobe.bench.overhead import free_port, scratch
+from jobprobe.core.frame import FrameBuilder, encode
+from jobprobe.core.wire import frames_subject, msg_id
+
+NATS = "nats-server"
+
+
+def vm_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def job_frames(node: str, job: str, start: float, samples: int, interval: float) -> list[dict]:
+    """A short CPU job's frames as its agent sends them: its hello, then `samples` samples (their times in the
+    past: the bench sends them at once, a run after the other)."""
+    b = FrameBuilder(node, job)
+    out = [b.hello(interval=interval, target={"kind": "cgroup", "job": job})]
+    out[0]["t"] = start
+    for i in range(samples):
+        out.append(b.sample(start + (i + 1) * interval, interval, {
+            "cgroup": {"cpu_user_ns": int(1.6e9 * interval), "cpu_system_ns": int(1e8 * interval),
+                       "mem_bytes": 1 << 30, "io_write_bytes": 4096, "cpus_online": 2},
+            "sched": {"runq_lat_ns": int(2e6 * interval), "offcpu_ns": int(4e8 * interval),
+                      "offcpu_sleep_ns": int(1e8 * interval), "offcpu_wait_ns": int(3e8 * interval)}},
+            {"cgroup": "ok", "sched": "ok"}))
+    return out
+
+
+def churn(nodes: int = 50, runs: int = 2000, samples: int = 4, interval: float = 0.2, progress=None) -> dict:
+    with scratch(None, "jobprobe-bench-churn-") as work:
+        return _churn(Path(work), nodes, runs, samples, interval, progress)
+
+
+def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, progress) -> dict:
+    from jobprobe.transport.natswire import Wire
+    say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
+    port = free_port()
+    conf = work / "nats.conf"
+    conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{work / "js"}" }}\n')
+    server = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, db, log = f"nats://127.0.0.1:{port}", work / "store.db", work / "controller.log"
+    ctl = None
+    stop = threading.Event()
+    rss: list[tuple[float, float]] = []
+    try:
+        _wait(lambda: listening(port), 10, "nats-server")
+        ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store", str(db)],
+                               stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+        _wait(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
+
+        def watch() -> None:
+            while not stop.is_set():
+                rss.append((time.time(), vm_rss_mib(ctl.pid)))
+                stop.wait(0.25)
+        threading.Thread(target=watch, daemon=True).start()
+        w = Wire(url, name="churn")
+        w.connect()
+        sent = 0
+        t0 = time.time()
+        per_node = -(-runs // nodes)
+        t_half = t0
+        for k in range(per_node):
+            if k == per_node // 2:
+                t_half = time.time()             # each node's job k, all nodes at once, a tick at a time
+            now = time.time()
+            jobs = [job_frames(f"node{n:03d}", f"job{k}-node{n:03d}", now, samples, interval) for n in range(nodes)]
+            for i in range(samples + 1):
+                batch = [js[i] for js in jobs]
+                w.publish([(frames_subject(f["node"], f["job"]), msg_id(f), zlib.compress(encode(f)))
+                           for f in batch], timeout=30)
+                sent += len(batch)
+                time.sleep(interval)
+            if k % 10 == 9:
+                say(f"{(k + 1) * nodes} runs published in {time.time() - t0:.0f} s, controller "
+                    f"{rss[-1][1] if rss else 0:.1f} MiB")
+        w.close()
+
+        def stored() -> int:
+            c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+            try:
+                return c.execute("SELECT COUNT(*) FROM frames WHERE run != 'controller'").fetchone()[0]
+            finally:
+                c.close()
+        _wait(lambda: stored() >= sent, 120, "every frame stored")
+        time.sleep(3 * interval * 3 + 1.0)      # the last jobs' ends: their summaries, their state let go
+        rss.append((time.time(), vm_rss_mib(ctl.pid)))
+        stop.set()
+        alive = ctl.poll() is None
+        c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+        try:
+            summaries = c.execute("SELECT COUNT(*) FROM events WHERE event = 'summary'").fetchone()[0]
+            distinct = c.execute("SELECT COUNT(*) FROM frames WHERE run != 'controller'").fetchone()[0]
+        finally:
+            c.close()
+        half = next(v for t, v in rss if t >= t_half)      # when half the runs had been sent (and stored: it
+        # keeps up — 50 nodes at 0.2 s are 250 frames/s)
+        return {"alive": alive, "runs": per_node * nodes, "frames_sent": sent, "frames_stored": distinct,
+                "summaries": summaries, "rss_start_mib": round(rss[0][1], 1), "rss_half_mib": round(half, 1),
+                "rss_end_mib": round(rss[-1][1], 1), "rss_peak_mib": round(max(v for _, v in rss), 1),
+                "second_half_growth_mib": round(rss[-1][1] - half, 2), "seconds": round(time.time() - t0, 1)}
+    finally:
+        stop.set()
+        if ctl is not None and ctl.poll() is None:
+            ctl.send_signal(signal.SIGTERM)
+            try:
+                ctl.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                ctl.kill()
+        server.terminate()
+        server.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=50)
+    ap.add_argument("--runs", type=int, default=2000)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--interval", type=float, default=0.2)
+    a = ap.parse_args()
+    print(json.dumps(churn(a.nodes, a.runs, a.samples, a.interval, progress=sys.stderr), indent=1))
