@@ -3,7 +3,7 @@
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]
                                 [--device cpu|cuda] [--loader-workers W] [--stall-every N --stall-s S]
                                 [--seconds S] [--startup-s S] [--checkpoint-every K --checkpoint-mib M]
-                                [--timeline FILE]
+                                [--timeline FILE] [--exit-code N]
 
 With --loader-workers (or --stall-every) the batches come from a DataLoader with W worker processes over a
 synthetic dataset; --stall-every N makes every N-th batch wait S seconds in its worker (`slow_storage_read`: slow
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--checkpoint-mib", type=int, default=64, metavar="M", help="its size (default 64 MiB)")
     ap.add_argument("--checkpoint-dir", default=".", help="where it is written (default: here)")
     ap.add_argument("--timeline", metavar="FILE", help="write each input wait and checkpoint's UNIX times here")
+    ap.add_argument("--exit-code", type=int, default=0, metavar="N",
+                    help="end with exit code N after its last line (a job that crashed after its last step)")
     a = ap.parse_args(argv)
     a.clock = Clock(a)
     if a.startup_s:
@@ -299,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"first_step": c.first + c.unix, "last": c.last + c.unix, **c.spans}, f)
     print(f"train: {a.done} steps in {time.monotonic() - t0:.2f} s ({framework}, {a.device}) {a.clock.line()}",
           flush=True)
+    if a.exit_code:
+        raise SystemExit(a.exit_code)
 
 
 if __name__ == "__main__":

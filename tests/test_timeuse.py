@@ -585,6 +585,30 @@ def test_a_job_started_again_loses_its_work_since_its_last_checkpoint(tmp_path):
     assert alone["restarts"] == 0 and alone["buckets"]["lost"] == 0, alone     # a run nothing came after: none
 
 
+@pytest.mark.kernel
+@pytest.mark.serial      # the job's pace is a share of the machine
+def test_a_job_that_crashed_says_so_and_loses_its_work_since_its_last_checkpoint(tmp_path):
+    """The reference job checkpointing every 2.5 s, ending with exit code 3 after 6 s of steps (a crash after its
+    last step), under `jobprobe run`: its last frame says `exit 3`; `summary` says it ended so, and its computing
+    since its last checkpoint is `lost`, by the job's own clock of it (before: "goodput 60%", lost 0 — a crash read
+    as a healthy job). The same job ending with 0 loses nothing (the requeue test's run alone)."""
+    out = tmp_path / "job.mpk"
+    r = cli("run", "--probes", "cgroup,sched", "--out", str(out), "--", sys.executable,
+            str(ROOT / "scripts" / "train_cpu.py"), "--steps", "100000", "--run-seconds", "6", "--startup-s", "1",
+            "--checkpoint-every-s", "2.5", "--checkpoint-mib", "48", "--checkpoint-dir", str(tmp_path), "--threads",
+            "2", "--exit-code", "3", timeout=240)
+    assert r.returncode == 3, r.stderr[-2000:]
+    own = own_clock(r.stdout)
+    s = json.loads(cli("summary", "--format", "json", str(out)).stdout)
+    report = dict(own=own, buckets=s["buckets"], ended=s["ended"])
+    print(report)
+    assert s["ended"]["how"] == "exit 3" and s["ended"]["ok"] is False, report
+    assert own["unsaved_s"] > 0.5, report
+    assert abs(s["buckets"]["lost"] - own["unsaved_s"]) <= 0.15 * own["unsaved_s"] + 1.0, report
+    page = cli("summary", str(out)).stdout
+    assert "ended: exit 3" in page and "lost" in page, page
+
+
 def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_path):
     """Two nodes send a job's samples; one lets it go (heartbeats only), then the other: one `summary` event, once
     both have been silent about it for 3 intervals while alive — not while one is lost — with the buckets and
@@ -642,6 +666,46 @@ def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_
     t += 1
     send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
     assert len(summaries()) == 2 and summaries()[1]["wall_s"] > 12
+
+
+def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path):
+    """A job of two nodes whose last frame on b says `exit 3` (and on a, exit 0): its summary event says it ended
+    badly on b, its computing since its last checkpoint is lost, and /metrics has jobprobe_job_end with how and
+    failed, and jobprobe_jobs_ended counts it failed. A job whose last frames say nothing: `ended` none, unknown."""
+    from types import SimpleNamespace
+
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.metrics import MetricsCollector
+    from jobprobe.cluster.store import Store
+    from jobprobe.core.frame import FrameBuilder, encode
+    import time
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+    wall = time.time() - 1000.0
+
+    def send(frames, now):
+        ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
+    for job, ends in (("crashed", {"a": {"why": "exited", "exit_code": 0}, "b": {"why": "exited", "exit_code": 3}}),
+                      ("silent", {})):
+        b = {n: FrameBuilder(n, job, f"r{n}{job}") for n in "ab"}
+        t = 1000.0
+        send([{**b[n].hello(probes={}), "interval": 1.0} for n in "ab"], t)
+        for i in range(8):
+            t += 1
+            frames = [b[n].sample(wall + t, 1.0, {"cgroup": {"cpu_user_ns": int(2e9), "cpu_system_ns": 0}},
+                                  {"cgroup": "ok"}, end=ends.get(n) if i == 7 else None) for n in "ab"]
+            send(frames, t)
+        beats = {n: FrameBuilder(n, "node", f"b{n}{job}") for n in "ab"}
+        for _ in range(5):
+            t += 1
+            send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
+    got = {j: json.loads(x) for j, x in ctl.store.sql("SELECT job, body FROM events WHERE event = 'summary'")[1]}
+    assert got["crashed"]["ended"]["how"] == "exit 3" and got["crashed"]["ended"]["node"] == "b"
+    assert got["crashed"]["ended"]["ok"] is False and got["crashed"]["buckets"]["lost"] > 3, got["crashed"]
+    assert got["silent"]["ended"] is None and got["silent"]["buckets"]["lost"] == 0
+    metrics = {m.name: m for m in MetricsCollector(ctl).collect()}
+    (end,) = metrics["jobprobe_job_end"].samples
+    assert end.labels == {"job": "crashed", "how": "exit 3", "failed": "true", "node": "b"} and end.value == 1
+    assert {x.labels["end"]: x.value for x in metrics["jobprobe_jobs_ended"].samples} == {"failed": 1, "unknown": 1}
 
 
 def test_a_job_too_large_to_sum_inline_gets_a_summary_that_says_so(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 from jobprobe.cluster import report
 from jobprobe.core import efficiency
-from jobprobe.core.timeuse import BUCKETS, decompose, num, usable
+from jobprobe.core.timeuse import BUCKETS, decompose, failed, num, usable
 
 WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "waiting for input",
          "waiting_for_peers": "waiting for peers", "starved": "starved or throttled", "checkpointing": "checkpointing",
@@ -113,7 +113,7 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
     episodes = [{"node": p["node"], "start": p["start"], "end": p["end"], "s": round(p["end"] - p["start"], 1),
                  "reason": p["reason"], "waited_by": p["waited_by"]} for p in periods]
     return {"job": name, "nodes": len(nodes), "start": min(starts) if starts else None,
-            "end": max(ends) if ends else None, "wall_s": round(wall, 3),
+            "end": max(ends) if ends else None, "wall_s": round(wall, 3), "ended": how_it_ended(by_node),
             "goodput": round(shares["computing"], 4),
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
             "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
@@ -126,6 +126,24 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
                              "used": {k: round(v, 3) for k, v in d.get("used", {}).items()},
                              "granted": {k: round(v, 3) for k, v in d.get("granted", {}).items()}}
                          for n, d in nodes.items()}}
+
+
+def how_it_ended(by_node: dict[str, list[dict]]) -> dict[str, Any] | None:
+    """How the job ended, from its nodes' last samples' `end` (docs/FRAMES.md): the first node that ended badly
+    (an exit code other than 0, a signal), else the last to end; None where no node's frames say it ended (still
+    running, let go by a detach, or an agent of before `end`)."""
+    ends = []
+    for node, fs in by_node.items():
+        last = max(fs, key=lambda f: num(f, "t") or 0.0) if fs else None
+        if last is not None and isinstance(last.get("end"), dict):
+            ends.append((num(last, "t") or 0.0, node, last["end"]))
+    if not ends:
+        return None
+    bad = sorted(e for e in ends if failed(e[2]))
+    t, node, end = bad[0] if bad else max(ends)
+    how = f"exit {end['exit_code']}" if isinstance(end.get("exit_code"), int) else \
+        f"signal {end['signal']}" if isinstance(end.get("signal"), int) else "ended"
+    return {"node": node, "t": t, "how": how, "ok": not bad, "why": str(end.get("why", ""))[:200]}
 
 
 def split(frames: list[dict]) -> tuple[dict[str, list[dict]], dict[str, dict], list[dict]]:
@@ -225,7 +243,10 @@ def text(s: dict[str, Any]) -> str:
     again = s.get("restarts") or 0
     lines = [f"job {s['job']} on {s['nodes']} node{'s' if s['nodes'] != 1 else ''}: {_hms(s['wall_s'])} wall "
              f"({s['wall_s']:.1f} s), goodput {100 * s['goodput']:.0f}%"
-             + (f"; started again {again} time{'s' if again != 1 else ''}" if again else ""),
+             + (f"; started again {again} time{'s' if again != 1 else ''}" if again else "")
+             + (f"; ended: {s['ended']['how']}" + ("" if s["ended"]["ok"] else
+                                                 f" on {s['ended']['node']} — its work since its last checkpoint "
+                                                 f"lost ({s['buckets']['lost']:.1f} s)") if s.get("ended") else ""),
              "", "where the time went:"]
     wall = s["wall_s"] or 1.0
     for b, v in sorted(s["buckets"].items(), key=lambda kv: -kv[1]):

@@ -31,8 +31,8 @@ One node's samples of one job, interval by interval (docs/TIMEUSE.md defines eve
   The shortfall is given out in the proportion of those figures, as far as they cover it (in thread-seconds: the
   shortfall × the steady pace); what they do not cover is *gpu_idle* for a GPU-paced job, else *other*.
 - *lost*: where the job started again (a new agent run whose hello says its processes were new: a SLURM requeue, a
-  restarted pod), the computing of the run before it since its last checkpoint (all of it, without one); each run
-  has its own startup.
+  restarted pod), or ended badly (its last frame's `end`: an exit code other than 0, a signal), the computing of that
+  run since its last checkpoint (all of it, without one); each run has its own startup.
 - *teardown*: a run whose last frame says it ended (`end`): its trailing intervals below STARTED of the steady pace,
   without a checkpoint, whose shortfall no figure explains — its exit after its last step, not computing.
 - *waiting_for_peers* is never given from one node's frames: the controller gives it from who waited for whom
@@ -268,8 +268,9 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     for run, first in zip(runs, firsts):
         if isinstance(samples[run[-1]].get("end"), dict):
             teardown(run, first, ticks, per, steady)
-    for run in runs[:-1]:
-        # a run the job started again after: its work since its last checkpoint was lost (all of it, without one)
+    for run in runs[:-1] + [r for r in runs[-1:] if failed(samples[r[-1]].get("end"))]:
+        # a run the job started again after, or one that ended badly (its last frame's `end`: an exit code other
+        # than 0, a signal): its work since its last checkpoint was lost (all of it, without one)
         last = max((i for i in run if per[i]["checkpointing"] > 0), default=run[0] - 1)
         for i in run:
             if i > last:
@@ -301,6 +302,12 @@ def teardown(run: list[int], first: int, ticks: list[Tick], per: list[dict[str, 
             per[j]["other"] >= 0.5 * (ticks[j].dt - per[j]["computing"]) > 0:
         per[j] = dict.fromkeys(BUCKETS, 0.0) | {"teardown": ticks[j].dt}
         j -= 1
+
+
+def failed(end: Any) -> bool:
+    """Whether a last frame's `end` says the job ended badly: an exit code other than 0, or a signal."""
+    return isinstance(end, dict) and ((isinstance(end.get("exit_code"), int) and end["exit_code"] != 0)
+                                      or isinstance(end.get("signal"), int))
 
 
 def switched(share: float, other: float) -> float:

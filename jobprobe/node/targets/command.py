@@ -82,8 +82,14 @@ class CommandTarget(CgroupTarget):
             raise TargetGone(f"{self.argv[0]} exited with code {self.proc_handle.returncode}")
 
     def exit_status(self) -> dict[str, int]:
-        code = self.proc_handle.poll() if self.proc_handle is not None else None
-        if code is None:
+        """Asked once the job ended (its group empty): its child has exited. A wait, not poll(): `jobprobe run`'s
+        waiter thread is in wait() on it, and poll() answers None while another thread waits (a crashed job read
+        "ended", no code, in its test)."""
+        if self.proc_handle is None:
+            return {}
+        try:
+            code = self.proc_handle.wait(timeout=2)
+        except subprocess.TimeoutExpired:
             return {}
         return {"signal": -code} if code < 0 else {"exit_code": code}
 
