@@ -43,6 +43,7 @@ class Spool:
         self.inflight = 0         # the first `inflight` pending records were handed to the server, not yet acked
         self.written = self.settled = 0   # records appended and taken off `pending` (acked, lost, dropped): so far
         self.cut = 0              # records found cut short at a segment's end when loading (a crash, a full disk)
+        self.cursor_errors = 0    # cursor writes the disk refused: nothing lost, those frames are sent again
         self.unsaid, self.said_at = 0, -SAY_EVERY_S   # frames the disk refused since the last line that said so
         self.segments: list[int] = sorted(int(n[4:]) for n in self.d.names() if n[:4] == "seg-" and n[4:].isdigit())
         try:
@@ -212,7 +213,17 @@ class Spool:
                     if id(rec) in lost_ids:
                         self.lost[rec[5]] = self.lost.get(rec[5], 0) + 1
             seg, off = self.pending[0][:2] if self.pending else (self.seg, self.size)
-            self.d.write_atomic("cursor", f"{seg} {off}\n".encode())      # 0600, like every file here
+            try:
+                self.d.write_atomic("cursor", f"{seg} {off}\n".encode())      # 0600, like every file here
+            except OSError as err:
+                # a full disk: the cursor stays behind, so after a restart these frames go again — the stream and
+                # the store keep each once (its message id, its key): counted, nothing lost; the segments before it
+                # stay until a cursor write succeeds
+                self.cursor_errors += 1
+                if self.cursor_errors == 1 or self.cursor_errors % 1000 == 0:
+                    log.warning("spool %s: the cursor could not be written (%s): %d times; its frames would be sent "
+                                "again after a restart", self.dir, err.strerror, self.cursor_errors)
+                return
             while len(self.segments) > 1 and self.segments[0] < seg:
                 self.d.unlink(f"seg-{self.segments.pop(0)}")
 

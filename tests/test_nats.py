@@ -615,6 +615,34 @@ def test_stats_counts_drops_from_the_running_total_and_missing_frames_from_seq_t
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="mounts a tmpfs: needs root (CI runs as root)")
+def test_a_cursor_the_disk_refuses_is_counted_and_its_frames_go_again_after_a_restart(tmp_path, monkeypatch, caplog):
+    """The spool's cursor written after an ack: a full disk refuses it. Not an error of the publisher's (before: the
+    OSError left acked() half done and went up to the publisher); counted and said once, and the next agent reads
+    the frames from the cursor that was written — sent again, kept once by their message ids and the store's keys."""
+    from jobprobe.core.safefile import Dir
+    from jobprobe.exporters.spool import Spool
+    sp = Spool(tmp_path / "spool", 1 << 20)
+    for i in range(6):
+        sp.append(f"n/j/r/{i}", "s", "j", b"x" * 10)
+    sp.acked(sp.take(2))                                   # the cursor at the third record
+    real = Dir.write_atomic
+
+    def full(self, name, data):
+        if name == "cursor":
+            raise OSError(28, "No space left on device")
+        return real(self, name, data)
+    monkeypatch.setattr(Dir, "write_atomic", full)
+    sp.acked(sp.take(2))
+    sp.acked(sp.take(1))
+    assert sp.cursor_errors == 2 and sp.depth() == 1
+    assert len([r for r in caplog.records if "cursor could not be written" in r.getMessage()]) == 1
+    sp.close()
+    monkeypatch.setattr(Dir, "write_atomic", real)
+    again = Spool(tmp_path / "spool", 1 << 20)             # the next agent: from the cursor written last
+    assert [r[3] for r in again.peek(10)] == [f"n/j/r/{i}" for i in range(2, 6)]
+    again.close()
+
+
 def test_a_full_disk_loses_no_frame_uncounted_and_leaves_the_spool_readable(tmp_path, caplog):
     """The spool on a 64 KiB tmpfs, no server: each of 419 frames is either still in the spool or counted dropped
     (what the self probe's sink_dropped sums), the failures are said in a line or two rather than one per frame,
