@@ -150,6 +150,21 @@ def cmd_summary(args) -> int:
     return 0
 
 
+def cmd_jobs(args) -> int:
+    import sqlite3
+
+    from jobprobe.cluster import jobs
+    from jobprobe.cluster.store import Store
+    since = jobs.parse_since(args.since)          # a bad window: one line, before anything is read
+    try:
+        rs = jobs.rows(Store(args.store, readonly=True), since, sort=args.sort)
+    except (OSError, ValueError, sqlite3.Error) as err:     # not there, not a store
+        raise BadInput(f"jobs: {' '.join(args.store)}: {err}") from None
+    print(json.dumps(rs, indent=1) if args.format == "json" else jobs.as_csv(rs) if args.format == "csv"
+          else jobs.text(rs), end="\n" if args.format == "json" else "")
+    return 0
+
+
 def _job_frames(cmd: str, args) -> list[dict]:
     """One job's frames: from frame files, or from the store with --job (a clear error for each way it fails)."""
     from jobprobe.cluster import report, summary

@@ -326,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--rules", metavar="FILE|default", help="thresholds of the efficiency notes: the rules file's "
                     "[efficiency] table (default: its shipped values)")
     sm.set_defaults(func=cluster.cmd_summary)
+    jb = sub.add_parser("jobs", help="the jobs that ended in a window: owner, nodes, wall, how each ended, goodput, "
+                        "largest badput, stragglers", usage="jobprobe jobs --store PATH [--since 1d] "
+                        "[--format text|json|csv] [--sort start|wall|goodput|job|badput]")
+    jb.add_argument("--store", metavar="PATH", action="append", required=True, help="the controller's store; "
+                    "again, or a directory, for several partitions' stores")
+    jb.add_argument("--since", default="1d", help="how far back (90s, 30m, 12h, 1d, 2w; default 1d)")
+    jb.add_argument("--format", choices=["text", "json", "csv"], default="text")
+    jb.add_argument("--sort", choices=["start", "wall", "goodput", "job", "badput"], default="start",
+                    help="newest start first (default); wall, badput: largest first; goodput: lowest first")
+    jb.set_defaults(func=cluster.cmd_jobs)
     return p
 
 

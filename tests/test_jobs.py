@@ -1,0 +1,92 @@
+"""`jobprobe jobs`: the operator's table of the jobs that ended in a window, from the controller's store. Ten jobs
+of different ends and owners through the controller (their frames ingested as the stream gives them), then the
+CLI as an operator runs it, in each format: every row right, against what each job's frames said."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from jobprobe.cluster.controller import Controller
+from jobprobe.cluster.jobs import parse_since
+from jobprobe.cluster.store import Store
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import FrameBuilder, encode
+from jobprobe.core.wire import subject_of
+
+REPO = Path(__file__).resolve().parents[1]
+ENDS = [{"exit_code": 0}, {"exit_code": 3}, {"signal": 9}, {"exit_code": 0}, None, {"signal": 15}, {"exit_code": 0},
+        {"exit_code": 1}, None, {"exit_code": 0}]
+
+
+def jobs_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jobprobe.cli", "jobs", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+    now = time.time() - 300.0         # the controller's clock and the nodes' (one clock), 5 minutes ago
+
+    def send(frames):
+        ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
+    want = {}
+    for k, end in enumerate(ENDS):
+        job, nodes = f"job{k}", ["a", "b"] if k == 4 else ["a"]
+        labels = {"user": f"u{k % 3}", "account": f"acct{k % 2}"}
+        bs = {n: FrameBuilder(n, job, f"r{k}{n}") for n in nodes}
+        for b in bs.values():
+            b.labels = labels
+        send([{**b.hello(probes={}), "interval": 1.0} for b in bs.values()])
+        start = now
+        for i in range(6):                    # 6 s: 1 of startup, then computing at 2 cores
+            now += 1
+            cores = 0.05 if i == 0 else 2.0
+            send([b.sample(now, 1.0, {"cgroup": {"cpu_user_ns": int(cores * 1e9), "cpu_system_ns": 0}},
+                           {"cgroup": "ok"}, end={"why": "exited", **end} if end and i == 5 else None)
+                  for b in bs.values()])
+        beats = {n: FrameBuilder(n, "node", f"b{k}{n}") for n in "ab"}
+        for _ in range(5):                    # its nodes alive, silent about it: it ends
+            now += 1
+            send([b.heartbeat(now, 1.0, 0, False) for b in beats.values()])
+        how = "" if end is None else f"exit {end['exit_code']}" if "exit_code" in end else f"signal {end['signal']}"
+        want[job] = {"owner": labels, "nodes": len(nodes), "start": start, "end": how,
+                     "failed": end is not None and end.get("exit_code", 1) != 0}
+    ctl.store.close()
+    r = jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    got = {x["job"]: x for x in json.loads(r.stdout)}
+    assert set(got) == set(want)
+    for job, w in want.items():
+        g = got[job]
+        assert {k: g[k] for k in ("owner", "nodes", "end", "failed")} == \
+            {k: w[k] for k in ("owner", "nodes", "end", "failed")}, (job, g, w)
+        assert abs(g["start"] - w["start"]) < 1.01 and abs(g["wall_s"] - 6) < 0.01, (job, g)
+        # a failed job with no checkpoint lost all its computing: its largest badput, its goodput nothing
+        assert g["badput"] == ("lost" if w["failed"] else "startup"), g
+        assert (g["goodput"] == 0) == w["failed"], g
+    # newest first by default; by goodput, the lowest first
+    assert [x["job"] for x in json.loads(r.stdout)] == [f"job{k}" for k in reversed(range(10))]
+    r = jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--format", "csv", "--sort", "goodput")
+    table = list(csv.DictReader(io.StringIO(r.stdout)))
+    assert {x["job"] for x in table[:4]} == {"job1", "job2", "job5", "job7"} and len(table) == 10
+    assert table[0]["owner"] == "account=acct1,user=u1" and table[0]["failed"] == "True"
+    text = jobs_cli("--store", str(tmp_path / "s.db")).stdout
+    assert "10 jobs, 4 failed" in text and "exit 3 FAILED" in text and "signal 9 FAILED" in text
+    assert "no job ended" in jobs_cli("--store", str(tmp_path / "s.db"), "--since", "1s").stdout
+
+
+def test_a_window_that_is_no_length_of_time_is_refused_in_one_line(tmp_path):
+    assert parse_since("90s") == 90 and parse_since("1.5h") == 5400 and parse_since("2w") == 14 * 86400
+    for bad in ("", "1", "1y", "-1d", "0d", "1d2h", "d"):
+        with pytest.raises(BadInput):
+            parse_since(bad)
+    r = jobs_cli("--store", str(tmp_path), "--since", "1y")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--since" in r.stderr
