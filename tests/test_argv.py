@@ -158,3 +158,18 @@ def test_a_cost_summary_of_a_file_that_is_not_a_store_is_one_error(place):
     traceback."""
     assert ends_in_output_or_one_error(["query", "--store", "/dev/null", "--job", "jb", "--summary"]) == 2
     assert ends_in_output_or_one_error(["query", "--store", str(place / "frames.mpk"), "--job", "jb", "--summary"]) == 2
+
+
+def test_the_tours_probes_minus_perf_parses_as_written():
+    """The README's tour writes `jobprobe run --probes -perf --pid 4242`; argparse took `-perf` for an unknown
+    option (exit 2, "expected one argument"). A `--probes` value that starts with '-' is its value; a command after
+    `--` is never touched, and `--probes` before another option still wants its value."""
+    from jobprobe.cli.parser import build_parser, split_command, toggles_as_options
+    argv, cmd = split_command(["run", "--probes", "-perf,-sched", "--pid", "4242"])
+    args = build_parser().parse_args(toggles_as_options(argv))
+    assert args.probes == "-perf,-sched" and args.pid == 4242 and cmd == []
+    argv, cmd = split_command(["run", "--probes", "cgroup", "--", "python", "--probes", "-x"])
+    assert toggles_as_options(argv) == ["run", "--probes", "cgroup"] and cmd == ["python", "--probes", "-x"]
+    from jobprobe.core.errors import BadInput
+    with pytest.raises(BadInput):
+        build_parser().parse_args(toggles_as_options(["run", "--probes", "--pid", "1"]))

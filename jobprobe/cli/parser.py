@@ -357,7 +357,14 @@ def toggles_as_options(argv: list[str]) -> list[str]:
     --toggle=WORD, which the probes subcommand reads as its hidden --toggle."""
     if argv[:1] == ["probes"] and "--job" in argv:
         return [f"--toggle={a}" if a[:1] in "+-" and a[1:2].isalpha() else a for a in argv]
-    return argv
+    # `--probes -perf` (run, agent, attach): the same, for an option's value — argparse wants `--probes=-perf`
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] == "--probes" and a[:1] == "-" and a[1:2].isalpha():
+            out[-1] = f"--probes={a}"
+        else:
+            out.append(a)
+    return out
 
 
 def _partition(text: str) -> tuple[int, int]:
