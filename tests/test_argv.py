@@ -173,3 +173,14 @@ def test_the_tours_probes_minus_perf_parses_as_written():
     from jobprobe.core.errors import BadInput
     with pytest.raises(BadInput):
         build_parser().parse_args(toggles_as_options(["run", "--probes", "--pid", "1"]))
+
+
+def test_the_controller_on_a_node_only_install_says_what_to_install(tmp_path):
+    """A node-only install has no NumPy (the controller's extra): `jobprobe controller` ended in a traceback. One
+    line, exit 2, naming the extra. (NumPy made unimportable in that process: a fake of the install, nothing else.)"""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['numpy'] = None; from jobprobe.cli import main; "
+            f"sys.exit(main(['controller', '--store', {str(tmp_path / 's.db')!r}, '--nats', 'nats://127.0.0.1:1']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "jobprobe[controller]" in r.stderr, r.stderr

@@ -15,8 +15,12 @@ from jobprobe.core.frame import MalformedFrame, StreamReader
 
 def cmd_controller(args) -> int:
     import asyncio
-    from jobprobe.cluster.controller import Controller
-    from jobprobe.cluster.metrics import stats
+    try:
+        from jobprobe.cluster.controller import Controller
+        from jobprobe.cluster.metrics import stats
+    except ImportError as err:     # a node-only install: the controller's packages are an extra
+        raise BadInput(f"controller: {err.name or err} is not installed here (a node-only install): install "
+                       "jobprobe[controller] (docs/DEPLOY.md)") from None
     from jobprobe.cluster.natsserver import LocalNats
     from jobprobe.cluster.store import Store
     path = args.store or os.path.join(args.data, "store.db")
