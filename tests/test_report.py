@@ -201,3 +201,40 @@ def test_the_verdict_names_who_waited_and_tells_a_fault_from_the_jobs_own_imbala
             "node; node-a, node-b waited for it.") in v, v
     assert "<b>node-x</b> had more work than its peers for 5 s (5% of the run): the job's own imbalance, not its " \
            "node." in v and "No straggler" not in v
+
+
+def test_the_header_says_the_summarys_wall_the_title_what_ran_and_the_axes_start_at_zero():
+    """Issue 49's walk: the header said 35 s over a table of 36 s (the frames' own times leave the first interval
+    out), the title was the generated job name (`python-4242-1796…`), the CPU axis started at the data's minimum."""
+    from jobprobe.cluster import report, summary
+    from jobprobe.core.frame import FrameBuilder
+    fb = FrameBuilder("n1", "python-4242-1796660000", run="r0")
+    t0 = 1_796_660_000.0
+    frames = [{**fb.hello(probes={}), "target": {"kind": "cgroup", "command": "python train.py --epochs 3"}}]
+    frames += [fb.sample(t0 + s, 1.0, {"cgroup": {"cpu_user_ns": int((1.5 + 0.1 * (s % 3)) * 1e9),
+                                                  "cpu_system_ns": 0}}, {"cgroup": "ok"}) for s in range(1, 37)]
+    s = summary.summarize(frames)
+    job = report.Job()
+    job.take(frames)
+    job.sort()
+    page = report.render(job, top=summary.html_table(s))
+    assert s["wall_s"] == 36 and "(36 s)" in page and "36 s of wall time" in page
+    assert "<title>python train.py --epochs 3 — jobprobe report</title>" in page
+    assert "<h1>python train.py --epochs 3</h1>" in page and "job python-4242-1796660000" in page
+    import matplotlib
+    matplotlib.use("Agg")
+    with matplotlib.rc_context(report.PLAIN_TEXT):
+        import matplotlib.pyplot as plt
+        real = plt.subplots
+        axes = []
+
+        def spy(*a, **k):
+            fig, ax = real(*a, **k)
+            axes.append(ax)
+            return fig, ax
+        plt.subplots = spy
+        try:
+            report._timelines(job)
+        finally:
+            plt.subplots = real
+    assert axes and all(ax.get_ylim()[0] == 0 for ax in axes[:1])       # the CPU panel, first

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -36,10 +37,12 @@ class Series:
     def __init__(self) -> None:
         self.t: list[float] = []
         self.v: dict[str, list[float | None]] = defaultdict(list)
+        self.began = math.inf        # when its earliest interval began (its t less its dt): the wall time's start
 
     def add(self, t: float, dt: float, probes: dict[str, Any]) -> None:
         dt = dt or 1.0
         self.t.append(t)
+        self.began = min(self.began, t - dt)
         cg = _d(probes.get("cgroup"))
         sc = _d(probes.get("sched"))
         net = _d(probes.get("net"))
@@ -82,6 +85,7 @@ class Job:
         self.name = name
         self.nodes: dict[str, Series] = defaultdict(Series)
         self.events: list[dict] = []
+        self.what = ""      # what ran: its command (`jobprobe run -- CMD`) or its owner labels, for the title
 
     def take(self, frames: Iterable[dict]) -> None:
         for fr in frames:
@@ -92,6 +96,12 @@ class Job:
             t, dt = fr.get("t"), fr.get("dt") or 1.0
             if not all(is_number(x) for x in (t, dt)):
                 continue      # a frame from a file is hostile until checked: no time, no place on the page
+            target, labels = fr.get("target"), fr.get("labels")
+            if fr.get("kind") == "hello" and not self.what and isinstance(target, dict) and \
+                    isinstance(target.get("command"), str):
+                self.what = target["command"][:160]
+            elif not self.what and isinstance(labels, dict) and labels:
+                self.what = ", ".join(f"{k}={v}" for k, v in sorted(labels.items()) if isinstance(v, str))[:160]
             if fr.get("kind") == "sample" and isinstance(fr.get("probes"), dict):
                 self.nodes[str(fr.get("node", "?"))].add(float(t), float(dt), fr["probes"])
             elif fr.get("kind") == "event":
@@ -104,6 +114,13 @@ class Job:
             for k in s.v:
                 s.v[k] = [s.v[k][i] for i in order]
         self.events.sort(key=lambda e: float(e.get("t", 0)))
+
+    @property
+    def wall_s(self) -> float:
+        """From its earliest interval's start to its last frame: the wall time `summary` says (the span of the
+        frames' own times leaves the first interval out: a header of 35 s over a table of 36 s)."""
+        began = min((s.began for s in self.nodes.values()), default=0.0)
+        return max(0.0, self.span[1] - began) if self.nodes else 0.0
 
     @property
     def span(self) -> tuple[float, float]:
@@ -171,7 +188,7 @@ def _waiters(ps: list[dict]) -> str:
 
 def verdict(job: Job) -> str:
     t0, t1 = job.span
-    run = max(t1 - t0, 1e-9)
+    run = max(job.wall_s, 1e-9)
     nodes = sorted(job.nodes)
     parts = []
     periods = straggler_periods(job)
@@ -274,6 +291,7 @@ def _timelines(job: Job) -> list[tuple[str, str]]:
             ax.axvspan(p["start"] - t0, p["end"] - t0, color=colour.get(p["node"], "tab:red"), alpha=0.13)
         for e in marks:
             ax.axvline(float(e.get("t", t0)) - t0, color="tab:gray", linestyle=":", linewidth=1)
+        ax.set_ylim(bottom=0)       # every panel's figure is a quantity from zero: its axis starts there
         ax.set_xlabel("seconds since the first frame", fontsize=8)
         ax.grid(alpha=0.3)
         # handles and labels given: a node named `_x` is still listed (a label of ours starting with `_` is not)
@@ -338,17 +356,18 @@ def render(job: Job, cost: dict | None = None, top: str = "") -> str:
         for e in job.events)
     plots = "".join(f'<section><h3>{html.escape(title)}</h3>{svg}</section>' for title, svg in timelines(job))
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>jobprobe report: {html.escape(job.name)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(job.what or job.name)} — jobprobe report</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
 .verdict {{ font-size: 1.1em; background: #f5f7fa; border-left: 4px solid #c33; padding: 0.8em 1em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} td, th {{ border-bottom: 1px solid #ddd; padding: 3px 8px;
 text-align: left; vertical-align: top; }} svg {{ max-width: 100%; height: auto; }}
 </style></head><body>
-<h1>{html.escape(job.name)}</h1>
+<h1>{html.escape(job.what or job.name)}</h1>
+{f'<p class="meta">job {html.escape(job.name)}</p>' if job.what else ''}
 <p class="meta">{len(job.nodes)} node(s): {html.escape(", ".join(sorted(job.nodes)))} ·
 {_utc(t0, "%Y-%m-%d %H:%M:%S")} – {_utc(t1, "%H:%M:%S")} UTC
-({t1 - t0:.0f} s)</p>
+({job.wall_s:.0f} s)</p>
 {top}
 {cost_html(cost)}
 <p class="verdict" id="verdict">{verdict(job)}</p>
