@@ -9,8 +9,10 @@ from the fields the probes declare (the hello frame's schema: type, unit, kind),
   as Prometheus histograms with cumulative `le` buckets (no `_sum`: the buckets do not give it exactly).
 - Units become Prometheus base units: `_ns`/`_us` fields are exposed in seconds (`…_seconds[_total]`), `_mj` in
   joules, `_mw` in watts.
-- Labels: `node`, `job`, and per device where the field is one: `gpu` (its index) for `gpu.gpus[].*`, `nic`
-  for `nic.nics[].*`. Strings, top-N lists (`net.top_peers`, `syscalls.top`) and other maps are never labels:
+- Labels: `node`, `job`, the job's owner — its frames' `labels` (the scheduler's user, account, partition…, or
+  attach's `--label`) whose names are allow-listed (`prometheus_labels`: OWNER by default; a value cut at
+  MAX_VALUE characters, escaped by the client), on every series of the job, empty for a job that has not that one —
+  and per device where the field is one: `gpu` (its index) for `gpu.gpus[].*`, `nic` for `nic.nics[].*`. Strings, top-N lists (`net.top_peers`, `syscalls.top`) and other maps are never labels:
   cardinality stays bounded by jobs × devices. At most `max_jobs` jobs are exposed; the others are counted in
   `jobprobe_exporter_jobs_over_cap`. A detached job's series stay 60 s (its last frame is scraped), then go.
 
@@ -26,6 +28,21 @@ from jobprobe.core.metrics import cumulative_buckets, flatten
 from jobprobe.core.wire import host_port
 
 KEEP_ENDED_S = 60.0      # a detached job's series stay this long, so that scrapes see its last frame
+OWNER = ("user", "account", "partition", "qos", "namespace")   # the owner labels exposed unless configured
+MAX_VALUE = 128          # characters of an owner label's value
+RESERVED = {"node", "job", "gpu", "nic", "le", "quantile"}
+
+
+def owner_names(text: str) -> tuple[str, ...]:
+    """`prometheus_labels` ("user,account"): each a Prometheus label name that no series of ours uses already."""
+    import re
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for n in names:
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", n) or n.startswith("__") or n in RESERVED:
+            from jobprobe.core.errors import BadInput
+            raise BadInput(f"prometheus_labels: {n[:40]!r} is not a label name of its own (a-z, 0-9, _; not "
+                           f"{', '.join(sorted(RESERVED))})")
+    return tuple(dict.fromkeys(names))
 
 class JobState:
     def __init__(self) -> None:
@@ -33,15 +50,16 @@ class JobState:
         self.values: dict[tuple[str, tuple], float] = {}      # (metric, extra labels) → value
         self.hist: dict[tuple[str, tuple], tuple[list[int], float]] = {}   # → (bucket counts, bucket factor)
         self.node = ""
+        self.owner: dict[str, str] = {}       # its allow-listed labels, from its newest frame that had any
         self.ended: float | None = None
 
 
 class PromSink:
-    def __init__(self, listen: str, max_jobs: int = 256):
+    def __init__(self, listen: str, max_jobs: int = 256, owner: tuple[str, ...] = OWNER):
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
         host, port = host_port(listen, "--prometheus")
-        self.name, self.max_jobs = f"prometheus:{listen}", max_jobs
+        self.name, self.max_jobs, self.owner = f"prometheus:{listen}", max_jobs, owner
         self.jobs: dict[str, JobState] = {}
         self.over_cap: set[str] = set()
         self.lock = threading.Lock()
@@ -66,6 +84,9 @@ class PromSink:
                     return
                 st = self.jobs[job] = JobState()
             st.node = frame["node"]
+            labels = frame.get("labels")
+            if isinstance(labels, dict) and labels:
+                st.owner = {n: str(labels[n])[:MAX_VALUE] for n in self.owner if isinstance(labels.get(n), str)}
             if frame["kind"] == "hello" and isinstance(frame.get("schema"), dict):
                 st.schema = frame["schema"]
             elif frame["kind"] == "sample" and isinstance(frame.get("probes"), dict):
@@ -104,7 +125,7 @@ class PromSink:
 
         def fam(name: str, extra: tuple):
             kind, doc = self.help[name]
-            labels = ["node", "job", *[lk for lk, _ in extra]]
+            labels = ["node", "job", *owner, *[lk for lk, _ in extra]]
             if name not in fams:
                 if kind == "counter":
                     fams[name] = CounterMetricFamily(name[: -len("_total")], doc, labels=labels)
@@ -117,12 +138,15 @@ class PromSink:
             now = time.monotonic()
             for job in [j for j, st in self.jobs.items() if st.ended and now - st.ended > KEEP_ENDED_S]:
                 del self.jobs[job]
+            # the owner labels any exposed job has: a family's label names are one set (a job without one: "")
+            owner = [n for n in self.owner if any(n in st.owner for st in self.jobs.values())]
             for job, st in self.jobs.items():
+                who = [st.owner.get(n, "") for n in owner]
                 for (name, extra), value in st.values.items():
-                    fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], value)
+                    fam(name, extra).add_metric([st.node, job, *who, *[lv for _, lv in extra]], value)
                 for (name, extra), (counts, factor) in st.hist.items():
                     buckets = cumulative_buckets(counts, factor)
-                    fam(name, extra).add_metric([st.node, job, *[lv for _, lv in extra]], buckets, None)
+                    fam(name, extra).add_metric([st.node, job, *who, *[lv for _, lv in extra]], buckets, None)
             over = len(self.over_cap)
         yield from fams.values()
         g = GaugeMetricFamily("jobprobe_exporter_jobs_over_cap", "jobs attached but not exposed (over max_jobs)")

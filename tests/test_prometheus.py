@@ -191,3 +191,39 @@ def test_metrics_follow_the_declared_fields_and_cardinality_is_capped():
     assert not any("peer" in n or "addr" in dict(lbl) for n, lbl in samples)
     assert {dict(lbl)["job"] for n, lbl in samples if "job" in dict(lbl)} == {"a", "b"}
     assert samples[("jobprobe_exporter_jobs_over_cap", ())] == 1
+
+
+def test_a_jobs_owner_labels_are_on_every_series_escaped_and_only_the_allowed_ones():
+    """Chargeback and per-team dashboards group by owner: each series of a job carries its allow-listed labels
+    (here user and account; its `secret` label is not), a value with quotes, a newline and `}` escaped (read back
+    with prometheus-client's own parser), a job without them has them empty, and a name that is no label of its
+    own is refused in one line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jobprobe.core.errors import BadInput
+    from jobprobe.exporters.prometheus import PromSink, owner_names
+    port = free_port()
+    sink = PromSink(f"127.0.0.1:{port}", owner=owner_names("user,account"))
+    schema = {"cgroup": {"cpu_user_ns": {"type": "int", "unit": "ns", "kind": "counter"},
+                         "mem_bytes": {"type": "int", "unit": "bytes", "kind": "gauge"}}}
+    hostile = 'o"brien\n} x{y="z'
+    try:
+        for job, labels in (("a", {"user": hostile, "account": "ml-team", "secret": "s3"}), ("b", {})):
+            h = sink.for_job(job)
+            h.write({"kind": "hello", "node": "n", "job": job, "schema": schema, **({"labels": labels} if labels else {})},
+                    b"")
+            h.write({"kind": "sample", "node": "n", "job": job, "probes": {"cgroup": {"cpu_user_ns": 10 ** 9,
+                                                                                     "mem_bytes": 7}},
+                     **({"labels": labels} if labels else {})}, b"")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        sink.close()
+    series = [s for fam in text_string_to_metric_families(text) for s in fam.samples
+              if s.name.startswith("jobprobe_cgroup")]
+    assert len(series) == 4
+    for s in series:
+        want = {"user": hostile, "account": "ml-team"} if s.labels["job"] == "a" else {"user": "", "account": ""}
+        assert {k: s.labels[k] for k in ("user", "account")} == want and "secret" not in s.labels, s
+    for bad in ("job", "__name", "9x", "a-b", "le"):
+        with pytest.raises(BadInput):
+            owner_names(bad)

@@ -46,6 +46,7 @@ class Config:
     trace_dir: str = "/var/lib/jobprobe/traces"   # deep-trace windows' files (rules' `trace` action, `trace`)
     trace_every: float | None = None    # a deep-trace window every S s of each job's run (as a request)
     prometheus_max_jobs: int = 256      # jobs exposed at most (the rest counted: bounded cardinality)
+    prometheus_labels: str = "user,account,partition,qos,namespace"   # a job's labels on each of its series
 
     @classmethod
     def load(cls, path: str | None, overrides: dict[str, Any]) -> Config:

@@ -39,8 +39,9 @@ class NodeSinks:
             self.nats.serve(control_subject(self.host.node), self.remote)   # the controller's cluster-wide traces
         self.prom = None
         if self.cfg.prometheus:
-            from jobprobe.exporters.prometheus import PromSink
-            self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs)
+            from jobprobe.exporters.prometheus import PromSink, owner_names
+            self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs,
+                                 owner_names(self.cfg.prometheus_labels))
 
     def _file_of(self, job: str) -> dict[str, str]:
         """{"file": the job's frame file} where the agent writes one (--out) and it exists; else {}."""
