@@ -32,7 +32,7 @@ from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
                         top_peers, tracepoint_has_field, zero_reading)
 from tests.conftest import bpf_fds, prog_exists
-from tests.workloads_net import ADDR_A, ADDR_B, DROP, TCP_HDRS, UDP_HDRS, near, result
+from tests.workloads_net import ADDR_A, ADDR_B, DROP, REFUSE_RETRANSMITS, TCP_HDRS, UDP_HDRS, near, result
 
 # ---------------------------------------------------------------- unit
 
@@ -430,33 +430,33 @@ def test_retransmits_match_the_sockets_own_count(probe, make_cgroup, net, kind):
 @pytest.mark.kernel
 def test_a_retransmit_whose_send_failed_is_counted_as_the_kernel_counts_it(probe, make_cgroup, net):
     """A retransmit the kernel counted (the socket's TCP_INFO, RetransSegs) whose transmit then failed on the
-    sender's own way out — under load a veth's full backlog (NET_XMIT_DROP), here netfilter (-EPERM): the tracepoint
-    says so in `err`, after the count. Counted as the kernel counts it: a CI run read 39 retransmits of 40 (the
-    probe dropped every one with an err), only under the suite's load. What the kernel did not count (the original
-    still in a host queue, -EBUSY; no memory, -ENOMEM; the socket's memory full, -EAGAIN) is not counted."""
+    sender's own way out — under load a veth's full backlog (NET_XMIT_DROP); here a cgroup egress program on the
+    job's group refusing each segment's first retransmit (-EPERM): the tracepoint says so in `err`, after the count.
+    Counted as the kernel counts it: a CI run read 39 retransmits of 40 (the probe dropped every one with an err),
+    only under the suite's load. What the kernel did not count (the original still in a host queue, -EBUSY; no
+    memory, -ENOMEM; the socket's memory full, -EAGAIN) is not counted."""
     sink_cg, cg = make_cgroup(), make_cgroup()
     sh = subprocess.run
     sh(["ip", "-n", net.a, "link", "set", net.va, "gso_max_segs", "1"], check=True)
-    # every 3rd full-size segment out of A refused by its own OUTPUT chain: originals are sent again (not
-    # retransmits), retransmits refused there were counted first
-    rule = ["OUTPUT", "-p", "tcp", "--dport", "5008", "-m", "length", "--length", "1000:65535", "-m", "statistic",
-            "--mode", "nth", "--every", "3", "--packet", "0", "-j", "DROP"]
-    net.run(net.a, "iptables", "-A", *rule)
     with _bpfload.load("drop", ["-w"], [], text=DROP, cgroups=[("drop_some", str(sink_cg.path),
-                                                              "cgroup_skb/ingress")]) as dropper:
+                                                              "cgroup_skb/ingress")]) as dropper, \
+            _bpfload.load("refuse", ["-w"], [], text=REFUSE_RETRANSMITS,
+                          cgroups=[("refuse_first_retransmit", str(cg.path), "cgroup_skb/egress")]) as refuser:
         sink = net.start(net.b, "tcp_sink", 5008, 0, ready=True, spawn=sink_cg.spawn)
         n0 = net.snmp(net.a)
         fails0 = retrans_fails(net)
         proc = start_job(probe, net, "cgroup", cg, "tcp_send", ADDR_B, 5008, 4 << 20)
         job = result(proc)
         result(sink)
+        refused = refuser.maps["refused"].typed(ct.c_uint32, ct.c_uint64).lookup(0)
     s = settle(probe, lambda t: t.get("tcp_closes", 0) >= 1)
     retrans_segs = net.snmp(net.a)["TcpRetransSegs"] - n0["TcpRetransSegs"]
     fails = retrans_fails(net) - fails0
     missed = {k: v.recursion_misses for k, v in probe.loaded.prog_stats().items() if v.recursion_misses}
     print(f"net: {s['tcp_retransmits']} retransmits; the socket's own count {job['retrans']}, netns A RetransSegs "
-          f"{retrans_segs}, of which failed on the way out {fails}; programs the kernel skipped: {missed or 'none'}")
-    assert fails > 0, "no retransmit failed on its way out: the test shows nothing"
+          f"{retrans_segs}, of which failed on the way out {fails} ({refused} refused); programs the kernel "
+          f"skipped: {missed or 'none'}")
+    assert refused >= 20 and fails >= refused, (refused, fails)         # the failures were there to count
     assert s["tcp_retransmits"] == job["retrans"] == retrans_segs, (s["tcp_retransmits"], job, retrans_segs)
 
 

@@ -279,6 +279,40 @@ int drop_some(struct __sk_buff *skb)
 """
 
 
+REFUSE_RETRANSMITS = r"""
+/* Test only, on the sender's group (egress): each full-size TCP segment sent a second time (its sequence number seen
+ * before: a retransmit) is refused once — the drop is the cgroup hook's, inside the sender's transmit, so the kernel
+ * has counted the retransmit and its transmit fails (-EPERM), as a full qdisc or veth backlog makes it fail. */
+BPF_HASH(sent, u32, u8, 8192);
+BPF_ARRAY(refused, u64, 1);
+int refuse_first_retransmit(struct __sk_buff *skb)
+{
+    if (skb->len < 1000 || skb->protocol != bpf_htons(0x0800))
+        return 1;
+    u8 vihl = 0, proto = 0;
+    if (bpf_skb_load_bytes(skb, 0, &vihl, 1) || bpf_skb_load_bytes(skb, 9, &proto, 1) || proto != 6)
+        return 1;
+    u32 seq = 0;
+    if (bpf_skb_load_bytes(skb, (vihl & 0x0f) * 4 + 4, &seq, 4))
+        return 1;
+    u8 *state = sent.lookup(&seq);
+    if (!state) {
+        u8 first = 1;
+        sent.update(&seq, &first);
+        return 1;
+    }
+    if (*state == 1) {           /* its first retransmit: refused */
+        *state = 2;
+        u32 k = 0;
+        u64 *n = refused.lookup(&k);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        return 0;
+    }
+    return 1;
+}
+"""
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
     if what == "tcp_sink":
