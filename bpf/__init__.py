@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """eBPF C sources, one per probe (same basename as its module in probes/), shipped as package data."""
 from pathlib import Path
 

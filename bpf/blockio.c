@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* blockio.c — a job's block I/O: requests, bytes and device latency (issue → complete), reads and writes apart.
  *
  * Attribution. A request is issued (block_rq_issue) and completed (block_rq_complete) in contexts that are often

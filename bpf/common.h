@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only */
 /* common.h — job membership, shared by every eBPF probe (inlined by bpf.source() where a probe includes it).
  *
  * What: two maps say which job slot (0..MAX_SLOTS-1) the current task belongs to, so that every handler can

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* cuda.c — what a job asks of its GPUs through the CUDA driver, the CUDA runtime and NCCL, seen from the CPU side.
  *
  * Per job slot, summed in the kernel into one per-CPU struct (user space reads one map element per tick, there is

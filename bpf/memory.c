@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* memory.c — what memory pressure does to a job: page faults, reclaim and compaction stalls, OOM kills.
  *
  * Per job slot, summed in the kernel into one per-CPU struct (user space reads one element per tick):

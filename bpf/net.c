@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* net.c — a job's TCP and UDP traffic: bytes, packets, retransmits, connection opens and closes, top peers.
  *
  * Two ways to see the job's traffic, chosen by probes/net.py per target:

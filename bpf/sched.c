@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* sched.c — what the scheduler does to a job: context switches, off-CPU time and why, run-queue latency.
  *
  * Per job slot, summed in the kernel into one per-CPU struct (user space reads one map element per tick, there

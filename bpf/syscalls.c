@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0 OR GPL-2.0-only
 /* syscalls.c — where a job's threads spend their time in system calls: calls and time per syscall and per class.
  *
  * Per job slot, summed in the kernel (no per-event output):

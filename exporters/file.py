@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--out FILE: a msgpack frame stream, append-safe, rotated by size.
 
 Each frame goes out in one write() on an O_APPEND descriptor, so two writers never interleave inside a frame and a

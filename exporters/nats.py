@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """nats://HOST:PORT — frames to a NATS JetStream stream, through a bounded on-disk spool.
 
 One NatsSink per agent, shared by its jobs (each job writes through its own `for_job()` handle, which keeps that

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--prometheus HOST:PORT — the agent's /metrics: every attached job's frames as Prometheus metrics.
 
 One PromSink per agent, shared by its jobs (each writes through its own `for_job()` handle, like the NATS sink);

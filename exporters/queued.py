@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A sink behind a bounded queue and a thread of its own: a slow or stuck sink never delays the tick.
 
 `QueuedSink(inner, name, maxsize)` wraps any exporter (`write(frame, data)`, `close()`). `write()` only appends to a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The NATS sink's on-disk spool: frames waiting for the server's ack, in segment files, with a cursor.
 
 Records (msg id, subject, job, data, keep) are appended to segment files seg-<n> under the spool's directory, each

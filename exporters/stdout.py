@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--stdout: one compact human line per tick; --stdout json: one JSON object per frame per line.
 
 The human line knows nothing of probes: it formats each scalar field by the unit its name ends with

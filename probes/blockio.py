@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """blockio — the job's block I/O: requests, bytes and device latency, reads and writes apart.
 
 Measures, per interval, for requests the job submitted: completed read and write requests (as the device saw

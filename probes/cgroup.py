@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cgroup — the job's own accounting: CPU time, memory, I/O bytes, read from the kernel's files.
 
 Hooks: cgroup2 cpu.stat, memory.current/memory.peak/memory.stat, io.stat for cgroup targets (a hybrid host's v1

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cuda — what the job asks of its GPUs through the CUDA driver, the CUDA runtime and NCCL, seen from the CPU side.
 
 Measures, per interval, for the job's threads: kernel launches (and their rate), memory copies by direction (HtoD,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """energy — the energy the job's CPU work drew, from the kernel's RAPL counters (powercap), per interval.
 
 Method: each RAPL package zone (`/sys/class/powercap/intel-rapl:N`, the AMD driver's zones have the same names)

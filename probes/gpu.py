@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """gpu — the job's GPUs through NVML: which GPUs are the job's, and per GPU per tick utilization, memory (the job's
 own too), clocks, power and energy, temperature, PCIe and NVLink traffic, clock-event (throttle) reasons, ECC and
 remapped rows, GPM profiling metrics (Hopper+); XID errors and lost GPUs as event frames.

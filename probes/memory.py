@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """memory — what memory pressure does to the job: page faults (major, minor), reclaim and compaction stalls, OOM
 kills.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ncclras — who is behind, by NCCL's own count: NCCL 2.24 and later answers on a RAS port (NCCL_RAS_ADDR,
 localhost:28028 by default) with the whole job's view, and (2.26 and later) how many collectives of each kind every
 rank has launched (jobprobe/devices/ncclras.py speaks the protocol). A rank that launched fewer than its

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """net — the job's TCP and UDP traffic: payload bytes and packets each way, TCP retransmits, connection opens and
 closes, and the peers it exchanges the most bytes with.
 

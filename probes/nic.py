@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """nic — the network interfaces the job uses: traffic, errors, drops and the queue in front of each, per interval.
 
 Which interfaces: those of the job's network namespace (its first process's /proc/PID/ns/net: the host's, or a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """perf: CPU time, context switches, migrations and page faults of the job, plus cycles, instructions, cache and
 branch misses and IPC where the host has a hardware PMU.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pressure — how long the job stalled, by the kernel's own pressure stall information (PSI) for the job's cgroup2
 group: time in which at least one of its tasks (`some`), or all of its non-idle tasks at once (`full`), waited for a
 CPU, for memory (reclaim, refaults of its working set, swap-in, compaction, throttling at memory.high) or for I/O;

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pystacks — where the job's Python processes are: their stacks, sampled with py-spy, folded, per interval.
 
 Off by default. For every Python process of the job — the training script, the workers a launcher (torchrun,

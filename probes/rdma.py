@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """rdma — the job's InfiniBand / RoCE ports: traffic, link health and congestion, per interval, with a verdict.
 
 Which ports: every port of every device in /sys/class/infiniband, or — when the job's environment names them

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """sched — what the scheduler does to the job: context switches, off-CPU time and why, run-queue latency.
 
 Measures, per interval, for the job's threads: voluntary and involuntary context switches, time spent off CPU

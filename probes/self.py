@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """self — what jobprobe itself costs per interval: CPU, memory, bytes written; and what its sinks lost.
 
 Hooks: getrusage(RUSAGE_SELF), /proc/self/status (VmRSS, VmHWM), /proc/self/io (wchar). Any kernel. Cost: three

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """syscalls — where the job's threads spend their time in system calls: calls and time per class and per syscall.
 
 Measures, per interval, for the job's threads: calls and time in syscalls by class (rw, net, futex, mem, poll,

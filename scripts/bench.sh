@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `make bench`: reproduce docs/PERFORMANCE.md's tables on this machine.
 #   BENCH_MINUTES  budget of the overhead kit (default 40)   BENCH_STEPS  reference job size (default 40)
 set -euo pipefail

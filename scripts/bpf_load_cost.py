@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """What a probe's start costs with its module compiled (a loader, bcc, LLVM) and loaded from its record
 (jobprobe/kernel/bpfcache.py): `jobprobe run --probes P -- true` as a whole (interpreter, agent, the node's
 membership module, the probe's module), its CPU time (user + system, every process it started) and wall time, in

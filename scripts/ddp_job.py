@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A data-parallel training job across processes: PyTorch DDP, gloo backend, CPU — the shape of a multi-node job,
 small enough for a laptop. Every rank computes the same work per step and waits for the others at each step's
 gradient all-reduce, so the slowest rank sets the pace.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `make demo`: run the CPU reference training job (~20 s) under jobprobe, a line per second, then decode the file;
 # the node agent with two jobs and a controller; last, a DDP job across three namespace nodes with one rank slowed,
 # ending on the straggler the controller names.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # device-check.sh — prove the GPU side on a real NVIDIA machine in under 5 minutes, and print a compact verdict.
 #
 #   bash scripts/device-check.sh [OUTDIR]

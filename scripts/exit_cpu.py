@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Where a command's CPU went, by process: every thread that exits while COMMAND runs, its CPU time from the kernel's
 taskstats exit record (jobprobe/kernel/taskstats.py), summed per process and grouped by the process's command line
 (read from /proc every 0.1 s while it lives; a process gone sooner is grouped by its thread's name). Processes still

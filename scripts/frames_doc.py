@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rewrite, from the probes' own declarations (Probe.fields), the per-probe field tables of docs/FRAMES.md and
 jobprobe/core/schema.py (probe → field → type: what the controller checks frames against without importing a probe).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Sourced by scripts/setup.sh and scripts/install.sh: what a venv needs from the distribution to run bcc —
 # link_bcc, and kernel_headers: the running kernel's headers where bcc looks for them
 # (/lib/modules/$(uname -r)/build), from the distribution's package for this kernel, or else the newest packaged

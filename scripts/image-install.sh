@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # The DaemonSet image's build steps (Containerfile); tests/test_image.py runs the same file's steps in a root
 # filesystem built from the same Debian release, then runs the agent in it.
 #   system         Debian's bcc (python3-bpfcc, which brings python3), without docs, man pages or locales

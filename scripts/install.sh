@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Install jobprobe on a node or on the controller's host, from its wheel, with only what that role runs:
 #   node        bcc and the kernel headers from the distribution (python3-bpfcc; headers as scripts/headers.sh finds
 #               them), a virtual environment holding the wheel and what the agent imports, the agent's systemd

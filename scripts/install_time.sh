@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # How long a node install takes on a fresh machine, and what it leaves on disk (docs/PERFORMANCE.md, "Install"):
 # a fresh Debian bookworm root filesystem (mmdebstrap minbase: no Python, no bcc, no headers), this checkout's wheel
 # and scripts copied in, then `scripts/install.sh ROLE --wheel …` timed in it (chroot, /proc /sys /dev mounted, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """An I/O- and network-heavy reference job, to see the kernel-story probes at work:
 
     jobprobe run --probes all -- python scripts/io_net_job.py [--seconds S]

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Waiting for peers against the job's own clocks: the real three-rank DDP job (jobprobe/bench/ddp.py — PyTorch,
 gloo, each rank in its own network namespace with its own agent, a controller over NATS; tests/test_stragglers.py's
 job), 20 s in step, then a rank's CPU limited to 0.1 cores three times (rank 1 twice, rank 2 once; 12–20 s each),

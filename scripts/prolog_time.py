@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How long the SLURM prolog and epilog (scripts/slurm/) hold a job up: N runs of each against a real agent started
 here (one probe, its own socket), and N against no agent at all. Root (the agent). Prints percentiles in ms.
 

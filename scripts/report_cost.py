@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What `jobprobe report` costs on a big job: frames of N nodes for S seconds at 1 s (made with the real frame
 builder, shaped like standard collection's, with one straggler period), written to one file per node; then the
 report generated from them. Prints the time and the page's size.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Set up a node (or a developer machine) for jobprobe. Idempotent: run it as often as you like.
 #   - Debian packages: bcc (python3-bpfcc, libbpfcc, bpfcc-tools), python3-venv, linux-perf for cross-checks,
 #     SLURM and munge (the tests start a one-node cluster), prometheus-node-exporter (the peer in

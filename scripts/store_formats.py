@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a store costs per sample, by format, on real frames: the numbers the store's format is chosen by.
 
     python scripts/store_formats.py FRAMES.mpk… [--json OUT]

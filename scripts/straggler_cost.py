@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What naming stragglers costs the controller: per job per tick, for jobs of N nodes, on frames shaped like real
 ones (cgroup, sched, net, nic, gpu sections). Prints one line per size. `--jobs J`: J jobs of that size, their
 frames fed together each tick, as a controller's batch holds every job's.

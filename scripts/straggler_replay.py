@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Replay a job's stored sample frames through the straggler detector and print what it decided, comparison by
 comparison: per node its waited-for gap against its bound, its CPU against its own baseline, the verdict, whether a
 hold is building, and the events. For finding why a fault was named late or not at all (a baseline that learnt the

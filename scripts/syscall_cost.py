@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Wall-clock cost a probe adds to every syscall of the node, in interleaved rounds: a getppid loop run outside the
 job (the path every other task on the node takes).
 `syscalls` (sys_enter + sys_exit): classic vs raw tracepoint programs. `sched`: its classic syscall hook (kernels

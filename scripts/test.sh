@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Run the whole suite (unit + kernel tier; the kernel tier needs root, which CI has). Arguments go to pytest.
 #
 # Two phases, about twice as fast as one serial run (docs/PERFORMANCE.md, "The test suite"):

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Where a job's seconds went beside a noisy neighbour: the reference job (scripts/train_cpu.py, one thread) and a CPU
 hog pinned to the same CPU, the hog there for part of the run or all of it, under `jobprobe run --probes
 cgroup,sched`; the summary's `starved` and `computing` against the job's own account: its threads' wait for a CPU by

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Where the known-badput job's seconds went, against its own clock of each one: the reference job
 (scripts/train_cpu.py, PyTorch on 2 threads, 2 loader workers, a 4 s startup, a 1.5 s loader stall every 24 batches,
 a 768 MiB fsync'd checkpoint every 30 steps — tests/test_timeuse.py's known-badput run) under `jobprobe run --probes

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reference training job: a small ResNet-style CNN on synthetic images, a fixed number of steps.
 
     python scripts/train_cpu.py [--steps N] [--batch B] [--size PX] [--width C] [--blocks K] [--threads T]

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reference training job, GPU variant: the same ResNet-style CNN as train_cpu.py on CUDA, larger images by default.
 
     python scripts/train_gpu.py [--steps N] [--batch B] [--size PX] ...   (any train_cpu.py option)

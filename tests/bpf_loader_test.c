@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* bpf_loader_test.c — a test-only eBPF program for tests/test_bpf_loader.py (never shipped, never registered).
  *
  * What: one map of each shape the agent reads, and a handler that writes to them.

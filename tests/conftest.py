@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures. Tiers: unit (no privilege), kernel (root: real BPF/perf on real cgroups), integration.
 
 Kernel-tier tests are marked `kernel`; they skip only when not root, saying so. CI runs as root, so there they run.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Device programs for the tests: a small assembler of the instruction shapes container runtimes (runc, crun) and
 systemd generate for cgroup2 device control, and a loader that attaches one to a real group."""
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A FAKE of the kernel's RDMA netlink (NETLINK_RDMA), for a machine with no RDMA device and no IB core (this one:
 socket(AF_NETLINK, SOCK_RAW, NETLINK_RDMA) fails with EPROTONOSUPPORT). It answers on one end of a SOCK_SEQPACKET
 pair as drivers/infiniband/core/nldev.c answers: the device dump, a port's QP counter mode (get and set: auto mode

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """FIXTURE sysfs trees of RDMA devices (this machine has none, and cannot make one: no modules, no soft-RoCE), laid
 out as the kernel's IB core and drivers lay them out: an mlx5-like InfiniBand HCA, an mlx5-like RoCE NIC (its
 netdev in gid_attrs/ndevs/0, mlx5's hw_counters), an irdma-like RoCE NIC (Intel E810: its hw_counters under its own

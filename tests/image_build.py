@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The Containerfile's image built where no container runtime runs (this machine refuses them): FROM debian:SUITE-slim
 becomes a root filesystem from the same Debian release (`mmdebstrap --variant=minbase`, merged /usr, the slim
 image's dpkg excludes), then each COPY and RUN step is applied in order — RUN in a chroot with /proc, /dev and the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real one-node SLURM cluster on loopback, started by the tests themselves (no systemd, no /etc/slurm).
 
 munged, slurmctld and slurmd run as plain child processes in the foreground (-F / -D), so the test owns them and

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """jobprobe.bench.accuracy: the comparison and the verdict on crafted runs, and the harness on real jobs (kernel)."""
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node agent: real jobs in real cgroups attached and detached at run time, one set of kernel programs for the
 node whatever the number of jobs (counted from the kernel), the control socket's bad input, restarts and leaks.
 

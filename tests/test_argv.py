@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: the read-side commands (`query`, `summary`, `report`, `read`) given any arguments — options in any
 order with values of any kind (numbers that are not numbers, paths that are directories, devices or absent, fields
 that do not exist) — end with their output, a one-line error and exit 2, or argparse's usage and exit 2; never a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Authenticated by default: the one-command controller's nats-server admits only the controller's key and the
 keys `jobprobe controller enroll` made, each node limited to its own subjects — checked against the real server,
 with real agents, and a cluster-wide trace that works under exactly the generated permissions."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The overhead kit: statistics on synthetic series with known answers, and end to end on a tiny job."""
 import contextlib
 import io

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: `jobprobe bench stragglers`' arithmetic (the runs themselves need the real DDP job: the same harness
 tests/test_stragglers.py runs in CI) — percentiles, precision and recall over made trials, and its bad input."""
 import subprocess

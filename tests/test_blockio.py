@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """blockio probe: pure helpers on fixtures (unit), then real eBPF on real I/O to a loop device (kernel tier).
 
 Independent references, measured in the same run: the workload's own exact counts (N O_DIRECT operations of B

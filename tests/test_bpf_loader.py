@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The loader/reader split (jobprobe/kernel/bpf.py, bpfmap.py, bpfload.py, bpf_loader.py): unit tests of the bpf(2)
 attr packing, per-CPU sizing and the fd-passing reply, then real programs and maps on the real kernel (kernel tier).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Compiled BPF modules kept between loads (jobprobe/kernel/bpfcache.py): what a record holds, what is refused, and
 on the real kernel that a probe started from its record runs the very programs its compile gave and counts the same.
 

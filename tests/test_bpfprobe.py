@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What every eBPF probe shares (jobprobe/node/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
 is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess

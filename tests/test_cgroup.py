@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """cgroup probe. Unit tier on fixture trees (cgroup2 files, /proc); kernel tier on real groups, checked against the
 kernel's own cpu.stat read by the test."""
 import contextlib

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The command line end to end: real processes, real cgroups. Bad input gets one line and exit code 2."""
 import contextlib
 import json

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A node's clock against the stream's (jobprobe/cluster/clocks.py): the offset from the agent's publish stamp and
 the stream's own time of the message, whatever the frame's own time says; named once past the bound, ended once
 back within half of it; headers that are no time ignored. The real path (agents, nats-server, a controller):

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The store past its raw window (jobprobe/cluster/compact.py, jobprobe/cluster/blocks.py): column blocks give back
 the frames they took, exactly; rollups equal the raw samples aggregated by hand; exactly once holds across the
 compaction; each level goes at its own retention."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The cuda probe (probes/cuda.py, bpf/cuda.c, jobprobe/kernel/elf.py): unit tests of the ELF reader, the maps scan, the
 attach plan and the interval arithmetic; then real uprobes on TEST FAKES of libcuda.so.1, libcudart.so.12 and
 libnccl.so.2 (tests/fake_cuda/, compiled here with gcc, exporting the real symbol names with the real argument

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`make demo`'s node part as it is shipped (scripts/demo.sh agent): a controller with its own nats-server, this node
 enrolled, an agent sending two jobs' frames to it — everything the agent wrote to its files arrived in the store, and
 nothing was refused (an agent the server does not know would be: `Authorization Violation`)."""

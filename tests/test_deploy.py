@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Deployment files: the systemd unit passes `systemd-analyze verify` with nothing to say (the tool exits 0 on a
 misspelled key or a bad value and only warns, so the test also wants no output — and checks on a broken copy that
 it would have said something)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The cgroup2 device rule: device programs read back from the kernel and run by jobprobe/kernel/devcg.py's interpreter,
 checked against the kernel's own verdict (opening device nodes from inside the group), (the gpu probe's
 `devices` rule on a real group with such a program attached: tests/test_gpu.py)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """jobprobe doctor. On this machine it runs for real and must tell the truth (no GPU, no RDMA device: those checks
 are absent, not failed). Every other verdict is shown on FIXTURE trees of broken nodes (tests/fixtures_rdma.py: a
 sysfs with PCI functions, GPUs, RDMA ports, RoCE netdevs; a /proc with its mountinfo), each check failing for its own

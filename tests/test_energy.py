@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """energy: RAPL package and DRAM energy by the job's share of CPU time. This VM has no RAPL (no /sys/class/powercap
 zones), so the counters are a FIXTURE powercap tree (two packages with DRAM subzones, CPU 0 on package 0 and CPU 1
 on package 1) written by the test tick by tick — one wraps mid-run — while the job is real: a burner pinned to CPU

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: the file exporter (append-safe, rotation with a hello at the top of each file, private modes, one file
 per job) and stdout lines."""
 import io

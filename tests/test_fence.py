@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Fenced writes (docs/ARCHITECTURE.md, "Two controllers, one store"): the store refuses a write from a controller
 whose lease has passed to another — on a plain Store, and with two real controller processes on one store, the
 active one paused (SIGSTOP) past its lease and woken after its standby took over."""

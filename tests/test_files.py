@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Every file a person hands jobprobe — the agent's config, a rules file, a price file — is read, or refused with
 BadInput (one line: the CLI's exit 2, the agent's logged refusal), never another exception: any bytes, and any TOML
 document over the keys each one knows (and some it does not) with values of any TOML type. And every file the agent

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: frames round-trip, streams cut short are read up to the cut, malformed input is refused."""
 import io
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """gpu probe. Unit tier: the REAL pynvml binding against a fake libnvidia-ml.so.1 compiled from
 tests/fake_nvml/fake_nvml.c, whose values (and faults) each test writes; real processes, real /proc. In this process
 the fake is preloaded by absolute path, so pynvml's own CDLL("libnvidia-ml.so.1") gets it (same soname); the CLI

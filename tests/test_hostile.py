@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hostile frames: no body a node can publish stops the controller, grows it past a bound, or costs an honest
 frame.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The DaemonSet's image, as it runs: its root filesystem built from the Containerfile's own steps
 (tests/image_build.py: Debian bookworm, then each COPY and RUN in a chroot), the wheels from `make wheels`. Then the
 agent is started in it the way the DaemonSet starts it — the manifest's command and arguments, the host's /sys, /proc

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Installable as a product: `make dist` (the sdist and the wheel, one source of metadata: setup.cfg) holds the
 package, the eBPF sources, the default rules and the files a site installs; scripts/install.sh puts a node's agent
 (or the controller) into a throwaway prefix from that wheel — the distribution's bcc seen through one link, the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe jobs`: the operator's table of the jobs that ended in a window, from the controller's store. Ten jobs
 of different ends and owners through the controller (their frames ingested as the stream gives them), then the
 CLI as an operator runs it, in each format: every row right, against what each job's frames said."""

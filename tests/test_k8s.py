@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--k8s-pod: a pod's cgroup2 group found by UID in the kubelet's two layouts (fixture trees), and a real group laid
 out as the kubelet's systemd driver makes it, with a burner in one of its containers, attached from the command line.
 (No kubelet runs here: the groups are made by the test, named as the kubelet names them.) And the DaemonSet

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe agent --k8s URL`: pods attached by annotation and detached when they go, against a kubelet `/pods`
 endpoint served by the test (the real PodList JSON shape; no kubelet runs here) and real cgroup2 groups laid out as
 the kubelet lays them: the systemd driver with containerd's and CRI-O's scope names, and the cgroupfs driver. The

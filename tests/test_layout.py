@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: the import contract (docs/ARCHITECTURE.md, "Rooms"), checked on the source's syntax trees: data flows
 one way, so each room imports only the rooms below it. Imports under `if TYPE_CHECKING:` are not counted (they
 do not run); everything else is, at module level or inside a function."""
@@ -79,3 +80,17 @@ def test_no_source_file_is_over_450_lines():
              if not any(part in ("probes", "exporters", "bpf") for part in p.relative_to(ROOT).parts[1:-1])]
     long = sorted((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in files if not p.is_symlink())
     assert long and all(n <= 450 for n, _ in long), [x for x in long if x[0] > 450]
+
+
+def test_every_source_file_says_its_license():
+    """LICENSE is Apache-2.0; every source file says so in an SPDX line at its top — the eBPF programs dual
+    licensed (Apache-2.0 OR GPL-2.0-only): the kernel gives GPL-only helpers only to programs that declare "GPL"."""
+    import subprocess
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200] and "Version 2.0" in (ROOT / "LICENSE").read_text()
+    files = subprocess.run(["git", "ls-files", "*.py", "*.c", "*.h", "*.sh"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    assert files
+    for f in files:
+        head = "\n".join((ROOT / f).read_text().splitlines()[:2])
+        want = "Apache-2.0 OR GPL-2.0-only" if f.startswith("bpf/") and f.endswith((".c", ".h")) else "Apache-2.0"
+        assert f"SPDX-License-Identifier: {want}" in head, f

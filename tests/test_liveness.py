@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Node liveness that does not depend on jobs: an agent with no job sends heartbeats, a clean stop is announced, and
 the controller declares lost only a node that went silent — naming only the jobs that were live then."""
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """memory probe: pure helpers on fixtures (unit), then real eBPF on real workloads in real cgroups (kernel tier).
 
 Independent references measured in the same run: perf's page-faults counter (probes/perf.py) on the same job and

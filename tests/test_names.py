@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: names from outside (node and job names) → subject tokens and file names, injective, property-tested:
 any two distinct names give distinct tokens and file names, each is read back, and nothing a name holds can
 become a subject separator, a wildcard, a path separator or a hidden file."""

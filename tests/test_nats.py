@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Frames leave the node: agents publish to a real nats-server (JetStream) started here on loopback, a real
 `jobprobe controller` stores them. Each agent also writes its frames to a file (--out): the independent record of
 what was produced, against which the store is checked frame by frame — every (node, job, run, seq), none twice.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one-command controller's own nats-server (jobprobe/cluster/natsserver.py), supervised: SIGKILLed twice mid-run
 it is started again each time, /metrics says so, and every frame an agent's sink sent across the outages is
 stored exactly once (the real exporter: spooled, resent from the spool after each outage)."""

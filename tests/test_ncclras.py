@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The ncclras probe against a stand-in NCCL RAS port speaking the documented text protocol (NCCL's troubleshooting
 guide, "RAS"; what `ncclras` sends and the server answers): a JSON server (2.28.7+) and a text-only one (an older
 NCCL answers `ERROR: Unknown command` to `SET FORMAT json`). The job is a real process whose environment names the

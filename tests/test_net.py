@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """net probe: pure helpers on fixtures (unit), then real eBPF on real traffic between two network namespaces joined
 by a veth pair that each test makes and removes (kernel tier).
 

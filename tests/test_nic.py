@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """nic: the job's interfaces, read by rtnetlink in the job's own network namespace. References: the interface's
 own counters in sysfs read from inside the namespace (`ip netns exec … cat /sys/class/net/…/statistics`), and
 `tc -s qdisc` for the queue."""

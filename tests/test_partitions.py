@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Past one controller: frames partitioned by job over four controllers, each partition with a standby that takes
 over when its active controller is SIGKILLed — real nats-server (JetStream, the subject mapping, the generated node
 permissions), real controller processes, nodes publishing as agents do (their own keys, their own subjects)."""

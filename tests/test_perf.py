@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """perf probe: unit tests of the perf_event wrapper (struct layout, parsing, scaling, deltas, pid bookkeeping) and
 kernel-tier tests that compare the counts with the kernel's own cgroup cpu.stat on real workloads.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pressure probe: the kernel's PSI for the job's group. Unit tier on fixture files; kernel tier on real groups,
 each stall checked against a different mechanism measuring the same waiting: the workload's own schedstat run_delay
 (CPU), the sched probe's off-CPU I/O time (I/O), the memory probe's memcg reclaim time (memory).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The agent's /metrics, scraped by a real Prometheus (Debian `prometheus`, started here on loopback): PromQL over
 its HTTP API returns our values for a real job — CPU seconds equal the job's own cgroup accounting and the sum of
 the frames the agent wrote; the GPU figures are those of the fake NVML (tests/fake_nvml, compiled here: this

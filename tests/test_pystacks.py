@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """pystacks: the job's Python stacks with py-spy, on real Python processes — a parent and two worker processes
 (as a DataLoader's), each in a function named for the test. References: the job's own list of its processes, and
 the functions it is known to be in (busy workers, a parent asleep waiting for them)."""

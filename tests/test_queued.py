@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: a sink behind its bounded queue (exporters/queued.py). Real threads, real files read back with
 StreamReader: a slow or stuck sink never holds up write(); what it drops is counted exactly; errors are counted and
 logged once per kind; a dead pipe stops the sink; the self probe reports it all per interval."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-node quotas and bounded state at the controller (jobprobe/cluster/quota.py, controller.py Refusals): one node
 over its quota has the excess refused, counted per reason and minute, kept whole only for its first few, logged once
 a minute — and nothing changes for the other nodes. Through Controller.ingest into a real store; the real path

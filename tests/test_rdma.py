@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """rdma: the job's InfiniBand/RoCE ports from sysfs. This machine has no RDMA device and cannot make one (no
 modules, no soft-RoCE), so the probe reads FIXTURE trees (tests/fixtures_rdma.py: mlx5-like IB and RoCE ports, an
 irdma-like RoCE port) written tick by tick; the job is a real process whose environment chooses its ports. On this

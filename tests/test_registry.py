@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: probe toggles (--probes) and the registry; a meta-test that every probe has a test file and every
 field it declares is documented in docs/FRAMES.md."""
 import inspect

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe report`: a page a person opens. Checked in a real browser (headless Chromium, Debian `chromium`): it
 loads with no console error, the verdict is in the DOM, and a screenshot shows the plots (its pixels are not
 blank: the plot lines' colours are there). The screenshot is kept under out/ as an artifact. The verdict is

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Any control request — the JSON a local client or the controller sends the agent (attach, detach, status, probes,
 trace) — is answered, or refused with one line (BadInput: the reply's `error`, the CLI's exit 2); never an internal
 error, and the agent answers `status` after each. A real Agent (the `self` probe only: nothing loaded) and its

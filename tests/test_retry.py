@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The shared backoff (jobprobe/core/retry.py): every delay within its bounds, growing to the cap, spread by its jitter,
 short again after reset() — for any parameters (hypothesis), and usable from asyncio (it only computes delays)."""
 from __future__ import annotations

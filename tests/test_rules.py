@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rules over a job's frames (jobprobe/node/rules.py): the expression language on frames made here, firing with hold,
 clear and cooldown, refusal of a bad file with its line; and on a real job — a burner whose cgroup CPU limit
 throttles it fires `cpu_throttled` with evidence equal to the kernel's own cpu.stat (that a healthy job fires no

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: the tick loop, with named fake probes and a fake target (no kernel needed for what is tested here:
 failure isolation, status reporting, scheduling without drift, the last partial interval)."""
 

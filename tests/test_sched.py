@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """sched probe: pure helpers on fixtures (unit), then real eBPF on real workloads in real cgroups (kernel tier).
 
 The independent reference for switch counts is the kernel's own per-task count (/proc/PID/status

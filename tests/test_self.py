@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """self probe: the collector's own cost, checked against what the test makes the process do."""
 import os
 import time

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe run --slurm-job ID` against a real SLURM 22.05 (slurmctld + slurmd + munged) that this module starts
 on loopback (tests/slurm_cluster.py), slurm_job_cgroup() on fixture trees of the cgroup/v2 layout, and the SLUID
 layout of Slurm 26.05 on real groups.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Jobs attached by the scheduler: scripts/slurm/prolog and epilog on a real SLURM 22.05 (tests/slurm_cluster.py, with
 Prolog=, Epilog= and PrologFlags=Alloc) driving a real `jobprobe agent`. Nobody types `attach`: each job submitted
 with sbatch is probed from its first process, its frames carry its SLURM names, its CPU time agrees with the job's

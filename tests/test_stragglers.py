@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Stragglers named on a real distributed job: PyTorch DDP (gloo, CPU), three ranks in three network namespaces on
 a bridge, each rank its own node (three agents) reporting over NATS — all real (jobprobe/bench/ddp.py, which
 `jobprobe bench stragglers` runs many times at random) — to four controllers, the server mapping each job's frames to

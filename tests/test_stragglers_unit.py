@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The straggler comparison on frames made here (the DDP tests in test_stragglers.py run it on a real job): a
 balanced job names nobody, one node's cause opens an event only after it holds twice and closes after it is gone
 twice; noise in one window names nobody; a node whose probes lack a figure is not compared on it."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Unit tier: naming a process's user addresses (jobprobe/kernel/symbols.py) from its maps read while it ran — also
 once it has ended, from the same file here, only where the file is the one its maps named (device and inode)."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """syscalls probe: pure helpers on fixtures (unit), then real eBPF on real workloads (kernel tier).
 
 Independent references: workloads that make an exact number of known syscalls (tests/workloads_syscalls.py), the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """jobprobe/kernel/taskstats.py: the layout against the kernel's header (compiled by the test), the message parser on a
 crafted datagram, and a real exit record of a real process against the process's own /proc/self/io."""
 import os

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a job's seconds went (jobprobe/core/timeuse.py, jobprobe/cluster/summary.py, `jobprobe summary`): unit
 cases on frames of a known shape, properties over any frames, and a real training job with known badput (its own
 clock of each injected second is the reference)."""

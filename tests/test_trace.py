@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Deep-trace windows (jobprobe/node/tracewin.py): a rule with `action = "trace"` and a request both write one
 Chrome/Perfetto trace (Trace Event Format, gzipped JSON) — checked here as a viewer would read it: every event well
 formed, begin/end balanced per thread, the job's own processes (by the PIDs the job itself reports) with the

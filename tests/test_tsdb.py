@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The controller's copy of every sample in VictoriaMetrics (Debian `victoria-metrics`, started here on loopback):
 what comes back from its query API equals the frames the agents wrote to their own files."""
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Workloads with known behaviour, run as separate processes by the tests.
 
     burn SECONDS            busy loop on one core

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Block I/O workloads with known sizes, run as separate processes by tests/test_blockio.py.
 
     direct PATH OP COUNT BS OFFSET   COUNT O_DIRECT preads (OP=read) or pwrites (OP=write) of BS bytes each,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Workloads for the memory probe's tests, run as separate processes.
 
 Each one that counts faults does its work between two handshakes, so that a test can sample probes exactly around

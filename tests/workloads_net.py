@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Network workloads with exact counts of their own, run as separate processes (under `ip netns exec`) by
 tests/test_net.py, and, for that test, NetPair (the two network namespaces they run in) and a few helpers. Each
 workload prints one JSON line with what it did, as the socket API saw it.

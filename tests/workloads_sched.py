@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Workloads for the sched probe's off-CPU reasons, run as separate processes by tests/test_sched.py.
 
 Each prints one JSON line with its own account of the calls it makes to wait (or of whole thread bodies), from

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Workloads that make a known number of syscalls, run as separate processes by tests/test_syscalls.py.
 
     exact N FUTEX_NR [wait]   N getppid(), N read(2) of one byte from /dev/zero, N futex(FUTEX_WAKE_PRIVATE) on a

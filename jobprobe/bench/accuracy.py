@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench accuracy`: each figure a job's frames sum to, beside an independent count of the same thing.
 
 Each reference workload runs N times as `jobprobe run --probes P --interval S --stdout json -- WORKLOAD` (the real

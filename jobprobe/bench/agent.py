@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench agent`: what the node agent costs as jobs are added — a real `jobprobe agent` process with N
 jobs attached over its control socket.
 

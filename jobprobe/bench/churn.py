@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A month of job churn in a minute: `python -m jobprobe.bench.churn [--nodes 50] [--runs 2000]` (docs/PERFORMANCE.md).
 
 A real nats-server on loopback and `jobprobe controller` as a process; `nodes` simulated nodes each run short jobs

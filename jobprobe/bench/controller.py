@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench controller`: what one controller keeps up with, and what a node sends.
 
 - A real nats-server with JetStream and a real `jobprobe controller` (processes of their own), fed by simulated

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A real distributed training job and the cluster that watches it, on one machine: PyTorch DDP (gloo, CPU), one
 rank per network namespace, the namespaces joined by veth pairs on a bridge (as nodes on a switch), each rank in its
 own cgroup (and, on a hybrid host, its own v1 cpu group, where CPU limits live); one nats-server, one `jobprobe

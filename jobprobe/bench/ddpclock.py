@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The DDP job's own clocks (scripts/ddp_job.py's prints, `rank R step K: X steps/s, blocked in collectives B s at
 T`), against which the time its ranks waited for a slow peer is checked: the progress the job lost, by its step
 count, and a rank's time blocked in collectives (tests/test_stragglers.py, scripts/peers_truth.py)."""

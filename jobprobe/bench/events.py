@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench events`: what an eBPF probe adds per kernel event (ns per context switch, per syscall), probe on
 vs off, interleaved, with bcc's own tool for the same job as a peer in the same run.
 

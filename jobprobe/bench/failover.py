@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench controller --partitions N`: controllers past one — N partitions by job, two controllers each (one
 active, one standing by), simulated nodes in jobs of 8 to 512 nodes, and the active controller of one partition
 SIGKILLed mid-run.

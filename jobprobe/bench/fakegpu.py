@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A GPU per rank for the DDP harness on a machine without one — a FAKE, named as such: the tests' fake
 libnvidia-ml (tests/fake_nvml: a test double that drives no GPU, built from the checkout, never installed) answers each
 node's agent through the real pynvml and the real gpu probe, one state file per node; the rank's "GPU work" is a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One node flooding the controller while two others work: `python -m jobprobe.bench.flood` (docs/PERFORMANCE.md).
 
 A real nats-server on loopback and `jobprobe controller` as a process; two honest nodes publish a frame every 0.2 s

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the benches start on this machine: shell commands, waits, a free loopback port and a nats-server (the tests
 start theirs from here too)."""
 from __future__ import annotations

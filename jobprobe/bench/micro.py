@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Micro-workloads for the per-event benchmark, each printing what it did as one JSON line.
 
     python -m jobprobe.bench.micro pingpong N     N round trips over two pipes between two processes: each trip

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench overhead`: what each probe configuration costs a job, measured as paired runs.
 
 For each pair the kit runs the job once without jobprobe and once with a configuration, in random order. Both runs

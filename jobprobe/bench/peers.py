@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench peers`: jobprobe's collector cost beside a peer collector's, on the same job, same interval.
 
 The peer is Prometheus' node_exporter (Debian's prometheus-node-exporter), started on loopback and scraped once

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Statistics of paired runs: relative slowdown of a job with a collector on, its 95% interval, the stop rule.
 
 Each pair is one run without jobprobe and one with a config, back to back in random order, so slow drifts of the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe bench store`: the store's queries over a simulated day of a cluster.
 
 A store holding `hours` of `nodes` nodes at 1 s (jobs of 8 nodes), generated straight into the store's format

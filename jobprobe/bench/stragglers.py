@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bench stragglers: the straggler detector against a fault matrix on a real three-rank DDP job (jobprobe/bench/ddp.py:
 three namespace nodes, three agents, NATS, one controller), each fault injected at a random time on a random rank,
 N times per fault. Per fault: detected (the right node, the right kind), time from the fault to the name (p50/p90),

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """jobprobe's command line. The commands, and the module that carries each out:
 
     run         attach to one job (--cgroup, --pid, --slurm-job, --k8s-pod or -- CMD) and sample it   node.py

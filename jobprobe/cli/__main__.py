@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`python -m jobprobe.cli ...`: the same as the `jobprobe` command."""
 import sys
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bench: what the probes cost a job and what jobprobe's figures are worth. overhead (paired runs of -- CMD without
 and with each probe config), peers (beside node_exporter), events (ns per kernel event), agent (the node agent with
 many jobs), controller (against simulated nodes), accuracy (figures beside the workload's own counts), stragglers

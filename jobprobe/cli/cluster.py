@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The cluster's commands: controller (run: frames from NATS JetStream into the store; stats: freshness and delivery
 per node; enroll NODE: a node's NATS credentials), query (the store: SQL, one field of a job, its cost) and report
 (one HTML page of a job, from frame files or the store). The controller's NATS client (nats-py) and matplotlib are

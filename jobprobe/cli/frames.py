@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """read: decode a frame file (also one whose last frame was cut short) as JSON lines, a table of the samples, or a
 summary per field."""
 from __future__ import annotations

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node's commands: run (one job in the foreground), agent (the node daemon), the agent's clients over its
 control socket (attach, detach, status, probes --job, trace), probes (the list: what can run here) and doctor (is
 this node ready). Each command imports what it drives inside its function, so that a command pulls in only its

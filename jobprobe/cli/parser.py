@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The command line's grammar: build_parser() declares every subcommand, its options and, with
 set_defaults(func=...), the function that carries it out; and the two rewrites of argv that argparse cannot
 express (split_command, toggles_as_options)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The compact form of a run's samples: one block per node, job, run and span of time, column by column — lossless.
 
 A block holds n samples of one (node, job, run). Each leaf of the frames (a path of map keys: `probes`, `cgroup`,

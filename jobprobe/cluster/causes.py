@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Straggler causes: what one node's frames say (figures), summed over a window (Window), the figures compared
 (values_of), and the figures in which a node is far from its peers (causes; could_name reads the same bounds across
 every node of a comparison at once) or moved from its own baseline (moved), and what an event says of them

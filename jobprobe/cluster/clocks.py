@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Clock skew: each node's clock against the stream's own time of its messages.
 
 The agent stamps every message it publishes with its clock (header `Jobprobe-Sent`, jobprobe/core/wire.py); the

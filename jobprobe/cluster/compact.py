@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The store past its raw window: samples compacted into column blocks, rolled up, kept per level.
 
 Samples arrive as whole frames (JSON bodies in `frames`, the raw window: the last `raw_s`, 10 minutes by default).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe controller`: what is done with each frame of every node — checked, fed to each consumer, stored.
 
 The frames come from NATS JetStream in batches (jobprobe/cluster/ingest.py: fetch → Controller.ingest → ack);

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a job cost: node-hours, GPU-hours, energy and money per job, per node and per hour of its run, from the
 controller's store and a price file; and what was wasted — GPU-hours idle or waiting, node-hours lost to
 revocations.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A frame from outside is hostile until checked: bounded decoding, then every value checked against what the
 frame's kind and its probes declare.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The controller's JetStream side: its connection, its partition's stream and the durable pull consumer on it, the
 lease that makes it its partition's active controller, and the loop that takes every frame once — fetch → check →
 consume → commit → ack.

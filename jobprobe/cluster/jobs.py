@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The operator's table of the day's jobs: `jobprobe jobs --store PATH [--since 1d] [--format text|json|csv]`.
 
 One row per job whose `summary` event (made by the controller when the job's last node let it go:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which controller of a partition is active: a lease, held as a key in a JetStream key-value bucket.
 
 Two controllers (or more) may run for one partition; the one that holds the lease consumes, the others stand by.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The controller's numbers. Live, from its own state: MetricsCollector, read at each scrape of its Prometheus
 endpoint (`jobprobe controller --metrics`, serve_metrics) — frames stored, duplicate, refused, consumer errors, the
 data plane up (and its own nats-server's restarts), nodes by state and each one's newest frame age, open stragglers,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The controller's own nats-server: with no --nats, `jobprobe controller` starts one with JetStream in its data
 directory, listening on --listen — one command for a small cluster. With --partition I/N (N > 1) it maps each frame
 to its job's partition (jobprobe/core/wire.py); the controllers of the other partitions connect to it with --nats.

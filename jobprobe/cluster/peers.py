@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A job's nodes side by side, as arrays (numpy), for jobprobe/cluster/stragglers.py: each node's frames as running
 sums and its baseline (Sums), and a comparison — a window of every node of one job or of several jobs at once, its
 figures and each figure's order across a job's nodes (Table; Part: one job's, by node name). A comparison is a few

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-node quotas at the controller: what one node may send, judged from the message alone, before decoding.
 
 A node over its quota has the excess refused, counted per node and reason, and acked — the other nodes' frames are

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What the controller refuses, and how it keeps the count: a message's msgpack inflated within bounds (inflate),
 a frame on a subject not its own (WrongSubject), and the refusals of a batch (Refusals) — counted per node, reason
 and minute, the first few kept whole, logged once a minute — which Controller.flush_refusals writes to the store in

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe report`: one self-contained HTML page a person opens after a slow job.
 
     jobprobe report FILE… -o report.html                 # frame files (the agents' --out, `jobprobe run --out`)

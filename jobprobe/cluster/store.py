@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The controller's store: every frame of every node, in SQLite.
 
 Why SQLite: it is in Python's standard library (nothing to install or run), one file, and in WAL mode readers

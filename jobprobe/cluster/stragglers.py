@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Stragglers: in a job spanning nodes, the node the others wait for — named, with why, and who waited.
 
 In a data-parallel job every rank waits at each collective for the slowest, so one throttled, crowded or badly

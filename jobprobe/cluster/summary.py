@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe summary`: one page a person reads in 30 seconds — where a job's wall time went, and why.
 
     jobprobe summary FILE… [--format text|json]                 # frame files (the agents' --out)

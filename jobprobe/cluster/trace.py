@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Cluster-wide deep traces: the controller's answer to `jobprobe trace --job ID --nats URL [--at T]`.
 
 The request comes as a core NATS request on jobprobe.ctl.trace (jobprobe/cluster/ingest.py subscribes it). The

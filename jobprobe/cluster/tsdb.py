@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """--tsdb victoriametrics://HOST:PORT — the controller copies every stored sample to VictoriaMetrics.
 
 The store stays the record (frames, events, delivery); VictoriaMetrics is where a site's dashboards and PromQL

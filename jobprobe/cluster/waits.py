@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Who waits for whom: in one comparison of a job's nodes (jobprobe/cluster/stragglers.py), each node's threads'
 sleep in lock and socket/pipe waits (`sched.offcpu_lock_ns + offcpu_wait_ns`: where a rank sits in a collective
 while a peer is late) against its peers' median, less its own usual gap; and, where NCCL's RAS port is polled, NCCL's

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Stopping a child process within a time: asked first (SIGTERM, or the signal given), killed when it does not exit,
 and reaped either way. The controller's own nats-server and the benchmarks' agents, controllers and peer tools
 stop this way."""

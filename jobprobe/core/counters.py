@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Counters read from the kernel and devices: the interval's difference across a wrap, and percentiles of
 log2 histograms."""
 from __future__ import annotations

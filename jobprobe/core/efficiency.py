@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Efficiency notes, as a job's summary gives them: what its node granted it (its group's CPU limit or cpuset, its
 memory limit, its GPUs) against what it used, with the thresholds of the rules file's `[efficiency]` table.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Typed errors. Everything deep inside raises one of these; only the CLI turns them into exit codes."""
 
 

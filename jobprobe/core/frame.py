@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Frames: one msgpack map per job per tick (schema v1, docs/FRAMES.md). Self-delimiting in a stream.
 
 Every frame: v, kind, node, job, run (this agent run's id), seq (per node, job and run, from 0, no gaps), t (end of

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A frame's numbers as metrics, by the fields the probes declare (the hello frame's schema): Prometheus names and
 units, per-device labels, cumulative histogram buckets. Used by the node's Prometheus endpoint and the
 controller's TSDB writer alike."""

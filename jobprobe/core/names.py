@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Names that come from outside (node names, job names) made into one file name or one NATS subject token —
 injectively, so that two names never share a file or a subject.
 

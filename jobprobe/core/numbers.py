@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """numbers — what counts as a number in a value that came from outside (a frame, a file, a request).
 
 A bool is an int in Python, so `isinstance(v, (int, float))` takes `true` for 1: every boundary that wants a number

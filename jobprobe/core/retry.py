@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """One backoff for every loop that tries again: the agent's publisher, the controller's connect loop, the K8s watcher.
 
 Without jitter, every agent of a cluster that lost its NATS server at the same moment asks again at the same

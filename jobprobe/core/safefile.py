@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Files a root agent writes where another local user may reach: opened so that no one can turn them elsewhere.
 
 `Dir(path)` checks a directory once and holds it open; every file is then opened relative to that fd, so a rename

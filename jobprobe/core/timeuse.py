@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Where a job's seconds went: its wall time split into buckets, from its sample frames alone (no code in the job).
 
 One node's samples of one job, interval by interval (docs/TIMEUSE.md defines every bucket):

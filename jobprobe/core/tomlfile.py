@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """tomlfile — reading a TOML file a person handed over (the agent's config, a rules file, a price file).
 
 Whatever is wrong with it — not there, not readable, not UTF-8, not TOML — is one BadInput line naming the file

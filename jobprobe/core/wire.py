@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The wire contract between agents, the controller and people's commands: subjects, message ids, the node name →
 subject token mapping. Node side (exporters/nats.py) and cluster side (controller.py) both import it; it imports
 nothing of theirs.

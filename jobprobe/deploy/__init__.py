@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The files a site installs beside the package, shipped in the wheel as package data: the systemd units
 (systemd/), the SLURM prolog and epilog (slurm/), the Kubernetes manifest (k8s/). In a checkout they are links to
 scripts/; scripts/install.sh copies them from the installed package to PREFIX/share (docs/DEPLOY.md)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which GPUs a set of processes may use, by what the kernel and their environment say: the GPUs (and MIG devices)
 their CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES name (in /proc/PID/environ: indices within what the process can
 see, GPU- and MIG-UUIDs or unique prefixes, as CUDA reads them), and the GPU minors (/dev/nvidiaN, major 195) their

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """NCCL's RAS port (NCCL 2.24 and later): every process of an NCCL job listens on NCCL_RAS_ADDR (localhost:28028 by
 default; all of a node's processes share it) and answers a plain-text protocol with the whole job's view — every
 communicator, every rank's process and node, and (2.26 and later) how many collectives of each kind each rank has

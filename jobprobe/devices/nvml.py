@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """nvml — the gpu probe's one door to NVML, through nvidia-ml-py's `pynvml` (which loads libnvidia-ml.so.1).
 
 What this adds to the binding:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """nvmltypes — NVML's numbers and names as the gpu probe uses them, and the records it keeps per device.
 
 What: the NVML return codes that decide what a failed call means (lost GPU, unsupported here, missing in this

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PCI devices as sysfs shows them: each function's place in the tree (the bridges above it), vendor, class and NUMA
 node, and PCIe extended capabilities read from its config space — for the doctor's GPU↔NIC checks. Every reader
 takes the sysfs root (tests build fixture trees).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Python processes, as /proc shows them: which processes are Python, what each one runs, and the py-spy that
 reads them (the pystacks probe and the deep-trace windows share these)."""
 from __future__ import annotations

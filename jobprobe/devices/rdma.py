@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RDMA devices and ports as sysfs shows them (/sys/class/infiniband): state, rate, link layer, the netdev of a RoCE
 port, the IB port counters and the driver's hw_counters. Every reader takes the sysfs root, so that tests read
 fixture trees (mlx5-like, irdma-like) built on a machine with no RDMA device.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The kernel's interfaces, one module each, below every probe: bpf(2) itself (bpf), BPF maps and ring buffers
 (bpfmap), loading programs through the short-lived bcc loader process (bpfload, bpf_loader), the node's job
 membership (membership), perf_event_open (perf), uprobes (uprobe), ELF symbols (elf), BTF (btf), the cgroup

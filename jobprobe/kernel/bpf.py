@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bpf — bpf(2) itself, through ctypes (the syscall has no libc wrapper): the one way the agent talks to the kernel's
 eBPF objects without bcc or LLVM.
 

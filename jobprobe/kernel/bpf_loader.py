@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
 Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bpfcache — compiled BPF modules kept between loads: a probe's next start on the same kernel needs neither bcc,
 nor LLVM, nor a loader process.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bpfload — the one way an eBPF probe loads programs, without bcc or LLVM in the agent.
 
 What: load() starts a short-lived loader (jobprobe/kernel/bpf_loader.py, same interpreter) that compiles

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """bpfmap — a loaded program's maps read and written with plain bpf(2) syscalls (jobprobe.kernel.bpf): no bcc in
 the agent.
 

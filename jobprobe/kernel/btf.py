@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BTF: the running kernel's own type information (/sys/kernel/btf/vmlinux; include/uapi/linux/btf.h), read
 without libbpf — struct member offsets and raw tracepoint prototypes (Btf), enum values (enum_values).
 

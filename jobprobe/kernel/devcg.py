@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Which device files a cgroup2 group lets its processes open, read back from the kernel.
 
 cgroup v2 has no devices.list. Access to device files is decided by BPF_PROG_TYPE_CGROUP_DEVICE programs attached

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """elf — the exported functions of a shared library and their file offsets, for uprobes.
 
 What: a uprobe is placed by (file, offset in the file); a library names its functions in .dynsym with virtual

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A network driver's own statistics, as `ethtool -S` prints them: SIOCETHTOOL ioctls (ETHTOOL_GSSET_INFO for the
 count, ETHTOOL_GSTRINGS for the names, ETHTOOL_GSTATS for the values) on any socket of the interface's network
 namespace — for the pause / PFC frame counters that rtnetlink's link statistics do not carry.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What this host can do, detected at run time (never assumed). Every path takes a root so tests use fixture trees."""
 from __future__ import annotations
 

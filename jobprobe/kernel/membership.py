@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node's eBPF state that every probe and job share: one membership owner, one load of each probe's programs.
 
 What: `Node` loads bpf/membership.c once — the maps job_of_cgroup, job_of_tgid, job_kinds and their upkeep at fork,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A small ctypes wrapper of perf_event_open(2): counting events only (no sampling, no mmap ring).
 
 Two shapes, both of which this module owns end to end (open, enable, read, scale, close):

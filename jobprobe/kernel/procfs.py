@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one reader each of /proc/PID/stat and /proc/PID/cgroup (proc(5)); every path under a root, for fixture trees.
 
 /proc/PID/stat: the command name may hold spaces and ')', so fields are counted from the last ')'. Times are in

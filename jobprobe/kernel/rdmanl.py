@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RDMA netlink (NETLINK_RDMA, the `rdma` tool's interface): the per-process queue-pair counters of a port.
 
 The IB core can bind each queue pair (QP) to a counter of its own kind: in *auto* mode with the PID mask

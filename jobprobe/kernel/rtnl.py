@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """rtnetlink, the little the nic probe needs: the root queueing discipline of every interface, with its statistics
 (what `tc -s qdisc show` prints), read in a chosen network namespace.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Reading the sched probe's per-CPU counters of one job slot (bpf/sched.c struct slot_stats) whole and sane: the
 struct's layout (SlotStats), the per-CPU seqcount check of a copy (torn_cpus: a CPU whose words were being written
 while they were copied; the caller copies again, up to READ_TRIES), the sum over CPUs (slot_columns) and the times

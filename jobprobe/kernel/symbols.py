@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Names for instruction addresses: the kernel's (/proc/kallsyms) and a process's (its /proc/PID/maps and the
 .dynsym of each mapped file), for the stacks of deep-trace windows.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a task carries at its exit, from the kernel's taskstats interface (generic netlink, family "TASKSTATS").
 
 A listener registered for every CPU receives one record per exiting task (thread) of the node, sent from do_exit

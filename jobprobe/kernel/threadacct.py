@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-process and per-thread accounting of a set of processes from /proc, exact through exits where the kernel's
 taskstats exit records (jobprobe/kernel/taskstats.py) can be had: CPU time, RSS and storage I/O bytes of one process
 (proc_counters), of each of its threads (thread_counters), their per-interval deltas per process with what a parent's

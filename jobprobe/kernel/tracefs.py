@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one reader of tracefs event formats: where an event lives, its format text, its field names.
 
 tracefs is mounted at /sys/kernel/tracing (4.1+) or, on older setups, reached through /sys/kernel/debug/tracing; a

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Uprobes from user space: the kernel's uprobe PMU (perf_event_open with the PMU's dynamic type), one perf event per
 (file, offset), running a BPF program (PERF_EVENT_IOC_SET_BPF). The agent attaches them itself, per library file, as
 the job maps files — no bcc, no tracefs writes.

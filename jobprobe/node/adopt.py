@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The jobs a node agent takes on with no request: those of the agent before it, kept in the state file (_save writes
 it on every change of the job table, restore attaches again those still running), and SLURM's jobs running on the
 node whose prolog found no agent (adopt_slurm).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node agent: a job table, one tick for all jobs, one set of kernel programs for the node.
 
 Each attached job has a slot in the node's membership maps (jobprobe/kernel/membership.py) and a Sampler of its own (its

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BpfProbe: what every eBPF probe shares — loading through jobprobe.kernel.bpf against the node's membership maps
 (jobprobe/kernel/membership.py), a slot per job, and cumulative per-slot readings turned into per-interval deltas.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node agent's settings: Config, read from its TOML file (DEFAULT_CONFIG, /etc/jobprobe/agent.toml) with every
 key also a flag of `jobprobe agent` (flags win).
 """

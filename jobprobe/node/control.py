@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The agent's control socket: one JSON request per connection, one JSON reply.
 
 A UNIX stream socket (default /run/jobprobe/agent.sock), mode 0600 in a 0700 directory, and each peer's uid checked

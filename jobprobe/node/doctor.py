@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`jobprobe doctor`: is this node ready for training jobs, and for jobprobe? One line per check — pass, warn, fail
 or absent (what the check looks at is not on this node: no GPU, no RDMA device) — with the fix for each that is
 not a pass.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a job to attach is: JobSpec, the request a scheduler or a person makes (and what the agent's state file
 keeps, one per job), with the target it names; spec_key, the job's name when the request gives none; waitable, whether
 its processes may appear after the request (a prolog runs before them).

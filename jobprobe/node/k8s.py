@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Kubernetes: the agent's `--k8s URL` mode. A thread asks for this node's pods every few seconds, attaches every pod
 annotated `jobprobe.io/probe: "true"` (probes from `jobprobe.io/probes`, else the agent's default) and detaches it when
 it leaves the list, ends, or loses the annotation. Frames carry the pod's namespace, name, UID and containers as labels.

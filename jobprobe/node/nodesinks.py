@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The node's sinks, shared by the node agent's jobs (NodeSinks, one part of the Agent): the NATS sink (frames to the
 controller's JetStream through an on-disk spool; it also serves the node's control subject, answered by the agent's
 remote()) and the Prometheus endpoint; each job's sinks made from them and the agent's settings (_default_sinks:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The probe contract (DESIGN.md). Each probe is one module in probes/, found by the registry by its `name`."""
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Find every probe in the probes/ package by its `name`, and turn --probes specs into a list of names.
 
 A new probe is one new module in probes/: nothing here needs editing.

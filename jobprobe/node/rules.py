@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Rules: declarative conditions over a job's recent frames that fire `rule` events with their evidence.
 
 A rule file is TOML, a `[[rule]]` table per rule (docs/RULES.md; `--rules default` is jobprobe/node/default_rules.toml):

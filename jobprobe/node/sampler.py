@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The tick loop: start probes on a target, sample them every interval on the monotonic clock (no drift),
 build one frame per tick and hand it to the exporters. A probe that fails is stopped and reported; the rest go on."""
 from __future__ import annotations

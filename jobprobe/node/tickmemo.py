@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Values read once per agent tick: what every job of a tick would otherwise read alike — the agent's own rusage
 (the `self` probe), a shared program's run counts (`bpf_missed`), a cgroup's directory walk and process list (read by
 the agent's end-of-job check, the membership sync and the `cgroup` probe). The agent opens a tick with begin() and

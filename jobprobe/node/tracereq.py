@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Deep-trace requests to the node agent (TraceRequests, one part of the Agent): a person's on the control socket
 (trace: not held to the cooldown and the duty cap), the controller's over NATS (remote, on jobprobe.ctl.node.<node>:
 held to the whole trace budget); each opens a window now, or at a UNIX time up to an hour ahead — the common start of

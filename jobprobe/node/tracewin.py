@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Deep-trace windows: for a short while, one job is traced in detail, and the result is one Chrome / Perfetto
 trace file (Trace Event Format JSON, gzipped) a person opens in ui.perfetto.dev.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Who a node or the controller is to nats-server, and how they talk to it safely: credentials files (`*.creds`:
 a JWT and an nkey seed; `*.nk`: a seed; else one line `user:password`), the server's nonce signed with Ed25519 by
 the `nkeys` package (PyNaCl: libsodium, constant time — imported only when a seed is used), new user nkeys, the

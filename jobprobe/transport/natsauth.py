@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Who may do what on the controller's NATS server: one nkey per node, one for the controller, the server's
 authorization generated from them (docs/SECURITY.md).
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A small synchronous NATS client: connect, publish to JetStream, read the acks — what the agent's sink needs.
 
 The agent publishes from one thread, a window of frames at a time, and waits for their acks; an event loop and a

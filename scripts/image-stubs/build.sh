@@ -1,4 +1,5 @@
 #!/bin/sh
+# SPDX-License-Identifier: Apache-2.0
 # Build the agent image's two stub libraries into OUTDIR (make wheels runs it): libz3.so.4 (z3.c) and
 # libicudata.so.72 (icudata.c); scripts/image-install.sh `slim` puts them in place of Debian's, then checks that
 # bcc loads with every symbol bound. Needs a C compiler (cc) on the build host.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* libicudata.so.72 for the agent's image: an ICU common data package that holds no data.
  *
  * libxml2 links ICU, and Debian's LLVM links libxml2 (for reading Windows manifests, which bcc never does); the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* libz3.so.4 for the agent's image: every Z3 function Debian bookworm's libLLVM-14 (1:14.0.6-12) imports,
  * each of which aborts.
  *

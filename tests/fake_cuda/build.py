@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Build the TEST FAKES of this folder (fake libcuda.so.1, libcudart.so.12, libnccl.so.2 and the cudaprog workload)
 with gcc into a directory; put that directory first on LD_LIBRARY_PATH to run cudaprog against them.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* cudaprog.c — A TEST FAKE workload: a "CUDA application" for tests/test_cuda.py, run against the fake libraries of
  * this folder (never against real ones). It dlopen()s libcuda.so.1, libcudart.so.12 and libnccl.so.2 by soname (the
  * test puts the fakes first on LD_LIBRARY_PATH), makes an exact number of calls of each kind with known sizes, and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* fake_cuda.c — A TEST FAKE of NVIDIA's driver library libcuda.so.1. It drives no GPU and must never be installed.
  *
  * Compiled by tests/test_cuda.py as libcuda.so.1 (soname included). It exports the REAL driver symbol names with the

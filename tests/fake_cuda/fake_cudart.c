@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* fake_cudart.c — A TEST FAKE of NVIDIA's runtime library libcudart.so.12. It drives no GPU and must never be
  * installed.
  *

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* fake_nccl.c — A TEST FAKE of NVIDIA's collective library libnccl.so.2. It moves no data and must never be
  * installed.
  *

@@ -1,3 +1,4 @@
+/* SPDX-License-Identifier: Apache-2.0 */
 /* fake_types.h — A TEST FAKE: the few public CUDA driver, runtime and NCCL types the fakes in this folder need,
  * declared by hand (no CUDA toolkit here) with the layouts and enum values of cuda.h, driver_types.h and nccl.h.
  * Nothing here drives a GPU; it must never be installed.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Drive tests/fake_cuda/cudaprog (a TEST FAKE workload, see its header) from a test, line by line."""
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* fake_nvml.c — A TEST FAKE of NVIDIA's libnvidia-ml.so.1. It drives no GPU and must never be installed.
  *
  * The tests compile it with gcc as libnvidia-ml.so.1 (soname included) so that the REAL Python binding

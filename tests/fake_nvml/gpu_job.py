@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """A stand-in GPU job for the end-to-end test: it puts itself on GPU INDEX's compute-process list in the fake
 NVML's state file (with MEM bytes of GPU memory), as a CUDA process would appear to NVML, then sleeps SECONDS —
 or, given SM (percent), writes a per-process utilization sample of SM% for itself every 0.1 s meanwhile, as the

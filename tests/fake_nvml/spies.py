@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Test doubles around the real things: a counting wrapper of the pynvml module, and a sink that keeps frames."""
 from jobprobe.core.frame import decode
 

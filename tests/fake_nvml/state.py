@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The fake NVML's side of the tests: build tests/fake_nvml/fake_nvml.c into libnvidia-ml.so.1, write its ground
 truth (the state file named by $FAKE_NVML_STATE, replaced atomically), count its calls ($FAKE_NVML_LOG)."""
 from __future__ import annotations

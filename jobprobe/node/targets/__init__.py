@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What we attach to: the kinds of target, one module each.
 
 - `base`: `Target`, what a probe is given (which cgroup, which processes now, is the job still there); the only

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`Target`: what a probe is given — a job we watch, answering three questions: which cgroup (if any), which
 processes now, and is the job still there. The kinds of target are the other modules of this package; a probe
 imports only this one.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`CgroupTarget`: a cgroup2 group and all its descendants (SLURM steps, container sub-groups); membership by
 cgroup2 id. Its files are read through kept fds, once per agent tick.
 """

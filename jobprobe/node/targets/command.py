@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`CommandTarget`: `-- CMD ARGS…`, a fresh cgroup2 group that we create with CMD started inside it and remove at
 the end; `check_runnable`, a shell's answer to "can CMD be run" (127 / 126) before anything is made.
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Kubernetes pods: `k8s_pod_target()`, the pod's cgroup2 group by its UID (`k8s_pod_cgroup()` finds it under
 either kubelet cgroup driver, wherever the kubelet's root sits).
 """

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """`PidTreeTarget`: a set of root processes and every descendant, found by parent PID in /proc; membership by tgid."""
 from __future__ import annotations
 

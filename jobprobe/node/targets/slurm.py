@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """SLURM jobs: `slurm_target()` (the job's cgroup2 group, found by its `job_<id>` name or from where its processes
 sit, else its process tree), the scontrol / squeue helpers (`scontrol listpids`, the job's labels from squeue,
 `slurm_running_jobs()` for a node), and the job's steps (`step_<id>` groups, or listpids' step column).
