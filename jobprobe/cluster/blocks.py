@@ -106,7 +106,7 @@ def _column(values: list, mask: list[int]) -> tuple[str, bytes]:
         body = msgpack.packb(_delta(present))
     elif kind == "f":
         raw = struct.pack(f"<{len(present)}d", *present)
-        body = bytes(raw[b::8][k] for b in range(8) for k in range(len(present))) if present else b""
+        body = b"".join(raw[b::8] for b in range(8))       # byte b of every value, then b + 1: zlib finds runs
     else:
         body = msgpack.packb(present, use_bin_type=True)
     return kind, _deflate(bytes(mask) + body)
@@ -121,7 +121,9 @@ def _values(kind: str, data: bytes, n: int) -> tuple[list, list[int]]:
     elif kind == "l":
         present = _undelta(msgpack.unpackb(body))
     elif kind == "f":
-        raw8 = bytes(body[b * k + j] for j in range(k) for b in range(8))
+        raw8 = bytearray(8 * k)
+        for b in range(8):
+            raw8[b::8] = body[b * k:(b + 1) * k]
         present = list(struct.unpack(f"<{k}d", raw8))
     else:
         present = msgpack.unpackb(body, raw=False, strict_map_key=False)
