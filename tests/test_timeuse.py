@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,6 +307,36 @@ BASE = dict(sched_offcpu_wait_ns=3e9, sched_offcpu_lock_ns=2e9, sched_runq_lat_n
             cgroup_io_write_bytes=4096)
 
 
+def test_starved_is_split_by_its_cause():
+    """`starved` named no cause: a user hunted a noisy neighbour that was the job's own loader workers. Its wait for
+    a CPU is its own threads' where the job's whole demand (its CPU, its helpers', its threads' wait) passed the
+    CPUs it may use, else other work's (neighbours); CPU-limit stops are `cpu_limit`, memory stalls `memory`."""
+    on2 = dict(cgroup_cpus_online=2)
+    # a trainer (its lead process) and its loader workers on 2 CPUs, all busy: when the workers take more of them
+    # (0.6 cores, not 0.2), the trainer's threads queue behind them — 0.8 s/s waited, the CPUs all the job's
+    own = [sample(i + 1, 2.0, cgroup_helper_cpu_user_ns=int(0.2e9), **on2) for i in range(8)] + \
+        [sample(9 + i, 2.0, cgroup_helper_cpu_user_ns=int(0.6e9), sched_runq_lat_ns=int(0.8e9), **on2)
+         for i in range(4)]
+    d = decompose(own)
+    assert d["pace"]["of"] == "lead_cpu_cores"
+    assert d["buckets"]["starved"] > 0.5 and d["starved_by"]["own_threads"] == pytest.approx(d["buckets"]["starved"])
+    # one thread of a job on 2 CPUs kept off them by a hog: 0.6 cores run, 0.4 s/s waited — it wanted 1 of its 2
+    one = [sample(i + 1, 1.0, **on2) for i in range(8)] + \
+        [sample(9 + i, 0.6, sched_runq_lat_ns=int(0.4e9), **on2) for i in range(4)]
+    d = decompose(one)
+    assert d["buckets"]["starved"] > 1 and d["starved_by"]["neighbours"] == pytest.approx(d["buckets"]["starved"])
+    # throttled by its limit for 4 s (its threads stopped by the group's quota)
+    lim = steady(8, **on2) + [sample(9 + i, 0.5, cgroup_cpu_throttled_ns=int(0.7e9), **on2) for i in range(4)]
+    d = decompose(lim)
+    assert d["buckets"]["starved"] > 1 and d["starved_by"]["cpu_limit"] == pytest.approx(d["buckets"]["starved"])
+    assert set(d["starved_by"]) == {"own_threads", "cpu_limit", "neighbours", "memory"}
+    # stopped by its limit, its threads counted waiting for a CPU meanwhile: the limit's wait, not a neighbour's
+    lim = steady(8, **on2) + [sample(9 + i, 0.5, cgroup_cpu_throttled_ns=int(0.7e9), sched_runq_lat_ns=int(1.5e9),
+                                     **on2) for i in range(4)]
+    d = decompose(lim)
+    assert d["buckets"]["starved"] > 1 and d["starved_by"]["cpu_limit"] == pytest.approx(d["buckets"]["starved"])
+
+
 def test_a_figure_that_did_not_move_is_never_evidence():
     """A shortfall with every figure at its usual level: not attributed (other), whatever those levels are — a job
     that always waits on its loader's queue does not wait for input when it slows for a reason nobody measured."""
@@ -551,8 +583,73 @@ def test_a_training_job_with_known_badput(tmp_path):
     assert abs(b["computing"] + b["starved"] - own["compute_s"]) <= 0.05 * own["compute_s"], report
     assert abs(sum(b.values()) - s["wall_s"]) <= 0.03 * s["wall_s"], report
     assert b["starved"] <= 0.05 * s["wall_s"] and b["other"] <= 0.05 * s["wall_s"], report
+
     page = cli("summary", str(out)).stdout
     assert f"goodput {100 * s['goodput']:.0f}%" in page and "waiting for input" in page and "checkpointing" in page
+
+
+@pytest.mark.kernel
+@pytest.mark.serial      # the job's pace is a share of the machine
+def test_a_jobs_own_workers_crowding_its_trainer_are_its_own_threads_not_a_neighbour(tmp_path):
+    """A trainer of 2 threads (2 cores) on this 2-CPU machine, its 2 forked workers spinning from its 3rd second to
+    its 7th (tests/workloads.py `crowd`): its trainer's threads wait behind its own workers — `starved` for most of
+    those 4 s, and at least 80% of it `own_threads` (the issue: a user hunting a noisy neighbour that was the job's
+    own loader workers)."""
+    out = tmp_path / "job.mpk"
+    r = cli("run", "--probes", "cgroup,sched", "--out", str(out), "--", *workload("crowd", 10, 3, 7), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(cli("summary", "--format", "json", str(out)).stdout)
+    b, by = s["buckets"], s["starved_by"]
+    print(f"starved {b['starved']:.2f} s by {by}; buckets {b}; pace {[n['pace'] for n in s['per_node'].values()]}")
+    assert b["starved"] > 1.0, (b, by)
+    assert by["own_threads"] >= 0.8 * b["starved"], (b, by)
+
+
+@pytest.mark.kernel
+@pytest.mark.serial      # the job's pace is a share of the machine
+def test_a_cpu_limit_set_mid_run_is_starved_by_the_limit(make_cgroup, tmp_path):
+    """A one-thread burner, limited to 0.2 cores (the v1 cpu group's quota on this hybrid host; cpu.max where
+    cgroup2 has the cpu controller) from its 4th second to its 8th: `starved` is most of those 4 s, and at least
+    80% of it is `cpu_limit` — the limit, not a neighbour (its threads counted waiting for a CPU while stopped) nor
+    its own threads. The other causes of starved: the known-badput job (own threads), the pinned hog (neighbours)."""
+    from test_cgroup import v1_cpu_group
+    cg = make_cgroup()
+    ctl = cg.path.parent.parent / "cgroup.subtree_control"
+    v2 = ctl.exists() and "cpu" in ctl.read_text().split()
+    v1 = None if v2 else v1_cpu_group("starved")
+    assert v2 or v1 is not None, "no cpu controller on cgroup2 or v1: every Linux host with CFS has one"
+
+    def limit(quota_us: int) -> None:
+        if v2:
+            (cg.path / "cpu.max").write_text(f"{quota_us if quota_us > 0 else 'max'} 100000\n")
+        else:
+            (v1 / "cpu.cfs_period_us").write_text("100000\n")
+            (v1 / "cpu.cfs_quota_us").write_text(f"{quota_us}\n")
+    out = tmp_path / "job.mpk"
+    job = subprocess.Popen(workload("burn", 12), preexec_fn=lambda: (
+        (cg.path / "cgroup.procs").write_text(str(os.getpid())),
+        v1 is not None and (v1 / "cgroup.procs").write_text(str(os.getpid()))))
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "run", "--cgroup", str(cg.path), "--probes",
+                                "cgroup,sched", "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+        time.sleep(4)
+        limit(20000)
+        time.sleep(4)
+        limit(-1)
+        job.wait(timeout=60)
+        assert run.wait(timeout=60) == 0, run.stderr.read()[-2000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        if v1 is not None:
+            time.sleep(0.1)
+            v1.rmdir()
+    s = json.loads(cli("summary", "--format", "json", str(out)).stdout)
+    b, by = s["buckets"], s["starved_by"]
+    print(f"starved {b['starved']:.2f} s by {by}; buckets {b}")
+    assert b["starved"] > 2.0, (b, by)                      # 4 s at 0.2 of its core: ~3.2 s short
+    assert by["cpu_limit"] >= 0.8 * b["starved"], (b, by)
 
 
 @pytest.mark.kernel
@@ -844,4 +941,5 @@ def test_a_neighbour_on_the_jobs_cpu_from_its_start_to_its_end_is_starved(tmp_pa
           f"{s['goodput']:.2f}; buckets {b}; own {own}; pace {[n['pace'] for n in s['per_node'].values()]}")
     assert own["compute_s"] > 2.0 and waited > 2.0     # it ran its steps, and the hog held it back
     assert abs(b["starved"] - waited) <= 0.1 * waited + 0.3, (b, own)
+    assert s["starved_by"]["neighbours"] >= 0.8 * b["starved"], s["starved_by"]     # the hog's, not its own
     assert b["other"] < 0.5 and abs(sum(b.values()) - s["wall_s"]) < 0.01 * s["wall_s"], uncovered(out)

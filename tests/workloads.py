@@ -75,6 +75,37 @@ def forktree(depth: int, seconds: float) -> None:
         pass
 
 
+def crowd(seconds: float, crowd_from: float, crowd_to: float) -> None:
+    """A trainer and its workers on too few CPUs: 2 threads hashing (hashlib lets go of the GIL: 2 cores) for
+    `seconds`, and 2 forked workers (helpers: no program of their own) that sleep, then spin from `crowd_from` s to
+    `crowd_to` s — while they spin, the trainer's threads queue behind them: the job's own threads beyond its CPUs."""
+    import hashlib
+    import threading
+    t0 = time.monotonic()
+    kids = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(max(0.0, t0 + crowd_from - time.monotonic()))
+            while time.monotonic() < t0 + crowd_to:
+                pass
+            os._exit(0)
+        kids.append(pid)
+    block = b"x" * (1 << 20)
+
+    def hash_until() -> None:
+        h = hashlib.sha256()
+        while time.monotonic() < t0 + seconds:
+            h.update(block)
+    threads = [threading.Thread(target=hash_until) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for pid in kids:
+        os.waitpid(pid, 0)
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
     if what in ("burn", "burncpu"):
@@ -89,6 +120,8 @@ if __name__ == "__main__":
         forktree(int(args[0]), float(args[1]))
     elif what == "reaped":
         reaped(args)
+    elif what == "crowd":
+        crowd(float(args[0]), float(args[1]), float(args[2]))
     elif what == "exit":
         sys.exit(int(args[0]))
     else:

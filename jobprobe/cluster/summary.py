@@ -17,8 +17,10 @@ from typing import Any, Iterable
 
 from jobprobe.cluster import report
 from jobprobe.core import efficiency
-from jobprobe.core.timeuse import BUCKETS, decompose, failed, num, usable
+from jobprobe.core.timeuse import BUCKETS, STARVED_BY, decompose, failed, num, usable
 
+STARVED_WORDS = {"own_threads": "its own threads, beyond its CPUs", "cpu_limit": "its CPU limit (throttled)",
+                 "neighbours": "other work on its CPUs (neighbours)", "memory": "memory stalls"}
 WORDS = {"startup": "startup", "computing": "computing", "waiting_for_input": "waiting for input",
          "waiting_for_peers": "waiting for peers", "starved": "starved or throttled", "checkpointing": "checkpointing",
          "gpu_idle": "GPU idle", "lost": "lost to failures", "teardown": "teardown (its exit)",
@@ -108,21 +110,26 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
     starts = [num(f, "t") - (num(f, "dt") or 0.0) for fs in by_node.values() for f in fs]
     wall = (max(ends) - min(starts)) if ends else 0.0
     shares = dict.fromkeys(BUCKETS, 0.0)
+    starved = dict.fromkeys(STARVED_BY, 0.0)
     for d in nodes.values():
         for b in BUCKETS:       # a node whose intervals hold no time (dt 0): not attributed
             shares[b] += (d["buckets"][b] / d["wall_s"] if d["wall_s"] > 0 else float(b == "other")) / len(nodes)
+        for p in STARVED_BY:
+            starved[p] += (d.get("starved_by", {}).get(p, 0.0) / d["wall_s"] if d["wall_s"] > 0 else 0.0) / len(nodes)
     episodes = [{"node": p["node"], "start": p["start"], "end": p["end"], "s": round(p["end"] - p["start"], 1),
                  "reason": p["reason"], "waited_by": p["waited_by"]} for p in periods]
     return {"job": name, "nodes": len(nodes), "start": min(starts) if starts else None,
             "end": max(ends) if ends else None, "wall_s": round(wall, 3), "ended": how_it_ended(by_node),
             "goodput": round(shares["computing"], 4),
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},
+            "starved_by": {p: round(starved[p] * wall, 3) for p in STARVED_BY},
             "stragglers": episodes, "waited_for": {n: round(v, 3) for n, v in sorted(peers.items())},
             "notes": [f"node {n}: {line}" for n, d in nodes.items()
                       for line in efficiency.notes(d.get("used", {}), d.get("granted", {}), th)],
             "restarts": max((d.get("restarts", 0) for d in nodes.values()), default=0),
             "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
                              "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()},
+                             "starved_by": {p: round(v, 3) for p, v in d.get("starved_by", {}).items()},
                              **({"gpu": {k: round(v, 2) for k, v in d["gpu"].items()}} if "gpu" in d else {}),
                              "used": {k: round(v, 3) for k, v in d.get("used", {}).items()},
                              "granted": {k: round(v, 3) for k, v in d.get("granted", {}).items()}}
@@ -253,6 +260,9 @@ def text(s: dict[str, Any]) -> str:
     for b, v in sorted(s["buckets"].items(), key=lambda kv: -kv[1]):
         if v > 0 or b in ("computing", "other"):
             lines.append(f"  {WORDS[b]:<24} {_hms(v):>8}  {100 * v / wall:5.1f}%")
+        if b == "starved" and v > 0 and s.get("starved_by"):
+            lines += [f"    {STARVED_WORDS[p]:<38} {100 * x / v:3.0f}%" for p, x in
+                      sorted(s["starved_by"].items(), key=lambda kv: -kv[1]) if x >= 0.005 * v]
     lines.append("")
     for n, d in s["per_node"].items():
         pace = d["pace"]

@@ -60,6 +60,7 @@ LEAD_MIN = 0.1            # a CPU job is paced by its lead processes, not its he
 NOISE = 0.01               # an interval within this share of the steady pace is at it: a one-thread job's CPU plus its
                            # wait for a CPU reads 0.992-1.008 of its interval (the two probes' reads), the steady pace
                            # (0.97 quantile) 1.005, and each interval at it left 0.5% to `other` (0.5 s of 24 once)
+STARVED_BY = ("own_threads", "cpu_limit", "neighbours", "memory")   # starved, by cause (docs/TIMEUSE.md)
 WRITE_BURST = 1 << 20      # a checkpoint's interval writes at least this many bytes more than usual, and twice as much
 
 
@@ -149,6 +150,16 @@ class Tick:
         cap = self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
         return max(self.pace, min(self.pace + self.runq, cap))
 
+    def own_share(self) -> float:
+        """Of the interval's wait for a CPU, the share its own threads made: the job's whole demand (its CPU, its
+        helpers' too, and all its threads' wait) beyond the CPUs it may use — its threads queued behind each other.
+        A job that wanted fewer CPUs than it may use and still waited was kept off them by other work: neighbours."""
+        rq = self.fig.get("sched.runq_lat_ns", 0.0) / 1e9 / self.dt if self.dt > 0 else 0.0
+        if rq <= 0 or self.cores is None:
+            return 0.0
+        cap = self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
+        return min(1.0, max(0.0, self.cores + rq - cap) / rq)
+
     def by_lead(self) -> None:
         """Paced by the lead processes' CPU: the helpers' CPU is neither the pace nor the evidence (their share of
         the wait for a CPU is taken as their share of the CPU)."""
@@ -236,6 +247,7 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     after = [ticks[i] for run, first in zip(runs, firsts) for i in run if i > first]
     bursts = Bursts(after)
     per = []
+    parts = dict.fromkeys(STARVED_BY, 0.0)
 
     def share_of(i: int) -> float:
         return min(1.0, (ticks[i].pace or 0.0) / steady)
@@ -264,7 +276,13 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 # its wait for a CPU is starved as it is (the steady pace counts it as wanted), the rest by votes
                 short = k.dt - ck - b["computing"]
                 b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / ref)
-                split(k, short - b["starved"], steady, usual, by, b, ck > 0)
+                # whose wait: a group stopped by its CPU limit waited for the limit (throttled above its usual
+                # level), else its own threads beyond its CPUs, else other work's
+                limited = k.fig.get("cgroup.cpu_throttled_ns", 0.0) > usual.get("cgroup.cpu_throttled_ns", 0.0)
+                own = 0.0 if limited else b["starved"] * k.own_share()
+                parts["cpu_limit" if limited else "own_threads"] += b["starved"] if limited else own
+                parts["neighbours"] += 0.0 if limited else b["starved"] - own
+                split(k, short - b["starved"], steady, usual, by, b, parts, ck > 0)
             per.append(b)
     for run, first in zip(runs, firsts):
         if isinstance(samples[run[-1]].get("end"), dict):
@@ -283,6 +301,9 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     if intervals:
         out["intervals"] = [{"t": k.t, "dt": k.dt, "buckets": {n: v for n, v in b.items() if v}}
                             for k, b in zip(ticks, per)]
+    # starved, by cause (a run's lost or torn-down intervals gave theirs up: the parts scaled to what is left)
+    total = sum(parts.values())
+    out["starved_by"] = {n: v * out["buckets"]["starved"] / total if total > 0 else 0.0 for n, v in parts.items()}
     if out["wall_s"] > 0:
         out["goodput"] = out["buckets"]["computing"] / out["wall_s"]
     after = after or ticks
@@ -392,17 +413,19 @@ def used_and_granted(ticks: list[Tick], after: list[Tick]) -> tuple[dict[str, fl
 
 
 def split(k: Tick, short: float, steady: float, usual: dict[str, float], by: str, b: dict[str, float],
-          burst: bool = False) -> None:
+          parts: dict[str, float], burst: bool = False) -> None:
     """Give an interval's shortfall (`short` seconds) to the buckets its figures above their usual level vote for
-    (in a checkpoint's interval its uninterruptible waits were the checkpoint's: no vote)."""
+    (in a checkpoint's interval its uninterruptible waits were the checkpoint's: no vote); `starved`'s share by
+    cause into `parts` too."""
     if short <= 0:
         return
 
     def above(f: str) -> float:
         return max(0.0, k.fig.get(f, 0.0) - usual.get(f, 0.0))
     threads = max(steady, 1.0)    # the threads (or, GPU-paced, the processes driving the GPUs) that fell short
-    votes = {
-        "starved": above("cgroup.cpu_throttled_ns") * threads + above("pressure.mem_some_ns"),
+    votes = {   # a starved part (STARVED_BY) votes for `starved`
+        "cpu_limit": above("cgroup.cpu_throttled_ns") * threads,
+        "memory": above("pressure.mem_some_ns"),
         "waiting_for_input": (0.0 if burst else above("sched.offcpu_io_ns")) + above("sched.offcpu_sleep_ns")
         + above("sched.offcpu_wait_ns"),
     }
@@ -413,5 +436,10 @@ def split(k: Tick, short: float, steady: float, usual: dict[str, float], by: str
     off = max(cast + above("sched.offcpu_lock_ns"), above("sched.offcpu_ns"))
     covered = min(1.0, off / (short * 1e9 * threads)) if cast > 0 else 0.0
     for name, v in votes.items():
-        b[name] += short * covered * v / cast if cast > 0 else 0.0
+        got = short * covered * v / cast if cast > 0 else 0.0
+        if name in STARVED_BY:
+            b["starved"] += got
+            parts[name] += got
+        else:
+            b[name] += got
     b["gpu_idle" if by == "gpu_busy" else "other"] += short * (1 - covered)
