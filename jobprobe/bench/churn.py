@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
 import zlib
 from pathlib import Path
 
-from jobprobe.bench.flood import _wait, listening
-from jobprobe.bench.overhead import free_port, scratch
+from jobprobe.bench.flood import _wait, controller_site, set_on_exit
+from jobprobe.bench.overhead import scratch
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.core.wire import frames_subject, msg_id
-
-NATS = "nats-server"
-
 
 def vm_rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -60,20 +55,9 @@ def churn(nodes: int = 50, runs: int = 2000, samples: int = 4, interval: float =
 def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, progress) -> dict:
     from jobprobe.transport.natswire import Wire
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
-    port = free_port()
-    conf = work / "nats.conf"
-    conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{work / "js"}" }}\n')
-    server = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, db, log = f"nats://127.0.0.1:{port}", work / "store.db", work / "controller.log"
-    ctl = None
     stop = threading.Event()
     rss: list[tuple[float, float]] = []
-    try:
-        _wait(lambda: listening(port), 10, "nats-server")
-        ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store", str(db)],
-                               stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
-        _wait(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
-
+    with controller_site(work) as (url, db, ctl), set_on_exit(stop):
         def watch() -> None:
             while not stop.is_set():
                 rss.append((time.time(), vm_rss_mib(ctl.pid)))
@@ -85,9 +69,9 @@ def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, pro
         t0 = time.time()
         per_node = -(-runs // nodes)
         t_half = t0
-        for k in range(per_node):
+        for k in range(per_node):             # each node's job k, all nodes at once, a tick at a time
             if k == per_node // 2:
-                t_half = time.time()             # each node's job k, all nodes at once, a tick at a time
+                t_half = time.time()
             now = time.time()
             jobs = [job_frames(f"node{n:03d}", f"job{k}-node{n:03d}", now, samples, interval) for n in range(nodes)]
             for i in range(samples + 1):
@@ -124,16 +108,6 @@ def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, pro
                 "summaries": summaries, "rss_start_mib": round(rss[0][1], 1), "rss_half_mib": round(half, 1),
                 "rss_end_mib": round(rss[-1][1], 1), "rss_peak_mib": round(max(v for _, v in rss), 1),
                 "second_half_growth_mib": round(rss[-1][1] - half, 2), "seconds": round(time.time() - t0, 1)}
-    finally:
-        stop.set()
-        if ctl is not None and ctl.poll() is None:
-            ctl.send_signal(signal.SIGTERM)
-            try:
-                ctl.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                ctl.kill()
-        server.terminate()
-        server.wait(timeout=10)
 
 
 if __name__ == "__main__":

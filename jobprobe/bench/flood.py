@@ -10,6 +10,7 @@ store's growth, refusals by reason.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -21,6 +22,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Iterator
 
 from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.core.frame import encode
@@ -44,6 +46,44 @@ def vm_hwm_mib(pid: int) -> float:
     return 0.0
 
 
+@contextlib.contextmanager
+def controller_site(work: Path, max_payload: int | None = None) -> Iterator[tuple[str, Path, subprocess.Popen]]:
+    """A nats-server on loopback (JetStream under `work`) and `jobprobe controller` as a process consuming it:
+    (its URL, the store's path, the controller's process), both stopped after — the controller first, SIGTERM
+    (its last batch acked), then the server."""
+    port = free_port()
+    conf = work / "nats.conf"
+    conf.write_text(f'listen: "127.0.0.1:{port}"\n' + (f"max_payload: {max_payload}\n" if max_payload else "")
+                    + f'jetstream {{ store_dir: "{work / "js"}" }}\n')
+    server = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, db, log = f"nats://127.0.0.1:{port}", work / "store.db", work / "controller.log"
+    ctl = None
+    try:
+        _wait(lambda: listening(port), 10, "nats-server")
+        ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store", str(db)],
+                               stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
+        _wait(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
+        yield url, db, ctl
+    finally:
+        if ctl is not None and ctl.poll() is None:
+            ctl.send_signal(signal.SIGTERM)
+            try:
+                ctl.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                ctl.kill()
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def set_on_exit(event: threading.Event) -> Iterator[None]:
+    """`event` set when the block ends, however it ends (the bench's threads stop)."""
+    try:
+        yield
+    finally:
+        event.set()
+
+
 def flood(names: int = 10_000, garbage_s: float = 30.0, beats_s: float = 15.0, big: int = 60,
           garbage_rate: float = 11_400.0, progress=None) -> dict:
     """garbage_rate: garbage frames a second (11 400: the rate that once added 342 600 `rejects` rows in 30 s;
@@ -55,19 +95,9 @@ def flood(names: int = 10_000, garbage_s: float = 30.0, beats_s: float = 15.0, b
 def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, rate: float, progress) -> dict:
     from jobprobe.transport.natswire import Wire
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
-    port = free_port()
-    conf = work / "nats.conf"
-    conf.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 2097152\njetstream {{ store_dir: "{work / "js"}" }}\n')
-    server = subprocess.Popen([NATS, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, db, log = f"nats://127.0.0.1:{port}", work / "store.db", work / "controller.log"
-    ctl = None
     stop = threading.Event()
     sent: dict[str, int] = {"h1": 0, "h2": 0}
-    try:
-        _wait(lambda: listening(port), 10, "nats-server")
-        ctl = subprocess.Popen([sys.executable, "-m", "jobprobe.cli", "controller", "--nats", url, "--store", str(db)],
-                               stdout=subprocess.DEVNULL, stderr=open(log, "ab"))
-        _wait(lambda: "consuming" in log.read_text(), 30, "the controller to consume")
+    with controller_site(work, max_payload=2097152) as (url, db, ctl), set_on_exit(stop):
         base = os.path.getsize(db)
 
         def honest(node: str) -> None:
@@ -116,8 +146,8 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
             n += 100
         say(f"{n} garbage frames in {garbage_s:.0f} s")
         huge, nb, end = b"\x81" + os.urandom(1 << 20), 0, time.time() + beats_s
-        plain = socket.create_connection(("127.0.0.1", port))     # core NATS: no stream, no ack — the way the
-        plain.recv(4096)                                           # controller's plain subscription hears them
+        plain = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))   # core NATS: no stream, no
+        plain.recv(4096)                                           # ack — the controller's subscription's way
         plain.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\n')
         while time.time() < end:            # heartbeats of 1 MiB
             plain.sendall(b"PUB %s %d\r\n%s\r\n" % (beat_subject("bad").encode(), len(huge), huge))
@@ -166,16 +196,6 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
                 "bad_stored": bad_stored[0], "bad_stored_bytes": bad_stored[1],
                 "store_growth_mib": round((os.path.getsize(db) + _size(f"{db}-wal") - base) / (1 << 20), 1),
                 "garbage": n, "beats": nb}
-    finally:
-        stop.set()
-        if ctl is not None and ctl.poll() is None:
-            ctl.send_signal(signal.SIGTERM)
-            try:
-                ctl.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                ctl.kill()
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def _size(path: str) -> int:
