@@ -47,7 +47,8 @@ for _ in $(seq 100); do .venv/bin/jobprobe status --socket "$sock" >/dev/null 2>
 pids=()
 for j in demo-a demo-b; do
   $sudo_ mkdir -p "$cg2/jobprobe-demo/$j"
-  $sudo_ .venv/bin/jobprobe attach --socket "$sock" --cgroup "$cg2/jobprobe-demo/$j" --job "$j"
+  $sudo_ .venv/bin/jobprobe attach --socket "$sock" --cgroup "$cg2/jobprobe-demo/$j" --job "$j" \
+      --label user=demo --label account=reference
   $sudo_ sh -c "echo \$\$ > '$cg2/jobprobe-demo/$j/cgroup.procs'; exec .venv/bin/python scripts/train_cpu.py --steps 8" \
     > /dev/null 2>&1 &
   pids+=($!)
@@ -55,7 +56,8 @@ done
 sleep 3
 $sudo_ .venv/bin/jobprobe status --socket "$sock"
 wait "${pids[@]}"
-sleep 2                                   # each job is detached by itself after its last frame
+sleep 4                                   # each job is detached by itself after its last frame, and the
+                                          # controller sees it end (3 intervals without its samples): its summary
 $sudo_ .venv/bin/jobprobe status --socket "$sock"
 $sudo_ kill -TERM $agent; wait $agent || true
 sleep 1
@@ -78,6 +80,8 @@ echo "== jobprobe report: one page per job, to open in a browser"
 echo "   open out/demo-a-report.html"
 echo "== jobprobe summary --store: where demo-a's time went"
 .venv/bin/jobprobe summary --store out/controller/store.db --job demo-a
+echo "== jobprobe jobs: the jobs that ended, a row each (owner, wall, how each ended, goodput, largest badput)"
+.venv/bin/jobprobe jobs --store out/controller/store.db --since 1h
 fi
 
 part stragglers || exit 0

@@ -34,3 +34,8 @@ def test_the_demos_agent_sends_every_frame_to_its_controller():
             written = sum(1 for fr in StreamReader(f) if fr.get("kind") == "sample")
         assert written >= 5 and stored.get(job) == written, (job, written, stored)
     assert "where the time went:" in res.stdout and "straggler" not in res.stdout.split("== jobprobe report")[0]
+    # the day's jobs: both, with the owner their attach gave them, ended
+    jobs = res.stdout.split("== jobprobe jobs")[1]
+    rows = [ln for ln in jobs.splitlines() if ln.startswith("demo-")]
+    assert sorted(r.split()[0] for r in rows) == ["demo-a", "demo-b"], jobs
+    assert all("account=reference,user=demo" in r for r in rows) and "2 jobs, 0 failed" in jobs, jobs
