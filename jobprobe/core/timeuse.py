@@ -147,8 +147,7 @@ class Tick:
         threads, not for a neighbour."""
         if self.pace is None:
             return None
-        cap = self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
-        return max(self.pace, min(self.pace + self.runq, cap))
+        return max(self.pace, min(self.pace + self.runq, self.cap()))
 
     def own_share(self) -> float:
         """Of the interval's wait for a CPU, the share its own threads made: the job's whole demand (its CPU, its
@@ -157,8 +156,11 @@ class Tick:
         rq = self.fig.get("sched.runq_lat_ns", 0.0) / 1e9 / self.dt if self.dt > 0 else 0.0
         if rq <= 0 or self.cores is None:
             return 0.0
-        cap = self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
-        return min(1.0, max(0.0, self.cores + rq - cap) / rq)
+        return min(1.0, max(0.0, self.cores + rq - self.cap()) / rq)
+
+    def cap(self) -> float:
+        """The CPUs the job may use: its CPU limit, else its cpuset, else the node's online CPUs (else no bound)."""
+        return self.grant.get("cpu_cores") or (self.cpus if self.cpus and self.cpus > 0 else math.inf)
 
     def by_lead(self) -> None:
         """Paced by the lead processes' CPU: the helpers' CPU is neither the pace nor the evidence (their share of
@@ -278,10 +280,12 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
                 b["starved"] = min(short, k.dt * max(0.0, (k.want or 0.0) - pace) / ref)
                 # whose wait: a group stopped by its CPU limit waited for the limit (throttled above its usual
                 # level), else its own threads beyond its CPUs, else other work's
-                limited = k.fig.get("cgroup.cpu_throttled_ns", 0.0) > usual.get("cgroup.cpu_throttled_ns", 0.0)
-                own = 0.0 if limited else b["starved"] * k.own_share()
-                parts["cpu_limit" if limited else "own_threads"] += b["starved"] if limited else own
-                parts["neighbours"] += 0.0 if limited else b["starved"] - own
+                if k.fig.get("cgroup.cpu_throttled_ns", 0.0) > usual.get("cgroup.cpu_throttled_ns", 0.0):
+                    parts["cpu_limit"] += b["starved"]
+                else:
+                    own = b["starved"] * k.own_share()
+                    parts["own_threads"] += own
+                    parts["neighbours"] += b["starved"] - own
                 split(k, short - b["starved"], steady, usual, by, b, parts, ck > 0)
             per.append(b)
     for run, first in zip(runs, firsts):
@@ -333,8 +337,8 @@ def failed(end: Any) -> bool:
 
 
 def switched(share: float, other: float) -> float:
-    """The share of an interval at the steady pace, where it ran at `other`'s share of it (startup's, teardown's)
-    for the rest: share = x + (1 - x) × other."""
+    """The share x of an interval at the steady pace, where it ran at `other`'s share of it (startup's) for the
+    rest: share = x + (1 - x) × other."""
     other = min(max(other, 0.0), share)
     return min(1.0, max(0.0, (share - other) / (1.0 - other))) if other < 1.0 else 1.0
 
