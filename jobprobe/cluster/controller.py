@@ -296,8 +296,7 @@ class Controller:
         # a job summarized before (its summary kept) whose samples came again is summarized again, whole
         out = [ev for job in ended if self.ends.samples.get(job, 0) >= MIN_SAMPLES or job in self.ends.done
                for ev in self._summary(job, now)]
-        for job in ended:
-            self.end_job(job)
+        self.end_jobs(ended)
         return out
 
     def _summary(self, job: str, now: float) -> list[dict]:
@@ -319,20 +318,25 @@ class Controller:
                  s["wall_s"], 100 * s["goodput"])
         return [self.node_event(first, job, "summary", now, {k: v for k, v in s.items() if k != "job"})]
 
-    def end_job(self, job: str) -> None:
-        """A job that ended lets go of what the controller held for it — its straggler track, its end's
-        bookkeeping, its runs' declared schemas, its place among each node's jobs, its energy once the newest
-        KEEP_ENDED ended jobs' are enough — so a month of short jobs costs what the live ones do (a frame of it that
-        comes later starts them again). Its summary stays (summary.KEEP newest)."""
-        self.stragglers.jobs.pop(job, None)
-        self.ends.seen.pop(job, None)
-        self.ends.samples.pop(job, None)
-        for key in [k for k in self.declared if k[1] == job]:
+    def end_jobs(self, jobs: list[str]) -> None:
+        """Jobs that ended let go of what the controller held for them — their straggler tracks, their ends'
+        bookkeeping, their runs' declared schemas, their place among each node's jobs, their energy once the newest
+        KEEP_ENDED ended jobs' are enough — so a month of short jobs costs what the live ones do (a frame of one that
+        comes later starts them again). Their summaries stay (summary.KEEP newest). One pass a batch, not a job."""
+        if not jobs:
+            return
+        for job in jobs:
+            self.stragglers.jobs.pop(job, None)
+            self.ends.seen.pop(job, None)
+            self.ends.samples.pop(job, None)
+            self.meter.end(job)
+        gone = set(jobs)
+        for key in [k for k in self.declared if k[1] in gone]:
             del self.declared[key]
         for st in self.nodes.values():
-            st.jobs.pop(job, None)
-            st.live.discard(job)
-        self.meter.end(job)
+            for job in gone & st.jobs.keys():
+                del st.jobs[job]
+            st.live -= gone
 
     def forget(self, now: float) -> None:
         """Bounded state: nodes silent for FORGET_NODE_S go, each node's jobs unseen for an hour, and the straggler
