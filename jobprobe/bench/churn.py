@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sqlite3
 import sys
 import threading
 import time
 import zlib
 from pathlib import Path
 
-from jobprobe.bench.flood import _wait, controller_site, set_on_exit
+from jobprobe.bench.flood import _wait, controller_site, count, set_on_exit, status_mib
 from jobprobe.bench.overhead import scratch
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.core.wire import frames_subject, msg_id
-
-def vm_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
 
 def job_frames(node: str, job: str, start: float, samples: int, interval: float) -> list[dict]:
     """A short CPU job's frames as its agent sends them: its hello, then `samples` samples (their times in the
@@ -60,7 +52,7 @@ def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, pro
     with controller_site(work) as (url, db, ctl), set_on_exit(stop):
         def watch() -> None:
             while not stop.is_set():
-                rss.append((time.time(), vm_rss_mib(ctl.pid)))
+                rss.append((time.time(), status_mib(ctl.pid, "VmRSS")))
                 stop.wait(0.25)
         threading.Thread(target=watch, daemon=True).start()
         w = Wire(url, name="churn")
@@ -85,23 +77,14 @@ def _churn(work: Path, nodes: int, runs: int, samples: int, interval: float, pro
                     f"{rss[-1][1] if rss else 0:.1f} MiB")
         w.close()
 
-        def stored() -> int:
-            c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-            try:
-                return c.execute("SELECT COUNT(*) FROM frames WHERE run != 'controller'").fetchone()[0]
-            finally:
-                c.close()
-        _wait(lambda: stored() >= sent, 120, "every frame stored")
+        _wait(lambda: count(db, "SELECT COUNT(*) FROM frames WHERE run != 'controller'") >= sent, 120,
+              "every frame stored")
         time.sleep(3 * interval * 3 + 1.0)      # the last jobs' ends: their summaries, their state let go
-        rss.append((time.time(), vm_rss_mib(ctl.pid)))
+        rss.append((time.time(), status_mib(ctl.pid, "VmRSS")))
         stop.set()
         alive = ctl.poll() is None
-        c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-        try:
-            summaries = c.execute("SELECT COUNT(*) FROM events WHERE event = 'summary'").fetchone()[0]
-            distinct = c.execute("SELECT COUNT(*) FROM frames WHERE run != 'controller'").fetchone()[0]
-        finally:
-            c.close()
+        summaries = count(db, "SELECT COUNT(*) FROM events WHERE event = 'summary'")
+        distinct = count(db, "SELECT COUNT(*) FROM frames WHERE run != 'controller'")
         half = next(v for t, v in rss if t >= t_half)      # when half the runs had been sent (and stored: it
         # keeps up — 50 nodes at 0.2 s are 250 frames/s)
         return {"alive": alive, "runs": per_node * nodes, "frames_sent": sent, "frames_stored": distinct,

@@ -39,11 +39,28 @@ def frame(node: str, job: str, seq: int, t: float, kind: str = "sample", **extra
     return f
 
 
-def vm_hwm_mib(pid: int) -> float:
+def status_mib(pid: int, field: str) -> float:
+    """A memory figure of a process (`VmHWM`: its peak RSS; `VmRSS`: now) from /proc/PID/status, in MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+@contextlib.contextmanager
+def read_only(db: Path) -> Iterator[sqlite3.Connection]:
+    """The store as a reader beside the controller writing it: read-only, closed after."""
+    c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def count(db: Path, sql: str) -> int:
+    """One COUNT(*) of the store."""
+    with read_only(db) as c:
+        return c.execute(sql).fetchone()[0]
 
 
 @contextlib.contextmanager
@@ -126,7 +143,7 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
 
         def watch() -> None:
             while not stop.is_set():
-                peak[0] = max(peak[0], vm_hwm_mib(ctl.pid))
+                peak[0] = max(peak[0], status_mib(ctl.pid, "VmHWM"))
                 stop.wait(0.2)
         threading.Thread(target=watch, daemon=True).start()
         bad = Wire(url, name="bad")
@@ -168,18 +185,12 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
             t.join(timeout=15)
         want = sum(sent.values())
 
-        def honest_stored() -> int:
-            c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-            try:
-                return c.execute("SELECT COUNT(*) FROM frames WHERE node IN ('h1', 'h2')").fetchone()[0]
-            finally:
-                c.close()
-        _wait(lambda: honest_stored() >= want, 120, "every honest frame stored")
+        _wait(lambda: count(db, "SELECT COUNT(*) FROM frames WHERE node IN ('h1', 'h2')") >= want, 120,
+              "every honest frame stored")
         time.sleep(1.0)
-        peak[0] = max(peak[0], vm_hwm_mib(ctl.pid))
+        peak[0] = max(peak[0], status_mib(ctl.pid, "VmHWM"))
         alive = ctl.poll() is None
-        c = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
-        try:
+        with read_only(db) as c:
             delay = c.execute("SELECT MAX(received - t), COUNT(*), COUNT(DISTINCT node || seq) FROM frames "
                               "WHERE node IN ('h1', 'h2')").fetchone()
             rejects = c.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(subject) + LENGTH(reason) + "
@@ -188,8 +199,6 @@ def _flood(work: Path, names: int, garbage_s: float, beats_s: float, big: int, r
                                                                    "GROUP BY node, reason")}
             bad_stored = c.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(body)), 0) FROM frames "
                                    "WHERE node IN ('bad', 'junk', 'big') AND run != 'controller'").fetchone()
-        finally:
-            c.close()
         return {"alive": alive, "peak_rss_mib": round(peak[0], 1), "honest_sent": want, "honest_stored": delay[1],
                 "honest_distinct": delay[2], "honest_worst_delay_s": round(delay[0], 3),
                 "rejects_rows": rejects[0], "rejects_bytes": rejects[1], "refused": counts,
