@@ -35,7 +35,7 @@ def test_parse_messages_reads_aggregate_pid_records():
     struct.pack_into("=H", stats, 0, 13)
     for name, value in (("ac_pid", 1234), ("ac_ppid", 1), ("ac_tgid", 1200), ("read_bytes", 4096 * 3),
                         ("write_bytes", 1 << 20), ("ac_utime", 5), ("ac_stime", 7),
-                        ("cpu_run_virtual_total", 12_345)):
+                        ("cpu_run_virtual_total", 12_345), ("ac_exitcode", 3 << 8)):
         off, fmt = ts.OFFSETS[name]
         struct.pack_into("=" + fmt, stats, off, value)
     nested = ts.attr(ts.TYPE_PID, struct.pack("=I", 1234)) + ts.attr(ts.TYPE_STATS, bytes(stats))
@@ -43,7 +43,8 @@ def test_parse_messages_reads_aggregate_pid_records():
     msg = struct.pack("=IHHII", 16 + len(body), 31, 0, 0, 0) + body
     other = struct.pack("=IHHII", 20, ts.NLMSG_ERROR, 0, 0, 0) + b"\0" * 4   # an ACK in the same datagram
     recs = ts.parse_messages(msg + other)
-    assert recs == [ts.ExitRecord(1234, 1200, 1, 12288, 1 << 20, 5, 7, 12_345)]
+    assert recs == [ts.ExitRecord(1234, 1200, 1, 12288, 1 << 20, 5, 7, 12_345, 3 << 8)]
+    assert recs[0].ended() == {"exit_code": 3} and recs[0]._replace(status=0x80 | 9).ended() == {"signal": 9}
     old = bytearray(stats)
     struct.pack_into("=H", old, 0, 11)                  # before version 12 there is no ac_tgid
     assert ts.parse_stats(bytes(old)).tgid == 0 and ts.parse_stats(bytes(old[:300])).read_bytes == 12288
@@ -79,6 +80,27 @@ def test_a_real_exit_record_holds_the_process_final_io(tmp_path):
     finally:
         listener.close()
     listener.close()   # idempotent
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not IS_ROOT, reason="registering for taskstats needs CAP_NET_ADMIN (root)")
+def test_a_real_exit_record_says_how_the_process_ended_as_its_parent_wait_does():
+    listener = ts.ExitListener()
+    try:
+        procs = [subprocess.Popen(["sh", "-c", "exit 3"]),
+                 subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"]),
+                 subprocess.Popen(["sleep", "30"])]
+        procs[2].kill()
+        waited = {p.pid: p.wait() for p in procs}           # the parent's own view: 3, -15, -9
+        got: dict = {}
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            got.update({r.tid: r.ended() for r in listener.drain() if r.tid in waited and r.tid == r.tgid})
+            time.sleep(0.05)
+        assert got == {pid: {"signal": -c} if c < 0 else {"exit_code": c} for pid, c in waited.items()}, got
+        assert sorted(waited.values()) == [-15, -9, 3]
+    finally:
+        listener.close()
 
 
 @pytest.mark.kernel

@@ -33,7 +33,7 @@ CMD_ATTR_REGISTER_CPUMASK, CMD_ATTR_DEREGISTER_CPUMASK = 3, 4
 TYPE_PID, TYPE_STATS, TYPE_AGGR_PID = 1, 3, 4
 # Offsets in struct taskstats (append-only across versions; tests/test_taskstats.py checks them against the
 # installed header with the C compiler). ac_tgid came with version 12.
-OFFSETS = {"version": (0, "H"), "ac_pid": (128, "I"), "ac_ppid": (132, "I"), "ac_utime": (152, "Q"),
+OFFSETS = {"version": (0, "H"), "ac_exitcode": (4, "I"), "ac_pid": (128, "I"), "ac_ppid": (132, "I"), "ac_utime": (152, "Q"),
            "ac_stime": (160, "Q"), "read_bytes": (248, "Q"), "write_bytes": (256, "Q"),
            "cpu_run_virtual_total": (72, "Q"), "ac_comm": (80, "32s"), "ac_tgid": (368, "I")}
 TGID_VERSION = 12
@@ -50,6 +50,12 @@ class ExitRecord(NamedTuple):
     stime_us: int
     run_ns: int          # time on CPU, exact (sum_exec_runtime: cpu_run_virtual_total); 0 where the kernel has no
                          # delay accounting struct for the task (CONFIG_TASK_DELAY_ACCT off)
+    status: int = 0      # how it ended, as wait(2) reports it (ac_exitcode: the task's exit_code)
+
+    def ended(self) -> dict[str, int]:
+        """{"exit_code": n} for an exit, {"signal": n} for a death by a signal (the wait status decoded)."""
+        sig = self.status & 0x7f
+        return {"signal": sig} if sig else {"exit_code": (self.status >> 8) & 0xff}
 
     def cpu_ns(self) -> tuple[int, int]:
         """(user, system) ns: the exact time on CPU split in the raw ticks' proportion — what the kernel itself does
@@ -100,7 +106,7 @@ def parse_stats(raw: bytes) -> ExitRecord:
     version = get("version")
     return ExitRecord(get("ac_pid"), get("ac_tgid") if version >= TGID_VERSION else 0, get("ac_ppid"),
                       get("read_bytes"), get("write_bytes"), get("ac_utime"), get("ac_stime"),
-                      get("cpu_run_virtual_total"))
+                      get("cpu_run_virtual_total"), get("ac_exitcode"))
 
 
 def parse_messages(data: bytes) -> list[ExitRecord]:
