@@ -56,7 +56,8 @@ class JobState:
 
 
 class PromSink:
-    def __init__(self, listen: str, max_jobs: int = 256, owner: tuple[str, ...] = OWNER):
+    def __init__(self, listen: str, max_jobs: int = 256, owner: tuple[str, ...] = OWNER,
+                 declared: dict[str, dict[str, dict[str, str]]] | None = None):
         from prometheus_client import start_http_server
         from prometheus_client.registry import CollectorRegistry
         host, port = host_port(listen, "--prometheus")
@@ -65,6 +66,9 @@ class PromSink:
         self.over_cap: set[str] = set()
         self.lock = threading.Lock()
         self.help: dict[str, tuple[str, str]] = {}          # metric → (kind, help)
+        # every probe's fields as the agent declares them (meanings too): HELP, and a probe switched on at run time
+        self.declared = declared or {}
+        self.ended: dict[tuple[str, str], int] = {}          # (cause, failed) → jobs whose last frame said so
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.server, self.thread = start_http_server(port, host or "0.0.0.0", registry=self.registry)
@@ -105,8 +109,9 @@ class PromSink:
         self.server.server_close()
 
     def _take(self, st: JobState, probes: dict[str, Any]) -> None:
-        for name, kind, labels, v, factor, doc in flatten(st.schema, probes):
-            if name not in self.help:
+        schema = {p: self.declared.get(p) or st.schema.get(p) or {} for p in probes}
+        for name, kind, labels, v, factor, doc in flatten(schema, probes):
+            if self.help.get(name, ("", ""))[1] != doc:
                 self.help[name] = (kind, doc)
             key = (name, labels)
             if kind == "histogram":

@@ -228,3 +228,53 @@ def test_a_jobs_owner_labels_are_on_every_series_escaped_and_only_the_allowed_on
     for bad in ("job", "__name", "9x", "a-b", "le"):
         with pytest.raises(BadInput):
             owner_names(bad)
+
+
+@pytest.mark.kernel
+def test_a_probe_switched_on_while_the_job_runs_is_in_metrics_with_help_from_its_declarations(make_cgroup, tmp_path):
+    """The real agent with /metrics: a job attached with `cgroup` only, then `+pressure` asked of it at run time —
+    its hello never named pressure — has its pressure series from the next ticks, and each HELP line is the field's
+    declared meaning (Probe.fields), not its name."""
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.config import Config
+    from jobprobe.node.control import ControlServer, call
+    from jobprobe.node.registry import all_probes
+    port = free_port()
+    cfg = Config(interval=0.25, probes="cgroup", socket=str(tmp_path / "a.sock"), state=str(tmp_path / "jobs.json"),
+                 prometheus=f"127.0.0.1:{port}")
+    agent = Agent(cfg)
+    server = ControlServer(agent, cfg.socket)
+    server.start()
+    loop = threading.Thread(target=agent.run, daemon=True)
+    loop.start()
+    cg = make_cgroup()
+    job = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: (cg.path / "cgroup.procs").write_text(str(os.getpid())))
+
+    def families():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+    try:
+        assert call(cfg.socket, {"cmd": "attach", "cgroup": str(cg.path), "job": "j"}, timeout=60)["ok"]
+        until(lambda: "jobprobe_cgroup_mem_bytes" in families(), 10, "the job's cgroup series")
+        assert not any(n.startswith("jobprobe_pressure") for n in families())
+        r = call(cfg.socket, {"cmd": "probes", "job": "j", "toggle": "+pressure"}, timeout=60)
+        assert r["probes"]["pressure"] == "ok", r
+        fams = until(lambda: (f := families()) and any(n.startswith("jobprobe_pressure") for n in f) and f, 10,
+                     "the pressure series after +pressure")
+    finally:
+        job.kill()
+        job.wait()
+        agent.stop_event.set()
+        loop.join(timeout=10)
+        server.close()
+        agent.close()
+    meaning = all_probes()["cgroup"].fields["mem_bytes"].meaning
+    assert fams["jobprobe_cgroup_mem_bytes"].documentation.startswith(meaning), fams["jobprobe_cgroup_mem_bytes"]
+    pressure = [f for n, f in fams.items() if n.startswith("jobprobe_pressure")]
+    declared = {f.meaning for f in all_probes()["pressure"].fields.values()}
+    assert pressure and all(f.documentation.split(" [pressure.")[0] in declared for f in pressure), pressure
+    assert all(s.labels["job"] == "j" for f in pressure for s in f.samples)

@@ -55,7 +55,9 @@ def _one(p: str, k: str, d: dict[str, str], v: Any, labels: tuple):
     if kind not in ("counter", "gauge", "histogram") or isinstance(v, bool) or v is None:
         return
     name, factor = metric_name(p, k, kind)
-    doc = f"{p}.{k} ({d.get('unit', '')}); docs/FRAMES.md"
+    unit = d.get("unit", "")
+    doc = f"{d['doc']} [{p}.{k}, {unit}]" if isinstance(d.get("doc"), str) and d["doc"] else \
+        f"{p}.{k} ({unit}); docs/FRAMES.md"
     if kind == "histogram":
         if isinstance(v, list) and all(isinstance(x, int) for x in v):
             yield name, kind, labels, v, factor, doc

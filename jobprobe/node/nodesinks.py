@@ -41,8 +41,13 @@ class NodeSinks:
         self.prom = None
         if self.cfg.prometheus:
             from jobprobe.exporters.prometheus import PromSink, owner_names
+            from jobprobe.node.probe import schema_of
+            from jobprobe.node.registry import all_probes
+            # every probe's declarations, meanings included: HELP lines, and the fields of a probe switched on
+            # for a job while it runs (its hello named only the probes it started with)
             self.prom = PromSink(self.cfg.prometheus, self.cfg.prometheus_max_jobs,
-                                 owner_names(self.cfg.prometheus_labels))
+                                 owner_names(self.cfg.prometheus_labels),
+                                 declared=schema_of(all_probes().values(), docs=True))
 
     def _file_of(self, job: str) -> dict[str, str]:
         """{"file": the job's frame file} where the agent writes one (--out) and it exists; else {}."""

@@ -72,10 +72,11 @@ def resolve_kinds(fields: dict[str, Field]) -> dict[str, Field]:
     return out
 
 
-def schema_of(probes: Iterable[Any]) -> dict[str, dict[str, dict[str, str]]]:
-    """{probe: {field: {type, unit, kind}}} of probes (instances or classes), for the hello frame."""
-    return {p.name: {k: {"type": f.type, "unit": f.unit, "kind": f.kind} for k, f in p.fields.items()}
-            for p in probes}
+def schema_of(probes: Iterable[Any], docs: bool = False) -> dict[str, dict[str, dict[str, str]]]:
+    """{probe: {field: {type, unit, kind}}} of probes (instances or classes), for the hello frame; with docs, each
+    field's meaning too (`doc`: the node's /metrics HELP lines)."""
+    return {p.name: {k: {"type": f.type, "unit": f.unit, "kind": f.kind, **({"doc": f.meaning} if docs else {})}
+                     for k, f in p.fields.items()} for p in probes}
 
 
 class Probe:
