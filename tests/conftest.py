@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jobprobe.kernel.host import find_cgroup2_mount
+from tests.workloads_memory import MemcgV1, memcg_v1_root, memwork
 
 TESTS = Path(__file__).resolve().parent
 IS_ROOT = os.geteuid() == 0
@@ -378,3 +379,29 @@ def as_nobody(where: Path, act) -> None:
 def nobody_uid() -> int:
     import pwd
     return pwd.getpwnam("nobody").pw_uid
+
+
+# ---- memory: v1 memory groups with a limit, a cold file (test_memory, test_cgroup, test_pressure, test_ends) ----
+@pytest.fixture
+def make_memcg(request):
+    """v1 memory cgroups with a limit (memory is a v1 controller on this project's hybrid hosts)."""
+    root = memcg_v1_root()
+    if root is None:
+        pytest.skip("no cgroup v1 memory hierarchy (memory limits are tested where memory is a v1 controller)")
+    groups = MemcgV1(root, f"jobprobe-test-{request.node.name[:30]}-{os.getpid()}")
+    yield groups.make
+    groups.remove()
+
+
+@pytest.fixture
+def cold_file():
+    """A file on a disk filesystem (not tmpfs), written and dropped from the page cache by a workload."""
+    made: list[Path] = []
+
+    def make(mib: int) -> Path:
+        made.append(Path(f"/var/tmp/jobprobe-memory-{os.getpid()}-{mib}.dat"))
+        subprocess.run(memwork("mkfile", made[-1], mib), check=True)
+        return made[-1]
+    yield make
+    for p in made:
+        p.unlink(missing_ok=True)

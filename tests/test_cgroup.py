@@ -22,7 +22,6 @@ from jobprobe.kernel.taskstats import ExitRecord
 from jobprobe.kernel import threadacct as threadacct_mod
 from jobprobe.kernel.threadacct import CLK_TCK, PAGE, PerPid, ThreadAcct, proc_counters
 from jobprobe.probes.cgroup import CgroupProbe, io_stat_bytes, read_kv
-from tests.test_memory import make_memcg  # noqa: F401 (a fixture)
 
 TICK_NS = 1_000_000_000 // CLK_TCK
 ROOT = Path(__file__).resolve().parent.parent

@@ -231,31 +231,6 @@ def probe():
     p.stop()
 
 
-@pytest.fixture
-def make_memcg(request):
-    """v1 memory cgroups with a limit (memory is a v1 controller on this project's hybrid hosts)."""
-    root = memcg_v1_root()
-    if root is None:
-        pytest.skip("no cgroup v1 memory hierarchy (memory limits are tested where memory is a v1 controller)")
-    groups = MemcgV1(root, f"jobprobe-test-{request.node.name[:30]}-{os.getpid()}")
-    yield groups.make
-    groups.remove()
-
-
-@pytest.fixture
-def cold_file():
-    """A file on a disk filesystem (not tmpfs), written and dropped from the page cache by a workload."""
-    made: list[Path] = []
-
-    def make(mib: int) -> Path:
-        made.append(Path(f"/var/tmp/jobprobe-memory-{os.getpid()}-{mib}.dat"))
-        subprocess.run(memwork("mkfile", made[-1], mib), check=True)
-        return made[-1]
-    yield make
-    for p in made:
-        p.unlink(missing_ok=True)
-
-
 @pytest.mark.kernel
 @pytest.mark.parametrize("kind", ["cgroup", "pids"])
 def test_page_faults_agree_with_perf_for_the_same_job(probe, make_cgroup, kind):

@@ -21,7 +21,6 @@ from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.pressure import PressureProbe, read_pressure
 from tests.conftest import TESTS
-from tests.test_memory import cold_file, make_memcg  # noqa: F401 (fixtures)
 from tests.test_sched import account, sched_workload
 from tests.workloads_blockio import Loop
 from tests.workloads_memory import memwork, spawn, window
