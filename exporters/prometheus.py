@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from jobprobe.core import ends
 from jobprobe.core.metrics import cumulative_buckets, flatten
 from jobprobe.core.wire import host_port
 
@@ -53,6 +54,7 @@ class JobState:
         self.node = ""
         self.owner: dict[str, str] = {}       # its allow-listed labels, from its newest frame that had any
         self.ended: float | None = None
+        self.end: dict | None = None          # its last frame's `end`: how it ended
 
 
 class PromSink:
@@ -96,6 +98,10 @@ class PromSink:
                 st.schema = frame["schema"]
             elif frame["kind"] == "sample" and isinstance(frame.get("probes"), dict):
                 self._take(st, frame["probes"])
+                if isinstance(frame.get("end"), dict):
+                    st.end = frame["end"]
+                    key = (ends.cause_of(st.end), str(ends.failed(st.end)).lower())
+                    self.ended[key] = self.ended.get(key, 0) + 1
 
     def forget(self, job: str) -> None:
         """The job was detached: its series stay KEEP_ENDED_S more (its last frame scraped), then go."""
@@ -154,7 +160,22 @@ class PromSink:
                     buckets = cumulative_buckets(counts, factor)
                     fam(name, extra).add_metric([st.node, job, *who, *[lv for _, lv in extra]], buckets, None)
             over = len(self.over_cap)
+            end = GaugeMetricFamily("jobprobe_job_end", "1 for a job that ended (its series stay 60 s): how (exit 3, "
+                                    "SIGKILL, OOM kill, group removed …), its cause and whether it failed, from its "
+                                    "last frame's `end` (docs/FRAMES.md)",
+                                    labels=["node", "job", *owner, "how", "cause", "failed"])
+            for job, st in self.jobs.items():
+                if st.end is not None:
+                    end.add_metric([st.node, job, *[st.owner.get(n, "") for n in owner], ends.how(st.end),
+                                    ends.cause_of(st.end), str(ends.failed(st.end)).lower()], 1)
+            ended = CounterMetricFamily("jobprobe_jobs_ended", "jobs of this node that ended since the agent started, "
+                                        "by cause (exit, signal, oom_kill, group_removed, exited, no_process) and "
+                                        "whether it was a failure", labels=["cause", "failed"])
+            for (cause, bad), n in sorted(self.ended.items()):
+                ended.add_metric([cause, bad], n)
         yield from fams.values()
+        yield end
+        yield ended
         g = GaugeMetricFamily("jobprobe_exporter_jobs_over_cap", "jobs attached but not exposed (over max_jobs)")
         g.add_metric([], over)
         yield g

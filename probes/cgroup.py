@@ -126,6 +126,13 @@ class V1Memory:
             out["memlim"] = limit
         return out
 
+    def oom_kills(self) -> int | None:
+        """The group's OOM kills so far (memory.oom_control oom_kill, kernel 4.13+); also read once its last process
+        is gone (an OOM kill empties it): the group found before stays."""
+        if self.dir is None:
+            return None
+        return (read_kv(f"{self.dir}/memory.oom_control", self.files.read) or {}).get("oom_kill")
+
 
 class Throttle:
     """CPU bandwidth throttling of the job's group(s): what a CPU limit (cpu.max; v1 cpu.cfs_quota_us) did to it.
@@ -257,6 +264,9 @@ class CgroupProbe(Probe):
                               "where the cpuset controller is not on for it", kind="gauge"),
         "cpus_online": Field("int", "count", "CPUs online on the node now: the most the group can use where no limit "
                              "or cpuset says less", kind="gauge"),
+        "oom_kills": Field("int", "count", "processes of the job's group the OOM killer took this interval "
+                           "(memory.events oom_kill; a hybrid host: the job's own v1 group's memory.oom_control); "
+                           "absent where no memory controller counts for the group"),
         "mem_limit_bytes": Field("int", "bytes", "the group's memory limit now (cgroup2 memory.max; a hybrid "
                                  "host: the job's own v1 group's memory.limit_in_bytes); absent without a limit"),
     }
@@ -282,7 +292,7 @@ class CgroupProbe(Probe):
         self.target = target
         self.cg = Path(target.cgroup_path) if target.cgroup_path else None
         self.cgf = {n: str(self.cg / n) for n in ("memory.current", "memory.stat", "memory.peak", "memory.max",
-                                                  "cpuset.cpus.effective",
+                                                  "memory.events", "cpuset.cpus.effective",
                                                   "io.stat")} if self.cg is not None else {}
         if self.cg is not None and target.cpu_stat() is None:
             raise ProbeUnavailable(f"cannot read {self.cg / 'cpu.stat'}")
@@ -299,7 +309,7 @@ class CgroupProbe(Probe):
         self.from_zero = bool(getattr(target, "from_start", False))
         if self.from_zero:
             self.perpid.primed = True
-            self.prev = dict.fromkeys(KEYS, 0)
+            self.prev = dict.fromkeys(KEYS + ("ooms",), 0)
         else:
             self.prev = self._read()  # baseline
 
@@ -328,6 +338,9 @@ class CgroupProbe(Probe):
                 limit = read_int(self.cgf["memory.max"], optional)     # "max": no limit
                 if limit is not None:
                     cur["memlim"] = limit
+                ooms = (read_kv(self.cgf["memory.events"], optional) or {}).get("oom_kill")
+                if ooms is not None:
+                    cur["ooms"] = ooms
             cpus = count_cpus(optional(self.cgf["cpuset.cpus.effective"]))
             if cpus:
                 cur["cpus"] = cpus
@@ -341,6 +354,8 @@ class CgroupProbe(Probe):
         if self.cg is not None and "mem" not in cur and (v1 := self.v1mem.read(pids)) is not None:
             cur.update(v1)            # a hybrid host's v1 memory group, the job's own
             need_proc = io is None
+        if self.cg is not None and "ooms" not in cur and (ooms := self.v1mem.oom_kills()) is not None:
+            cur["ooms"] = ooms
         if not self.throttle.is_v2:      # a hybrid host's v1 cpu controller, or a PID tree's groups
             self.throttle.v1(pids)
         if need_proc:  # PID-tree target, or controllers a hybrid host keeps on cgroup v1
@@ -397,6 +412,7 @@ class CgroupProbe(Probe):
                 "nprocs": cur["nprocs"], "helper_nprocs": cur["helpers"][0], "helper_cpu_user_ns": cur["helpers"][1],
                 "helper_cpu_system_ns": cur["helpers"][2], "exits_uncounted": uncounted, **self.throttle.take(),
                 **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
+                **({"oom_kills": d("ooms")} if "ooms" in cur else {}),
                 **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}), "cpus_online": tickmemo.get("cpus_online", self._online_cpus)}
 
     def _online_cpus(self) -> int:

@@ -23,8 +23,13 @@ from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.core.wire import subject_of
 
 REPO = Path(__file__).resolve().parents[1]
-ENDS = [{"exit_code": 0}, {"exit_code": 3}, {"signal": 9}, {"exit_code": 0}, None, {"signal": 15}, {"exit_code": 0},
-        {"exit_code": 1}, None, {"exit_code": 0}]
+# each job's last frame's `end`, and what its row must say: how it ended, whether that was a failure
+ENDS = [({"exit_code": 0}, "exit 0", False), ({"cause": "exit", "exit_code": 3}, "exit 3", True),
+        ({"signal": 9}, "SIGKILL", True), ({"cause": "group_removed"}, "group removed", False), (None, "", False),
+        ({"cause": "signal", "signal": 15}, "SIGTERM", True),
+        ({"cause": "oom_kill", "signal": 9, "oom_kills": 2}, "OOM kill (SIGKILL)", True),
+        ({"exit_code": 1}, "exit 1", True), (None, "", False), ({"cause": "group_removed", "exit_code": 0},
+                                                                 "group removed (exit 0)", False)]
 
 
 def jobs_cli(*args) -> subprocess.CompletedProcess:
@@ -39,7 +44,7 @@ def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
     def send(frames):
         ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
     want = {}
-    for k, end in enumerate(ENDS):
+    for k, (end, how, bad) in enumerate(ENDS):
         job, nodes = f"job{k}", ["a", "b"] if k == 4 else ["a"]
         labels = {"user": f"u{k % 3}", "account": f"acct{k % 2}"}
         bs = {n: FrameBuilder(n, job, f"r{k}{n}") for n in nodes}
@@ -57,9 +62,7 @@ def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
         for _ in range(5):                    # its nodes alive, silent about it: it ends
             now += 1
             send([b.heartbeat(now, 1.0, 0, False) for b in beats.values()])
-        how = "" if end is None else f"exit {end['exit_code']}" if "exit_code" in end else f"signal {end['signal']}"
-        want[job] = {"owner": labels, "nodes": len(nodes), "start": start, "end": how,
-                     "failed": end is not None and end.get("exit_code", 1) != 0}
+        want[job] = {"owner": labels, "nodes": len(nodes), "start": start, "end": how, "failed": bad}
     ctl.store.close()
     r = jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--format", "json")
     assert r.returncode == 0, r.stderr
@@ -77,10 +80,10 @@ def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
     assert [x["job"] for x in json.loads(r.stdout)] == [f"job{k}" for k in reversed(range(10))]
     r = jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--format", "csv", "--sort", "goodput")
     table = list(csv.DictReader(io.StringIO(r.stdout)))
-    assert {x["job"] for x in table[:4]} == {"job1", "job2", "job5", "job7"} and len(table) == 10
+    assert {x["job"] for x in table[:5]} == {"job1", "job2", "job5", "job6", "job7"} and len(table) == 10
     assert table[0]["owner"] == "account=acct1,user=u1" and table[0]["failed"] == "True"
     text = jobs_cli("--store", str(tmp_path / "s.db")).stdout
-    assert "10 jobs, 4 failed" in text and "exit 3 FAILED" in text and "signal 9 FAILED" in text
+    assert "10 jobs, 5 failed" in text and "exit 3 FAILED" in text and "SIGKILL FAILED" in text
     assert "no job ended" in jobs_cli("--store", str(tmp_path / "s.db"), "--since", "1s").stdout
 
 

@@ -753,17 +753,23 @@ def test_the_controller_writes_a_summary_when_the_jobs_last_node_lets_it_go(tmp_
         s["buckets"]["startup"]
     send([beats[n].heartbeat(wall + t + 5, 1.0, 0, False) for n in "ab"], t + 5)
     assert len(summaries()) == 1                  # said once
-    # it runs again on b; b then falls silent altogether (lost): no summary while b cannot be heard
+    # it runs again on b; b then falls silent altogether: no summary while b is only late, one once it is lost
+    # (the job ended there with its node), and none more when b is heard again without the job
     t += 6
     busy = {"cgroup": {"cpu_user_ns": 2 * 10 ** 9, "cpu_system_ns": 0}}
     send([jobs["b"].sample(wall + t, 1.0, busy, {"cgroup": "ok"})], t)
-    for _ in range(6):
+    for _ in range(3):
         t += 1
         send([beats["a"].heartbeat(wall + t, 1.0, 0, False)], t)
-    assert len(summaries()) == 1 and ctl.nodes["b"].lost
+    assert len(summaries()) == 1 and not ctl.nodes["b"].lost
+    for _ in range(3):
+        t += 1
+        send([beats["a"].heartbeat(wall + t, 1.0, 0, False)], t)
+    assert len(summaries()) == 2 and ctl.nodes["b"].lost
+    assert summaries()[1]["wall_s"] > 12 and summaries()[1]["ended"]["cause"] == "node_lost"
     t += 1
     send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
-    assert len(summaries()) == 2 and summaries()[1]["wall_s"] > 12
+    assert len(summaries()) == 2
 
 
 def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path):
@@ -783,7 +789,7 @@ def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path
     def send(frames, now):
         ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
     for job, ends in (("crashed", {"a": {"why": "exited", "exit_code": 0}, "b": {"why": "exited", "exit_code": 3}}),
-                      ("silent", {})):
+                      ("silent", {}), ("lost", {"a": {"why": "exited", "cause": "exit", "exit_code": 0}})):
         b = {n: FrameBuilder(n, job, f"r{n}{job}") for n in "ab"}
         t = 1000.0
         send([{**b[n].hello(probes={}), "interval": 1.0} for n in "ab"], t)
@@ -793,17 +799,22 @@ def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path
                                   {"cgroup": "ok"}, end=ends.get(n) if i == 7 else None) for n in "ab"]
             send(frames, t)
         beats = {n: FrameBuilder(n, "node", f"b{n}{job}") for n in "ab"}
-        for _ in range(5):
+        for _ in range(6):          # the third job's node b goes silent with it: lost, the job ended there
             t += 1
-            send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in "ab"], t)
+            send([beats[n].heartbeat(wall + t, 1.0, 0, False) for n in ("a" if job == "lost" else "ab")], t)
     got = {j: json.loads(x) for j, x in ctl.store.sql("SELECT job, body FROM events WHERE event = 'summary'")[1]}
+    assert got["lost"]["ended"]["how"] == "node lost" and got["lost"]["ended"]["node"] == "b", got["lost"]["ended"]
+    assert got["lost"]["ended"]["ok"] is False and got["lost"]["per_node"]["b"]["buckets"]["lost"] > 3
+    assert got["lost"]["per_node"]["a"]["buckets"]["lost"] == 0
     assert got["crashed"]["ended"]["how"] == "exit 3" and got["crashed"]["ended"]["node"] == "b"
     assert got["crashed"]["ended"]["ok"] is False and got["crashed"]["buckets"]["lost"] > 3, got["crashed"]
     assert got["silent"]["ended"] is None and got["silent"]["buckets"]["lost"] == 0
     metrics = {m.name: m for m in MetricsCollector(ctl).collect()}
-    (end,) = metrics["jobprobe_job_end"].samples
-    assert end.labels == {"job": "crashed", "how": "exit 3", "failed": "true", "node": "b"} and end.value == 1
-    assert {x.labels["end"]: x.value for x in metrics["jobprobe_jobs_ended"].samples} == {"failed": 1, "unknown": 1}
+    end, lost = metrics["jobprobe_job_end"].samples
+    assert end.labels == {"job": "crashed", "how": "exit 3", "cause": "exit", "failed": "true", "node": "b"}
+    assert end.value == 1 and lost.labels["cause"] == "node_lost"
+    assert {(x.labels["cause"], x.labels["failed"]): x.value for x in metrics["jobprobe_jobs_ended"].samples} == \
+        {("exit", "true"): 1, ("unknown", "false"): 1, ("node_lost", "true"): 1}
 
 
 def test_a_job_too_large_to_sum_inline_gets_a_summary_that_says_so(tmp_path, monkeypatch):

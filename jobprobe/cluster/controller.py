@@ -60,7 +60,7 @@ SUMMARY_MAX_SAMPLES = 50_000    # samples the controller reads for a summary eve
 class NodeState:
     interval: float = 1.0
     last: float = 0.0                     # when its last frame arrived (controller clock, UNIX s)
-    lost: bool = False
+    lost: float = 0.0                     # when it was lost (controller clock); 0: it is not
     stopped: bool = False                 # its agent announced a clean stop (a heartbeat `stopping`): never lost
     heartbeats: int = 0                   # heartbeats received (not stored)
     beat_jobs: int = 0                    # the jobs its agent had attached, as its last heartbeat said
@@ -89,7 +89,7 @@ class Controller:
         self.quotas = Quotas(limits)
         self.refusals = Refusals()
         self.clocks = Clocks()
-        self.ended_by: dict[str, int] = {}     # jobs summarized since the start, by how they ended (/metrics)
+        self.ended_by: dict[tuple, int] = {}   # jobs summarized since the start, by (cause, failed) (/metrics)
         self._given: dict[tuple[str, str], int] = {}   # (node, job) → the last seq an event of this batch took
         self.refused_by: dict[str, int] = {}           # reason → refusals (a handful of reasons: bounded)
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0, "consumer_errors": 0}
@@ -235,7 +235,7 @@ class Controller:
                     and f["interval"] > 0:
                 st.interval = float(f["interval"])
             if st.lost:
-                st.lost = False
+                st.lost = 0.0
                 out += [self.node_event(f["node"], job, "node_back", now, silent_s=round(now - st.last, 3))
                         for job in st.lost_jobs]
                 st.lost_jobs = []
@@ -267,7 +267,7 @@ class Controller:
         out = []
         for node, st in self.nodes.items():
             if not st.lost and not st.stopped and st.last and now - st.last > LOST_AFTER * st.interval:
-                st.lost = True
+                st.lost = now
                 since = st.last - LIVE_JOB_INTERVALS * st.interval
                 st.lost_jobs = [j for j in st.live if st.jobs.get(j, 0.0) >= since] or \
                     ([NODE_JOB] if self.owns_node(node) and (self.part[1] == 1 or not st.beat_jobs) else [])
@@ -289,9 +289,9 @@ class Controller:
         sent its samples still heard from, none sending one of it for END_AFTER of its intervals."""
         self.ends.saw(frames, now)
 
-        def alive(node: str) -> bool:
+        def alive(node: str) -> bool:     # heard from, or lost in an earlier batch (its node_lost is stored)
             st = self.nodes.get(node)
-            return st is not None and not st.lost and now - st.last <= LOST_AFTER * st.interval
+            return st is not None and (0 < st.lost < now or not st.lost and now - st.last <= LOST_AFTER * st.interval)
         ended = self.ends.ended(now, alive, lambda n: self.nodes[n].interval)
         # a job summarized before (its summary kept) whose samples came again is summarized again, whole
         out = [ev for job in ended if self.ends.samples.get(job, 0) >= MIN_SAMPLES or job in self.ends.done
@@ -312,7 +312,7 @@ class Controller:
         if not s["nodes"]:
             return []
         self.ends.keep(job, s)
-        kind = "unknown" if not s.get("ended") else "ok" if s["ended"]["ok"] else "failed"
+        kind = (s["ended"]["cause"], str(not s["ended"]["ok"]).lower()) if s.get("ended") else ("unknown", "false")
         self.ended_by[kind] = self.ended_by.get(kind, 0) + 1
         log.info("job %s ended (%s): %.0f s, goodput %.0f%%", job, (s.get("ended") or {}).get("how", "how unknown"),
                  s["wall_s"], 100 * s["goodput"])

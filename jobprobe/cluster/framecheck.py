@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from jobprobe.core import schema
+from jobprobe.core import ends, schema
 from jobprobe.core.frame import KINDS, MalformedFrame, SCHEMA_VERSION
 from jobprobe.core.numbers import is_int, is_number
 
@@ -193,13 +193,16 @@ def _heartbeat(f: dict) -> None:
 
 
 def _end(end: Any) -> None:
-    """A job's last frame's `end`: why (a string), and exit_code 0..255 or signal 1..127 where known."""
+    """A job's last frame's `end` (core/ends.py): why (a string), its cause, exit_code 0..255 or signal 1..127 and
+    the OOM kills counted, where known."""
     ok = isinstance(end, dict) and isinstance(end.get("why"), str) and len(end["why"]) <= MAX_NAME and \
-        set(end) <= {"why", "exit_code", "signal"} and \
-        all(is_int(end[k]) and lo <= end[k] <= hi for k, lo, hi in (("exit_code", 0, 255), ("signal", 1, 127))
-            if k in end)
+        set(end) <= {"why", "cause", "exit_code", "signal", "oom_kills"} and \
+        ("cause" not in end or end["cause"] in ends.CAUSES) and \
+        all(is_int(end[k]) and lo <= end[k] <= hi
+            for k, lo, hi in (("exit_code", 0, 255), ("signal", 1, 127), ("oom_kills", 0, 1 << 31)) if k in end)
     if not ok:
-        raise MalformedFrame("sample field 'end': expected a map of why (text), exit_code 0..255 or signal 1..127")
+        raise MalformedFrame("sample field 'end': expected a map of why (text), cause (one of "
+                             f"{', '.join(ends.CAUSES)}), exit_code 0..255, signal 1..127, oom_kills ≥ 0")
 
 
 def _sample(f: dict, declared: dict | None) -> None:

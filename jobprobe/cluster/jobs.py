@@ -82,7 +82,7 @@ def _owner_text(labels: dict[str, str]) -> str:
 def text(rs: list[dict[str, Any]]) -> str:
     if not rs:
         return "no job ended in the window\n"
-    head = f"{'job':<28} {'owner':<32} {'nodes':>5} {'start':<19} {'wall':>9} {'end':<17} {'goodput':>7}  " \
+    head = f"{'job':<28} {'owner':<32} {'nodes':>5} {'start':<19} {'wall':>9} {'end':<25} {'goodput':>7}  " \
            f"{'largest badput':<26} stragglers"
     lines = [head]
     for r in rs:
@@ -90,7 +90,7 @@ def text(rs: list[dict[str, Any]]) -> str:
         end = (r["end"] or "-") + (" FAILED" if r["failed"] else "")
         bad = f"{r['badput']} {r['badput_s']:.0f} s" if r["badput"] else "-"
         lines.append(f"{r['job'][:28]:<28} {_owner_text(r['owner'])[:32]:<32} {r['nodes']:>5} {start:<19} "
-                     f"{r['wall_s']:>8.0f}s {end:<17} {100 * r['goodput']:>6.0f}%  {bad[:26]:<26} "
+                     f"{r['wall_s']:>8.0f}s {end:<25} {100 * r['goodput']:>6.0f}%  {bad[:26]:<26} "
                      f"{','.join(r['stragglers']) or '-'}")
     failed = sum(r["failed"] for r in rs)
     lines.append(f"{len(rs)} job{'s' if len(rs) != 1 else ''}, {failed} failed")

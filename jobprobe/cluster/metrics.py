@@ -92,17 +92,20 @@ class MetricsCollector:
         for job, s in done:
             g.add_metric([job], s["goodput"])
         yield g
-        g = GaugeMetricFamily("jobprobe_job_end", "1 for each ended job, labelled with how it ended (exit N, signal N,"
-                              " ended: no code known) and whether that was a failure, from its last frame's `end`",
-                              labels=["job", "how", "failed", "node"])
+        g = GaugeMetricFamily("jobprobe_job_end", "1 for each ended job: how it ended (exit 3, SIGKILL, OOM kill, "
+                              "group removed, node lost …), its cause (docs/FRAMES.md, `end`), whether that was a "
+                              "failure and the node that said it, from its last frame's `end`",
+                              labels=["job", "how", "cause", "failed", "node"])
         for job, s in done:
             if s.get("ended"):
-                g.add_metric([job, s["ended"]["how"], str(not s["ended"]["ok"]).lower(), s["ended"]["node"]], 1)
+                e = s["ended"]
+                g.add_metric([job, e["how"], e.get("cause", ""), str(not e["ok"]).lower(), e["node"]], 1)
         yield g
-        c = CounterMetricFamily("jobprobe_jobs_ended", "jobs summarized since the controller started, by how they "
-                                "ended (ok, failed, unknown: no node said)", labels=["end"])
-        for kind, n in sorted(ctl.ended_by.items()):
-            c.add_metric([kind], n)
+        c = CounterMetricFamily("jobprobe_jobs_ended", "jobs summarized since the controller started, by the cause of "
+                                "their end (exit, signal, oom_kill, group_removed, exited, no_process, node_lost; "
+                                "unknown: no node said) and whether it was a failure", labels=["cause", "failed"])
+        for (cause, bad), n in sorted(ctl.ended_by.items()):
+            c.add_metric([cause, bad], n)
         yield c
         g = GaugeMetricFamily("jobprobe_job_time_seconds", "the job's wall time by bucket (startup, computing, "
                               "waiting_for_input, …), from its summary", labels=["job", "bucket"])

@@ -17,7 +17,8 @@ from typing import Any, Iterable
 
 from jobprobe.cluster import report
 from jobprobe.core import efficiency
-from jobprobe.core.timeuse import BUCKETS, STARVED_BY, decompose, failed, num, usable
+from jobprobe.core import ends as job_ends
+from jobprobe.core.timeuse import BUCKETS, STARVED_BY, decompose, num, usable
 
 STARVED_WORDS = {"own_threads": "its own threads, beyond its CPUs", "cpu_limit": "its CPU limit (throttled)",
                  "neighbours": "other work on its CPUs (neighbours)", "memory": "memory stalls"}
@@ -50,7 +51,8 @@ MIN_SAMPLES = 3         # a job's samples (from all its nodes) before its end is
 
 class JobEnds:
     """The controller's view of when a job ends: every node that sent its samples is alive (still sending other
-    frames, heartbeats included) and none sent one of it for END_AFTER of its intervals. Each end is said once; a job
+    frames, heartbeats included) or lost (the job ended there with it: `node_lost`), and none sent one of it for
+    END_AFTER of its intervals. Each end is said once; a job
     whose samples come again ends again later (its summary then covers its whole run)."""
 
     def __init__(self) -> None:
@@ -147,11 +149,29 @@ def how_it_ended(by_node: dict[str, list[dict]]) -> dict[str, Any] | None:
             ends.append((num(last, "t") or 0.0, node, last["end"]))
     if not ends:
         return None
-    bad = sorted(e for e in ends if failed(e[2]))
-    t, node, end = bad[0] if bad else max(ends)
-    how = f"exit {end['exit_code']}" if isinstance(end.get("exit_code"), int) else \
-        f"signal {end['signal']}" if isinstance(end.get("signal"), int) else "ended"
-    return {"node": node, "t": t, "how": how, "ok": not bad, "why": str(end.get("why", ""))[:200]}
+    bad = sorted((e for e in ends if job_ends.failed(e[2])), key=lambda e: (e[0], e[1]))
+    t, node, end = bad[0] if bad else max(ends, key=lambda e: (e[0], e[1]))
+    return {"node": node, "t": t, "how": job_ends.how(end), "cause": job_ends.cause_of(end), "ok": not bad,
+            "why": str(end.get("why", ""))[:200],
+            **{k: end[k] for k in ("exit_code", "signal", "oom_kills") if isinstance(end.get(k), int)}}
+
+
+def lost_nodes(by_node: dict[str, list[dict]], events: list[dict]) -> None:
+    """A node the controller lost (`node_lost`, not followed by its `node_back`) whose last frame of the job has no
+    `end`: the job ended there with its node — its last frame (a copy) says so, as an agent's would
+    (core/ends.py)."""
+    lost: dict[str, dict] = {}
+    for e in events:             # in time order: the last word on each node
+        if e.get("event") in ("node_lost", "node_back"):
+            lost[str(e.get("node", "?"))] = e
+    for node, e in lost.items():
+        fs = by_node.get(node)
+        if e.get("event") != "node_lost" or not fs:
+            continue
+        i = max(range(len(fs)), key=lambda k: num(fs[k], "t") or 0.0)
+        if "end" not in fs[i]:
+            fs[i] = {**fs[i], "end": {"why": f"node {node} lost: silent {e.get('silent_s', '?')} s",
+                                      "cause": "node_lost"}}
 
 
 def split(frames: list[dict]) -> tuple[dict[str, list[dict]], dict[str, dict], list[dict]]:
@@ -164,9 +184,10 @@ def split(frames: list[dict]) -> tuple[dict[str, list[dict]], dict[str, dict], l
             by_node[str(f.get("node", "?"))].append(f)
         elif f.get("kind") == "hello":
             hellos[str(f.get("node", "?"))].append(f)
-    nodes = {n: decompose(hellos[n] + fs, intervals=True) for n, fs in sorted(by_node.items())}
     events = sorted((f for f in frames if f.get("kind") == "event" and num(f, "t") is not None),
                     key=lambda e: num(e, "t"))
+    lost_nodes(by_node, events)
+    nodes = {n: decompose(hellos[n] + fs, intervals=True) for n, fs in sorted(by_node.items())}
     ends = [num(f, "t") for fs in by_node.values() for f in fs]
     periods = [{**p, "node": str(p["node"]), "reason": str(p["reason"]),
                 "waited_by": [str(w) for w in p["waited_by"]] if isinstance(p["waited_by"], list) else []}

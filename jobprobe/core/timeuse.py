@@ -48,6 +48,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+from jobprobe.core.ends import failed
+
 BUCKETS = ("startup", "computing", "waiting_for_input", "waiting_for_peers", "starved", "checkpointing", "gpu_idle",
            "lost", "teardown", "other")
 STEADY_PCT = 0.97          # the steady pace: this percentile of the intervals' paces (a job held back in most of
@@ -328,12 +330,6 @@ def teardown(run: list[int], first: int, ticks: list[Tick], per: list[dict[str, 
             per[j]["other"] >= 0.5 * (ticks[j].dt - per[j]["computing"]) > 0:
         per[j] = dict.fromkeys(BUCKETS, 0.0) | {"teardown": ticks[j].dt}
         j -= 1
-
-
-def failed(end: Any) -> bool:
-    """Whether a last frame's `end` says the job ended badly: an exit code other than 0, or a signal."""
-    return isinstance(end, dict) and ((isinstance(end.get("exit_code"), int) and end["exit_code"] != 0)
-                                      or isinstance(end.get("signal"), int))
 
 
 def switched(share: float, other: float) -> float:

@@ -40,6 +40,7 @@ from jobprobe.kernel.host import Host
 from jobprobe.node.adopt import Adoption
 from jobprobe.node.config import Config
 from jobprobe.node.jobspec import JobSpec, spec_key, waitable
+from jobprobe.node.leads import Leads
 from jobprobe.node.nodesinks import NodeSinks
 from jobprobe.node.registry import all_probes, parse_probes
 from jobprobe.node.sampler import Sampler, run_ticks
@@ -56,8 +57,11 @@ END_WHY = 200    # characters of why a job ended that its last frame carries (a 
 class Job:
     """One attached job: its target, its probes' sampler and sinks."""
 
-    def __init__(self, name: str, spec: JobSpec | None, target: Target, sampler: Sampler, sinks: list):
+    def __init__(self, name: str, spec: JobSpec | None, target: Target, sampler: Sampler, sinks: list,
+                 leads: Leads | None = None):
         self.name, self.spec, self.target, self.sampler, self.sinks = name, spec, target, sampler, sinks
+        self.leads = leads          # how its lead processes ended (a target that did not start them)
+        self.removed = False        # its group was removed under it
         self.attached_at = time.time()
         self.ended: str | None = None
         self.had_procs = False      # a group attached before its processes start is not "ended" while empty
@@ -149,7 +153,8 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             sampler = Sampler(target, probes, sinks, self.cfg.interval, self.host, clock=self.clock,
                               rules=self.rules, trace_dir=self.cfg.trace_dir, run=self.run_id, window_probes=extra,
                               trace_every=self.cfg.trace_every)
-            job = Job(target.job, spec, target, sampler, sinks)
+            job = Job(target.job, spec, target, sampler, sinks,
+                      None if target.launched_pids() else Leads(self.host.proc, self.host.is_root))
             try:
                 hello = sampler.start()      # outside the lock: the other jobs' ticks go on meanwhile
             except BaseException:
@@ -289,6 +294,8 @@ class Agent(NodeSinks, TraceRequests, Adoption):
     def _tick_job(self, job: Job) -> None:
         try:
             job.target.refresh()
+            if job.leads is not None:
+                job.leads.update(job.target.pids())
             if job.target.kind == "cgroup":
                 has = bool(job.target.pids())
                 if job.had_procs and not has:
@@ -299,9 +306,15 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                     job.ended = f"no process in {job.name} for the {self.cfg.attach_wait:g} s since it was attached"
                 job.had_procs |= has
         except TargetGone as err:
-            job.ended = str(err)
-        # the job's end, in its last frame: why, and how its lead process ended where the target knows it
-        end = {"why": job.ended[:END_WHY], **job.target.exit_status()} if job.ended else None
+            job.ended, job.removed = str(err), job.target.kind == "cgroup"
+            if job.leads is not None:
+                job.leads.update([])       # the records of its last processes
+        # the job's end, in its last frame: why, and how its lead process(es) ended where that is known
+        end = None
+        if job.ended:
+            status = job.target.exit_status() or (job.leads.status() if job.leads is not None else {})
+            end = {"why": job.ended[:END_WHY], "status": status, "removed": job.removed,
+                   "never_ran": not job.had_procs and job.target.kind == "cgroup"}
         try:
             job.sampler.tick(end)
         except Exception:
@@ -334,6 +347,8 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             job.released = True
             job.sampler.stop()
             job.target.close()
+            if job.leads is not None:
+                job.leads.close()
 
     def _retry_pending(self) -> None:
         with self.lock:

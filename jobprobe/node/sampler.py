@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import Callable, Iterable
 
 from jobprobe import __version__
+from jobprobe.core import ends
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.kernel.host import Host
@@ -46,6 +47,7 @@ class Sampler:
         self.running: dict[str, Probe] = {}
         self.stop_event = threading.Event()
         self.end_reason: str | None = None
+        self.oom_kills = 0                     # counted over the job's life, for its `end`
         self._last = 0.0
         self._read_at: dict[str, float] = {}     # each probe's last sample() call (the clock)
         self.trace_dir = trace_dir
@@ -276,7 +278,9 @@ class Sampler:
             return self.builder.labels
 
     def tick(self, end: dict | None = None) -> dict:
-        """One sample frame (and its events, stacks, traces); `end`: the job ended, this is its last frame."""
+        """One sample frame (and its events, stacks, traces); `end`: the job ended, this is its last frame — why,
+        status (its lead's exit_code or signal, where known), removed (its group), never_ran (no process came);
+        the frame's `end` adds the OOM kills counted over the job's life (core/ends.record)."""
         self.builder.labels = self._labels()
         now = self.clock()
         dt, self._last = now - self._last, now
@@ -309,6 +313,12 @@ class Sampler:
                 log.warning("probe %s failed: %s", name, err)
                 self.status[name] = f"failed: {_reason(err)}"
                 self._stop_probe(name)
+        # OOM kills: the group's own counter (cgroup) and the kernel's choice of victims (memory) count the same
+        # kills; the larger of the two each tick
+        self.oom_kills += max((values.get(p) or {}).get("oom_kills") or 0 for p in ("cgroup", "memory"))
+        if end is not None:
+            end = ends.record(end["why"], end.get("status") or {}, bool(end.get("removed")),
+                              bool(end.get("never_ran")), self.oom_kills)
         frame = self.builder.sample(t, dt, values, dict(self.status), reads, end)
         self._emit(frame)
         if self.ruleset is not None:           # rules over the job's recent frames: fired and ended as events

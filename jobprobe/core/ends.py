@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How a job ended: the `end` record of its last sample frame (docs/FRAMES.md), read the same way by the agent that
+writes it, the controller and the command line that read it.
+
+`end` = {"why": text, "cause": one of CAUSES, "exit_code": 0..255 | "signal": 1..127, "oom_kills": n}; every key
+but `why` optional (frames of older agents carry only why and the code).
+"""
+from __future__ import annotations
+
+import signal as _signal
+from typing import Any
+
+# cause → what it says, and whether it is a bad end where no code says otherwise
+CAUSES = {
+    "exit": "its lead process exited",                                   # exit_code says how
+    "signal": "its lead process was killed by a signal",
+    "oom_kill": "the OOM killer took a process of the job",
+    "group_removed": "its group was removed under it",
+    "exited": "every process exited, how is not known",                # no exit record (not root, no taskstats)
+    "no_process": "no process ever ran in it",
+    "node_lost": "the controller lost its node (said by the controller, never by an agent)",
+}
+BAD = {"signal", "oom_kill", "node_lost"}
+
+
+def failed(end: Any) -> bool:
+    """Whether a last frame's `end` says the job ended badly: an exit code other than 0, a signal, an OOM kill."""
+    if not isinstance(end, dict):
+        return False
+    code, sig = end.get("exit_code"), end.get("signal")
+    return (isinstance(code, int) and code != 0) or isinstance(sig, int) or end.get("cause") in BAD
+
+
+def cause_of(end: dict) -> str:
+    """`end`'s cause, also for a record from before `cause`: from its code."""
+    cause = end.get("cause")
+    if cause in CAUSES:
+        return str(cause)
+    return "signal" if isinstance(end.get("signal"), int) else "exit" if isinstance(end.get("exit_code"), int) \
+        else "exited"
+
+
+def signame(n: int) -> str:
+    try:
+        return _signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def how(end: dict) -> str:
+    """One short phrase: `exit 0`, `exit 3`, `SIGKILL`, `OOM kill (SIGKILL)`, `group removed (exit 0)`, `exited`."""
+    code, sig = end.get("exit_code"), end.get("signal")
+    status = f"exit {code}" if isinstance(code, int) else signame(sig) if isinstance(sig, int) else ""
+    cause = cause_of(end)
+    if cause in ("exit", "signal"):
+        return status
+    words = {"oom_kill": "OOM kill", "group_removed": "group removed", "exited": "exited",
+             "no_process": "no process", "node_lost": "node lost"}[cause]
+    return f"{words} ({status})" if status else words
+
+
+def status_of(ends: list[dict[str, int]]) -> dict[str, int]:
+    """The job's status from its lead processes' ends, in the order they came: the first bad one, else the last."""
+    bad = [e for e in ends if e.get("signal") or e.get("exit_code")]
+    return dict(bad[0] if bad else ends[-1]) if ends else {}
+
+
+def record(why: str, status: dict[str, int], removed: bool, never_ran: bool, oom_kills: int) -> dict[str, Any]:
+    """The `end` record: why (text), its cause, the lead's status where known, the OOM kills counted in the job.
+    An OOM kill is the cause where the killer took a process and the lead died of SIGKILL or how it ended is not
+    known (the killer sends SIGKILL; a lead that survived a killed child and exited is its own end)."""
+    cause = "group_removed" if removed else "signal" if "signal" in status else "exit" if status else \
+        "no_process" if never_ran else "exited"
+    if oom_kills > 0 and status.get("signal", 9) == 9 and "exit_code" not in status:
+        cause = "oom_kill"
+    return {"why": why, "cause": cause, **status, **({"oom_kills": oom_kills} if oom_kills > 0 else {})}
