@@ -35,15 +35,17 @@ class Agent:
     """A real `jobprobe agent` for the cluster's node, on a socket the prolog and epilog wrappers name."""
 
     def __init__(self, base: Path, env: dict[str, str], node: str):
+        from conftest import free_port
         self.base, self.env, self.node = base, env, node
         self.sock, self.out = base / "agent.sock", base / "out"
         self.proc: subprocess.Popen | None = None
+        self.prometheus = f"127.0.0.1:{free_port()}"
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(self.sock), "--state",
              str(self.base / "jobs.json"), "--out", str(self.out), "--interval", "0.5", "--probes", "cgroup,perf",
-             "--slurm", "--slurm-node", self.node], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+             "--slurm", "--slurm-node", self.node, "--prometheus", self.prometheus], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(self.base / "agent.log", "ab"))
         wait_for(lambda: self.ready(), 60, "the agent to answer on its socket")
 
@@ -68,6 +70,18 @@ class Agent:
     def frames(self, job: str) -> list[dict]:
         with open(self.out / f"{job}.mpk", "rb") as f:
             return list(StreamReader(f))
+
+    def end(self, job: str) -> dict:
+        """The `end` of the job's last frame ({} where it has none)."""
+        return [f for f in self.frames(job) if f["kind"] == "sample"][-1].get("end", {})
+
+    def metrics(self) -> list:
+        """/metrics, read with prometheus-client's own parser: every sample."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+        text = urllib.request.urlopen(f"http://{self.prometheus}/metrics", timeout=5).read().decode()
+        return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -162,7 +176,7 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
     os.chmod(mine, 0o1777)
     out = mine / "nobody.out"
     res = subprocess.run(["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--chdir", str(jobs), "-o", str(out),
-                          "-J", "mine", "--wrap", burn_script(jobs, 2)], capture_output=True, text=True,
+                          "-J", "mine", "-A", "ml-team", "--wrap", burn_script(jobs, 2)], capture_output=True, text=True,
                          env=cluster.env, timeout=30)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]
@@ -180,6 +194,12 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
     assert labels["uid"] == str(int(subprocess.run(["id", "-u", "nobody"], capture_output=True,
                                                    text=True).stdout))
     assert all(f["labels"]["slurm_job_id"] == job for f in frames)
+    # its owner on every series of the job in /metrics (its series stay a minute after it ended), and its end
+    series = [x for x in agent.metrics() if x.labels.get("job") == job]
+    assert series and all((x.labels["user"], x.labels["account"], x.labels["partition"]) == ("nobody", "ml-team",
+                                                                                             "debug")
+                          for x in series), series[:3]
+    assert (agent.end(job).get("cause"), agent.end(job).get("exit_code")) == ("exit", 0), agent.end(job)
     assert any(f.get("labels", {}).get("slurm_steps") == "batch" for f in frames if f["kind"] == "sample"), \
         [f["labels"] for f in frames]
     assert [f["seq"] for f in frames] == list(range(len(frames)))
@@ -238,6 +258,12 @@ def test_a_job_that_fails_is_probed_and_let_go(site):
                          burn_script(jobs, 1, after="exit 3"))
     wait_for(lambda: cluster.job_state(job) == "FAILED", 60, f"job {job} to fail")
     wait_for(lambda: agent.ended(job), 20, f"the agent to let job {job} go")
+    # its batch script's exit code, from the kernel's exit record (the agent did not start it), whether the agent
+    # saw its last process go or the epilog's detach came first
+    end = agent.end(job)
+    assert (end["cause"], end["exit_code"]) == ("exit", 3), end
+    assert any(x.name == "jobprobe_job_end" and x.labels["job"] == job and x.labels["how"] == "exit 3"
+               for x in agent.metrics())
     own = int((jobs / "fails.out").read_text().split("cpu_ns=")[1].split()[0])
     frames = agent.frames(job)
     assert abs(cpu(frames) - own) <= 40e6 + 0.02 * own, str(dict(own=own, seen=cpu(frames),
@@ -254,6 +280,8 @@ def test_a_job_cancelled_mid_run_is_let_go(site):
     wait_for(lambda: cluster.job_state(job) == "CANCELLED", 30, f"job {job} to be cancelled")
     wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")
     assert agent.ended(job) is not None
+    end = agent.end(job)           # scancel: SIGTERM to the job's processes (SIGKILL after KillWait)
+    assert end["cause"] == "signal" and end["signal"] in (15, 9), end
     assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
 
 

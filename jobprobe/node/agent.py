@@ -189,7 +189,8 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             self._drop(job, why)      # out of the table first: later ticks do not sample it
         with job.lock:                # a tick that took it before waits here, then finds it released
             try:
-                job.sampler.tick()
+                # an epilog's detach comes after the job's last process: its last frame says how the job ended
+                job.sampler.tick(self._check_end(job))
             except Exception:
                 log.exception("last frame of %s", name)
             self._release(job)
@@ -292,6 +293,17 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                     self._tick_job(job)
 
     def _tick_job(self, job: Job) -> None:
+        end = self._check_end(job)
+        try:
+            job.sampler.tick(end)
+        except Exception:
+            log.exception("tick of %s", job.name)
+        if job.ended or job.sampler.end_reason:
+            self._end(job, job.ended or job.sampler.end_reason or "ended")
+
+    def _check_end(self, job: Job) -> dict | None:
+        """Whether the job has ended (job.ended says why), and then its last frame's end: why, and how its lead
+        process(es) ended where that is known (Sampler.tick adds the cause and the OOM kills)."""
         try:
             job.target.refresh()
             if job.leads is not None:
@@ -309,18 +321,11 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             job.ended, job.removed = str(err), job.target.kind == "cgroup"
             if job.leads is not None:
                 job.leads.update([])       # the records of its last processes
-        # the job's end, in its last frame: why, and how its lead process(es) ended where that is known
-        end = None
-        if job.ended:
-            status = job.target.exit_status() or (job.leads.status() if job.leads is not None else {})
-            end = {"why": job.ended[:END_WHY], "status": status, "removed": job.removed,
-                   "never_ran": not job.had_procs and job.target.kind == "cgroup"}
-        try:
-            job.sampler.tick(end)
-        except Exception:
-            log.exception("tick of %s", job.name)
-        if job.ended or job.sampler.end_reason:
-            self._end(job, job.ended or job.sampler.end_reason or "ended")
+        if not job.ended:
+            return None
+        status = job.target.exit_status() or (job.leads.status() if job.leads is not None else {})
+        return {"why": job.ended[:END_WHY], "status": status, "removed": job.removed,
+                "never_ran": not job.had_procs and job.target.kind == "cgroup"}
 
     def _end(self, job: Job, why: str) -> None:
         """A job that ended by itself, after its last frame."""
