@@ -187,7 +187,7 @@ def test_a_restarted_job_loses_the_work_since_its_last_checkpoint():
     second = [sample(21, 0.05), sample(22, 0.05)] + steady(8, 22)
     frames = run_of(first, "r1", 0.0) + run_of(second, "r2", 20.0)
     d = decompose(frames)
-    assert d["restarts"] == 1
+    assert d["restarts"] == 1 and d["disruptions"] == 1
     assert d["buckets"]["lost"] == pytest.approx(6.0), d["buckets"]
     assert d["buckets"]["startup"] == pytest.approx(4.0), d["buckets"]
     assert 18.0 <= d["buckets"]["computing"] <= 19.0, d["buckets"]    # 10 + 8, and the checkpoint's second's share
@@ -198,7 +198,7 @@ def test_a_restarted_job_loses_the_work_since_its_last_checkpoint():
     # an agent restart: the same job's processes, watched by a new run — nothing lost, one startup
     again = run_of(first, "r1", 0.0) + run_of(steady(8, 20), "r3", 20.0, from_start=False)
     d = decompose(again)
-    assert d["restarts"] == 0 and d["buckets"]["lost"] == 0 and d["buckets"]["startup"] == pytest.approx(2.0)
+    assert d["restarts"] == d["disruptions"] == 0 and d["buckets"]["lost"] == 0 and d["buckets"]["startup"] == pytest.approx(2.0)
 
 
 def test_a_neighbour_there_the_whole_run_is_starved_not_the_jobs_pace():
@@ -809,6 +809,9 @@ def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path
     assert got["crashed"]["ended"]["how"] == "exit 3" and got["crashed"]["ended"]["node"] == "b"
     assert got["crashed"]["ended"]["ok"] is False and got["crashed"]["buckets"]["lost"] > 3, got["crashed"]
     assert got["silent"]["ended"] is None and got["silent"]["buckets"]["lost"] == 0
+    # the peers' figures: runs cut short (a bad end), and the pace it runs at when nothing holds it back (2 cores)
+    assert (got["crashed"]["disruptions"], got["silent"]["disruptions"], got["lost"]["disruptions"]) == (1, 0, 1)
+    assert got["crashed"]["ideal_pace"] == {"of": "cpu_cores", "per_second": 2.0}
     metrics = {m.name: m for m in MetricsCollector(ctl).collect()}
     end, lost = metrics["jobprobe_job_end"].samples
     assert end.labels == {"job": "crashed", "how": "exit 3", "cause": "exit", "failed": "true", "node": "b"}

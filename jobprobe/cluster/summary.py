@@ -129,6 +129,8 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
             "notes": [f"node {n}: {line}" for n, d in nodes.items()
                       for line in efficiency.notes(d.get("used", {}), d.get("granted", {}), th)],
             "restarts": max((d.get("restarts", 0) for d in nodes.values()), default=0),
+            "disruptions": max((d.get("disruptions", 0) for d in nodes.values()), default=0),
+            "ideal_pace": ideal_pace(nodes),
             "per_node": {n: {"wall_s": round(d["wall_s"], 3), "goodput": round(d["goodput"], 4),
                              "pace": d["pace"], "buckets": {b: round(v, 3) for b, v in d["buckets"].items()},
                              "starved_by": {p: round(v, 3) for p, v in d.get("starved_by", {}).items()},
@@ -136,6 +138,15 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
                              "used": {k: round(v, 3) for k, v in d.get("used", {}).items()},
                              "granted": {k: round(v, 3) for k, v in d.get("granted", {}).items()}}
                          for n, d in nodes.items()}}
+
+
+def ideal_pace(nodes: dict[str, dict]) -> dict[str, Any] | None:
+    """The job's ideal pace: its nodes' steady paces (docs/TIMEUSE.md) — what it runs at when nothing holds it
+    back; `per_second`, their mean, in `of` (cpu_cores, lead_cpu_cores, gpu_busy). None where no node has one."""
+    paces = [d["pace"] for d in nodes.values() if (d.get("pace") or {}).get("steady")]
+    if not paces:
+        return None
+    return {"of": paces[0]["of"], "per_second": round(sum(p["steady"] for p in paces) / len(paces), 4)}
 
 
 def how_it_ended(by_node: dict[str, list[dict]]) -> dict[str, Any] | None:

@@ -232,7 +232,8 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
         for k in ticks:
             k.by_lead()
     out: dict[str, Any] = {"wall_s": sum(k.dt for k in ticks), "buckets": dict.fromkeys(BUCKETS, 0.0),
-                           "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0, "restarts": 0}
+                           "pace": {"of": by, "steady": None}, "startup_end": None, "goodput": 0.0, "restarts": 0,
+                           "disruptions": 0}
     paced = [k.want for k in ticks if k.want is not None]
     steady = _quantile(paced, STEADY_PCT)
     if not paced or steady <= 0:
@@ -245,6 +246,9 @@ def decompose(frames: Iterable[dict], intervals: bool = False) -> dict:
     usual = {f: _median([k.fig.get(f, 0.0) for k in clean]) for f in {f for k in ticks for f in k.fig}}
     runs = segments(frames, samples)
     out["restarts"] = len(runs) - 1
+    # runs cut short: each one the job started again after, and the last where it ended badly (the peers' goodput
+    # reports' "disruptions")
+    out["disruptions"] = len(runs) - 1 + int(failed(samples[runs[-1][-1]].get("end")))
     # each run's startup ends at its first interval at STARTED of the steady pace (a run that never got there: all
     # of it); the checkpoints are looked for after them
     firsts = [next((i for i in run if (ticks[i].want or 0.0) >= STARTED * steady), run[-1] + 1) for run in runs]
