@@ -49,13 +49,15 @@ for j in demo-a demo-b; do
   $sudo_ mkdir -p "$cg2/jobprobe-demo/$j"
   $sudo_ .venv/bin/jobprobe attach --socket "$sock" --cgroup "$cg2/jobprobe-demo/$j" --job "$j" \
       --label user=demo --label account=reference
-  $sudo_ sh -c "echo \$\$ > '$cg2/jobprobe-demo/$j/cgroup.procs'; exec .venv/bin/python scripts/train_cpu.py --steps 8" \
+  # demo-b crashes on purpose after its last step (exit 3): its end and its lost work are in its summary
+  code=0; [ "$j" = demo-b ] && code=3
+  $sudo_ sh -c "echo \$\$ > '$cg2/jobprobe-demo/$j/cgroup.procs'; exec .venv/bin/python scripts/train_cpu.py --steps 8 --exit-code $code" \
     > /dev/null 2>&1 &
   pids+=($!)
 done
 sleep 3
 $sudo_ .venv/bin/jobprobe status --socket "$sock"
-wait "${pids[@]}"
+wait "${pids[@]}" || true
 sleep 4                                   # each job is detached by itself after its last frame, and the
                                           # controller sees it end (3 intervals without its samples): its summary
 $sudo_ .venv/bin/jobprobe status --socket "$sock"
@@ -80,6 +82,8 @@ echo "== jobprobe report: one page per job, to open in a browser"
 echo "   open out/demo-a-report.html"
 echo "== jobprobe summary --store: where demo-a's time went"
 .venv/bin/jobprobe summary --store out/controller/store.db --job demo-a
+echo "== jobprobe summary --store: demo-b crashed (exit 3); its work since its last checkpoint is lost"
+.venv/bin/jobprobe summary --store out/controller/store.db --job demo-b | head -n 3
 echo "== jobprobe jobs: the jobs that ended, a row each (owner, wall, how each ended, goodput, largest badput)"
 .venv/bin/jobprobe jobs --store out/controller/store.db --since 1h
 fi

@@ -38,4 +38,8 @@ def test_the_demos_agent_sends_every_frame_to_its_controller():
     jobs = res.stdout.split("== jobprobe jobs")[1]
     rows = [ln for ln in jobs.splitlines() if ln.startswith("demo-")]
     assert sorted(r.split()[0] for r in rows) == ["demo-a", "demo-b"], jobs
-    assert all("account=reference,user=demo" in r for r in rows) and "2 jobs, 0 failed" in jobs, jobs
+    assert all("account=reference,user=demo" in r for r in rows) and "2 jobs, 1 failed" in jobs, jobs
+    # demo-b crashed on purpose (exit 3): said so in its row and in its summary, demo-a ended well
+    ends = {r.split()[0]: r for r in rows}
+    assert "exit 3 FAILED" in ends["demo-b"] and "exit 0" in ends["demo-a"] and "FAILED" not in ends["demo-a"], jobs
+    assert "ended: exit 3" in res.stdout.split("demo-b crashed")[1], res.stdout[-3000:]
