@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, make_certs, until
+from conftest import free_port, until
 
 REPO = Path(__file__).resolve().parents[1]
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]
@@ -236,11 +237,18 @@ def test_not_loopback_without_tls_is_refused_and_a_killed_controller_takes_its_s
 @pytest.mark.kernel
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make test certificates")
 def test_on_every_address_with_tls_an_enrolled_agent_with_the_ca_flows_and_plaintext_is_refused(tmp_path):
-    """The documented path (docs/DEPLOY.md §6): --listen 0.0.0.0 with --tls-cert/--tls-key, the controller checking
-    its own server against --ca, an agent with its enrolled key and --nats-ca; a client without TLS is refused."""
-    ca = make_certs(tmp_path)
+    """The documented path (docs/DEPLOY.md §6): `jobprobe controller tls 127.0.0.1` makes the CA and the server's
+    certificate, then --listen 0.0.0.0 with --tls-cert/--tls-key, the controller checking its own server against
+    --ca, an agent with its enrolled key and --nats-ca; a client without TLS is refused."""
+    out = subprocess.run([*JOBPROBE, "controller", "tls", "--data", str(tmp_path), "127.0.0.1", "localhost"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    ca = Path(out.stdout.splitlines()[-1])
+    tls = tmp_path / "tls"
+    assert ca == tls / "ca.pem" and stat.S_IMODE((tls / "server.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tls / "ca.key").stat().st_mode) == 0o600 and stat.S_IMODE(tls.stat().st_mode) == 0o700
     c = Controller(tmp_path, listen="0.0.0.0", scheme="tls", extra=(
-        "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server.key"), "--ca", str(ca)))
+        "--tls-cert", str(tls / "server.pem"), "--tls-key", str(tls / "server.key"), "--ca", str(ca)))
     agent = None
     try:
         agent = Agent(tmp_path, "n1", c.url, c.enroll("n1"), ca=ca)
@@ -264,3 +272,31 @@ def test_on_every_address_with_tls_an_enrolled_agent_with_the_ca_flows_and_plain
         if agent is not None:
             agent.close()
         c.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make certificates")
+def test_controller_tls_keeps_its_ca_and_refuses_a_name_that_is_no_host(tmp_path):
+    """Run again with another name: a new server certificate from the same CA (agents keep their ca.pem), valid for
+    the new name (checked by openssl verify against the CA); a name that could write into openssl's config (a comma,
+    a newline, a slash) or none at all: one line, exit 2, nothing made."""
+    def tls(*names):
+        return subprocess.run([*JOBPROBE, "controller", "tls", "--data", str(tmp_path), *names], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert tls("ctl.example.org").returncode == 0
+    d = tmp_path / "tls"
+    ca = (d / "ca.pem").read_bytes()
+    assert tls("10.0.0.5", "ctl-2.example.org").returncode == 0
+    assert (d / "ca.pem").read_bytes() == ca
+    for name in ("ctl-2.example.org", "10.0.0.5"):
+        flag = "-verify_ip" if name[0].isdigit() else "-verify_hostname"
+        v = subprocess.run(["openssl", "verify", "-CAfile", str(d / "ca.pem"), flag, name, str(d / "server.pem")],
+                           capture_output=True, text=True)
+        assert v.returncode == 0, v.stderr
+    v = subprocess.run(["openssl", "verify", "-CAfile", str(d / "ca.pem"), "-verify_hostname", "ctl.example.org",
+                        str(d / "server.pem")], capture_output=True, text=True)
+    assert v.returncode != 0                          # the first name is no longer this certificate's
+    made = sorted(p.name for p in d.iterdir())
+    for bad in (["a,DNS:evil.org"], ["a\nb"], ["x/y"], []):
+        out = tls(*bad)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "controller tls" in out.stderr, out.stderr
+    assert sorted(p.name for p in d.iterdir()) == made == ["ca.key", "ca.pem", "ca.srl", "server.key", "server.pem"]

@@ -27,6 +27,8 @@ def cmd_controller(args) -> int:
     path = args.store or os.path.join(args.data, "store.db")
     if args.action == "enroll":
         return controller_enroll(args)
+    if args.action == "tls":
+        return controller_tls(args)
     if args.action == "mappings":
         from jobprobe.core.wire import mappings_conf
         print(mappings_conf(args.partition[1]), end="")
@@ -109,16 +111,29 @@ def controller_enroll(args) -> int:
     to `jobprobe agent --nats-creds`."""
     from jobprobe.cluster.natsserver import write_auth
     from jobprobe.transport.natsauth import Auth, reload_server
-    if not args.node:
-        raise BadInput("controller enroll: give the node's name (its agent's --node)")
+    if len(args.node) != 1:
+        raise BadInput("controller enroll: give one node's name (its agent's --node)")
+    node = args.node[0]
     auth = Auth(args.data)
     auth.controller_seed()
-    path = auth.enroll(args.node)
+    path = auth.enroll(node)
     write_auth(args.data)
     pid = reload_server(args.data)
-    print(f"enrolled {args.node}: " + (f"the running nats-server (pid {pid}) reloaded its users" if pid else
+    print(f"enrolled {node}: " + (f"the running nats-server (pid {pid}) reloaded its users" if pid else
                                        "no nats-server runs for this data directory; the next start admits it"))
     print(path)
+    return 0
+
+
+def controller_tls(args) -> int:
+    """A CA (once) and the nats-server's certificate for the names given; the flags that use them."""
+    from jobprobe.cluster import tls
+    made = tls.make(args.data, args.node)
+    print(f"controller: jobprobe controller --data {args.data} --listen 0.0.0.0:4222 --tls-cert {made['cert']} "
+          f"--tls-key {made['key']} --ca {made['ca']}")
+    print(f"each agent (copy {made['ca']} to it): jobprobe agent --send tls://{args.node[0]}:4222 "
+          f"--nats-ca {made['ca']} --nats-creds …")
+    print(made["ca"])
     return 0
 
 

@@ -104,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     co = sub.add_parser("controller", help="frames of every node from NATS JetStream into the store; `stats`: "
                         "freshness and delivery per node")
-    co.add_argument("action", nargs="?", choices=["run", "stats", "enroll", "mappings"], default="run",
+    co.add_argument("action", nargs="?", choices=["run", "stats", "enroll", "tls", "mappings"], default="run",
                     help="run (default); stats; enroll NODE: write that node's NATS credentials (the path is the "
-                         "last line printed) and let the running server know; mappings: the subject mapping a "
-                         "NATS server's config needs for --partition I/N")
-    co.add_argument("node", nargs="?", metavar="NODE", help="enroll: the node's name, as its agent's --node")
+                         "last line printed) and let the running server know; tls HOST…: a CA and the server's "
+                         "certificate for the names agents dial, under DATA/tls (docs/SECURITY.md); mappings: the "
+                         "subject mapping a NATS server's config needs for --partition I/N")
+    co.add_argument("node", nargs="*", metavar="NAME", help="enroll: the node's name, as its agent's --node; tls: "
+                    "the controller's names and addresses")
     co.add_argument("--nats", metavar="URL", help="the JetStream servers (default: start a nats-server here)")
     co.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:4222",
                     help="where the nats-server it starts listens (without --nats; default 127.0.0.1:4222)")
