@@ -203,11 +203,17 @@ class NicProbe(Probe):
         self.t_prev = 0.0
 
     def start(self, target: Target) -> None:
+        """A job attached before its processes (a prolog, `run -- CMD`) has no namespace yet: the probe waits
+        (status "ok: waiting for …") and starts counting at the first tick that finds one of its processes."""
         self.target = target
         self.checked = -1e9
+        self.ino = None
         self._recheck()
-        if self.ino is None:
-            raise ProbeUnavailable("the job's network namespace cannot be read (no process yet?)")
+        if self.ino is not None:
+            self._first()
+
+    def _first(self) -> None:
+        """The namespace's counters now: the base of the first interval."""
         try:
             self.prev = self._counters(reading(self.host.proc, self.pid, self.ino, self.own))
             self.prev_seen = None
@@ -216,6 +222,9 @@ class NicProbe(Probe):
             self.ino = None
             raise ProbeUnavailable(f"rtnetlink in the job's network namespace: {err}") from err
         self.t_prev = time.monotonic()
+
+    def note(self) -> str | None:
+        return "waiting for the job's first process (its network namespace)" if self.ino is None else None
 
     def _recheck(self) -> None:
         now = time.monotonic()
@@ -260,6 +269,11 @@ class NicProbe(Probe):
 
     def sample(self) -> dict:
         if self.target is None:
+            return {}
+        if self.ino is None:              # attached before its processes: none yet, or the first one now
+            self._recheck()
+            if self.ino is not None:
+                self._first()
             return {}
         self._recheck()
         # every job in the same network namespace sees the same links: one rtnetlink dump per namespace and tick

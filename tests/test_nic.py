@@ -83,6 +83,42 @@ def test_a_job_in_its_own_namespace_sees_its_veth_and_the_queue_in_front_of_it(m
 
 
 @pytest.mark.kernel
+def test_a_job_attached_before_its_processes_is_followed_from_its_first_one(make_cgroup, net):
+    """The prolog's path and `run -- CMD`: the group is attached empty. The probe waits (ok, saying so, no figures)
+    instead of being off for the job's life; at the first tick that finds a process it follows that process's
+    namespace (A's veth), and every byte after is counted: equal to the veth's own counters."""
+    cg = make_cgroup()
+    probe = NicProbe()
+    probe.start(CgroupTarget(str(cg.path)))
+    try:
+        assert "waiting" in probe.note() and probe.sample() == {} and "waiting" in probe.note()
+        holder = net.start(net.a, "tcp_sink", 5397, 0, spawn=cg.spawn)     # the job's first process, in A
+        time.sleep(0.3)
+        assert probe.sample() == {} and probe.note() is None              # found: its base, the next interval
+        s0 = sysfs(net, net.va)
+        sink = net.start(net.b, "tcp_sink", 5302, 0, ready=True)
+        sender = net.start(net.a, "tcp_send", ADDR_B, 5302, 2 << 20, spawn=cg.spawn)
+        total: dict[str, int] = {}
+        while True:
+            done = sender.poll() is not None
+            time.sleep(0.2)
+            smp = probe.sample()
+            assert [n["name"] for n in smp["nics"]] == [net.va] and smp["netns"].startswith("netns:"), smp
+            for k in ("tx_bytes", "rx_bytes"):
+                total[k] = total.get(k, 0) + smp["nics"][0][k]
+            if done:
+                break
+        result(sender)
+        result(sink)
+        s1 = sysfs(net, net.va)
+        holder.kill()
+    finally:
+        probe.stop()
+    assert total["tx_bytes"] == s1["tx_bytes"] - s0["tx_bytes"] > 2 << 20, (total, s0, s1)
+    assert total["rx_bytes"] == s1["rx_bytes"] - s0["rx_bytes"], (total, s0, s1)
+
+
+@pytest.mark.kernel
 def test_jobs_of_one_namespace_in_one_agent_tick_share_the_work_and_each_count_is_exact(make_cgroup, net):
     """Jobs in namespace A sampled in the same agent ticks (jobprobe.node.tickmemo, as the agent does): two attached
     together get the very same interval (worked out once); a third, attached between two transfers, gets its own
