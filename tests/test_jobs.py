@@ -85,6 +85,85 @@ def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
     text = jobs_cli("--store", str(tmp_path / "s.db")).stdout
     assert "10 jobs, 5 failed" in text and "exit 3 FAILED" in text and "SIGKILL FAILED" in text
     assert "no job ended" in jobs_cli("--store", str(tmp_path / "s.db"), "--since", "1s").stdout
+    # with prices: each job's cost, from its node-hours (node a at 3.6 an hour: 1 EUR a 1000 s; each job 6 s on each
+    # of its nodes, the node b unpriced: its part not counted)
+    (tmp_path / "p.toml").write_text('currency = "EUR"\n[[node]]\nname = "a-nodes"\nhostname = "a"\nper_hour = 3.6\n')
+    r = jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--format", "json", "--prices",
+                 str(tmp_path / "p.toml"))
+    cost = {x["job"]: (x["cost"], x["currency"]) for x in json.loads(r.stdout)}
+    assert cost == {f"job{k}": (round(6 / 1000, 2), "EUR") for k in range(10)}, cost
+    assert "EUR" in jobs_cli("--store", str(tmp_path / "s.db"), "--since", "2h", "--prices",
+                             str(tmp_path / "p.toml")).stdout
+
+
+def test_the_jobs_page_links_each_jobs_report_and_escapes_what_owners_wrote(tmp_path):
+    """`jobprobe report --jobs`: the jobs of the window as one page, each name a link to its own report written
+    beside it (`--max-reports` newest; the rest listed unlinked); a job's name and labels — its owner's to write —
+    escaped in the page and made safe as a file name (no path out of the directory)."""
+    import html.parser
+    ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
+    now = time.time() - 300.0
+    names = ["train-1", "eval/../../x", '<script>alert(1)</script>"']
+
+    def send(frames):
+        ctl.ingest([SimpleNamespace(subject=subject_of(f), data=encode(f)) for f in frames], now=now)
+    for k, job in enumerate(names):
+        b = FrameBuilder("a", job, f"r{k}")
+        b.labels = {"user": "<b>eve</b>"}
+        send([{**b.hello(probes={}), "interval": 1.0}])
+        for i in range(5):
+            now += 1
+            send([b.sample(now, 1.0, {"cgroup": {"cpu_user_ns": 10 ** 9, "cpu_system_ns": 0}}, {"cgroup": "ok"},
+                           end={"why": "exited", "exit_code": k} if i == 4 else None)])
+        beat = FrameBuilder("a", "node", f"b{k}")
+        for _ in range(5):
+            now += 1
+            send([beat.heartbeat(now, 1.0, 0, False)])
+    ctl.store.close()
+    out = tmp_path / "site" / "jobs.html"
+    out.parent.mkdir()
+    r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "report", "--jobs", "--store", str(tmp_path / "s.db"),
+                        "--since", "2h", "--max-reports", "2", "-o", str(out)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+    class Rows(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.rows, self.links, self.scripts = [], {}, 0
+            self._href = None
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "tr":
+                self.rows.append([])
+            elif tag == "td":
+                self.rows[-1].append("")
+            elif tag == "a":
+                self._href = dict(attrs)["href"]
+            elif tag == "script":
+                self.scripts += 1
+
+        def handle_data(self, data):
+            if self.rows and self.rows[-1]:
+                self.rows[-1][-1] += data
+                if self._href:
+                    self.links[data] = self._href
+
+        def handle_endtag(self, tag):
+            if tag == "a":
+                self._href = None
+    page = Rows()
+    page.feed(out.read_text())
+    rows = {row[0]: row for row in page.rows[1:]}
+    assert set(rows) == set(names) and page.scripts == 0, page.rows
+    assert all(row[1] == "user=<b>eve</b>" for row in rows.values())          # shown as text, not markup
+    assert [rows[n][5] for n in names] == ["exit 0", "exit 1 FAILED", "exit 2 FAILED"]
+    assert set(page.links) == set(names[1:]) and names[0] not in page.links     # the newest two have reports
+    for name, href in page.links.items():
+        assert "/" not in href and not href.startswith(".")
+        report = out.parent / href
+        assert report.resolve().parent == out.parent.resolve() and report.stat().st_size > 1000, href
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(["jobs.html", *page.links.values()])
 
 
 def test_a_window_that_is_no_length_of_time_is_refused_in_one_line(tmp_path):

@@ -143,6 +143,8 @@ def cmd_report(args) -> int:
     if importlib.util.find_spec("matplotlib") is None:
         raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
     from jobprobe.cluster import summary
+    if args.jobs:
+        return jobs_page(args)
     frames = _job_frames("report", args)
     job = report.Job(args.job or "")
     job.take(frames)
@@ -154,6 +156,39 @@ def cmd_report(args) -> int:
         cost = _cost.summary(_store_of(args.store, args.files), job.name, prices)
     size = report.write(job, args.out, cost, summary.html_table(summary.summarize(frames, job.name)))
     print(f"{args.out}: {job.name}, {len(job.nodes)} node(s), {size / 1024:.0f} KiB")
+    return 0
+
+
+def jobs_page(args) -> int:
+    """`report --jobs`: the jobs that ended in the window as a page, the newest --max-reports with their reports
+    beside it (each as `report --store … --job J` writes it)."""
+    import sqlite3
+
+    from jobprobe.cluster import cost as _cost
+    from jobprobe.cluster import jobs, report, summary
+    since = jobs.parse_since(args.since)
+    if not args.store or args.files or args.job:
+        raise BadInput("report --jobs: give --store PATH (and no --job or frame files)")
+    prices = _cost.load(args.prices) if args.prices else None
+    try:
+        store = _store_of(args.store, [])
+        rs = jobs.rows(store, since, prices=prices)
+    except (OSError, ValueError, sqlite3.Error) as err:
+        raise BadInput(f"report --jobs: {' '.join(args.store)}: {err}") from None
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    linked = set()
+    for r in rs[:max(0, args.max_reports)]:          # newest first
+        frames = summary.frames_of_store(args.store, r["job"])
+        job = report.Job(r["job"])
+        job.take(frames)
+        job.sort()
+        c = _cost.summary(store, r["job"], prices) if prices else None
+        report.write(job, os.path.join(out_dir, jobs.page_name(r["job"])), c,
+                     summary.html_table(summary.summarize(frames, r["job"])))
+        linked.add(r["job"])
+    with open(args.out, "w") as f:
+        f.write(jobs.html(rs, args.since, linked))
+    print(f"{args.out}: {len(rs)} job(s), {len(linked)} report(s) beside it")
     return 0
 
 
@@ -176,8 +211,12 @@ def cmd_jobs(args) -> int:
     from jobprobe.cluster import jobs
     from jobprobe.cluster.store import Store
     since = jobs.parse_since(args.since)          # a bad window: one line, before anything is read
+    prices = None
+    if args.prices:
+        from jobprobe.cluster import cost
+        prices = cost.load(args.prices)            # a bad price file: one line, before anything is read
     try:
-        rs = jobs.rows(Store(args.store, readonly=True), since, sort=args.sort)
+        rs = jobs.rows(Store(args.store, readonly=True), since, sort=args.sort, prices=prices)
     except (OSError, ValueError, sqlite3.Error) as err:     # not there, not a store
         raise BadInput(f"jobs: {' '.join(args.store)}: {err}") from None
     print(json.dumps(rs, indent=1) if args.format == "json" else jobs.as_csv(rs) if args.format == "csv"

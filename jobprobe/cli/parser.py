@@ -310,13 +310,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="jsonl: a frame per line; table: a row per sample; summary: per field n/mean/p50/max/sum")
     rd.set_defaults(func=frames.cmd_read)
     rp = sub.add_parser("report", help="one self-contained HTML page of a job: a verdict, per-node timelines, "
-                        "stragglers and events", usage="jobprobe report (FILE… | --store PATH --job ID) -o OUT.html")
+                        "stragglers and events", usage="jobprobe report (FILE… | --store PATH --job ID | --store PATH --jobs "
+                        "[--since 1d]) -o OUT.html")
     rp.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
     rp.add_argument("--store", metavar="PATH", action="append", help="the controller's store (with --job); "
                     "again, or a directory, for several partitions' stores")
     rp.add_argument("--job", metavar="ID", help="the job, in the store")
     rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
     rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
+    rp.add_argument("--jobs", action="store_true", help="with --store: the page of the jobs that ended in --since "
+                    "(`jobprobe jobs` as a page), each name linking its own report, written beside it")
+    rp.add_argument("--since", default="1d", help="--jobs: how far back (90s, 30m, 12h, 1d, 2w; default 1d)")
+    rp.add_argument("--max-reports", type=int, default=100, metavar="N", help="--jobs: write the reports of the "
+                    "newest N jobs (default 100; the others are listed without a link)")
     rp.set_defaults(func=cluster.cmd_report)
     sm = sub.add_parser("summary", help="where a job's wall time went: goodput, the time buckets, its stragglers",
                         usage="jobprobe summary (FILE… | --store PATH --job ID) [--format text|json] "
@@ -336,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "again, or a directory, for several partitions' stores")
     jb.add_argument("--since", default="1d", help="how far back (90s, 30m, 12h, 1d, 2w; default 1d)")
     jb.add_argument("--format", choices=["text", "json", "csv"], default="text")
+    jb.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): each job's cost")
     jb.add_argument("--sort", choices=["start", "wall", "goodput", "job", "badput"], default="start",
                     help="newest start first (default); wall, badput: largest first; goodput: lowest first")
     jb.set_defaults(func=cluster.cmd_jobs)

@@ -33,9 +33,11 @@ def parse_since(text: str) -> float:
     return float(m.group(1)) * UNITS[m.group(2)]
 
 
-def rows(store: Any, since_s: float, now: float | None = None, sort: str = "start") -> list[dict[str, Any]]:
+def rows(store: Any, since_s: float, now: float | None = None, sort: str = "start",
+         prices: Any = None) -> list[dict[str, Any]]:
     """The jobs whose summary came within `since_s` of `now`, a dict each (COLUMNS), sorted (newest start first;
-    wall, badput: largest first; goodput: lowest first; job: by name)."""
+    wall, badput: largest first; goodput: lowest first; job: by name). With `prices` (cost.load), each row's cost
+    (`cost`, `currency`) from the job's samples (jobprobe/cluster/cost.py); None where no price matched its nodes."""
     now = time.time() if now is None else now
     newest: dict[str, tuple[float, dict]] = {}
     for job, t, body in store.sql("SELECT job, t, body FROM events WHERE event = 'summary' AND t >= ? ORDER BY t",
@@ -47,6 +49,16 @@ def rows(store: Any, since_s: float, now: float | None = None, sort: str = "star
         if isinstance(s, dict) and "skipped" not in s:
             newest[job] = (t, s)
     out = [row(job, s, owner(store, job)) for job, (_, s) in newest.items()]
+    if prices is not None:
+        from jobprobe.cluster import cost
+        for r in out:
+            try:
+                c = cost.summary(store, r["job"], prices)
+            except BadInput:            # no samples kept (past retention)
+                c = {}
+            r["cost"] = round(c["cost"], 2) if "cost" in c and len(c.get("unpriced_nodes") or ()) < len(
+                c.get("nodes") or ()) else None
+            r["currency"] = prices.currency
     key = {"start": lambda r: -(r["start"] or 0.0), "wall": lambda r: -r["wall_s"], "goodput": lambda r: r["goodput"],
            "job": lambda r: r["job"], "badput": lambda r: -r["badput_s"]}[sort]
     return sorted(out, key=key)
@@ -84,6 +96,9 @@ def text(rs: list[dict[str, Any]]) -> str:
         return "no job ended in the window\n"
     head = f"{'job':<28} {'owner':<32} {'nodes':>5} {'start':<19} {'wall':>9} {'end':<25} {'goodput':>7}  " \
            f"{'largest badput':<26} stragglers"
+    priced = any("cost" in r for r in rs)
+    if priced:
+        head += f"  {'cost':>10}"
     lines = [head]
     for r in rs:
         start = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["start"])) if r["start"] else "-"
@@ -91,17 +106,58 @@ def text(rs: list[dict[str, Any]]) -> str:
         bad = f"{r['badput']} {r['badput_s']:.0f} s" if r["badput"] else "-"
         lines.append(f"{r['job'][:28]:<28} {_owner_text(r['owner'])[:32]:<32} {r['nodes']:>5} {start:<19} "
                      f"{r['wall_s']:>8.0f}s {end:<25} {100 * r['goodput']:>6.0f}%  {bad[:26]:<26} "
-                     f"{','.join(r['stragglers']) or '-'}")
+                     f"{','.join(r['stragglers']) or '-'}" +
+                     (f"  {cost_text(r):>10}" if priced else ""))
     failed = sum(r["failed"] for r in rs)
     lines.append(f"{len(rs)} job{'s' if len(rs) != 1 else ''}, {failed} failed")
     return "\n".join(lines) + "\n"
 
 
+def cost_text(r: dict[str, Any]) -> str:
+    return "-" if r.get("cost") is None else f"{r['cost']:,.2f} {r.get('currency', '')}".strip()
+
+
 def as_csv(rs: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(COLUMNS)
+    cols = COLUMNS + (("cost", "currency") if any("cost" in r for r in rs) else ())
+    w.writerow(cols)
     for r in rs:
-        w.writerow([_owner_text(r["owner"]) if c == "owner" else ";".join(r[c]) if c == "stragglers" else r[c]
-                    for c in COLUMNS])
+        w.writerow([_owner_text(r["owner"]) if c == "owner" else ";".join(r[c]) if c == "stragglers" else r.get(c)
+                    for c in cols])
     return buf.getvalue()
+
+
+def page_name(job: str) -> str:
+    """A job's report's file name beside the jobs page: its name made safe for a file (a job's name is its owner's
+    to write: slashes, dots, anything), with a short hash so that two names made alike stay apart."""
+    import hashlib
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", job)[:80]
+    return f"{safe}-{hashlib.sha256(job.encode('utf-8', 'surrogateescape')).hexdigest()[:8]}.html"
+
+
+def html(rs: list[dict[str, Any]], since: str, linked: set[str]) -> str:
+    """The jobs as one self-contained page: a row each, its name linking to its report where one was written."""
+    from html import escape
+    priced = any("cost" in r for r in rs)
+    cols = ["job", "owner", "nodes", "start", "wall", "end", "goodput", "largest badput", "stragglers"] + \
+        (["cost"] if priced else [])
+    body = []
+    for r in rs:
+        name = escape(r["job"])
+        cell = f'<a href="{escape(page_name(r["job"]))}">{name}</a>' if r["job"] in linked else name
+        start = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["start"])) if r["start"] else "-"
+        bad = f"{r['badput']} {r['badput_s']:.0f} s" if r["badput"] else "-"
+        vals = [cell, escape(_owner_text(r["owner"])), str(r["nodes"]), start, f"{r['wall_s']:.0f} s",
+                escape(r["end"] or "-") + (" <b>FAILED</b>" if r["failed"] else ""), f"{100 * r['goodput']:.0f}%",
+                escape(bad), escape(", ".join(r["stragglers"]) or "-")] + ([escape(cost_text(r))] if priced else [])
+        body.append("<tr" + (' class="failed"' if r["failed"] else "") + ">" +
+                    "".join(f"<td>{v}</td>" for v in vals) + "</tr>")
+    failed = sum(r["failed"] for r in rs)
+    return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>jobprobe: jobs of the last "
+            f"{escape(since)}</title><style>body{{font-family:sans-serif}}table{{border-collapse:collapse}}"
+            "td,th{padding:2px 8px;border-bottom:1px solid #ddd;text-align:left}tr.failed td{background:#fdd}"
+            f"</style></head><body><h1>Jobs that ended in the last {escape(since)}</h1>"
+            f"<p>{len(rs)} job{'s' if len(rs) != 1 else ''}, {failed} failed. Each name opens its report.</p>"
+            "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + "".join(body) +
+            "</table></body></html>\n")
