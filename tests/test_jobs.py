@@ -85,6 +85,10 @@ def test_ten_jobs_of_different_ends_and_owners_each_in_its_row(tmp_path):
     text = jobs_cli("--store", str(tmp_path / "s.db")).stdout
     assert "10 jobs, 5 failed" in text and "exit 3 FAILED" in text and "SIGKILL FAILED" in text
     assert "no job ended" in jobs_cli("--store", str(tmp_path / "s.db"), "--since", "1s").stdout
+    # the owner in the summary too (the controller's summary event, `summary --format json`)
+    summaries = {j: json.loads(b) for j, b in Store(tmp_path / "s.db", readonly=True).sql(
+        "SELECT job, body FROM events WHERE event = 'summary'")[1]}
+    assert all(summaries[j]["labels"] == w["owner"] for j, w in want.items()), summaries["job0"]["labels"]
     # with prices: each job's cost, from its node-hours (node a at 3.6 an hour: 1 EUR a 1000 s; each job 6 s on each
     # of its nodes, the node b unpriced: its part not counted)
     (tmp_path / "p.toml").write_text('currency = "EUR"\n[[node]]\nname = "a-nodes"\nhostname = "a"\nper_hour = 3.6\n')

@@ -63,6 +63,20 @@ def test_wanted_pods_reads_the_annotation_and_skips_ended_pods():
     old = wanted_pods(pod_list(pod("a", {"jobprobe.io/probe": "true"}, started="2026-01-02T03:04:05Z")))
     assert old[UIDS["a"]].started == 1767323045.0
     assert split_probes("cgroup,bogus,-sched", {"cgroup", "sched"}) == ("cgroup,-sched", ["bogus"])
+    # whose it was: its controlling owner, and the pod labels the operator allow-listed (and only those)
+    owned = pod("a", {"jobprobe.io/probe": "true"})
+    owned["metadata"]["ownerReferences"] = [{"kind": "ReplicaSet", "name": "rs-1"},
+                                            {"kind": "Job", "name": "train-7", "controller": True}]
+    owned["metadata"]["labels"] = {"team": "vision", "app.kubernetes.io/name": "trainer", "secret": "s3"}
+    got = wanted_pods(pod_list(owned), ("team", "app.kubernetes.io/name", "absent"))[UIDS["a"]].labels()
+    assert got == {"namespace": "train", "pod": "a", "pod_uid": UIDS["a"], "containers": "main", "owner": "Job/train-7",
+                   "team": "vision", "app_kubernetes_io_name": "trainer"}, got
+    for refs in ("x", [{"kind": 3}], []):
+        owned["metadata"]["ownerReferences"] = refs
+        assert "owner" not in wanted_pods(pod_list(owned))[UIDS["a"]].labels()
+    owned["metadata"]["labels"] = "not a map"
+    with pytest.raises(ValueError):
+        wanted_pods(pod_list(owned))
     assert split_probes(None, {"cgroup"}) == (None, [])
 
 

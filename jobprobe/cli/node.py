@@ -181,7 +181,7 @@ def cmd_agent(args) -> int:
                        "state": args.state, "attach_wait": args.attach_wait, "queue": args.queue,
                        "slurm": args.slurm, "slurm_node": args.slurm_node, "k8s": args.k8s,
                        "k8s_every": args.k8s_every, "k8s_token_file": args.k8s_token_file, "k8s_ca": args.k8s_ca,
-                       "k8s_insecure": args.k8s_insecure, "k8s_node": args.k8s_node, "nats": args.send, "spool": args.spool,
+                       "k8s_insecure": args.k8s_insecure, "k8s_node": args.k8s_node, "k8s_labels": args.k8s_labels, "nats": args.send, "spool": args.spool,
                        "spool_max_mb": args.spool_max_mb, "nats_creds": args.nats_creds, "nats_ca": args.nats_ca,
                        "nats_insecure_plaintext": args.nats_insecure_plaintext,
                        "node": args.node, "prometheus": args.prometheus, "rules": args.rules,
@@ -221,7 +221,8 @@ def cmd_agent(args) -> int:
         if cfg.k8s:
             from jobprobe.node.k8s import PodWatcher
             watcher = PodWatcher(agent, cfg.k8s, every=cfg.k8s_every, token_file=cfg.k8s_token_file,
-                                 ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure, node=cfg.k8s_node)
+                                 ca_file=cfg.k8s_ca, insecure=cfg.k8s_insecure, node=cfg.k8s_node,
+                                 labels=tuple(k.strip() for k in cfg.k8s_labels.split(",") if k.strip()))
             watcher.start()
         agent.run()
     finally:

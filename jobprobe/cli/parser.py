@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "attach the pods annotated jobprobe.io/probe=true, detach them when they go")
     ag.add_argument("--k8s-node", metavar="NAME", help="this node's Kubernetes name (the downward API's "
                     "spec.nodeName): --k8s is the API server, asked for this node's pods (RBAC: list pods)")
+    ag.add_argument("--k8s-labels", metavar="KEY,…", help="pod labels copied into each pod's job labels (frames, "
+                    "and /metrics where the config's prometheus_labels names them; app.kubernetes.io/name becomes "
+                    "app_kubernetes_io_name)")
     ag.add_argument("--k8s-every", type=float, metavar="S", help="seconds between looks at the pod list (default 5)")
     ag.add_argument("--k8s-token-file", metavar="FILE", help="bearer token for --k8s (a service account's)")
     ag.add_argument("--k8s-ca", metavar="FILE", help="CA of --k8s's certificate (default: the service account's "

@@ -120,7 +120,8 @@ def summarize(frames: Iterable[dict], name: str = "", thresholds: dict[str, floa
             starved[p] += (d.get("starved_by", {}).get(p, 0.0) / d["wall_s"] if d["wall_s"] > 0 else 0.0) / len(nodes)
     episodes = [{"node": p["node"], "start": p["start"], "end": p["end"], "s": round(p["end"] - p["start"], 1),
                  "reason": p["reason"], "waited_by": p["waited_by"]} for p in periods]
-    return {"job": name, "nodes": len(nodes), "start": min(starts) if starts else None,
+    labels = next((f["labels"] for f in reversed(frames) if isinstance(f.get("labels"), dict)), {})
+    return {"job": name, "labels": labels, "nodes": len(nodes), "start": min(starts) if starts else None,
             "end": max(ends) if ends else None, "wall_s": round(wall, 3), "ended": how_it_ended(by_node),
             "goodput": round(shares["computing"], 4),
             "buckets": {b: round(shares[b] * wall, 3) for b in BUCKETS},

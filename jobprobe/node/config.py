@@ -35,6 +35,7 @@ class Config:
     k8s_ca: str | None = None           # the CA that signed the kubelet's certificate
     k8s_insecure: bool = False          # do not check the peer's certificate (refused with a token)
     k8s_node: str | None = None         # this node's Kubernetes name: its pods from the API server's list
+    k8s_labels: str = ""                # pod labels (keys, comma-separated) copied into each pod's job labels
     nats: str | None = None             # nats://HOST:PORT[,…]: every job's frames to the controller's JetStream
     spool: str = "/var/lib/jobprobe/spool"   # frames waiting for the NATS server's ack, on disk
     spool_max_mb: float = 256.0         # past this the oldest unacked frames go (counted, logged)

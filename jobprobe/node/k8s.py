@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import ssl
 import threading
 import time
@@ -60,21 +61,42 @@ class Pod:
     containers: list[str]
     probes: str | None          # the annotation's spec, as given
     started: float | None = None   # status.startTime, UNIX s
+    owner: str = ""             # its controller (ownerReferences): `Job/train-7`, `StatefulSet/ddp`
+    extra: dict[str, str] | None = None   # its labels the operator allow-listed (--k8s-labels), names made safe
 
     @property
     def job(self) -> str:
         return f"{self.namespace}/{self.name}"
 
     def labels(self) -> dict[str, str]:
-        return {"namespace": self.namespace, "pod": self.name, "pod_uid": self.uid,
-                "containers": ",".join(self.containers)}
+        return {**(self.extra or {}), "namespace": self.namespace, "pod": self.name, "pod_uid": self.uid,
+                "containers": ",".join(self.containers), **({"owner": self.owner} if self.owner else {})}
 
 
-def wanted_pods(doc: Any) -> dict[str, Pod]:
+MAX_LABEL = 128        # characters of a pod label's value copied into the job's labels
+
+
+def label_name(key: str) -> str:
+    """A pod label's key as a job label's name: `app.kubernetes.io/name` → `app_kubernetes_io_name`."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", key)
+
+
+def owner_of(meta: dict) -> str:
+    """`Kind/name` of the pod's controlling owner (ownerReferences, the one with controller: true, else the
+    first); "" without one. What chargeback groups pods by: the Job, the StatefulSet."""
+    refs = meta.get("ownerReferences")
+    if not isinstance(refs, list):
+        return ""
+    refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("kind"), str) and isinstance(r.get("name"), str)]
+    ref = next((r for r in refs if r.get("controller") is True), refs[0] if refs else None)
+    return f"{ref['kind']}/{ref['name']}"[:MAX_LABEL] if ref else ""
+
+
+def wanted_pods(doc: Any, allow: tuple[str, ...] = ()) -> dict[str, Pod]:
     """The pods of a pod list (a v1 PodList: the kubelet's /pods or the API server's /api/v1/pods) that ask to be
     probed and have not ended, by UID. ValueError when the document is not a pod list — a pod without a name and a
     UID, or a field of another type than a pod list gives it, included: the peer is trusted to send pod lists, not
-    to send good ones."""
+    to send good ones. `allow`: the pod labels (keys) copied into the job's labels."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValueError("not a pod list (no items)")
     out = {}
@@ -96,8 +118,10 @@ def wanted_pods(doc: Any) -> dict[str, Pod]:
             raise ValueError("spec.containers is not a list")
         containers = [str(_table(c, "a container").get("name", "?")) for c in listed]
         probes = ann.get(PROBES_ANNOTATION)
+        labels = _table(meta.get("labels"), "metadata.labels")
+        extra = {label_name(k): str(labels[k])[:MAX_LABEL] for k in allow if isinstance(labels.get(k), str)}
         out[uid] = Pod(uid, namespace, name, containers, None if probes is None else str(probes),
-                       start_time(status.get("startTime")))
+                       start_time(status.get("startTime")), owner_of(meta), extra)
     return out
 
 
@@ -167,8 +191,10 @@ def pods_path(node: str | None) -> str:
 
 class PodWatcher:
     def __init__(self, agent: Agent, url: str, every: float = 5.0, token_file: str | None = None,
-                 ca_file: str | None = None, insecure: bool = False, timeout: float = 5.0, node: str | None = None):
+                 ca_file: str | None = None, insecure: bool = False, timeout: float = 5.0, node: str | None = None,
+                 labels: tuple[str, ...] = ()):
         self.agent, self.url, self.every, self.timeout = agent, url.rstrip("/"), every, timeout
+        self.labels = labels         # the pod labels copied into each job's (--k8s-labels)
         self.token_file = token_file
         self.context = tls_context(self.url, ca_file, insecure, token_file)
         self.path = pods_path(node)
@@ -185,7 +211,7 @@ class PodWatcher:
             with open(self.token_file) as f:
                 req.add_header("Authorization", f"Bearer {f.read().strip()}")
         with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
-            return wanted_pods(json.loads(resp.read(64 << 20)))
+            return wanted_pods(json.loads(resp.read(64 << 20)), self.labels)
 
     def poll(self) -> None:
         """Attach the pods that ask for it, detach those that no longer do. Raises what fetch() raises."""
