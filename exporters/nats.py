@@ -34,11 +34,11 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
-from jobprobe.transport.natswire import Wire
 from jobprobe.core.frame import encode
 from jobprobe.core.retry import Backoff
 from jobprobe.core.wire import BEATS, beat_subject, frames_subject, inbox_prefix, msg_id
 from jobprobe.exporters.spool import Spool
+from jobprobe.transport.natswire import Wire
 
 log = logging.getLogger("jobprobe.nats")
 

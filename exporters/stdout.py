@@ -12,6 +12,7 @@ import sys
 import time
 from typing import IO
 
+
 def human_value(key: str, v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}"

@@ -43,16 +43,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta, log2_percentile
+from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel import tracefs
+from jobprobe.kernel.bpf import RAW
+from jobprobe.kernel.btf import Btf
+from jobprobe.kernel.host import Host
+from jobprobe.kernel.membership import Node
+from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.node.probe import Field
 from jobprobe.node.targets.base import Target
-from jobprobe.kernel.bpf import RAW
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.kernel import tracefs
-from jobprobe.kernel.btf import Btf
-from jobprobe.kernel.membership import Node
 
 NBUCKETS = 27                 # bpf/blockio.c NBUCKETS
 DIRS = ("read", "write")      # bpf/blockio.c OP_READ, OP_WRITE: the index into slot_stats.dir

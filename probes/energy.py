@@ -24,8 +24,8 @@ import re
 from typing import Any
 
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.targets.base import Target
 

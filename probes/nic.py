@@ -27,11 +27,11 @@ import threading
 import time
 from typing import Any
 
-from jobprobe.node import tickmemo
-from jobprobe.core.errors import ProbeUnavailable, TargetGone
-from jobprobe.kernel.host import Host
-from jobprobe.kernel import ethtool, procfs, rtnl
 from jobprobe.core.counters import delta
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel import ethtool, procfs, rtnl
+from jobprobe.kernel.host import Host
+from jobprobe.node import tickmemo
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.targets.base import Target
 

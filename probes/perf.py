@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from jobprobe.core.errors import ProbeFailed, ProbeUnavailable
+from jobprobe.kernel import perf as _perf
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.procfs import read_ppid
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.targets.base import Target
-from jobprobe.kernel.procfs import read_ppid
-from jobprobe.kernel import perf as _perf
 
 # _perf event name → field name (task-clock is a time, so it carries its unit in the name).
 FIELD_OF = {"task_clock": "task_clock_ns", "context_switches": "context_switches",

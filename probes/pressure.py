@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from jobprobe.core.errors import ProbeUnavailable, TargetGone
-from jobprobe.kernel.host import Host
-from jobprobe.kernel import procfs
 from jobprobe.core.counters import delta
+from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel import procfs
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.targets.base import Target
 

@@ -26,8 +26,8 @@ from collections import Counter
 from typing import Any
 
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.kernel.host import Host
 from jobprobe.devices.pyproc import is_python, py_spy, role
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import STACKS_KEY, Field, Probe
 from jobprobe.node.targets.base import Target
 

@@ -38,12 +38,12 @@ import socket
 import time
 from typing import Any
 
+from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.devices import rdma
+from jobprobe.kernel import ethtool, procfs, rdmanl
 from jobprobe.kernel.host import Host
 from jobprobe.node import tickmemo
-from jobprobe.kernel import ethtool, procfs, rdmanl
-from jobprobe.devices import rdma
-from jobprobe.core.counters import delta
 from jobprobe.node.probe import EVENTS_KEY, Field, Probe
 from jobprobe.node.targets.base import Target
 

@@ -53,17 +53,29 @@ import platform
 import time
 from typing import Any
 
-from jobprobe.node import tickmemo
-from jobprobe.kernel.host import Host
 from jobprobe.core.counters import delta, log2_percentile
-from jobprobe.node.probe import Field
-from jobprobe.node.bpfprobe import BpfProbe
 from jobprobe.kernel.bpfmap import possible_cpus
+from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
 from jobprobe.kernel.procfs import read_maps
+from jobprobe.kernel.schedread import (
+    COUNTERS,
+    HELD,
+    NBUCKETS,
+    NTIMES,
+    READ_TRIES,
+    WORDS,
+    SlotStats,
+    node_threads,
+    settle,
+    slot_columns,
+    time_totals,
+    torn_cpus,
+)
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
-from jobprobe.kernel.schedread import (COUNTERS, HELD, NBUCKETS, NTIMES, READ_TRIES, WORDS, SlotStats,
-                                       node_threads, settle, slot_columns, time_totals, torn_cpus)
+from jobprobe.node import tickmemo
+from jobprobe.node.bpfprobe import BpfProbe
+from jobprobe.node.probe import Field
 
 REASONS = ("preempt", "io", "lock", "sleep", "wait")
 TIMES = ("runq", *REASONS, "wakeup")            # bpf/sched.c's category of each index

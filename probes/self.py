@@ -16,8 +16,8 @@ import resource
 import time
 from typing import TYPE_CHECKING, Callable
 
-from jobprobe.kernel.host import Host
 from jobprobe.kernel import procfs
+from jobprobe.kernel.host import Host
 from jobprobe.node import tickmemo
 from jobprobe.node.probe import Field, Probe
 

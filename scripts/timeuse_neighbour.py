@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from train_cpu import own_clock  # noqa: E402
+
 HOG = "import time\nwhile True:\n    pass\n"
 
 

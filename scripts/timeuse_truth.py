@@ -29,7 +29,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from jobprobe.core.timeuse import decompose  # noqa: E402
 
-
 HOG = "while True:\n    pass\n"
 
 

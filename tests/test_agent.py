@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from conftest import IS_ROOT, TESTS, wait_for, workload
-from jobprobe.node.agent import Agent
-from jobprobe.node.config import Config
-from jobprobe.node.jobspec import JobSpec
-from jobprobe.node.control import ControlServer, call
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import StreamReader
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import procfs
+from jobprobe.node.agent import Agent
+from jobprobe.node.config import Config
+from jobprobe.node.control import ControlServer, call
+from jobprobe.node.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBPROBE = [sys.executable, "-m", "jobprobe.cli"]

@@ -108,6 +108,7 @@ NODE_OPTIONS = {
 @pytest.fixture(scope="module")
 def agent_socket(tmp_path_factory):
     import os
+
     from jobprobe.node.agent import Agent
     from jobprobe.node.config import Config
     from jobprobe.node.control import ControlServer

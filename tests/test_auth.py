@@ -207,6 +207,7 @@ def test_the_documented_permissions_are_the_generated_ones():
     """docs/DEPLOY.md's block is what natsauth writes into the server's config (the cluster trace above ran under
     the generated ones): the docs cannot drift from the code."""
     import re
+
     from jobprobe.transport.natsauth import node_permissions
     text = (REPO / "docs" / "DEPLOY.md").read_text()
     m = re.search(r"<!-- node-permissions (\S+) -->\n```json\n(.*?)\n```", text, re.S)

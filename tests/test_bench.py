@@ -125,7 +125,8 @@ def test_cli_bench_writes_json_and_markdown(tmp_path):
 @pytest.mark.kernel
 def test_peers_measures_both_collectors_on_the_same_job(tmp_path):
     """node_exporter (the peer, a real server on loopback) is scraped once per interval while jobprobe runs."""
-    from jobprobe.bench.peers import markdown as peers_md, run_peers
+    from jobprobe.bench.peers import markdown as peers_md
+    from jobprobe.bench.peers import run_peers
     res = run_peers(workload("burn", 1.5), 0.25, tmp_path)
     j, n = res["jobprobe"], res["node_exporter"]
     assert 1.2 < res["seconds"] < 10

@@ -24,15 +24,32 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.btf import Btf
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.node.bpfprobe import MISSED
-from jobprobe.kernel.membership import MEMBERSHIP
-from jobprobe.kernel.btf import Btf
-from jobprobe.probes.blockio import (COUNTERS, DIRS, NBUCKETS, RAW_OFFSETS, RAW_PROTOS, STALE_NS, BlockioProbe, DirStats,
-                            RqKey, RqVal, SlotStats, choose_mode, interval, plan, raw_cflags, tp_fields, zero_reading)
+from jobprobe.probes.blockio import (
+    COUNTERS,
+    DIRS,
+    NBUCKETS,
+    RAW_OFFSETS,
+    RAW_PROTOS,
+    STALE_NS,
+    BlockioProbe,
+    DirStats,
+    RqKey,
+    RqVal,
+    SlotStats,
+    choose_mode,
+    interval,
+    plan,
+    raw_cflags,
+    tp_fields,
+    zero_reading,
+)
 from tests.conftest import bpf_fds, wait_for
 from tests.workloads_blockio import Loop
 

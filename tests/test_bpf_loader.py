@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import bpfmap as _bpfmap
+from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.probes.sched import SchedProbe
 from tests.conftest import TESTS, prog_exists, workload
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node import registry
+from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.node.probe import Field
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpfload as _bpfload
-from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
 from jobprobe.probes.sched import SchedProbe
 
 # waits for a line on stdin (sent once the probe is attached, however long its compile took), then execs from a thread
@@ -91,11 +91,11 @@ def test_in_an_agent_tick_every_jobs_slot_comes_from_one_read_equal_to_its_own_l
     """The agent reads a module's per-slot array once per tick (one batch lookup) for all its jobs: each job's
     summed counters from that read equal a lookup of its own slot, for sched, blockio and net, and two jobs of one
     node read through one shared load."""
-    from jobprobe.node import tickmemo
     from jobprobe.kernel.membership import Node
+    from jobprobe.node import tickmemo
+    from jobprobe.node.targets.cgroup import CgroupTarget
     from jobprobe.probes.blockio import BlockioProbe
     from jobprobe.probes.net import NetProbe
-    from jobprobe.node.targets.cgroup import CgroupTarget
     node = Node()
     groups = [make_cgroup(), make_cgroup()]
     busy = [g.spawn(["sleep", "60"]) for g in groups]

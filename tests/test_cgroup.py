@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from conftest import workload
+from jobprobe.kernel import threadacct as threadacct_mod
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.taskstats import ExitRecord
+from jobprobe.kernel.threadacct import CLK_TCK, PAGE, PerPid, ThreadAcct, proc_counters
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel.taskstats import ExitRecord
-from jobprobe.kernel import threadacct as threadacct_mod
-from jobprobe.kernel.threadacct import CLK_TCK, PAGE, PerPid, ThreadAcct, proc_counters
 from jobprobe.probes.cgroup import CgroupProbe, io_stat_bytes, read_kv
 
 TICK_NS = 1_000_000_000 // CLK_TCK

@@ -241,6 +241,7 @@ def test_a_reply_sent_before_the_request_was_read_still_reaches_the_client(tmp_p
     big for the socket's buffer makes the client's write outlast the server's close every time."""
     import socket
     import threading
+
     from jobprobe.node.control import call
     path = str(tmp_path / "s.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

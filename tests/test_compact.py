@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jobprobe.cluster import blocks, compact
 from jobprobe.cluster.store import Store

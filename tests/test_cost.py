@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from jobprobe.cluster import cost
-from jobprobe.core.errors import BadInput
 from jobprobe.cluster.store import Store
+from jobprobe.core.errors import BadInput
 
 REPO = Path(__file__).resolve().parents[1]
 PRICES = """currency = "EUR"
@@ -136,6 +136,7 @@ def test_query_summary_and_the_report_show_the_cost(store, tmp_path):
 def test_the_controllers_metrics_carry_each_jobs_cost_and_energy(store, tmp_path):
     pytest.importorskip("prometheus_client", reason="installed by make test")
     from prometheus_client import CollectorRegistry, generate_latest
+
     from jobprobe.cluster.controller import Controller
     from jobprobe.cluster.metrics import MetricsCollector
     (tmp_path / "p.toml").write_text(PRICES)

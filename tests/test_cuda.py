@@ -25,16 +25,27 @@ import pytest
 
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
-from jobprobe.kernel.host import Host
-from jobprobe.node.targets.cgroup import CgroupTarget
-from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import elf as _elf
-from jobprobe.node.bpfprobe import MISSED
+from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP
 from jobprobe.kernel.uprobe import UprobePmu
-from jobprobe.probes.cuda import (COLLECTIVES, DIRS, NBUCKETS, PROGRAMS, SYMBOLS, CudaProbe, CudaStats, interval,
-                         mapped_libraries, plan_library, zero_reading)
+from jobprobe.node.bpfprobe import MISSED
+from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.node.targets.pidtree import PidTreeTarget
+from jobprobe.probes.cuda import (
+    COLLECTIVES,
+    DIRS,
+    NBUCKETS,
+    PROGRAMS,
+    SYMBOLS,
+    CudaProbe,
+    CudaStats,
+    interval,
+    mapped_libraries,
+    plan_library,
+    zero_reading,
+)
 from tests.conftest import TESTS, bpf_fds
 from tests.fake_cuda.build import LIBS, build
 from tests.fake_cuda.prog import Prog, file_offsets_from_the_linker
@@ -466,7 +477,8 @@ def test_gpu_and_cuda_together_on_the_fakes(fakes, tmp_path):
     """The issue's whole GPU side in one run: `jobprobe run --probes +cuda -- <program>` with the fake NVML and the
     fake CUDA/NCCL libraries (both compiled by the tests) shows the job's GPU (found by CUDA_VISIBLE_DEVICES in the
     job's environment) and its CUDA/NCCL calls per second, summing to the program's own account."""
-    from tests.fake_nvml.state import FakeState, build as build_nvml
+    from tests.fake_nvml.state import FakeState
+    from tests.fake_nvml.state import build as build_nvml
     (tmp_path / "nvml").mkdir()
     nvml_dir = build_nvml(tmp_path / "nvml").parent
     state = FakeState(tmp_path / "state").gpu(0, uuid="GPU-fake-0", name="Fake GPU", util="61 12",

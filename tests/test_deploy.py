@@ -86,8 +86,8 @@ def guide_commands(text: str) -> list[str]:
 
 def guide_problems(text: str) -> list[str]:
     from jobprobe import __version__
-    from jobprobe.core.errors import BadInput
     from jobprobe.cli import build_parser
+    from jobprobe.core.errors import BadInput
     from jobprobe.deploy import files
     targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
     installer = (REPO / "scripts/install.sh").read_text()

@@ -13,10 +13,20 @@ import sys
 import pytest
 
 from jobprobe.kernel import bpf as _bpf
-from jobprobe.kernel.devcg import (ACC_READ, ACC_WRITE, DEV_BLOCK, DEV_CHAR, DeviceRules, Undecidable, allows,
-                           device_ctx, effective_programs, program_insns, run)
-from tests.devcg_progs import (CALL, EXIT, JA, LDXW, allow_list, attach_device_program, insn, odd_expected,
-                               odd_program)
+from jobprobe.kernel.devcg import (
+    ACC_READ,
+    ACC_WRITE,
+    DEV_BLOCK,
+    DEV_CHAR,
+    DeviceRules,
+    Undecidable,
+    allows,
+    device_ctx,
+    effective_programs,
+    program_insns,
+    run,
+)
+from tests.devcg_progs import CALL, EXIT, JA, LDXW, allow_list, attach_device_program, insn, odd_expected, odd_program
 
 
 # ---- unit tier: the interpreter on its own -----------------------------------------------------------------------

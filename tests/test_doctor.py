@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import AS_NOBODY
+from fake_nvml.state import FakeState
+from fake_nvml.state import build as build_nvml
 from fixtures_rdma import IB_COUNTERS, RdmaTree
-from fake_nvml.state import FakeState, build as build_nvml
-
 from jobprobe.node import doctor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,6 +241,7 @@ def test_the_controller_lists_a_node_that_is_not_ready(node, nvml_dir, tmp_path)
     """Two nodes send their doctor's result through NATS: the controller stores each as a `doctor` event and
     `controller stats` names the failing one as not ready, with the check that failed."""
     import time
+
     from test_nats import NATS, NatsServer
     if not os.path.exists(NATS):
         pytest.skip("nats-server is installed by make test (scripts/setup.sh)")

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from jobprobe.kernel.host import Host
-from jobprobe.probes.energy import EnergyProbe, busy_ticks, wrapped
 from jobprobe.node.targets.cgroup import CgroupTarget
+from jobprobe.probes.energy import EnergyProbe, busy_ticks, wrapped
 
 TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
 

@@ -7,12 +7,14 @@ import os
 import stat
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from jobprobe.core.names import MAX_FILE_NAME as MAX_NAME, job_filename
+from jobprobe.core.frame import FrameBuilder, StreamReader, encode
+from jobprobe.core.names import MAX_FILE_NAME as MAX_NAME
+from jobprobe.core.names import job_filename
 from jobprobe.exporters.file import FileSink, job_path
 from jobprobe.exporters.stdout import StdoutSink, human_line
-from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 
 
 def stream(n):

@@ -16,17 +16,18 @@ import pytest
 
 from conftest import IS_ROOT
 from fake_nvml.spies import Frames, Spy
-from tests.devcg_progs import DEV_CHAR, allow_list, attach_device_program
-from fake_nvml.state import HERE as FAKE_DIR, FakeState, build
+from fake_nvml.state import HERE as FAKE_DIR
+from fake_nvml.state import FakeState, build
 from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.devices.gpuowner import allowed_gpu_minors, parse_visible
+from jobprobe.devices.nvmltypes import decode_reasons
+from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.host import Host
 from jobprobe.node.sampler import Sampler
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.devices.nvmltypes import decode_reasons
-from jobprobe.devices.gpuowner import allowed_gpu_minors, parse_visible
 from jobprobe.probes.gpu import NO_DRIVER, GpuProbe
+from tests.devcg_progs import DEV_CHAR, allow_list, attach_device_program
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

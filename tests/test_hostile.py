@@ -30,18 +30,18 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import free_port, until
-
 from jobprobe.bench.flood import listening
 from jobprobe.cluster.controller import CONTROLLER_RUN, Controller
 from jobprobe.cluster.metrics import stats
-from jobprobe.core.errors import BadInput
-from jobprobe.core.wire import frames_subject, host_port
-from jobprobe.core.frame import FrameBuilder, MalformedFrame, encode
 from jobprobe.cluster.store import REJECT_BODY, REJECT_SAMPLES, Store
 from jobprobe.cluster.summary import job_frames, summarize
+from jobprobe.core.errors import BadInput
+from jobprobe.core.frame import FrameBuilder, MalformedFrame, encode
+from jobprobe.core.wire import frames_subject, host_port
 
 REPO = Path(__file__).resolve().parents[1]
 NATS = shutil.which("nats-server") or "/usr/sbin/nats-server"
@@ -269,8 +269,8 @@ def vm_hwm_mib(pid: int) -> float:
 @pytest.mark.integration
 @need_nats
 def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_honest_frame(tmp_path):
-    from jobprobe.transport.natswire import Wire
     from jobprobe.core.wire import msg_id
+    from jobprobe.transport.natswire import Wire
     port = free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(f'listen: "127.0.0.1:{port}"\nmax_payload: 1048576\n'

@@ -26,11 +26,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import workload, until as wait_for
-from jobprobe.node import k8s
+from conftest import until as wait_for
+from conftest import workload
 from jobprobe.core.errors import BadInput
-from jobprobe.exporters.file import job_path
 from jobprobe.core.frame import StreamReader
+from jobprobe.exporters.file import job_path
+from jobprobe.node import k8s
 from jobprobe.node.k8s import PodWatcher, split_probes, wanted_pods
 
 REPO = Path(__file__).resolve().parents[1]

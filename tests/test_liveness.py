@@ -131,6 +131,7 @@ def test_a_heartbeats_fields_are_checked(tmp_path):
 # ---- the agent's side ----------------------------------------------------------------------------------------
 def spooled(spool) -> list[dict]:
     import zlib
+
     from jobprobe.core.frame import decode
     return [decode(zlib.decompress(rec[6])) for rec in spool.peek(1000)]
 
@@ -165,8 +166,8 @@ def test_an_idle_agent_spools_one_heartbeat_per_tick_while_none_waits_and_announ
 @pytest.mark.integration
 @pytest.mark.kernel
 def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_path):
-    from test_nats import JOBPROBE, NATS, REPO, Site
     from jobprobe.node.control import call
+    from test_nats import JOBPROBE, NATS, REPO, Site
     if not os.path.exists(NATS):
         pytest.skip("nats-server is not installed (scripts/setup.sh)")
     site = Site(tmp_path)

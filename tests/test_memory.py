@@ -12,27 +12,37 @@ import ctypes as ct
 import os
 import re
 import struct
-import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
-
 from jobprobe import bpf
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.btf import enum_values as btf_enum_values
 from jobprobe.kernel.host import Host
+from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.kernel.btf import enum_values as btf_enum_values
-from jobprobe.probes.memory import (COUNTERS, NBUCKETS, PARTS, SLOT_NONE, SLOT_PENDING, MemoryProbe, OomRec, SlotStats,
-                           interval, oom_cflags, oom_event, plan, zero_reading)
+from jobprobe.probes.memory import (
+    COUNTERS,
+    NBUCKETS,
+    PARTS,
+    SLOT_NONE,
+    SLOT_PENDING,
+    MemoryProbe,
+    OomRec,
+    SlotStats,
+    interval,
+    oom_cflags,
+    oom_event,
+    plan,
+    zero_reading,
+)
 from tests.conftest import bpf_fds
-from tests.workloads_memory import (MemcgV1, failcnt, go, memcg_v1_root, memwork, populated_zones, said,
-                                    spawn, window)
+from tests.workloads_memory import failcnt, go, memwork, populated_zones, said, spawn, window
 
 # ---------------------------------------------------------------- unit
 

@@ -5,7 +5,8 @@ become a subject separator, a wildcard, a path separator or a hidden file."""
 import string
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from jobprobe.core.names import FILE_KEEP, MAX_FILE_NAME, SUBJECT_KEEP, escape, job_filename, unescape
 from jobprobe.core.wire import MAX_TOKEN, frames_subject, node_of, token

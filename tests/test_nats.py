@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 
-from conftest import IS_ROOT, free_port, make_certs, until as wait_for
-
+from conftest import IS_ROOT, free_port, make_certs
+from conftest import until as wait_for
 from jobprobe.bench.ddp import Nats as NatsServer  # a nats-server on loopback (the other tests import it from here)
 from jobprobe.core.frame import FrameBuilder, MalformedFrame, StreamReader, encode
 from jobprobe.core.wire import frames_subject

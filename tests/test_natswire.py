@@ -15,10 +15,9 @@ import nkeys
 import pytest
 
 from conftest import until as wait_for
-from test_nats import NatsServer, Site, need_nats
-
 from jobprobe.transport.credentials import Credentials, NatsError, PlaintextPassword, new_user_nkey
 from jobprobe.transport.natswire import NoResponders, TooLarge, Wire
+from test_nats import NatsServer, Site, need_nats
 
 
 def test_a_new_user_nkey_is_one_that_nkeys_reads_back():
@@ -297,6 +296,7 @@ def test_the_sink_subscribes_what_it_serves_from_its_own_thread(tmp_path):
     thread writes to the connection — the SUB included (made from the agent's thread, it raced a refused login that
     closed the socket under it: an agent died at start with EBADF) — and the served subject is subscribed."""
     import threading
+
     from jobprobe.exporters.nats import NatsSink
     fake = FakeServer({"server_id": "fake", "max_payload": 65536, "headers": True})
     t = threading.Thread(target=fake.accept)

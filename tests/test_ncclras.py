@@ -14,7 +14,8 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jobprobe.devices import ncclras
 from jobprobe.kernel.host import Host

@@ -23,15 +23,28 @@ import pytest
 from conftest import until
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel.host import Host
+from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
 from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.kernel import bpfload as _bpfload
-from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
-from jobprobe.probes.net import (COUNTERS, PACKET_FIELDS, RTT, NetProbe, NetStats, PeerKey, PeerVal, SockInfo, interval, peer_addr,
-                        top_peers, tracepoint_has_field, zero_reading)
+from jobprobe.probes.net import (
+    COUNTERS,
+    PACKET_FIELDS,
+    RTT,
+    NetProbe,
+    NetStats,
+    PeerKey,
+    PeerVal,
+    SockInfo,
+    interval,
+    peer_addr,
+    top_peers,
+    tracepoint_has_field,
+    zero_reading,
+)
 from tests.conftest import bpf_fds, prog_exists
 from tests.workloads_net import ADDR_A, ADDR_B, DROP, REFUSE_RETRANSMITS, TCP_HDRS, UDP_HDRS, near, result
 
@@ -440,7 +453,7 @@ def test_a_retransmit_whose_send_failed_is_counted_as_the_kernel_counts_it(probe
     sh = subprocess.run
     sh(["ip", "-n", net.a, "link", "set", net.va, "gso_max_segs", "1"], check=True)
     with _bpfload.load("drop", ["-w"], [], text=DROP, cgroups=[("drop_some", str(sink_cg.path),
-                                                              "cgroup_skb/ingress")]) as dropper, \
+                                                              "cgroup_skb/ingress")]), \
             _bpfload.load("refuse", ["-w"], [], text=REFUSE_RETRANSMITS,
                           cgroups=[("refuse_first_retransmit", str(cg.path), "cgroup_skb/egress")]) as refuser:
         sink = net.start(net.b, "tcp_sink", 5008, 0, ready=True, spawn=sink_cg.spawn)

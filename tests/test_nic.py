@@ -13,11 +13,10 @@ import time
 
 import pytest
 
-from workloads_net import ADDR_B, result
-
-from jobprobe.probes.nic import NicProbe, wanted
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
+from jobprobe.probes.nic import NicProbe, wanted
+from workloads_net import ADDR_B, result
 
 
 def test_interface_selection_follows_nccl_rules():

@@ -243,6 +243,7 @@ def test_a_lease_has_one_holder_and_a_dead_holders_lease_passes_on(tmp_path):
     of a holder whose process is gone takes it at once."""
     import asyncio
     import socket as sk
+
     from jobprobe.bench.local import Nats
     from jobprobe.cluster import lease as L
     srv = Nats(tmp_path)

@@ -34,12 +34,12 @@ import pytest
 
 from conftest import PREEMPT_SKEW_NS, steal_ns, wait_for, workload
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
+from jobprobe.kernel import perf as _perf
 from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field
 from jobprobe.node.targets.base import Target
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import perf as _perf
 from jobprobe.probes.perf import PerfProbe
 
 SW_FIELDS = {"task_clock_ns", "context_switches", "cpu_migrations", "page_faults", "running_ratio"}

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, until
-
 from jobprobe.core.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]

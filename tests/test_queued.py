@@ -8,10 +8,10 @@ import os
 import threading
 import time
 
+from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 from jobprobe.exporters.file import FileSink
 from jobprobe.exporters.queued import QueuedSink, SinkWorker, sink_stats
 from jobprobe.exporters.stdout import StdoutSink
-from jobprobe.core.frame import FrameBuilder, StreamReader, encode
 from jobprobe.probes.self import SelfProbe
 
 

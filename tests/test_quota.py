@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 
 from jobprobe.cluster.controller import Controller
-from jobprobe.cluster.refusals import REJECT_LOG_PER_MIN
 from jobprobe.cluster.quota import BURST_S, LIVE_JOB_S, Limits, Quotas
+from jobprobe.cluster.refusals import REJECT_LOG_PER_MIN
 from jobprobe.cluster.store import REJECT_SAMPLES, Store
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import encode
-from jobprobe.core.wire import beat_subject, frames_subject
+from jobprobe.core.wire import frames_subject
 
 T0 = 1_790_000_000.0
 

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from fixtures_rdma import cluster_node
-
-from jobprobe.kernel.host import Host
 from jobprobe.devices import rdma
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import EVENTS_KEY
-from jobprobe.probes.rdma import RdmaProbe, selected
 from jobprobe.node.targets.pidtree import PidTreeTarget
+from jobprobe.probes.rdma import RdmaProbe, selected
 
 REPO = Path(__file__).resolve().parents[1]
 

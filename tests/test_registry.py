@@ -70,7 +70,8 @@ def test_every_probe_has_its_test_file_and_docs():
 
 
 def test_frames_doc_tables_are_generated_from_the_declarations():
-    import subprocess, sys
+    import subprocess
+    import sys
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "frames_doc.py"), "--check"])
     assert res.returncode == 0, "docs/FRAMES.md is out of date: run python scripts/frames_doc.py"
 

@@ -100,8 +100,8 @@ HOSTILE_JOB = "$x^$"
 
 def hostile_frames(seconds: int = 20) -> list[dict]:
     """A short job on the HOSTILE_NODES, each node's samples filling every plot of the page."""
-    from jobprobe.core.frame import FrameBuilder
     from jobprobe.cluster.report import OFFCPU
+    from jobprobe.core.frame import FrameBuilder
     frames = []
     t0 = 1_700_000_000.0
     for i, node in enumerate(HOSTILE_NODES):
@@ -132,8 +132,8 @@ def check_hostile_page(page: str) -> None:
 def test_names_from_frames_are_text_never_mathtext_or_markup(tmp_path):
     """A node `n$\\\\frac{1}{0}$1` (mathtext that does not parse) and a job `$x^$`: the page is made, from frame
     files through the CLI and from the controller's store, and every name in it is escaped text."""
-    from jobprobe.core.frame import encode
     from jobprobe.cluster.store import Store
+    from jobprobe.core.frame import encode
     frames = hostile_frames()
     path = tmp_path / "job.mpk"
     path.write_bytes(b"".join(encode(f) for f in frames))
@@ -153,6 +153,7 @@ def test_the_plots_draw_names_as_they_are_whatever_the_rc(tmp_path, monkeypatch)
     """The legend lists every node, `_hidden` included, each drawn as its literal name — even with a matplotlibrc
     that asks for TeX (no LaTeX is installed on a node: that would fail too)."""
     import matplotlib
+
     from jobprobe.cluster import report
     job = report.Job()
     job.take(hostile_frames())

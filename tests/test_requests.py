@@ -151,6 +151,7 @@ class FakeNats:
                         max_size=2))
 def test_any_cluster_trace_request_and_any_node_answer_get_one_reply(req, answers):
     import asyncio
+
     from jobprobe.cluster.trace import cluster_trace
     nc = FakeNats(answers)
     out = asyncio.run(cluster_trace({"a": FakeNode("j"), "b": FakeNode("j")}, nc, req if isinstance(req, dict) else {}))

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
-from jobprobe.kernel.host import Host
 from jobprobe.core.frame import decode, encode
+from jobprobe.kernel.host import Host
 from jobprobe.node.probe import Field, Probe
 from jobprobe.node.sampler import Sampler
 from jobprobe.node.targets.base import Target
@@ -308,7 +308,8 @@ def test_a_window_only_probes_compile_never_holds_the_tick(tmp_path):
     s.stop()
     assert slow.stopped == 1
     # the trace file says from when each probe recorded: the window-only one from its start's end (after the gate)
-    import gzip, json
+    import gzip
+    import json
     (path,) = tmp_path.glob("*.trace.json.gz")
     other = json.loads(gzip.open(path, "rt").read())["otherData"]
     on, off = other["kernel_events_us"]

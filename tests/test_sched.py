@@ -19,18 +19,28 @@ import pytest
 
 from jobprobe import bpf
 from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.bpf import trim_log
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.membership import MEMBERSHIP, Node, exit_has_group_dead, proc_gone
+from jobprobe.kernel.schedread import ARRAYS, COUNTERS, NBUCKETS, NTIMES, READ_TRIES, SlotStats, settle, time_totals
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.node.bpfprobe import MISSED
-from jobprobe.kernel.membership import MEMBERSHIP, Node
-from jobprobe.kernel.schedread import (ARRAYS, COUNTERS, NBUCKETS, NTIMES, READ_TRIES, SlotStats, settle,
-                                       time_totals)
-from jobprobe.probes.sched import (HANDLERS, RAW_SYSCALL_HANDLERS, REASONS, SYSCALL_HANDLERS, TIMES, OffRec,
-                          SchedProbe, btf_sched, interval, raw_sched, syscall_from_regs, zero_reading)
-from jobprobe.kernel.bpf import trim_log
-from jobprobe.kernel.membership import exit_has_group_dead, proc_gone
+from jobprobe.probes.sched import (
+    HANDLERS,
+    RAW_SYSCALL_HANDLERS,
+    REASONS,
+    SYSCALL_HANDLERS,
+    TIMES,
+    OffRec,
+    SchedProbe,
+    btf_sched,
+    interval,
+    raw_sched,
+    syscall_from_regs,
+    zero_reading,
+)
 from tests.conftest import TESTS, bpf_fds, steal_ns, wait_for, workload
 
 # ---------------------------------------------------------------- unit

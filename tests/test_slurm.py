@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, PREEMPT_SKEW_NS, steal_ns, workload, until as wait_for
+from conftest import IS_ROOT, PREEMPT_SKEW_NS, steal_ns, workload
+from conftest import until as wait_for
 from jobprobe.core.errors import BadInput
 from jobprobe.kernel import procfs
 from jobprobe.node.targets.cgroup import CgroupTarget

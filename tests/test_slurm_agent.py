@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, until as wait_for
+from conftest import IS_ROOT
+from conftest import until as wait_for
 from jobprobe.core.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]

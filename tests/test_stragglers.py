@@ -32,7 +32,6 @@ from jobprobe.bench.ddpclock import lost_progress, lost_progress_band, more_bloc
 from test_nats import need_nats
 
 
-
 def scrape(port: int) -> dict[tuple, float]:
     import urllib.request
 
@@ -274,7 +273,7 @@ def test_ddp_stragglers_are_named_with_their_cause_and_a_balanced_job_has_none(c
             "node-a": ["straggler", "straggler_end"] * 2,
             "node-b": ["straggler", "straggler_end", "imbalance", "imbalance_end"] + ["straggler", "straggler_end"] * 2,
             "node-c": ["straggler", "straggler_end", "straggler"]}, got
-        import sqlite3                             # named by its partition's controller alone
+        import sqlite3  # named by its partition's controller alone
         for other in (s for s in cluster.stores if s != cluster.store):
             db = sqlite3.connect(f"file:{other}?mode=ro", uri=True)
             assert db.execute("SELECT COUNT(*) FROM frames").fetchone()[0] == 0, other

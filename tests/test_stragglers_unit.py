@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from jobprobe.cluster.stragglers import StragglerWatch, causes, figures, Window
+from jobprobe.cluster.stragglers import StragglerWatch, Window, causes, figures
 from jobprobe.core.schema import FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,14 +19,26 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
+from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.membership import MEMBERSHIP
+from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
-from jobprobe.kernel import bpf as _bpf
-from jobprobe.node.bpfprobe import MISSED
-from jobprobe.kernel.membership import MEMBERSHIP
-from jobprobe.probes.syscalls import (CLASSES, FALLBACK_X86_64, NBUCKETS, NR_MAX, SlotStats, SyscallsProbe, class_index,
-                             interval, name_of, parse_unistd, syscall_table, zero_reading)
+from jobprobe.probes.syscalls import (
+    CLASSES,
+    FALLBACK_X86_64,
+    NBUCKETS,
+    NR_MAX,
+    SlotStats,
+    SyscallsProbe,
+    class_index,
+    interval,
+    name_of,
+    parse_unistd,
+    syscall_table,
+    zero_reading,
+)
 from tests.conftest import bpf_fds, wait_for
 
 TESTS = Path(__file__).resolve().parent

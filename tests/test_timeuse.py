@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import workload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import workload
 from jobprobe.cluster.summary import summarize, text, to_peers
-from jobprobe.core.wire import subject_of
 from jobprobe.core.timeuse import BUCKETS, decompose
+from jobprobe.core.wire import subject_of
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -776,13 +776,13 @@ def test_the_controller_says_how_a_job_ended_in_its_summary_and_metrics(tmp_path
     """A job of two nodes whose last frame on b says `exit 3` (and on a, exit 0): its summary event says it ended
     badly on b, its computing since its last checkpoint is lost, and /metrics has jobprobe_job_end with how and
     failed, and jobprobe_jobs_ended counts it failed. A job whose last frames say nothing: `ended` none, unknown."""
+    import time
     from types import SimpleNamespace
 
     from jobprobe.cluster.controller import Controller
     from jobprobe.cluster.metrics import MetricsCollector
     from jobprobe.cluster.store import Store
     from jobprobe.core.frame import FrameBuilder, encode
-    import time
     ctl = Controller(Store(tmp_path / "s.db"), "nats://unused")
     wall = time.time() - 1000.0
 

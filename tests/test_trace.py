@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import json
-from bisect import bisect_right
 import os
 import re
 import stat
@@ -17,12 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+from bisect import bisect_right
 from pathlib import Path
 
 import pytest
 
 from conftest import until
-
 from jobprobe.core.frame import StreamReader
 from jobprobe.node.tracewin import Tracer
 
@@ -456,8 +455,11 @@ def test_gpu_idle_while_the_cpu_is_busy_fires_and_its_trace_has_each_cuda_call(t
     trace's CUDA track has one cudaLaunchKernel per launch the job itself logged in that span, each inside the
     job's own timing of the call."""
     import tomllib
+
     from fake_cuda.build import build as build_cuda
-    from fake_nvml.state import HERE as FAKE_NVML_DIR, FakeState, build as build_nvml
+    from fake_nvml.state import HERE as FAKE_NVML_DIR
+    from fake_nvml.state import FakeState
+    from fake_nvml.state import build as build_nvml
     nvml_dir, cuda_dir = tmp_path / "nvml", build_cuda(tmp_path / "cuda")
     nvml_dir.mkdir()
     build_nvml(nvml_dir)
@@ -559,8 +561,8 @@ def napper_window(tmp_path, during, cflags: tuple[str, ...] = (), min_ns: int = 
     """The napper traced by sched's deep mode (threshold `min_ns`) between two pauses: (records, dropped, its
     thread's records between the pauses, the voluntary switches the kernel counted between them, what
     `during(probe)` returned — with what `after(probe)` returned once the window's records were taken)."""
-    from probes.sched import SchedProbe
     from jobprobe.node.targets.pidtree import PidTreeTarget
+    from probes.sched import SchedProbe
     (tmp_path / "napper.py").write_text(NAPPER)
     # it naps until told to stop (at most 60 s): long enough however slow the probe's start on a loaded host
     job = subprocess.Popen([sys.executable, str(tmp_path / "napper.py"), "60", str(tmp_path / "naps")],
@@ -674,8 +676,9 @@ def test_a_trace_on_every_node_of_a_job_through_the_controller_with_one_common_s
     a job no node runs is refused in one line."""
     import re
     import sqlite3
-    from test_nats import NATS, NatsServer
+
     from jobprobe.node.control import call
+    from test_nats import NATS, NatsServer
     if not os.path.exists(NATS):
         pytest.skip("nats-server is installed by make test (scripts/setup.sh)")
     nats = NatsServer(tmp_path)
@@ -757,8 +760,8 @@ def test_every_long_sleep_has_its_own_stacks_however_many_short_ones_came_before
     200 is recorded with its kernel stack (do_nanosleep) and its user stack, whose caller is its own g_i. A stack
     map (the first stack of a bucket kept, the others refused while it holds it) lost about half of them here. The
     job ends before the window does: its addresses are named from its maps read while it ran."""
-    from probes.sched import SchedProbe, record_stacks
     from jobprobe.node.targets.pidtree import PidTreeTarget
+    from probes.sched import SchedProbe, record_stacks
     src, exe = tmp_path / "flood.c", tmp_path / "flood"
     src.write_text(stack_flood_source(3000, 200))
     subprocess.run(["gcc", "-O0", "-fno-omit-frame-pointer", "-no-pie", "-rdynamic", "-o", str(exe), str(src)],

@@ -14,9 +14,8 @@ import urllib.request
 import pytest
 
 from conftest import free_port, until
-from test_nats import JOBPROBE, REPO, Site, need_nats
-
 from jobprobe.core.frame import StreamReader
+from test_nats import JOBPROBE, REPO, Site, need_nats
 
 VM = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
 need_vm = pytest.mark.skipif(not os.path.exists(VM), reason="victoria-metrics is not installed (scripts/setup.sh)")

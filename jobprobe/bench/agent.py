@@ -21,14 +21,13 @@ from pathlib import Path
 
 from jobprobe.bench.events import program_stats, run_workload
 from jobprobe.bench.overhead import _rmdir, scratch
-from jobprobe.node.control import call
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import StreamReader
-from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import procfs
-
+from jobprobe.kernel.host import find_cgroup2_mount
+from jobprobe.node.control import call
 
 
 def held_programs(pid: int) -> set[int]:

@@ -23,6 +23,7 @@ from jobprobe.bench.overhead import scratch
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.core.wire import frames_subject, msg_id
 
+
 def job_frames(node: str, job: str, start: float, samples: int, interval: float) -> list[dict]:
     """A short CPU job's frames as its agent sends them: its hello, then `samples` samples (their times in the
     past: the bench sends them at once, a run after the other)."""

@@ -19,7 +19,7 @@ def progress(log: Path) -> list[tuple[float, float, float]]:
 
 def _over(clock: list[tuple[float, float]]):
     """The clock's (time, so far) points as a function of a span: how much it moved between a and z."""
-    import numpy as np      # (the controller's and the tests' dependency; reading a log needs none)
+    import numpy as np  # (the controller's and the tests' dependency; reading a log needs none)
     t, v = np.array([c[0] for c in clock]), np.array([c[1] for c in clock])
     return lambda a, z: float(np.interp(z, t, v) - np.interp(a, t, v))
 

@@ -25,8 +25,8 @@ from jobprobe.bench.overhead import _rmdir, _wait_for_hello, scratch
 from jobprobe.bench.stats import estimate, median
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
-from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel.host import find_cgroup2_mount
 
 # probe → (micro-workload, peer tool from Debian's bpfcc-tools measuring the same events, its argv)
 CASES = {

@@ -17,10 +17,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jobprobe.kernel import procfs
 from jobprobe.bench.overhead import _wait_for_hello, collector_stats, free_port, scratch
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
+from jobprobe.kernel import procfs
 
 NODE_EXPORTER = ("prometheus-node-exporter", "node_exporter")
 

@@ -20,6 +20,7 @@ def cmd_bench(args) -> int:
         raise BadInput("not root: the benchmarks create cgroups and run jobprobe's probes")
     if args.bench == "events":
         from pathlib import Path
+
         from jobprobe.bench import events
         res = events.bench_events(args.probe, args.rounds, args.n, not args.no_peer, args.seed, progress=sys.stderr)
         if args.json:
@@ -28,6 +29,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "agent":
         from pathlib import Path
+
         from jobprobe.bench import agent as agent_bench
         try:
             counts = tuple(int(x) for x in args.jobs.split(","))
@@ -43,6 +45,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "store":
         from pathlib import Path
+
         from jobprobe.bench import storebench
         if args.nodes < 8 or args.hours < 1:
             raise BadInput("bench store: at least 8 nodes (one job) and 1 hour")
@@ -53,6 +56,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "controller":
         from pathlib import Path
+
         from jobprobe.bench import controller, failover
         if args.partitions > 1:         # the same face: a dict, its markdown
             ctl_bench, res = failover, failover.bench_failover(args.nodes, args.seconds, args.partitions,
@@ -66,6 +70,7 @@ def cmd_bench(args) -> int:
         return 0
     if args.bench == "accuracy":
         from pathlib import Path
+
         from jobprobe.bench import accuracy
         res = accuracy.bench_accuracy(args.runs, args.load, args.interval, args.only, progress=sys.stderr)
         if args.json:
@@ -74,6 +79,7 @@ def cmd_bench(args) -> int:
         return 0 if res["pass"] else 1
     if args.bench == "stragglers":
         from pathlib import Path
+
         from jobprobe.bench import stragglers
         only = [f for x in args.only or [] for f in x.split(",") if f]
         if args.runs < 1:
@@ -87,6 +93,7 @@ def cmd_bench(args) -> int:
         raise BadInput(f"nothing to run: jobprobe bench {args.bench} [options] -- CMD ARGS...")
     if args.bench == "peers":
         from pathlib import Path
+
         from jobprobe.bench import peers
         res = peers.run_peers(command, args.interval)      # its own mkdtemp scratch directory
         if args.json:
@@ -106,6 +113,7 @@ def cmd_bench(args) -> int:
 def _check_config(config: str) -> None:
     import tempfile
     from pathlib import Path
+
     from jobprobe.bench.overhead import config_options, config_probes
     from jobprobe.node.registry import all_probes, parse_probes
     with tempfile.TemporaryDirectory() as d:

@@ -139,6 +139,7 @@ def controller_tls(args) -> int:
 
 def cmd_report(args) -> int:
     import importlib.util
+
     from jobprobe.cluster import report
     if importlib.util.find_spec("matplotlib") is None:
         raise BadInput("report: needs matplotlib (pip install 'jobprobe[report]')")
@@ -269,6 +270,7 @@ def _store_of(path: str | None, files: list[str]):
 def cmd_query(args) -> int:
     import csv
     import sqlite3
+
     from jobprobe.cluster.store import Store
     try:
         store = Store(args.store or ["/var/lib/jobprobe/controller/store.db"], readonly=True)

@@ -69,10 +69,10 @@ def list_probes(args, host: Host) -> int:
 # ---- run ---------------------------------------------------------------------------------------------------------
 def make_target(args, command: list[str]):
     from jobprobe.node.targets.cgroup import CgroupTarget
-    from jobprobe.node.targets.pidtree import PidTreeTarget
     from jobprobe.node.targets.command import CommandTarget
-    from jobprobe.node.targets.slurm import slurm_target
     from jobprobe.node.targets.k8s import k8s_pod_target
+    from jobprobe.node.targets.pidtree import PidTreeTarget
+    from jobprobe.node.targets.slurm import slurm_target
     given = [x for x in (args.cgroup, args.pid, args.slurm_job, args.k8s_pod) if x is not None]
     if command and given:
         raise BadInput("give either a target option (--cgroup/--pid/--slurm-job/--k8s-pod) or -- CMD, not both")
@@ -253,6 +253,7 @@ def cmd_attach(args) -> int:
 
 def cmd_doctor(args) -> int:
     import dataclasses
+
     from jobprobe.node import doctor
     host = Host()
     if args.root:
@@ -270,10 +271,10 @@ def cmd_doctor(args) -> int:
 
 def send_doctor(args, node: str, result: dict) -> None:
     """The result as an `event` frame (job `node`, event `doctor`) into the frames' stream, as an agent sends."""
+    from jobprobe.core.frame import FrameBuilder, encode
     from jobprobe.core.wire import frames_subject, inbox_prefix, msg_id
     from jobprobe.transport.credentials import NatsError
     from jobprobe.transport.natswire import Wire
-    from jobprobe.core.frame import FrameBuilder, encode
     fr = FrameBuilder(node, "node", f"doctor-{int(time.time() * 1000)}").event(time.time(), "doctor", **result)
     try:
         wire = Wire(args.controller, args.nats_creds, args.nats_ca, name="jobprobe-doctor", inbox=inbox_prefix(node))

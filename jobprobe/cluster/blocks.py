@@ -23,6 +23,7 @@ import zlib
 from typing import Any, Iterable
 
 import msgpack
+
 from jobprobe.core.numbers import is_finite, is_int
 
 MISSING, NONE, PRESENT = 0, 1, 2

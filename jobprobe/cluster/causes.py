@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from jobprobe.core.numbers import is_number
 
 # clock-event reasons that are throttling, not idling or an application's own clock choice (NVML bits)

@@ -99,7 +99,8 @@ class Controller:
         self.nc: Any = None           # its NATS connection, once made (ingest.serve): /metrics' nats_up
         self.server: Any = None       # the nats-server it runs and supervises (natsserver.LocalNats; no --nats)
         self.reset()
-        from jobprobe.cluster.cost import Meter, load as load_prices
+        from jobprobe.cluster.cost import Meter
+        from jobprobe.cluster.cost import load as load_prices
         self.meter = Meter(load_prices(prices) if prices else None)     # per-job energy and cost, for --metrics
         self.tsdb = None
         if tsdb:

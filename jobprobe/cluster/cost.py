@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobprobe.core.errors import BadInput
 from jobprobe.core import tomlfile
+from jobprobe.core.errors import BadInput
 from jobprobe.core.numbers import is_amount, is_int
 
 WAITING_RULES = ("gpu_idle_cpu_busy", "input_bound")

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import msgpack
 
 from jobprobe.core import ends, schema
-from jobprobe.core.frame import KINDS, MalformedFrame, SCHEMA_VERSION
+from jobprobe.core.frame import KINDS, SCHEMA_VERSION, MalformedFrame
 from jobprobe.core.numbers import is_int, is_number
 
 MAX_OBJECTS = 100_000       # containers and their elements in one frame (a busy job's sample: ~1 500)

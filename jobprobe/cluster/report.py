@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Iterable
+
 from jobprobe.core.numbers import is_number
 
 MAX_POINTS = 600

@@ -40,9 +40,24 @@ from typing import Any
 
 import numpy as np
 
-from jobprobe.cluster.causes import (MOVED, STALL_FIGURES, STALL_RISES, WAITED_STALLS, Cause, Others, Window,
-                                     at_least, at_limit, causes, could_name, evidence, figures, imbalance_body, moved,
-                                     straggler_body)
+from jobprobe.cluster.causes import (
+    MOVED,
+    STALL_FIGURES,
+    STALL_RISES,
+    WAITED_STALLS,
+    Cause,
+    Others,
+    Window,
+    at_least,
+    at_limit,
+    causes,
+    could_name,
+    evidence,
+    figures,
+    imbalance_body,
+    moved,
+    straggler_body,
+)
 from jobprobe.cluster.peers import BASE_ROW, Part, Sums, Table
 from jobprobe.cluster.waits import WAITED_S, Waits
 

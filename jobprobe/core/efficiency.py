@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from jobprobe.core.errors import BadInput
 from jobprobe.core import tomlfile
+from jobprobe.core.errors import BadInput
 from jobprobe.core.numbers import is_number
 
 DEFAULTS = {"cpu_used_min": 0.5, "memory_used_min": 0.25, "gpu_used_min": 0.5}

@@ -21,9 +21,24 @@ import ctypes
 import logging
 
 from jobprobe.core.counters import delta
-from jobprobe.devices.nvmltypes import (ALL_LINKS, GAUGES, GPM_METRICS, GPU_IS_LOST, MISSING, NOT_FOUND,
-                                        NVLINK_FIELDS, NVLINK_LINK_COUNT, STICKY_GPU, TIMEOUT, XID_EVENT, Gpu,
-                                        GpuLost, Mig, decode_reasons, gpm_metric)
+from jobprobe.devices.nvmltypes import (
+    ALL_LINKS,
+    GAUGES,
+    GPM_METRICS,
+    GPU_IS_LOST,
+    MISSING,
+    NOT_FOUND,
+    NVLINK_FIELDS,
+    NVLINK_LINK_COUNT,
+    STICKY_GPU,
+    TIMEOUT,
+    XID_EVENT,
+    Gpu,
+    GpuLost,
+    Mig,
+    decode_reasons,
+    gpm_metric,
+)
 
 log = logging.getLogger("jobprobe.gpu")
 

@@ -132,8 +132,7 @@ def load(req: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
     from bcc import BPF
     from bcc.libbcc import lib
 
-    from jobprobe.kernel.bpf import (BTF, CGROUP_HOOKS, RAW, attach_btf_tracepoint, attach_cgroup,
-                                     load_btf_tracepoint)
+    from jobprobe.kernel.bpf import BTF, CGROUP_HOOKS, RAW, attach_btf_tracepoint, attach_cgroup, load_btf_tracepoint
 
     cflags = [btf_flag(f) for f in req["cflags"]]
     if req.get("pinned"):

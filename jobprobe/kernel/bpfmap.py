@@ -23,8 +23,18 @@ import struct
 from pathlib import Path
 from typing import Any, Iterator
 
-from jobprobe.kernel.bpf import (ANY, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY, MAP_LOOKUP_BATCH, MAP_LOOKUP_ELEM,
-                                 MAP_UPDATE_ELEM, BatchAttr, ElemAttr, map_create, sys_bpf)
+from jobprobe.kernel.bpf import (
+    ANY,
+    MAP_DELETE_ELEM,
+    MAP_GET_NEXT_KEY,
+    MAP_LOOKUP_BATCH,
+    MAP_LOOKUP_ELEM,
+    MAP_UPDATE_ELEM,
+    BatchAttr,
+    ElemAttr,
+    map_create,
+    sys_bpf,
+)
 from jobprobe.kernel.host import parse_cpu_list
 
 PERCPU_TYPES = {5, 6, 10, 21}   # PERCPU_HASH, PERCPU_ARRAY, LRU_PERCPU_HASH, PERCPU_CGROUP_STORAGE

@@ -25,9 +25,9 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
-from jobprobe.kernel.host import Host
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import procfs, tracefs
+from jobprobe.kernel.host import Host
 
 if TYPE_CHECKING:                    # annotations only: a target is handed down by the node, never imported here
     from jobprobe.node.targets.base import Target

@@ -22,8 +22,8 @@ import os
 import platform
 import struct
 
-from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.core.counters import delta as counter_delta
+from jobprobe.core.errors import ProbeUnavailable
 
 # perf_event_open has no libc wrapper; its number is per architecture (asm/unistd.h).
 NR_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}

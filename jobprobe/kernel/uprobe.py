@@ -16,7 +16,6 @@ from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import perf as _perf
 
 
-
 class UprobePmu:
     """The kernel's uprobe PMU: perf events that put a uprobe (or uretprobe) on a file offset and run a BPF program."""
 

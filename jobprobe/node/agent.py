@@ -32,11 +32,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from jobprobe.exporters.queued import SinkWorker, sink_stats
-from jobprobe.node import tickmemo
 from jobprobe.core.errors import BadInput, TargetGone
 from jobprobe.core.frame import NODE_JOB, FrameBuilder, new_run_id
+from jobprobe.exporters.queued import SinkWorker, sink_stats
 from jobprobe.kernel.host import Host
+from jobprobe.kernel.membership import Node
+from jobprobe.node import tickmemo
 from jobprobe.node.adopt import Adoption
 from jobprobe.node.config import Config
 from jobprobe.node.jobspec import JobSpec, spec_key, waitable
@@ -46,7 +47,6 @@ from jobprobe.node.registry import all_probes, parse_probes
 from jobprobe.node.sampler import Sampler, run_ticks
 from jobprobe.node.targets.base import Target
 from jobprobe.node.tracereq import TraceRequests
-from jobprobe.kernel.membership import Node
 
 log = logging.getLogger("jobprobe.node.agent")
 

@@ -23,8 +23,8 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from jobprobe.kernel.host import Host
 from jobprobe.devices import pci, rdma
+from jobprobe.kernel.host import Host
 
 ORDER = {"pass": 0, "absent": 0, "warn": 1, "fail": 3}
 WANT_CONTROLLERS = ("cpu", "memory", "io", "pids")

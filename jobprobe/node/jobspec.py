@@ -27,9 +27,9 @@ class JobSpec:
 
     def target(self) -> Target:
         from jobprobe.node.targets.cgroup import CgroupTarget
+        from jobprobe.node.targets.k8s import k8s_pod_target
         from jobprobe.node.targets.pidtree import PidTreeTarget
         from jobprobe.node.targets.slurm import slurm_target
-        from jobprobe.node.targets.k8s import k8s_pod_target
         given = [x for x in (self.cgroup, self.pid, self.slurm_job, self.k8s_pod) if x is not None]
         if len(given) != 1:
             raise BadInput("give exactly one of --cgroup PATH, --pid PID, --slurm-job ID, --k8s-pod UID")

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jobprobe.node.agent import Agent
-from jobprobe.node.jobspec import JobSpec
 from jobprobe.core.errors import BadInput
 from jobprobe.core.retry import Backoff
+from jobprobe.node.agent import Agent
+from jobprobe.node.jobspec import JobSpec
 
 log = logging.getLogger("jobprobe.node.k8s")
 

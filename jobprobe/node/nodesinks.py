@@ -29,8 +29,8 @@ class NodeSinks:
         """The NATS sink (cfg.nats) and the Prometheus endpoint (cfg.prometheus); None where not asked for."""
         self.nats = None
         if self.cfg.nats:
-            from jobprobe.exporters.nats import NatsSink
             from jobprobe.core.wire import control_subject
+            from jobprobe.exporters.nats import NatsSink
             try:
                 self.nats = NatsSink(self.cfg.nats, self.cfg.spool, int(self.cfg.spool_max_mb * (1 << 20)),
                                      creds=self.cfg.nats_creds, tls_ca=self.cfg.nats_ca, node=self.host.node,

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jobprobe.core.errors import BadInput
 from jobprobe.core import tomlfile
+from jobprobe.core.errors import BadInput
 from jobprobe.core.numbers import is_amount, is_number
 
 log = logging.getLogger("jobprobe.node.rules")

@@ -114,8 +114,8 @@ class Sampler:
         if not self.trace_dir:
             return {"ok": False, "state": "refused", "why": NO_TRACE_DIR}
         if self.tracer is None:
-            from jobprobe.node import tracewin
             from jobprobe.devices import pyproc
+            from jobprobe.node import tracewin
             proc = self.host.proc
             self.tracer = tracewin.Tracer(self.target.job, self.trace_dir, self.target.pids,
                                           lambda p: pyproc.role(proc, p), lambda p: pyproc.is_python(proc, p),

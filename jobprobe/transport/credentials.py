@@ -84,7 +84,7 @@ class Credentials:
 def _keypair(seed: str):
     """nkeys' key pair of a seed, its checksum checked first (nkeys does not: a mistyped seed would be another
     key, refused by the server with no word of why)."""
-    import nkeys       # PyNaCl behind it: loaded by an agent only when it authenticates with an nkey
+    import nkeys  # PyNaCl behind it: loaded by an agent only when it authenticates with an nkey
     raw = seed.encode()
     try:
         data = base64.b32decode(raw + b"=" * (-len(raw) % 8))

@@ -24,8 +24,8 @@ import signal
 from pathlib import Path
 
 from jobprobe.core.errors import BadInput
-from jobprobe.transport.credentials import new_user_nkey
 from jobprobe.core.wire import BEATS, CONTROL, FRAMES, PARTS, inbox_prefix, token
+from jobprobe.transport.credentials import new_user_nkey
 
 
 def write_secret(path: Path, text: str) -> None:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from jobprobe.core.errors import BadInput
-from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.kernel import procfs
+from jobprobe.kernel.host import find_cgroup2_mount
 from jobprobe.node.targets.base import Target
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
