@@ -20,6 +20,11 @@ workers=${JOBPROBE_TEST_WORKERS:-4}
 # them again (5 s of CPU each; 1.4 s from the cache). Unset for the suite, the cache written once before phase 1.
 unset PYTHONDONTWRITEBYTECODE
 .venv/bin/python -m pytest -q --collect-only -p no:cacheprovider >/dev/null 2>&1
+# the linter first (pyproject.toml [tool.ruff]: import order, unused names, a complexity bound): a second
+if ! .venv/bin/ruff check --no-cache --quiet .; then
+  echo "test.sh: ruff found the above (\`.venv/bin/ruff check --fix .\` sorts imports)" >&2
+  exit 1
+fi
 if [ "$workers" = 0 ]; then
   .venv/bin/python -m pytest -q -ra --durations=10 "$@"
   rc=$?
