@@ -135,12 +135,13 @@ def test_command_exit_code_and_its_cgroup_is_removed():
     # its last frame says how it ended, and only that one
     samples = [f for f in frames if f["kind"] == "sample"]
     assert samples[-1]["end"]["exit_code"] == 7 and samples[-1]["end"]["why"], samples[-1]
+    assert samples[-1]["end"]["cause"] == "exit", samples[-1]       # its group was still there: not "removed"
     assert not any("end" in f for f in samples[:-1])
     # killed by a signal: the signal, not an exit code
     res, frames = run_json("--probes", "cgroup", "--interval", "0.2", "--", "sh", "-c", "sleep 0.5; kill -9 $$")
     assert res.returncode == 128 + 9, res.stderr
     end = [f for f in frames if f["kind"] == "sample"][-1]["end"]
-    assert end["signal"] == 9 and "exit_code" not in end, end
+    assert end["signal"] == 9 and "exit_code" not in end and end["cause"] == "signal", end
 
 
 @pytest.mark.kernel

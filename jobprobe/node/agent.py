@@ -318,7 +318,9 @@ class Agent(NodeSinks, TraceRequests, Adoption):
                     job.ended = f"no process in {job.name} for the {self.cfg.attach_wait:g} s since it was attached"
                 job.had_procs |= has
         except TargetGone as err:
-            job.ended, job.removed = str(err), job.target.kind == "cgroup"
+            # the group gone under it (not `run -- CMD`'s child exiting: its group is there until the job lets go)
+            path = job.target.cgroup_path
+            job.ended, job.removed = str(err), bool(path) and not os.path.isdir(path)
             if job.leads is not None:
                 job.leads.update([])       # the records of its last processes
         if not job.ended:
