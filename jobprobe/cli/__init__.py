@@ -40,13 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, command = split_command(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(format="jobprobe: %(message)s", level=logging.WARNING, stream=sys.stderr)
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(toggles_as_options(argv))
-        if extra and getattr(args, "cmd", None) == "controller" and args.action in ("tls", "enroll") and \
-                not any(x.startswith("-") for x in extra):
-            args.node += extra     # names after its options (`controller tls --data D HOST…`): argparse stops early
-        elif extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = build_parser().parse_args(toggles_as_options(argv))
         if command and args.cmd not in ("run", "bench"):
             raise BadInput("-- CMD is only for 'jobprobe run' and 'jobprobe bench'")
         args.command = command     # the words after `--`: run's and bench's CMD ARGS...

@@ -15,6 +15,18 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, not usage + error
         raise BadInput(message)
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but `controller tls|enroll` takes its names after its options too (`controller tls
+        --data D HOST…`): argparse stops filling a positional at the first option and would call the rest
+        unrecognized."""
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra and getattr(ns, "cmd", None) == "controller" and getattr(ns, "action", None) in ("tls", "enroll") \
+                and not any(x.startswith("-") for x in extra):
+            ns.node += extra
+        elif extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="jobprobe", description="Per-job probes for training clusters: one frame per job per tick.")
