@@ -3,6 +3,7 @@
 the controller declares lost only a node that went silent — naming only the jobs that were live then."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sqlite3
@@ -234,5 +235,26 @@ def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_pa
         k.wait()
         wait_for(lambda: events("killed") == [("node_lost", "node")], 10, "the killed node's node_lost")
         assert events("idle") == []
+        # an agent SIGKILLed under a running job, and not restarted: the job ended there with its node — its
+        # summary says `node lost`, a bad end
+        c = agent("crashed")
+        busy = subprocess.Popen(["sleep", "60"])
+        site.sleepers.append(busy)
+        assert call(str(tmp_path / "crashed" / "agent.sock"), {"cmd": "attach", "pid": busy.pid, "job": "busy"})["ok"]
+        wait_for(lambda: stored("crashed").count(("sample", "busy")) >= 4, 15, "the busy job's samples stored")
+        c.kill()
+        c.wait()
+        wait_for(lambda: events("crashed") == [("node_lost", "busy")], 10, "node_lost naming the busy job")
+
+        def summary() -> dict | None:
+            db = sqlite3.connect(f"file:{site.store}?mode=ro", uri=True)
+            try:
+                got = db.execute("SELECT body FROM events WHERE job = 'busy' AND event = 'summary'").fetchall()
+            finally:
+                db.close()
+            return json.loads(got[0][0]) if got else None
+        ended = wait_for(summary, 15, "the busy job's summary")["ended"]
+        assert (ended["how"], ended["cause"], ended["ok"], ended["node"]) == ("node lost", "node_lost", False,
+                                                                               "crashed"), ended
     finally:
         site.close()
