@@ -23,6 +23,7 @@ from pathlib import Path
 from jobprobe.cluster.ingest import MAX_FRAME
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
+from jobprobe.core.libc import LIBC
 from jobprobe.core.retry import Backoff
 from jobprobe.core.wire import host_port, mappings_conf
 from jobprobe.transport.credentials import is_loopback
@@ -183,5 +184,4 @@ def _listening(host: str, port: int) -> bool:
 
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM when the controller dies, however it dies (prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)

@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from jobprobe.core.libc import LIBC
+
 NR_BPF = {"x86_64": 321, "aarch64": 280}   # asm/unistd.h; bpf(2) has no libc wrapper
 CLOSE_ALONE, CLOSE_THREADS = 4, 32          # close_all: up to this many fds one by one; beyond, this many threads
 
@@ -151,8 +153,7 @@ class BtfLoadAttr(ct.Structure):
                 ("btf_log_size", ct.c_uint32), ("btf_log_level", ct.c_uint32)]
 
 
-_libc = ct.CDLL(None, use_errno=True)
-_libc.syscall.restype = ct.c_long
+_libc = LIBC
 
 
 def sys_bpf(cmd: int, attr: ct.Structure) -> int:

@@ -37,6 +37,8 @@ import socket
 import sys
 from typing import Any
 
+from jobprobe.core.libc import LIBC
+
 
 def describe_maps(lib: Any, module: int) -> list[dict[str, Any]]:
     """Every map bcc created for the module, from libbcc's table registry (ids 0..n-1). bcc's Python wrapper
@@ -70,7 +72,7 @@ def pin_shared(pinned: dict[str, int], where: str) -> None:
     """Pin the inherited map fds in a bpffs mounted on the empty directory `where` in this process's own mount
     namespace."""
     from jobprobe.kernel.bpf import obj_pin
-    libc = ct.CDLL(None, use_errno=True)
+    libc = LIBC
 
     def check(ret: int, what: str) -> None:
         if ret != 0:

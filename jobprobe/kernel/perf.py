@@ -24,6 +24,7 @@ import struct
 
 from jobprobe.core.counters import delta as counter_delta
 from jobprobe.core.errors import ProbeUnavailable
+from jobprobe.core.libc import LIBC
 
 # perf_event_open has no libc wrapper; its number is per architecture (asm/unistd.h).
 NR_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
@@ -115,8 +116,7 @@ def make_attr(event: str, read_format: int, disabled: bool = False, inherit: boo
     return attr
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+_libc = LIBC
 
 
 def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, group_fd: int = -1, flags: int = 0) -> int:

@@ -20,6 +20,7 @@ import struct
 import threading
 from typing import NamedTuple
 
+from jobprobe.core.libc import LIBC
 from jobprobe.kernel.taskstats import attrs
 
 RTM_NEWLINK, RTM_GETLINK = 16, 18
@@ -66,8 +67,7 @@ def socket_in(netns_path: str | None = None, family: int = socket.AF_NETLINK, ki
         try:
             fd = os.open(netns_path, os.O_RDONLY)
             try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                if libc.setns(fd, CLONE_NEWNET) != 0:
+                if LIBC.setns(fd, CLONE_NEWNET) != 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"setns {netns_path}: {os.strerror(err)}")
             finally:

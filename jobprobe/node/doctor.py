@@ -23,6 +23,7 @@ import platform
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from jobprobe.core.libc import LIBC
 from jobprobe.devices import pci, rdma
 from jobprobe.kernel.host import Host
 
@@ -338,8 +339,7 @@ class Timex(ct.Structure):
 
 def adjtimex() -> tuple[int, int, int]:
     tx = Timex()
-    libc = ct.CDLL(None, use_errno=True)
-    if libc.adjtimex(ct.byref(tx)) < 0:
+    if LIBC.adjtimex(ct.byref(tx)) < 0:
         raise OSError(ct.get_errno(), "adjtimex")
     return tx.status, tx.maxerror, tx.esterror
 
