@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import Field
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import tracefs
@@ -50,9 +53,6 @@ from jobprobe.kernel.bpf import RAW
 from jobprobe.kernel.btf import Btf
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import Field
-from jobprobe.node.targets.base import Target
 
 NBUCKETS = 27                 # bpf/blockio.c NBUCKETS
 DIRS = ("read", "write")      # bpf/blockio.c OP_READ, OP_WRITE: the index into slot_stats.dir

@@ -31,14 +31,14 @@ import os
 import time
 from pathlib import Path
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel import procfs
 from jobprobe.kernel.taskstats import ExitFeed
 from jobprobe.kernel.threadacct import KEYS, Helpers, PerPid, Reader, ThreadAcct, proc_counters
-from jobprobe.node import tickmemo
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 

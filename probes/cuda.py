@@ -33,6 +33,9 @@ import os
 import time
 from typing import Any
 
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import EVENTS_KEY, Field
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
@@ -42,9 +45,6 @@ from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
 from jobprobe.kernel.procfs import read_maps
 from jobprobe.kernel.uprobe import UprobePmu
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import EVENTS_KEY, Field
-from jobprobe.node.targets.base import Target
 
 NBUCKETS = 27                                   # bpf/cuda.c NBUCKETS
 DIRS = ("htod", "dtoh", "dtod", "other")        # bpf/cuda.c memcpy_* index order

@@ -23,11 +23,11 @@ import os
 import re
 from typing import Any
 
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 ZONE = re.compile(r"^(intel|amd)-rapl:(\d+)$")
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import ctypes
 
+from jobprobe.contract.probe import EVENTS_KEY, Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.devices.gpuowner import cgroup_and_env
 from jobprobe.devices.nvml import Nvml
 from jobprobe.devices.nvmltypes import INIT_ERRORS, LIBRARY, NO_DRIVER, Gpu, GpuLost, Mig  # noqa: F401
 from jobprobe.kernel.devcg import DeviceRules
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import EVENTS_KEY, Field, Probe
-from jobprobe.node.targets.base import Target
 
 
 class GpuProbe(Probe):

@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jobprobe.contract.bpfprobe import MEMBERSHIP, BpfProbe
+from jobprobe.contract.probe import EVENTS_KEY, Field
 from jobprobe.core.counters import delta
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.btf import enum_values
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node, proc_gone
-from jobprobe.node.bpfprobe import MEMBERSHIP, BpfProbe
-from jobprobe.node.probe import EVENTS_KEY, Field
 
 NBUCKETS = 27       # bpf/memory.c NBUCKETS
 SLOT_PENDING, SLOT_NONE = -2, -1

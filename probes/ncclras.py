@@ -17,11 +17,11 @@ import socket
 import threading
 from typing import Any
 
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.devices import ncclras
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 EVERY_S = 5.0
 

@@ -25,6 +25,10 @@ import ctypes as ct
 import ipaddress
 from typing import Any
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import EVENTS_KEY, Field
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
@@ -32,10 +36,6 @@ from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import tracefs
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
-from jobprobe.node import tickmemo
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import EVENTS_KEY, Field
-from jobprobe.node.targets.base import Target
 
 COUNTERS = ("tcp_tx_bytes", "tcp_rx_bytes", "udp_tx_bytes", "udp_rx_bytes",
             "tcp_tx_packets", "tcp_rx_packets", "udp_tx_packets", "udp_rx_packets",

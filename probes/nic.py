@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Any
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel import ethtool, procfs, rtnl
 from jobprobe.kernel.host import Host
-from jobprobe.node import tickmemo
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 RECHECK_S = 10.0           # the job's namespace and environment looked at again
 ENV_KEYS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")

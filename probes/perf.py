@@ -31,12 +31,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeFailed, ProbeUnavailable
 from jobprobe.kernel import perf as _perf
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.procfs import read_ppid
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 # _perf event name → field name (task-clock is a time, so it carries its unit in the name).
 FIELD_OF = {"task_clock": "task_clock_ns", "context_switches": "context_switches",

@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 RESOURCES = {"cpu": "a CPU (runnable, not running)", "mem": "memory", "io": "I/O", "irq": "IRQ handling"}
 FILES = {"cpu": "cpu.pressure", "mem": "memory.pressure", "io": "io.pressure", "irq": "irq.pressure"}

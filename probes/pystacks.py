@@ -25,11 +25,11 @@ import time
 from collections import Counter
 from typing import Any
 
+from jobprobe.contract.probe import STACKS_KEY, Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.devices.pyproc import is_python, py_spy, role
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import STACKS_KEY, Field, Probe
-from jobprobe.node.targets.base import Target
 
 TOP = 20
 RECHECK_S = 2.0                # the job's Python processes looked for again

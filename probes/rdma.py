@@ -38,14 +38,14 @@ import socket
 import time
 from typing import Any
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.probe import EVENTS_KEY, Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.counters import delta
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.devices import rdma
 from jobprobe.kernel import ethtool, procfs, rdmanl
 from jobprobe.kernel.host import Host
-from jobprobe.node import tickmemo
-from jobprobe.node.probe import EVENTS_KEY, Field, Probe
-from jobprobe.node.targets.base import Target
 
 RECHECK_S = 10.0
 SYMBOL_FATAL_PER_H = 120

@@ -53,6 +53,9 @@ import platform
 import time
 from typing import Any
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import Field
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.kernel.bpfmap import possible_cpus
 from jobprobe.kernel.host import Host
@@ -73,9 +76,6 @@ from jobprobe.kernel.schedread import (
     torn_cpus,
 )
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
-from jobprobe.node import tickmemo
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import Field
 
 REASONS = ("preempt", "io", "lock", "sleep", "wait")
 TIMES = ("runq", *REASONS, "wakeup")            # bpf/sched.c's category of each index

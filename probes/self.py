@@ -16,10 +16,10 @@ import resource
 import time
 from typing import TYPE_CHECKING, Callable
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.probe import Field, Probe
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import Host
-from jobprobe.node import tickmemo
-from jobprobe.node.probe import Field, Probe
 
 if TYPE_CHECKING:
     from jobprobe.kernel.membership import Node

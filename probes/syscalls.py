@@ -29,11 +29,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import Field
 from jobprobe.core.counters import delta, log2_percentile
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import Field
 
 NBUCKETS = 27     # bpf/syscalls.c NBUCKETS
 NR_MAX = 1024     # bpf/syscalls.c NR_MAX: numbers outside [0, NR_MAX) are all counted as NR_MAX

@@ -513,7 +513,7 @@ def test_kept_files_first_read_by_many_threads_at_once_keep_one_fd_each():
 def gate_agent(tmp_path, sample, stop=lambda: None) -> Agent:
     """An agent (not running: the test ticks or runs it) whose one probe, `gate`, reports sample()'s return as
     `calls` and calls stop() when released: a probe a test can hold up inside its sample."""
-    from jobprobe.node.probe import Field, Probe
+    from jobprobe.contract.probe import Field, Probe
 
     class Gate(Probe):
         name = "gate"

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
+from jobprobe.contract.bpfprobe import MISSED
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.btf import Btf
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP
-from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.blockio import (

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What every eBPF probe shares (jobprobe/node/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
+"""What every eBPF probe shares (jobprobe/contract/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
 is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess
 import sys
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from jobprobe.contract.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
+from jobprobe.contract.probe import Field
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.node import registry
-from jobprobe.node.bpfprobe import MISSED, MISSED_FIELD, BpfProbe
-from jobprobe.node.probe import Field
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.sched import SchedProbe
 
@@ -91,8 +91,8 @@ def test_in_an_agent_tick_every_jobs_slot_comes_from_one_read_equal_to_its_own_l
     """The agent reads a module's per-slot array once per tick (one batch lookup) for all its jobs: each job's
     summed counters from that read equal a lookup of its own slot, for sched, blockio and net, and two jobs of one
     node read through one shared load."""
+    from jobprobe.contract import tickmemo
     from jobprobe.kernel.membership import Node
-    from jobprobe.node import tickmemo
     from jobprobe.node.targets.cgroup import CgroupTarget
     from jobprobe.probes.blockio import BlockioProbe
     from jobprobe.probes.net import NetProbe

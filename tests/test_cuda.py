@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
+from jobprobe.contract.bpfprobe import MISSED
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import elf as _elf
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP
 from jobprobe.kernel.uprobe import UprobePmu
-from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.cuda import (

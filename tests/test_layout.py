@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Unit tier: the import contract (docs/ARCHITECTURE.md, "Rooms"), checked on the source's syntax trees: data flows
-one way, so each room imports only the rooms below it. Imports under `if TYPE_CHECKING:` are not counted (they
-do not run); everything else is, at module level or inside a function."""
+one way, so each room imports only the rooms below it. Every import counts — at module level, inside a function,
+and under `if TYPE_CHECKING:` (an annotation that names a room above is an arrow back up all the same)."""
 import ast
 import subprocess
 from pathlib import Path
@@ -9,32 +9,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE_CONTRACT = {"jobprobe.node.probe", "jobprobe.node.bpfprobe", "jobprobe.node.tickmemo",
-                  "jobprobe.node.targets.base"}
 # room → the rooms (jobprobe.<room>) it may import, itself included
 ALLOWED = {
     "core": {"core"},
     "kernel": {"core", "kernel", "bpf"},
     "devices": {"core", "kernel", "devices"},
+    "contract": {"core", "kernel", "devices", "contract", "bpf"},
     "transport": {"core", "transport"},
     "exporters": {"core", "transport", "exporters"},
-    "probes": {"core", "kernel", "devices", "bpf"},          # and PROBE_CONTRACT
-    "node": {"core", "kernel", "devices", "transport", "exporters", "node", "probes", "bpf"},
+    "probes": {"core", "kernel", "devices", "contract", "bpf"},
+    "node": {"core", "kernel", "devices", "contract", "transport", "exporters", "node", "probes", "bpf"},
     "cluster": {"core", "transport", "cluster"},
 }
 SOURCES = {"probes": ROOT / "probes", "exporters": ROOT / "exporters"} | {
-    room: ROOT / "jobprobe" / room for room in ("core", "kernel", "devices", "transport", "node", "cluster")}
+    room: ROOT / "jobprobe" / room for room in ("core", "kernel", "devices", "contract", "transport", "node",
+                                                "cluster")}
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
     """(line, module) of every jobprobe import the file runs."""
     tree = ast.parse(path.read_text(), str(path))
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-            for n in ast.walk(node)}
     out = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -48,8 +44,7 @@ def violations(room: str, path: Path) -> list[str]:
     for line, mod in imports(path):
         parts = mod.split(".")
         target = parts[1] if len(parts) > 1 else ""
-        ok = target in ALLOWED[room] or target == "__version__" or (
-            room == "probes" and any(mod == c or mod.startswith(c + ".") for c in PROBE_CONTRACT))
+        ok = target in ALLOWED[room] or target == "__version__"
         if not ok:
             bad.append(f"{path.relative_to(ROOT)}:{line} ({room}) imports {mod}")
     return bad
@@ -64,15 +59,16 @@ def test_each_room_imports_only_the_rooms_below_it(room):
 
 
 def test_the_contract_test_sees_a_violation(tmp_path):
-    """The checker itself: an upward import, one inside a function and a `from jobprobe import room` form are
-    caught; a TYPE_CHECKING one is not."""
+    """The checker itself: an upward import, one inside a function, one under TYPE_CHECKING and a `from jobprobe
+    import room` form are all caught."""
     f = tmp_path / "m.py"
     f.write_text("from typing import TYPE_CHECKING\nfrom jobprobe.core import errors\nif TYPE_CHECKING:\n"
-                 "    from jobprobe.node.targets.base import Target\n"
+                 "    from jobprobe.contract.target import Target\n"
                  "def f():\n    from jobprobe.node import agent\n    import jobprobe.cluster.store\n")
     (tmp_path / "jobprobe").mkdir()
     got = [m for _, m in imports(f)]
-    assert got == ["jobprobe.core.errors", "jobprobe.node.agent", "jobprobe.cluster.store"]
+    assert got == ["jobprobe.core.errors", "jobprobe.contract.target", "jobprobe.node.agent",
+                   "jobprobe.cluster.store"]
 
 
 

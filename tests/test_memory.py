@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 
 from jobprobe import bpf
+from jobprobe.contract.bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.contract.probe import EVENTS_KEY
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.btf import enum_values as btf_enum_values
 from jobprobe.kernel.host import Host
-from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
-from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.memory import (

@@ -22,12 +22,12 @@ import pytest
 
 from conftest import until
 from jobprobe import bpf
+from jobprobe.contract.bpfprobe import MEMBERSHIP, MISSED
+from jobprobe.contract.probe import EVENTS_KEY
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel.host import Host
-from jobprobe.node.bpfprobe import MEMBERSHIP, MISSED
-from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.net import (

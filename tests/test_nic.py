@@ -119,11 +119,11 @@ def test_a_job_attached_before_its_processes_is_followed_from_its_first_one(make
 
 @pytest.mark.kernel
 def test_jobs_of_one_namespace_in_one_agent_tick_share_the_work_and_each_count_is_exact(make_cgroup, net):
-    """Jobs in namespace A sampled in the same agent ticks (jobprobe.node.tickmemo, as the agent does): two attached
+    """Jobs in namespace A sampled in the same agent ticks (jobprobe.contract.tickmemo, as the agent does): two attached
     together get the very same interval (worked out once); a third, attached between two transfers, gets its own
     first interval and then shares too; each one's summed bytes and packets equal the veth's own counters over its
     own time."""
-    from jobprobe.node import tickmemo
+    from jobprobe.contract import tickmemo
     cg = make_cgroup()
     holder = net.start(net.a, "tcp_sink", 5398, 0, spawn=cg.spawn)
     time.sleep(0.3)
@@ -249,7 +249,7 @@ def test_two_rails_a_shaped_one_is_flagged_and_an_even_pair_is_not(make_cgroup, 
     the slow rail in every busy interval, and the default rule rail_imbalance fires over those frames; with both
     unshaped, no rail is slow and the rule stays quiet. Per rail, the bytes sent over the run equal what B's end of
     that veth received (its own counters), exactly."""
-    from jobprobe.node.probe import schema_of
+    from jobprobe.contract.probe import schema_of
     from jobprobe.node.rules import RuleSet, load
     va2, vb2 = f"{net.va}r", f"{net.vb}r"
     add_rail(net, va2, vb2, "10.214.0.1", "10.214.0.2")

@@ -33,11 +33,11 @@ from pathlib import Path
 import pytest
 
 from conftest import PREEMPT_SKEW_NS, steal_ns, wait_for, workload
+from jobprobe.contract.probe import Field
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel import perf as _perf
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import Field
-from jobprobe.node.targets.base import Target
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.perf import PerfProbe
@@ -241,7 +241,7 @@ for _ in range(4):                     # 0.3 s on the CPU, then 0.9 s asleep
 def test_a_job_idle_between_bursts_is_not_read_while_quiet_and_loses_nothing(make_cgroup, monkeypatch):
     """Sampled every 0.2 s in agent ticks (tickmemo): in a tick where the group used no CPU (Target.quiet) its
     events are not read — fewer reads than samples × CPUs — and the sum of task_clock_ns still matches cpu.stat."""
-    from jobprobe.node import tickmemo
+    from jobprobe.contract import tickmemo
     reads = []
     real = _perf.Source.delta
     monkeypatch.setattr(_perf.Source, "delta", lambda self: reads.append(1) or real(self))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from fixtures_rdma import cluster_node
+from jobprobe.contract.probe import EVENTS_KEY
 from jobprobe.devices import rdma
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import EVENTS_KEY
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.rdma import RdmaProbe, selected
 
@@ -141,7 +141,7 @@ def test_health_verdicts_and_their_events(node, job):
 
 
 def test_the_default_rules_turn_verdicts_into_rule_events(node, job):
-    from jobprobe.node.probe import schema_of
+    from jobprobe.contract.probe import schema_of
     from jobprobe.node.rules import RuleSet, load
     p = probe_on(node)
     p.start(job())

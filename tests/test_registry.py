@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from jobprobe.contract.bpfprobe import BpfProbe
+from jobprobe.contract.probe import FIELD_KINDS, Field, Probe, infer_kind
 from jobprobe.core.errors import BadInput
 from jobprobe.kernel.host import Host
-from jobprobe.node.bpfprobe import BpfProbe
-from jobprobe.node.probe import FIELD_KINDS, Field, Probe, infer_kind
 from jobprobe.node.registry import all_probes, parse_probes, standard
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.core.frame import decode, encode
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import Field, Probe
 from jobprobe.node.sampler import Sampler
-from jobprobe.node.targets.base import Target
 
 
 class FakeTarget(Target):
@@ -357,7 +357,7 @@ def wait_until(cond, timeout=10.0):
 def test_a_tick_memo_keyed_by_an_object_never_serves_its_value_to_a_new_object():
     """Objects made and freed within one tick (a job detached and another attached) often reuse an address: a
     memo keyed by id() would hand the new object the old one's value."""
-    from jobprobe.node import tickmemo
+    from jobprobe.contract import tickmemo
 
     class Table:
         pass

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from jobprobe import bpf
+from jobprobe.contract.bpfprobe import MISSED
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel.bpf import trim_log
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP, Node, exit_has_group_dead, proc_gone
 from jobprobe.kernel.schedread import ARRAYS, COUNTERS, NBUCKETS, NTIMES, READ_TRIES, SlotStats, settle, time_totals
-from jobprobe.node.bpfprobe import MISSED
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.sched import (

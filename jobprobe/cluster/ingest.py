@@ -32,7 +32,7 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jobprobe.cluster import trace
 from jobprobe.cluster.lease import TRY_S, Lease
@@ -41,9 +41,6 @@ from jobprobe.core.errors import BadInput
 from jobprobe.core.retry import Backoff
 from jobprobe.core.wire import BEATS, CLUSTER_TRACE, FRAMES, PARTS, parse_subject
 from jobprobe.transport.credentials import auth_options
-
-if TYPE_CHECKING:
-    from jobprobe.cluster.controller import Controller
 
 log = logging.getLogger("jobprobe.cluster.ingest")
 
@@ -62,6 +59,36 @@ MAX_BEATS_WAITING = 10_000    # nodes whose newest heartbeat is held between two
 MAX_BEAT = 4096               # bytes: the largest heartbeat (the beats' stream's max_msg_size)
 
 
+class Controller(Protocol):
+    """What ingestion needs of the controller (jobprobe/cluster/controller.py's Controller is one), declared here:
+    where the stream is and how to reach it, the state it shares with the loop, and what it does with a batch."""
+    url: str                         # the NATS servers (comma-separated)
+    creds: str | None                # its NATS credentials (nkey seed file)
+    ca: str | None                   # the CA of the servers' TLS certificates
+    part: tuple[int, int]            # the partition it takes (I, N)
+    replicas: int                    # copies of the stream it makes
+    stream_s: float                  # the stream's max_age
+    raw_s: float                     # how long samples stay whole before compaction
+    retention_s: float               # how long frames are kept
+    stop_event: asyncio.Event        # set: the loop ends
+    active: bool                     # holding the partition's lease (standing by: False)
+    nc: Any                          # the NATS connection, set here
+    store: Any                       # the store (cluster/store.py)
+    tsdb: Any                        # the TSDB writer, or None
+    nodes: dict[str, Any]            # node → its state (trace.NodeState)
+
+    def ingest(self, msgs: list[Any], now: float, beats: list[Any] = ...) -> list[Any]: ...
+
+    def reset(self) -> None: ...
+
+    def refuse(self, subject: str, node: str | None, why: str, size: int, reason: str = ...,
+               body: bytes = ..., now: float | None = ...) -> None: ...
+
+    def owns_job(self, job: str) -> bool: ...
+
+    def forget(self, now: float) -> None: ...
+
+
 class StoreDown(Exception):
     """The store cannot take frames now (not the frames' fault): nothing is acked."""
 
@@ -71,7 +98,7 @@ def stream_of(part: tuple[int, int]) -> tuple[str, str]:
     return (STREAM, SUBJECTS) if part[1] == 1 else (f"{STREAM}_P{part[0]}", f"{PARTS}.{part[0]}.frames.>")
 
 
-async def serve(ctl: "Controller") -> None:
+async def serve(ctl: Controller) -> None:
     """Connect (waiting, with backoff, for a server still starting or a JetStream cluster still electing its leader),
     make the stream and the consumer, answer trace requests, and consume until ctl.stop_event is set."""
     try:
@@ -158,7 +185,7 @@ async def subscribe(nc: Any, replicas: int, stream: str = STREAM, subjects: str 
     return True
 
 
-async def consume(ctl: "Controller", nc: Any, pull: "Puller", lease: Lease, beats: dict[str, Any]) -> None:
+async def consume(ctl: Controller, nc: Any, pull: "Puller", lease: Lease, beats: dict[str, Any]) -> None:
     """Batch after batch until ctl.stop_event, while the lease is ours: ctl.ingest, then the acks; once a minute,
     retention and forgetting. Without the lease: standing by, trying to take it every TRY_S."""
     next_sweep, next_compact, said = time.time(), time.time() + 10, False     # retention at once, then each minute
@@ -244,7 +271,7 @@ def _node_of(subject: str) -> str | None:
         return None
 
 
-async def _fenced(ctl: "Controller", lease: Lease, err: Fenced, msgs: list[Any]) -> None:
+async def _fenced(ctl: Controller, lease: Lease, err: Fenced, msgs: list[Any]) -> None:
     """A write refused by the store's fence: the lease is another's (we were paused past it). The batch goes back
     to the stream unacked (nak: the holder gets it at once, not after ACK_WAIT_S); we stand by."""
     log.warning("controller %d/%d: fenced: %s; %d frames left to the holder; standing by", *ctl.part, err, len(msgs))
@@ -254,7 +281,7 @@ async def _fenced(ctl: "Controller", lease: Lease, err: Fenced, msgs: list[Any])
     lease.drop()
 
 
-async def _stopped_or_after(ctl: "Controller", seconds: float) -> None:
+async def _stopped_or_after(ctl: Controller, seconds: float) -> None:
     try:
         await asyncio.wait_for(ctl.stop_event.wait(), seconds)
     except asyncio.TimeoutError:

@@ -12,18 +12,22 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jobprobe.core.numbers import is_finite
 from jobprobe.core.wire import control_subject
-
-if TYPE_CHECKING:
-    from jobprobe.cluster.controller import NodeState
 
 log = logging.getLogger("jobprobe.cluster.trace")
 
 TRACE_LEAD_S = 3.0      # a cluster-wide trace starts this far ahead: every node has its request by then
 TRACE_ASK_S = 5.0       # how long a node has to answer
+
+
+class NodeState(Protocol):
+    """What this module reads of the controller's view of a node (controller.NodeState is one): whether it is lost
+    (0: not; else when), and when each of its jobs was last seen."""
+    lost: float
+    jobs: dict[str, float]
 
 
 def nodes_of(nodes: dict[str, "NodeState"], job: str, now: float) -> list[str]:

@@ -26,15 +26,15 @@ import importlib.util
 import time
 from typing import Any, Callable
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.probe import Field, Probe
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import bpfmap as _bpfmap
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP, Node
-from jobprobe.node import tickmemo
-from jobprobe.node.probe import Field, Probe
-from jobprobe.node.targets.base import Target
 
 MISSED = "bpf_missed"
 TRACE_KEEP = 400_000           # records kept per job and window; more are counted, not kept

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
+from jobprobe.contract.target import Target
 from jobprobe.kernel.host import Host
-from jobprobe.node.targets.base import Target
 
 if TYPE_CHECKING:
     from jobprobe.kernel.membership import Node

@@ -22,15 +22,26 @@ import contextlib
 import ctypes as ct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel import bpfload as _bpfload
 from jobprobe.kernel import procfs, tracefs
 from jobprobe.kernel.host import Host
 
-if TYPE_CHECKING:                    # annotations only: a target is handed down by the node, never imported here
-    from jobprobe.node.targets.base import Target
+
+class Target(Protocol):
+    """What membership needs of a job the node hands down (jobprobe/contract/target.py's Target is one): its kind
+    ("cgroup": members by cgroup2 id; else by tgid), its groups' ids, its processes, and refresh() (raises
+    TargetGone once it has ended). Declared here, so that the kernel room imports nothing above it."""
+    kind: str
+
+    def cgroup_ids(self) -> list[int]: ...
+
+    def pids(self) -> list[int]: ...
+
+    def refresh(self) -> None: ...
+
 
 MAX_SLOTS = 64                        # bpf/common.h MAX_SLOTS
 JOB_BY_CGROUP, JOB_BY_TGID = 1, 2     # bpf/common.h job_kinds bits

@@ -15,9 +15,10 @@ Nothing of a dead agent stays in the kernel: every program, link and map is held
 loaders pin maps only inside a mount namespace that dies with them), so SIGKILL releases everything.
 
 This module holds the Agent — the job table (attach, pending jobs, detach, the end of a job), per-job probe toggles,
-status, preload and the tick — and Job. The Agent's other parts: the node's sinks, each job's and the heartbeat
-(jobprobe/node/nodesinks.py), trace requests and scheduled windows (jobprobe/node/tracereq.py), the state file and
-the jobs adopted at start (jobprobe/node/adopt.py). What a job to attach is: jobprobe/node/jobspec.py; the agent's
+status, preload and the tick — and Job. The parts it holds, each made with what it needs and holding no reference
+back to it: the node's sinks, each job's and the heartbeat (NodeSinks, jobprobe/node/nodesinks.py), trace requests
+and scheduled windows (TraceRequests, jobprobe/node/tracereq.py: given the node's name and `held(name)`, the job
+under its lock), the state file and the jobs adopted at start (jobprobe/node/adopt.py: given `attach`). What a job to attach is: jobprobe/node/jobspec.py; the agent's
 settings: jobprobe/node/config.py.
 """
 from __future__ import annotations
@@ -32,20 +33,20 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import BadInput, TargetGone
-from jobprobe.core.frame import NODE_JOB, FrameBuilder, new_run_id
-from jobprobe.exporters.queued import SinkWorker, sink_stats
+from jobprobe.core.frame import new_run_id
+from jobprobe.exporters.queued import sink_stats
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
-from jobprobe.node import tickmemo
-from jobprobe.node.adopt import Adoption
+from jobprobe.node import adopt
 from jobprobe.node.config import Config
 from jobprobe.node.jobspec import JobSpec, spec_key, waitable
 from jobprobe.node.leads import Leads
 from jobprobe.node.nodesinks import NodeSinks
 from jobprobe.node.registry import all_probes, parse_probes
 from jobprobe.node.sampler import Sampler, run_ticks
-from jobprobe.node.targets.base import Target
 from jobprobe.node.tracereq import TraceRequests
 
 log = logging.getLogger("jobprobe.node.agent")
@@ -73,7 +74,7 @@ class Job:
         self.leaving = ""           # why it is being let go: its last frame and sinks are being finished
 
 
-class Agent(NodeSinks, TraceRequests, Adoption):
+class Agent:
     """The job table and the tick. Thread-safe: the control socket calls attach/detach/probes/status from its own
     thread while run() ticks."""
 
@@ -83,7 +84,8 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         self.host = host or Host()
         if self.cfg.node:
             self.host = dataclasses.replace(self.host, node=self.cfg.node)
-        self._open_node_sinks()
+        self.traces = TraceRequests(self.host.node, self._held_by_name)   # deep-trace requests, scheduled windows
+        self.node_sinks = NodeSinks(self.cfg, self.host, self.traces.remote)   # NATS, Prometheus, files, heartbeat
         if self.cfg.trace_every is not None and not self.cfg.trace_every >= 1:
             raise BadInput(f"trace_every must be 1 s or more, got {self.cfg.trace_every!r}")
         self.rules = None
@@ -93,8 +95,6 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
-        # the node's heartbeats: a run id of their own (a job may be named "node": its frames' keys stay apart)
-        self.beat = FrameBuilder(self.host.node, NODE_JOB) if self.nats is not None else None
         self.jobs: dict[str, Job] = {}
         self.starting: set[str] = set()
         self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
@@ -104,12 +104,42 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         self.ready = threading.Event()    # cleared by the daemon while it loads its programs and restores its jobs
         self.ready.set()
         self.clock = clock
-        self.sinks_for = sinks_for or self._default_sinks
+        self.sinks_for = sinks_for or self.node_sinks.for_job
         self.persist = False     # write cfg.state on every change (the daemon; not `jobprobe run`)
+        self.state_file = adopt.StateFile(self.cfg.state)
         self._t0 = clock()
         self._ru0 = resource.getrusage(resource.RUSAGE_SELF)
-        self.file_writer = SinkWorker("files")   # one thread writes every job's --out file
-        self._init_trace_requests()
+
+    @property
+    def nats(self):
+        """The node's NATS sink (None without --send)."""
+        return self.node_sinks.nats
+
+    @property
+    def prom(self):
+        """The node's Prometheus endpoint (None without --prometheus)."""
+        return self.node_sinks.prom
+
+    # ---- the state file, and the jobs taken on at start (jobprobe/node/adopt.py) ---------------------------------
+    def _save(self) -> None:
+        """The job table into the state file (the daemon: persist), on every change of it."""
+        if self.persist:
+            self.state_file.save([j.spec for j in self.jobs.values() if j.spec is not None and not j.leaving] +
+                                 [s for s, _, _ in self.pending.values()])
+
+    def restore(self) -> list[dict[str, Any]]:
+        """Attach again the jobs a previous agent had (its state file), those still running."""
+        out = adopt.restore(self.state_file.load(), lambda spec: self.attach(spec, wait=0))
+        self._save()
+        return out
+
+    def adopt_slurm(self, node: str | None = None) -> list[dict[str, Any]]:
+        """Attach the SLURM jobs running on this node whose prolog found no agent."""
+        def known(job: str) -> bool:
+            with self.lock:
+                return job in self.jobs or job in self.pending
+        return adopt.adopt_slurm(node or self.cfg.slurm_node or self.host.node.split(".")[0], known,
+                                 lambda spec: self.attach(spec, wait=0))
 
     # ---- the job table ------------------------------------------------------------------------------------
     def attach(self, spec: JobSpec, wait: float | None = None, defer: bool = False) -> dict[str, Any]:
@@ -183,7 +213,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             ended = job.leaving if job is not None else \
                 next((r["why"] for r in reversed(self.recent) if r["job"] == name), None)
             if ended:
-                return {"job": name, "state": "already ended", "why": ended, **self._file_of(name)}
+                return {"job": name, "state": "already ended", "why": ended, **self.node_sinks.file_of(name)}
             if job is None:
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
             self._drop(job, why)      # out of the table first: later ticks do not sample it
@@ -196,7 +226,7 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             self._release(job)
         self._remember(name, why, job)
         log.info("detached %s: %s", name, why)
-        return {"job": name, "state": "detached", "why": why, **self._file_of(name)}
+        return {"job": name, "state": "detached", "why": why, **self.node_sinks.file_of(name)}
 
     def _find(self, name: str) -> Job:
         """The attached job `name` (BadInput if none)."""
@@ -205,6 +235,20 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             if job is None:
                 raise BadInput(f"no job {name!r} is attached (attached: {', '.join(self.jobs) or 'none'})")
         return job
+
+    def trace(self, name: str, duration: float = 25.0, at: float | None = None) -> dict[str, Any]:
+        """A person's deep-trace request on the control socket (TraceRequests.trace)."""
+        return self.traces.trace(name, duration, at)
+
+    def remote(self, data: bytes) -> bytes:
+        """A request from the controller over NATS (TraceRequests.remote)."""
+        return self.traces.remote(data)
+
+    @contextlib.contextmanager
+    def _held_by_name(self, name: str) -> Iterator[Job]:
+        """The attached job `name` under its lock (BadInput if there is none, or it was released meanwhile)."""
+        with self._held(self._find(name)) as job:
+            yield job
 
     @contextlib.contextmanager
     def _held(self, job: Job) -> Iterator[Job]:
@@ -279,12 +323,12 @@ class Agent(NodeSinks, TraceRequests, Adoption):
             jobs = list(self.jobs.values())
         tickmemo.begin()
         try:
-            with self.file_writer.hold():      # the files' thread wakes once, after every job's frame
+            with self.node_sinks.file_writer.hold():   # the files' thread wakes once, after every job's frame
                 self._tick_jobs(jobs)
         finally:
             tickmemo.end()
         self._retry_pending()
-        self._heartbeat()
+        self.node_sinks.heartbeat(len(self.jobs))
 
     def _tick_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
@@ -399,18 +443,15 @@ class Agent(NodeSinks, TraceRequests, Adoption):
         with self.lock:
             names = list(self.jobs)
             persist, self.persist = self.persist, False   # stopping the agent is not detaching its jobs
-        self._cancel_scheduled()          # scheduled windows go with the agent (their thread ends)
+        self.traces.cancel()              # scheduled windows go with the agent (their thread ends)
         for name in names:
             try:
                 self.detach(name, "agent stopped")
             except BadInput:
                 pass
-        self._heartbeat(stopping=True, jobs=len(names))   # after the jobs' last frames: a stop, not a loss
+        self.node_sinks.heartbeat(len(names), stopping=True)   # after the jobs' last frames: a stop, not a loss
         self.node.close()
-        if self.nats is not None:
-            self.nats.close()
-        if self.prom is not None:
-            self.prom.close()
+        self.node_sinks.close()
         self.persist = persist
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import BadInput
-from jobprobe.node.targets.base import Target
 
 
 @dataclass

@@ -9,8 +9,8 @@ import importlib
 import pkgutil
 
 import jobprobe.probes as probes_pkg
+from jobprobe.contract.probe import Probe
 from jobprobe.core.errors import BadInput
-from jobprobe.node.probe import Probe
 
 
 def all_probes() -> dict[str, type[Probe]]:

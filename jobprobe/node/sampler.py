@@ -10,12 +10,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from typing import Callable, Iterable
 
 from jobprobe import __version__
+from jobprobe.contract.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
+from jobprobe.contract.target import Target
 from jobprobe.core import ends
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.core.frame import FrameBuilder, encode
 from jobprobe.kernel.host import Host
-from jobprobe.node.probe import EVENTS_KEY, STACKS_KEY, Probe, schema_of
-from jobprobe.node.targets.base import Target
 
 log = logging.getLogger("jobprobe.node.sampler")
 

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Deep-trace requests to the node agent (TraceRequests, one part of the Agent): a person's on the control socket
+"""Deep-trace requests to the node agent (TraceRequests, a part the Agent holds): a person's on the control socket
 (trace: not held to the cooldown and the duty cap), the controller's over NATS (remote, on jobprobe.ctl.node.<node>:
 held to the whole trace budget); each opens a window now, or at a UNIX time up to an hour ahead — the common start of
 a job's windows on all its nodes. Windows asked for later wait in a table (at most one per job, Scheduled), opened on
 time by one thread for all of them.
 
-A mixin of Agent (jobprobe/node/agent.py): it uses the agent's host, _find and _held (the attached job, under its
-lock); the agent calls _init_trace_requests when it is made and _cancel_scheduled when it stops.
+Its interface to the agent is what it is given — the node's name, and `held(name)`: the attached job `name` under
+its lock (a context manager; BadInput when no such job is attached) — and its methods: trace, remote, cancel.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 from jobprobe.core.errors import BadInput
 
@@ -35,14 +35,15 @@ class Scheduled:
 class TraceRequests:
     """The agent's trace requests and its table of scheduled windows."""
 
-    def _init_trace_requests(self) -> None:
+    def __init__(self, node: str, held: Callable[[str], ContextManager[Any]]):
+        self.node, self.held = node, held
         # Trace windows asked for a later time: at most one per job, opened by one thread for all of them (started
         # with the first, gone when none is left) — a flood of requests makes no threads.
         self.scheduled: dict[str, Scheduled] = {}
         self.scheduled_cv = threading.Condition()
         self.scheduler: threading.Thread | None = None
 
-    def _cancel_scheduled(self) -> None:
+    def cancel(self) -> None:
         """Scheduled windows go with the agent (their thread ends)."""
         with self.scheduled_cv:
             self.scheduled.clear()
@@ -63,14 +64,13 @@ class TraceRequests:
         now = time.time()
         if at is not None and (not isinstance(at, (int, float)) or not now - 60 <= at <= now + 3600):
             raise BadInput(f"at must be a UNIX time within the next hour, got {at!r} (now {now:.1f})")
-        job = self._find(name)
         if at is not None and at - now > 0.01:
-            with self._held(job):
+            with self.held(name) as job:
                 why = job.sampler.trace_refusal(float(duration), at, force_budget)
             if why is not None:
                 return {"job": name, "ok": False, "state": "refused", "why": why}
             return self._schedule(name, Scheduled(time.monotonic() + (at - now), at, float(duration), force_budget))
-        with self._held(job):
+        with self.held(name) as job:
             return {"job": name, **job.sampler.open_trace("request", {}, float(duration), force_budget=force_budget)}
 
     def _schedule(self, name: str, s: Scheduled) -> dict[str, Any]:
@@ -114,7 +114,7 @@ class TraceRequests:
         """A scheduled window, due now: under the budget as it stands now (its answer went out when it was asked for;
         this one is logged)."""
         try:
-            with self._held(self._find(name)) as job:
+            with self.held(name) as job:
                 r = job.sampler.open_trace("request", {"at": at}, duration, force_budget=force_budget)
         except BadInput:
             r = {"state": "refused", "why": "the job is gone"}
@@ -134,8 +134,8 @@ class TraceRequests:
             req = json.loads(data)
             if not isinstance(req, dict) or req.get("cmd") != "trace":
                 raise BadInput(f"unknown request {str(req)[:80]!r}: only trace")
-            out = {"ok": True, "node": self.host.node,
+            out = {"ok": True, "node": self.node,
                    **self._trace(str(req.get("job")), req.get("duration", 25.0), req.get("at"), force_budget=False)}
         except (BadInput, ValueError) as err:
-            out = {"ok": False, "node": self.host.node, "error": str(err)}
+            out = {"ok": False, "node": self.node, "error": str(err)}
         return json.dumps(out).encode()

@@ -7,7 +7,7 @@ ID [--duration S]`). For its duration, for that job only:
 - every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
   (a recorder per process, idle threads included: where a thread waits is the point): one timeline per process
   and thread;
-- the job's probes that have a deep mode record event by event (jobprobe/node/bpfprobe.py: trace_on / trace_take), and
+- the job's probes that have a deep mode record event by event (jobprobe/contract/bpfprobe.py: trace_on / trace_take), and
   those given for windows only (`syscalls`, `cuda`: off by default for their cost) run for the window's length:
   each off-CPU period of 100 µs or more with its reason and its kernel and user stacks (sched), each syscall of
   100 µs or more (syscalls), each CUDA / NCCL call with its start and end (cuda) — on two tracks per thread beside

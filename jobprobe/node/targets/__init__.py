@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What we attach to: the kinds of target, one module each.
+"""What we attach to: the kinds of target, one module each, each a `Target` (jobprobe/contract/target.py: what a
+probe is given — which cgroup, which processes now, is the job still there).
 
-- `base`: `Target`, what a probe is given (which cgroup, which processes now, is the job still there); the only
-  module of this package a probe may import.
 - `cgroup`: `CgroupTarget`, a cgroup2 group and its descendants.
 - `pidtree`: `PidTreeTarget`, root processes and every descendant.
 - `command`: `CommandTarget`, `-- CMD`: a group we create and CMD started inside it; `check_runnable`.

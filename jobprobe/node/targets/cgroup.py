@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from jobprobe.contract import tickmemo
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import BadInput, TargetGone
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import find_cgroup2_mount
-from jobprobe.node import tickmemo
-from jobprobe.node.targets.base import Target
 
 
 class CgroupTarget(Target):

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import BadInput, TargetGone
 from jobprobe.kernel.procfs import list_pids, read_ppid
-from jobprobe.node.targets.base import Target
 
 
 class PidTreeTarget(Target):

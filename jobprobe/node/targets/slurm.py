@@ -11,10 +11,10 @@ import subprocess
 import time
 from pathlib import Path
 
+from jobprobe.contract.target import Target
 from jobprobe.core.errors import BadInput
 from jobprobe.kernel import procfs
 from jobprobe.kernel.host import find_cgroup2_mount
-from jobprobe.node.targets.base import Target
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 
