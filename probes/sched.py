@@ -1,48 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """sched — what the scheduler does to the job: context switches, off-CPU time and why, run-queue latency.
 
-Measures, per interval, for the job's threads: voluntary and involuntary context switches, time spent off CPU
-(switch-out to next switch-in) split by why the thread left the CPU — preempted (runnable: waiting for a CPU), I/O
-(uninterruptible sleep, state D), lock (sleeping in a futex wait: locks, condition variables, the GIL), sleep
-(nanosleep / clock_nanosleep), wait (every other sleep: poll/epoll, pipe and socket reads, wait4...) — with the
-time from a sleeper's wakeup to its running again apart (`offcpu_wakeup_ns`, a CPU wait), so that the parts sum to
-offcpu_ns; and run-queue latency (runnable to running) as a log2 µs histogram with p50/p99.
-Hooks: eBPF on tracepoints sched:sched_switch, sched_wakeup, sched_wakeup_new (raw tracepoint programs on 5.18+:
-no event record built for them, never skipped for interrupting another BPF program, perf users keep their counts),
-sched_process_fork, sched_process_exit (bpf/sched.c, bpf/common.h); only tracepoint arguments are read, never
-task_struct.
-Lock vs sleep vs wait: at switch-out a tracepoint program sees the task's state (R, S, D) but not which syscall it
-sleeps in. On 5.15+ with BTF it reads that from the thread's saved user registers (bpf_task_pt_regs: the syscall
-number stays in orig_ax / syscallno while the call runs; the uapi layout, offsets per architecture below), and
-nothing runs on the node's syscalls. Before, a raw_syscalls:sys_enter hook remembers, per member thread, whether it
-is in a futex wait or a nanosleep; it runs on every syscall of the node. SchedProbe(syscall_reasons=False) does
-neither (lock and sleep then read None, their time is in offcpu_wait_ns); so does a machine whose syscall numbers
-are not in SYSCALL_NRS, or an old kernel without raw_syscalls.
-Oldest kernel: 4.18. Aggregation is in the kernel (one per-CPU struct per job slot); a tick reads one map element.
-Cost: measured in the 6.18 VM with bpf_stats (Loaded.prog_stats; `jobprobe bench events`): while a job
-ping-pongs over pipes, 174 ns per context switch and 121 ns per wakeup (bcc's runqlat, histogram only: 87 and 80
-in the same run); a switch of tasks outside the job 133 ns. Nothing per syscall where the syscall is read from
-registers (5.15+ with BTF); with the hook, getppid +15 ns (raw) / +43 ns (classic) per call of the node
-(scripts/syscall_cost.py --probe sched). The hook is on by default where it is needed because lock vs sleep vs wait
-is most of the answer to "why did the job wait". Start: ~0.4-0.6 s to compile in a loader subprocess
-(jobprobe/kernel/bpfload.py), which holds bcc/LLVM and exits, so the agent never maps them (agent RSS ~19 MB instead of
-~141 MB). sample(): one per-CPU map lookup, ~50 µs.
-Times are per interval where they happened: each interval's off-CPU time (total and per reason) and run-queue
-wait time is the part spent within that interval, threads still off CPU at the tick included (the kernel keeps, per
-category, finished time plus the count and summed start times of periods still open; a reading at time t counts
-every open period up to t), so per thread it never exceeds dt and the sum over intervals is the sum of the periods.
-What can read short, and where it is counted: the kernel's per-CPU words are copied while CPUs write them, so
-bpf/sched.c brackets every write of the time arrays with a per-CPU seqcount (struct slot_stats' first and last
-words); a copy in which any CPU's two halves differ is taken again (READ_TRIES), and one still torn is not read:
-the interval reads 0 and counts `torn_reads`, the next interval has its figures. A reading whose time in any
-category no interval can hold (over dt per thread alive on the node, or below 0, past the copy's own skew: settle)
-is held the same way and counted in `impossible` (a bug: never emitted, never clamped). A reading a hair below the
-last (a period crossing CPUs during the copy, at most the copy's duration) keeps the last one's time: 0 then, the
-next interval has the rest. Programs the kernel skipped (bpf_missed) lose their periods.
-Counts (`*_events`, `runq_events`, the latency histogram) count periods that ended in the interval. A thread
-already asleep when the probe starts is not counted for that sleep; with the syscall hook, one already inside a
-futex wait or nanosleep then (a call it entered before the hook) is counted as wait for it. After a signal handler interrupts a futex wait or nanosleep, the kernel resumes it
-as restart_syscall: that rest counts as wait; so do futex waits and nanosleeps of 32-bit (compat) processes.
+Per interval, for the job's threads: voluntary and involuntary switches; time off CPU split by why the thread left
+it — preempted (waiting for a CPU), I/O (state D), lock (a futex wait), sleep (nanosleep), wait (any other sleep) —
+with a sleeper's wakeup-to-run time apart (`offcpu_wakeup_ns`), the parts summing to `offcpu_ns`; run-queue latency
+as a log2 µs histogram with p50/p99. Times are the part of each period inside the interval (periods still open at
+the tick included), so the intervals sum to the periods.
+
+Hooks: sched:sched_switch, sched_wakeup, sched_wakeup_new (raw tracepoints where the kernel has them),
+sched_process_fork/exit (bpf/sched.c, bpf/common.h); lock vs sleep vs wait from the thread's saved syscall register
+(5.15+ with BTF), else a raw_syscalls:sys_enter hook (`syscall_reasons`). Aggregation is in the kernel, one per-CPU
+struct per job slot; a reading torn by a CPU's write is retried, then held and counted (`torn_reads`), one no
+interval can hold is held and counted (`impossible`). Oldest kernel: 4.18.
+
+What it costs and how it was measured, the kernels' differences and every case that reads short: docs/PROBES.md,
+"sched" (numbers live there and in docs/PERFORMANCE.md, with the command that produced them, not here).
 """
 from __future__ import annotations
 

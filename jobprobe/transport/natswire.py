@@ -2,7 +2,8 @@
 """A small synchronous NATS client: connect, publish to JetStream, read the acks — what the agent's sink needs.
 
 The agent publishes from one thread, a window of frames at a time, and waits for their acks; an event loop and a
-general client cost it ~11 MiB and a loop wake-up per tick for that. This speaks the protocol itself
+general client would cost it memory and a loop wake-up per tick for that (docs/ARCHITECTURE.md, the agent's
+memory). This speaks the protocol itself
 (https://docs.nats.io/reference/reference-protocols/nats-protocol) over one socket:
 
     server: INFO {json}                       client: CONNECT {json} / PING, expects PONG (or -ERR '…')
