@@ -42,6 +42,26 @@ def test_a_block_gives_back_exactly_the_frames_it_took(frames):
     assert typed(out) == typed(frames)  # the same types, not only equal values (1 == 1.0 == True); key order may differ
 
 
+def test_a_block_says_its_format_and_one_of_an_unknown_format_is_refused():
+    """Each block starts with its format (blocks.FORMAT): a block of before formats ([n, columns]: format 0, what a
+    store of an older version holds) reads the same; one of a newer format, or bytes that are no block, are refused
+    with a line that says so — never misread."""
+    import msgpack
+    import pytest
+    frames = samples("a", "j", 5)
+    new = blocks.encode(frames)
+    assert msgpack.unpackb(new)[0] == blocks.FORMAT == 1
+    n, cols = blocks.parts(new)
+    old = msgpack.packb([n, cols], use_bin_type=True)               # format 0
+    assert blocks.decode(old) == frames == blocks.decode(new)
+    assert blocks.column(old, ["probes", "cgroup", "cpu_user_ns"]) == [f["probes"]["cgroup"]["cpu_user_ns"]
+                                                                       for f in frames]
+    for bad, says in ((msgpack.packb([blocks.FORMAT + 1, n, cols], use_bin_type=True), "format 2"),
+                      (msgpack.packb({"n": 1}), "not a block")):
+        with pytest.raises(ValueError, match=says):
+            blocks.decode(bad)
+
+
 def typed(x):
     """A value with each scalar's type beside it and maps in key order: equal only if types and values are."""
     if isinstance(x, dict):

@@ -17,8 +17,6 @@ import statistics
 import time
 from pathlib import Path
 
-import msgpack
-
 from jobprobe.bench.controller import PROBES, STATUS
 from jobprobe.bench.overhead import scratch
 from jobprobe.cluster import blocks, compact
@@ -58,8 +56,8 @@ def generate(path: Path, nodes: int, hours: float, end: float, say=lambda s: Non
     with st.db:
         for k in range(TEMPLATES):
             b = FrameBuilder("template", "template", run="template")
-            templates.append(msgpack.unpackb(blocks.encode(
-                [b.sample(end + i, 1.0, _vary(rnd, PROBES), STATUS) for i in range(n)], book.id), raw=False))
+            templates.append(blocks.parts(blocks.encode(
+                [b.sample(end + i, 1.0, _vary(rnd, PROBES), STATUS) for i in range(n)], book.id)))
     spans = int(hours * 3600 // n)
     start = end - spans * n
     total = 0
@@ -69,12 +67,12 @@ def generate(path: Path, nodes: int, hours: float, end: float, say=lambda s: Non
         rows = []
         for s in range(spans):
             ts = start + s * n
-            keys = msgpack.unpackb(blocks.encode([{"t": ts + i + 1.0, "seq": s * n + i, "node": name, "job": job,
-                                                   "run": run} for i in range(n)], book.id), raw=False)[1]
+            keys = blocks.parts(blocks.encode([{"t": ts + i + 1.0, "seq": s * n + i, "node": name, "job": job,
+                                                "run": run} for i in range(n)], book.id))[1]
             spliced = {c[0]: c for c in templates[(node + s) % TEMPLATES][1]}
             spliced.update({c[0]: c for c in keys})
             rows.append((1, name, job, run, s * n, s * n + n - 1, ts + 1.0, ts + n, n,
-                         msgpack.packb([n, list(spliced.values())], use_bin_type=True), ts + n))
+                         blocks.pack(n, list(spliced.values())), ts + n))
         with st.db:
             st.db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
         total += spans * n

@@ -12,6 +12,10 @@ each with a mask of which samples lack the key (`missing`) or hold None — then
 a time, so that reading one field inflates only its column. decode(block) gives back frames equal to the ones
 encoded (dict equality: the same keys, values and types; key order may differ).
 
+A block is msgpack [FORMAT, n, columns]: its first element says its format, so that a later change of it is read
+by what it says, not guessed (a block of before formats had begun, [n, columns], is format 0 and reads the same).
+A block of a format newer than this code's is refused (ValueError), never misread.
+
 Why not one deflate stream per block: a field over an hour of 8 nodes is then ~500 whole blocks to inflate; by
 column it is 500 small columns (docs/PERFORMANCE.md, "The store"). Why this and not Parquet or DuckDB: measured on
 real frames (scripts/store_formats.py), and it needs nothing the standard library and msgpack do not give.
@@ -26,6 +30,7 @@ import msgpack
 
 from jobprobe.core.numbers import is_finite, is_int
 
+FORMAT = 1          # the block format this code writes (0: the [n, columns] blocks written before formats began)
 MISSING, NONE, PRESENT = 0, 1, 2
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -148,13 +153,31 @@ def encode(frames: list[dict], ids: Any = None) -> bytes:
         mask = [MISSING if p not in d else NONE if d[p] is None else PRESENT for d in flat]
         kind, data = _column([d.get(p) for d in flat], mask)
         cols.append([ids(p) if ids else list(p), kind, data])
-    return msgpack.packb([n, cols], use_bin_type=True)
+    return pack(n, cols)
+
+
+def pack(n: int, cols: list) -> bytes:
+    """A block of n samples made of its columns ([path, kind, data] each), in this code's FORMAT."""
+    return msgpack.packb([FORMAT, n, cols], use_bin_type=True)
+
+
+def parts(block: bytes) -> tuple[int, list]:
+    """(n, columns) of a block of any format this code reads; ValueError for one it does not (newer, or no block)."""
+    head = msgpack.unpackb(block, raw=False, use_list=True)
+    if isinstance(head, list) and len(head) == 2:            # format 0: [n, columns]
+        n, cols = head
+    elif isinstance(head, list) and len(head) == 3 and isinstance(head[0], int) and 1 <= head[0] <= FORMAT:
+        _, n, cols = head
+    else:
+        what = f"format {head[0]}" if isinstance(head, list) and len(head) == 3 else "not a block"
+        raise ValueError(f"a block of {what}: this jobprobe reads formats 0 to {FORMAT} (upgrade it)")
+    return n, cols
 
 
 def decode(block: bytes, only: Iterable[tuple] | None = None, paths: Any = None) -> list[dict]:
     """The frames of a block (only the leaves under the paths in `only`, when given); `paths`: the codebook's
     int → path, for a block encoded with one."""
-    n, cols = msgpack.unpackb(block, raw=False, use_list=True)
+    n, cols = parts(block)
     want = None if only is None else [tuple(p) for p in only]
     out: list[dict] = [{} for _ in range(n)]
     for path, kind, data in cols:
@@ -190,7 +213,7 @@ def column(block: bytes, key: Any) -> list:
 
 def columns(block: bytes, keys: list) -> list[list]:
     """Several leaves' values (column() of each), the block read once."""
-    n, cols = msgpack.unpackb(block, raw=False, use_list=True)
+    n, cols = parts(block)
     found = {}
     for p, kind, data in cols:
         if p in keys:
