@@ -14,7 +14,6 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -312,21 +311,17 @@ def test_a_trace_window_in_another_users_dir_is_refused_and_says_why(tmp_path):
 
 @needs_root_to_be_nobody
 def test_the_state_file_is_0600_and_never_written_through_a_link(tmp_path, caplog):
-    from jobprobe.node.adopt import Adoption
-
-    class Table(Adoption):            # the agent's job table, empty: what _save needs of it
-        def __init__(self, state: Path):
-            self.persist, self.cfg, self.jobs, self.pending = True, SimpleNamespace(state=str(state)), {}, {}
+    from jobprobe.node.adopt import StateFile
     old = os.umask(0o022)
     try:
-        Table(tmp_path / "run" / "jobs.json")._save()
+        StateFile(str(tmp_path / "run" / "jobs.json")).save([])      # the agent's job table, empty
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "run" / "jobs.json").stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "run").stat().st_mode) == 0o700
     v, state = victim(tmp_path), nobodys_dir(tmp_path, "state")
     as_nobody(state, lambda: (os.symlink("../victim", "jobs.tmp"), os.symlink("../victim", "jobs.json")))
-    Table(state / "jobs.json")._save()             # said in one line, the agent goes on
+    StateFile(str(state / "jobs.json")).save([])    # said in one line, the agent goes on
     assert untouched(v) and [r.getMessage() for r in caplog.records if str(state) in r.getMessage()]
 
 
