@@ -5,7 +5,9 @@ Kernel-tier tests are marked `kernel`; they skip only when not root, saying so. 
 """
 from __future__ import annotations
 
+import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jobprobe.core.frame import FrameBuilder
 from jobprobe.kernel.host import find_cgroup2_mount
 from tests.workloads_memory import MemcgV1, memcg_v1_root, memwork
 
@@ -405,3 +408,68 @@ def cold_file():
     yield make
     for p in made:
         p.unlink(missing_ok=True)
+
+
+# ---- helpers several test files share ----------------------------------------------------------------------------
+# v1_cpu_group: test_cgroup, test_rules; sched_workload, account: test_sched, test_pressure; spawn: test_gpu,
+# test_ncclras; samples: test_compact, test_argv.
+
+
+def v1_cpu_group(name: str) -> Path | None:
+    from jobprobe.kernel.host import find_cgroup_v1_mount
+    m = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
+    if m is None:
+        return None
+    d = Path(m[0], "jobprobe-test", f"{name}-{os.getpid()}")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sched_workload(name: str, *args) -> list[str]:
+    return [sys.executable, str(TESTS / "workloads_sched.py"), name, *map(str, args)]
+
+
+def account(proc: subprocess.Popen, stdin: str | None = None) -> dict:
+    """The workload's own JSON account (its last line of output)."""
+    out, _ = proc.communicate(stdin, timeout=120)
+    assert proc.returncode == 0
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def start(env=None, seconds=60):
+        p = subprocess.Popen(["sleep", str(seconds)], env={**os.environ, **(env or {})})
+        procs.append(p)
+        # until it has exec'd, the child's /proc/PID/environ is its parent's (a busy host kept one there long
+        # enough for the probe to read pytest's environment)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline, f"sleep (pid {p.pid}) did not exec in 30 s"
+            time.sleep(0.001)
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+SAMPLES_T0 = 1_790_000_000.0
+
+
+def samples(node: str, job: str, n: int, start: float = SAMPLES_T0, seq0: int = 0, run: str = "r1") -> list[dict]:
+    rnd = random.Random(hash((node, job, start)) & 0xffff)
+    b = FrameBuilder(node, job, run=run)
+    b.seq = seq0
+    out = []
+    for k in range(n):
+        out.append(b.sample(start + k, 1.0, {
+            "cgroup": {"cpu_user_ns": rnd.randrange(10 ** 8, 10 ** 9), "mem_bytes": 1 << 30},
+            "sched": {"runq_lat_p99_us": rnd.uniform(1, 500),
+                      "runq_lat_us_log2": [rnd.randrange(100) for _ in range(8)]},
+            "net": {"top_peers": [{"addr": "10.0.0.2", "tx_bytes": rnd.randrange(1000)}], "source": "skb"},
+            "gpu": {"util_pct": None}}, {"cgroup": "ok", "sched": "ok", "net": "ok", "gpu": "unavailable"}))
+    return out

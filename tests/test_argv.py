@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from conftest import samples
 from jobprobe.cli import main
 from jobprobe.cluster.store import Store
 from jobprobe.core.frame import encode
-from test_compact import samples
 
 OPTIONS = {
     "query": ["--store", "--sql", "--job", "--top", "--field", "--node", "--level", "--last", "--format", "--prices"],

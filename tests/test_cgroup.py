@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import workload
+from conftest import v1_cpu_group, workload
 from jobprobe.kernel import threadacct as threadacct_mod
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.taskstats import ExitRecord
@@ -670,16 +670,6 @@ def test_throttling_from_a_cgroup2_cpu_stat_fixture(tmp_path):
     (grp / "cpu.max").write_text("max 100000\n")
     s = probe.sample()
     assert (s["cpu_periods"], s["cpu_throttled_ns"]) == (0, 0) and "cpu_limit_cores" not in s
-
-
-def v1_cpu_group(name: str) -> Path | None:
-    from jobprobe.kernel.host import find_cgroup_v1_mount
-    m = find_cgroup_v1_mount("/proc/self/mountinfo", "cpu")
-    if m is None:
-        return None
-    d = Path(m[0], "jobprobe-test", f"{name}-{os.getpid()}")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 @pytest.mark.kernel

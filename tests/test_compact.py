@@ -5,16 +5,16 @@ compaction; each level goes at its own retention."""
 from __future__ import annotations
 
 import math
-import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import SAMPLES_T0 as T0
+from conftest import samples
 from jobprobe.cluster import blocks, compact
 from jobprobe.cluster.store import Store
 from jobprobe.core.frame import FrameBuilder
 
-T0 = 1_790_000_000.0
 keys = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
                     st.floats(allow_nan=False), st.text(max_size=8))
@@ -69,21 +69,6 @@ def typed(x):
     if isinstance(x, list):
         return ("list", [typed(v) for v in x])
     return (type(x).__name__, repr(x))
-
-
-def samples(node: str, job: str, n: int, start: float = T0, seq0: int = 0, run: str = "r1") -> list[dict]:
-    rnd = random.Random(hash((node, job, start)) & 0xffff)
-    b = FrameBuilder(node, job, run=run)
-    b.seq = seq0
-    out = []
-    for k in range(n):
-        out.append(b.sample(start + k, 1.0, {
-            "cgroup": {"cpu_user_ns": rnd.randrange(10 ** 8, 10 ** 9), "mem_bytes": 1 << 30},
-            "sched": {"runq_lat_p99_us": rnd.uniform(1, 500),
-                      "runq_lat_us_log2": [rnd.randrange(100) for _ in range(8)]},
-            "net": {"top_peers": [{"addr": "10.0.0.2", "tx_bytes": rnd.randrange(1000)}], "source": "skb"},
-            "gpu": {"util_pct": None}}, {"cgroup": "ok", "sched": "ok", "net": "ok", "gpu": "unavailable"}))
-    return out
 
 
 def test_compacted_samples_come_back_whole_and_once(tmp_path):

@@ -242,7 +242,7 @@ def test_the_controller_lists_a_node_that_is_not_ready(node, nvml_dir, tmp_path)
     `controller stats` names the failing one as not ready, with the check that failed."""
     import time
 
-    from test_nats import NATS, NatsServer
+    from natsite import NATS, NatsServer
     if not os.path.exists(NATS):
         pytest.skip("nats-server is installed by make test (scripts/setup.sh)")
     nats = NatsServer(tmp_path)

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -68,27 +67,6 @@ def fake(nvml, tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_NVML_STATE", str(st.path))   # putenv: the C library's getenv sees it
     monkeypatch.setenv("FAKE_NVML_LOG", str(st.log))
     return st.write()
-
-
-@pytest.fixture
-def spawn():
-    procs = []
-
-    def start(env=None, seconds=60):
-        p = subprocess.Popen(["sleep", str(seconds)], env={**os.environ, **(env or {})})
-        procs.append(p)
-        # until it has exec'd, the child's /proc/PID/environ is its parent's (a busy host kept one there long
-        # enough for the probe to read pytest's environment)
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
-            assert time.monotonic() < deadline, f"sleep (pid {p.pid}) did not exec in 30 s"
-            time.sleep(0.001)
-        return p
-
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
 
 
 @pytest.fixture

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from builds import AGENT_DISTS, dists, make
 from conftest import until, workload
 from image_build import build, digest
 from jobprobe.core.frame import StreamReader
 from jobprobe.exporters.file import job_path
-from test_install import AGENT_DISTS, dists, make
-from test_k8s_watch import TOKEN, pod_a_listed, pod_list, self_signed
+from kubefake import TOKEN, pod_a_listed, pod_list, self_signed
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.kernel, pytest.mark.integration,

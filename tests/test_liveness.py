@@ -168,7 +168,7 @@ def test_an_idle_agent_spools_one_heartbeat_per_tick_while_none_waits_and_announ
 @pytest.mark.kernel
 def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_path):
     from jobprobe.node.control import call
-    from test_nats import JOBPROBE, NATS, REPO, Site
+    from natsite import JOBPROBE, NATS, REPO, Site
     if not os.path.exists(NATS):
         pytest.skip("nats-server is not installed (scripts/setup.sh)")
     site = Site(tmp_path)

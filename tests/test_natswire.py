@@ -17,7 +17,7 @@ import pytest
 from conftest import until as wait_for
 from jobprobe.transport.credentials import Credentials, NatsError, PlaintextPassword, new_user_nkey
 from jobprobe.transport.natswire import NoResponders, TooLarge, Wire
-from test_nats import NatsServer, Site, need_nats
+from natsite import NatsServer, Site, need_nats
 
 
 def test_a_new_user_nkey_is_one_that_nkeys_reads_back():

@@ -21,7 +21,6 @@ from jobprobe.devices import ncclras
 from jobprobe.kernel.host import Host
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.ncclras import NcclRasProbe
-from tests.test_gpu import spawn  # noqa: F401 (fixture)
 
 
 class StandIn:

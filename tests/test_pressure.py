@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import account, sched_workload
 from jobprobe.core.errors import ProbeUnavailable, TargetGone
 from jobprobe.kernel.host import Host
 from jobprobe.node.targets.cgroup import CgroupTarget
 from jobprobe.node.targets.pidtree import PidTreeTarget
 from jobprobe.probes.pressure import PressureProbe, read_pressure
 from tests.conftest import TESTS
-from tests.test_sched import account, sched_workload
 from tests.workloads_blockio import Loop
 from tests.workloads_memory import memwork, spawn, window
 

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import workload
+from conftest import v1_cpu_group, workload
 from jobprobe.core.errors import BadInput
 from jobprobe.node.rules import RuleSet, compile_expr, load
-from test_cgroup import v1_cpu_group
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = {"cgroup": {"cpu_user_ns": {"kind": "counter"}, "cpu_throttled_ns": {"kind": "counter"},

@@ -41,7 +41,7 @@ from jobprobe.probes.sched import (
     syscall_from_regs,
     zero_reading,
 )
-from tests.conftest import TESTS, bpf_fds, steal_ns, wait_for, workload
+from tests.conftest import TESTS, account, bpf_fds, sched_workload, steal_ns, wait_for, workload
 
 # ---------------------------------------------------------------- unit
 
@@ -604,17 +604,6 @@ def start_tids(probe: SchedProbe) -> list[int]:
     thread; 0 for a new task not switched out yet). None with BTF programs: their records are task storage, which
     user space cannot list and which goes with its task."""
     return [] if probe.btf else [rec.tid for _, rec in probe.loaded.maps["start"].items()]
-
-
-def sched_workload(name: str, *args) -> list[str]:
-    return [sys.executable, str(TESTS / "workloads_sched.py"), name, *map(str, args)]
-
-
-def account(proc: subprocess.Popen, stdin: str | None = None) -> dict:
-    """The workload's own JSON account (its last line of output)."""
-    out, _ = proc.communicate(stdin, timeout=120)
-    assert proc.returncode == 0
-    return json.loads(out.splitlines()[-1])
 
 
 def show(s: dict, acct: dict) -> str:

@@ -29,7 +29,7 @@ import pytest
 from conftest import until, wait_for
 from jobprobe.bench.ddp import PROBES, Cluster, DdpJob
 from jobprobe.bench.ddpclock import lost_progress, lost_progress_band, more_blocked
-from test_nats import need_nats
+from natsite import need_nats
 
 
 def scrape(port: int) -> dict[tuple, float]:

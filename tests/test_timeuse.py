@@ -612,7 +612,7 @@ def test_a_cpu_limit_set_mid_run_is_starved_by_the_limit(make_cgroup, tmp_path):
     cgroup2 has the cpu controller) from its 4th second to its 8th: `starved` is most of those 4 s, and at least
     80% of it is `cpu_limit` — the limit, not a neighbour (its threads counted waiting for a CPU while stopped) nor
     its own threads. The other causes of starved: the known-badput job (own threads), the pinned hog (neighbours)."""
-    from test_cgroup import v1_cpu_group
+    from conftest import v1_cpu_group
     cg = make_cgroup()
     ctl = cg.path.parent.parent / "cgroup.subtree_control"
     v2 = ctl.exists() and "cpu" in ctl.read_text().split()

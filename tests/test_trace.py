@@ -678,7 +678,7 @@ def test_a_trace_on_every_node_of_a_job_through_the_controller_with_one_common_s
     import sqlite3
 
     from jobprobe.node.control import call
-    from test_nats import NATS, NatsServer
+    from natsite import NATS, NatsServer
     if not os.path.exists(NATS):
         pytest.skip("nats-server is installed by make test (scripts/setup.sh)")
     nats = NatsServer(tmp_path)

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import free_port, until
 from jobprobe.core.frame import StreamReader
-from test_nats import JOBPROBE, REPO, Site, need_nats
+from natsite import JOBPROBE, REPO, Site, need_nats
 
 VM = shutil.which("victoria-metrics") or "/usr/bin/victoria-metrics"
 need_vm = pytest.mark.skipif(not os.path.exists(VM), reason="victoria-metrics is not installed (scripts/setup.sh)")
