@@ -225,11 +225,33 @@ int job_fork(struct tracepoint__sched__sched_process_fork *args)
     return 0;
 }
 
+/* The processes of a job that exited, tgid -> slot, drained by user space each tick (Node.exited): whose a taskstats
+ * exit record is when its process left the job's tree before it ended (double-forked, its shell gone first) and
+ * lived less than a tick. Least recently used go first past its size: a burst of more exits than it holds between
+ * two drains loses the oldest (user space then counts what it cannot claim). */
+BPF_TABLE("lru_hash", u32, u32, job_exited, 16384);
+BPF_ARRAY(job_exited_n, u64, MAX_SLOTS);   /* per slot: notes written, so that user space counts the ones lost */
+
 /* Runs in the exiting task's context, once per thread. */
 int job_exit(struct tracepoint__sched__sched_process_exit *args)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id, tgid = id >> 32;
+    /* whose it was, before its membership goes: its group's job (members by cgroup), else its process's */
+    u32 zero = 0, *kinds = job_kinds.lookup(&zero), *slot = 0;
+    if (kinds && (*kinds & JOB_BY_CGROUP)) {
+        u64 cg = bpf_get_current_cgroup_id();
+        slot = job_of_cgroup.lookup(&cg);
+    }
+    if (!slot)
+        slot = job_of_tgid.lookup(&tgid);
+    if (slot && tid == tgid && *slot < MAX_SLOTS) {   /* once per process: its leader's exit */
+        u32 s = *slot;
+        job_exited.update(&tgid, &s);
+        u64 *n = job_exited_n.lookup(&s);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+    }
 #ifdef JOB_EXIT_HAS_GROUP_DEAD
     /* Precise: a leader that ends early (pthread_exit in main) keeps the process a member until its last
      * thread is gone. */

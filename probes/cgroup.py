@@ -27,6 +27,7 @@ command line read once) — the rest of the job's CPU is its lead processes', th
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import time
 from pathlib import Path
@@ -40,6 +41,8 @@ from jobprobe.kernel import procfs
 from jobprobe.kernel.taskstats import ExitFeed
 from jobprobe.kernel.threadacct import KEYS, Helpers, PerPid, Reader, ThreadAcct, proc_counters
 
+log = logging.getLogger("jobprobe.probes.cgroup")
+EXITED_TICKS = 3            # ticks a process's exit event is kept for its exit record to be claimed
 OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 
 
@@ -249,9 +252,11 @@ class CgroupProbe(Probe):
         "helper_cpu_user_ns": Field("int", "ns", "of cpu_user_ns, the helpers' (their /proc/PID/stat utime)"),
         "helper_cpu_system_ns": Field("int", "ns", "of cpu_system_ns, the helpers' (/proc/PID/stat stime)"),
         "exits_uncounted": Field("int", "count", "threads of the job that exited this interval without an exit "
-                                 "record (not root: no taskstats; or records the kernel dropped in a burst), where "
-                                 "CPU or I/O come from /proc: what each did since the last tick is missing from "
-                                 "those figures. 0 where the group's own files count everything"),
+                                 "record (not root: no taskstats; or records the kernel dropped in a burst), and "
+                                 "processes whose exit note the node's membership table lost (a burst of exits "
+                                 "past its size), where CPU or I/O come from /proc: what each did since the last "
+                                 "tick may be missing from those figures. 0 where the group's own files count "
+                                 "everything"),
         "cpu_periods": Field("int", "count", "CFS bandwidth periods in which the job's group ran with a CPU limit "
                              "this interval (cpu.stat nr_periods; 0 without a limit)"),
         "cpu_throttled_periods": Field("int", "count", "of those, periods in which the group used up its limit and "
@@ -271,8 +276,16 @@ class CgroupProbe(Probe):
                                  "host: the job's own v1 group's memory.limit_in_bytes); absent without a limit"),
     }
 
-    def __init__(self, host=None):
+    @classmethod
+    def build(cls, host, node=None, sinks=None):
+        return cls(host, node=node)
+
+    def __init__(self, host=None, node=None):
         super().__init__(host)
+        self.node = node                  # the node's membership: whose an exit record is (orphans), where it runs
+        self.slot: int | None = None      # the job's slot there, once the exit records are read
+        self.recent: list[set[int]] = []  # the job's processes that exited, the last EXITED_TICKS drains
+        self.notes_lost = 0               # exit notes the membership table lost (counted in exits_uncounted)
         self.target: Target | None = None
         self.cg: Path | None = None
         self.cgf: dict[str, str] = {}
@@ -371,7 +384,7 @@ class CgroupProbe(Probe):
             quiet = cur.get("usage", -1) >= 0 and cur["usage"] == self.prev.get("usage") and members == self.members
             self.members = members
             d = acct.update(proc, members, read, cpu="user" not in cur and acct.listener is not None, quiet=quiet,
-                            launched=self.target.launched_pids())
+                            launched=self.target.launched_pids(), exited=self.exited())
             if per_cpu:
                 d.update(self.perpid.update(per, ("user", "system")))
             if "mem" not in cur:
@@ -384,14 +397,33 @@ class CgroupProbe(Probe):
         return cur
 
     def thread_acct(self) -> ThreadAcct:
-        """Made at the first read that needs it: the exit-record listener only where counts come from /proc."""
+        """Made at the first read that needs it: the exit-record listener only where counts come from /proc; with
+        it, the job in the node's membership (its slot), whose exit events say which records are the job's when
+        their process left the job's tree before it ended."""
         if self.threadacct is None:
             try:
                 listener = ExitFeed.subscribe() if self.host.is_root else None
             except ProbeUnavailable:
                 listener = None   # a thread's counts since the last tick are lost at its exit (see ThreadAcct)
+            if listener is not None and self.node is not None and self.slot is None:
+                try:
+                    self.slot = self.node.attach(self.target)
+                except ProbeUnavailable as err:   # no BPF here: orphans' records stay unclaimed (and counted)
+                    log.info("cgroup: no membership for orphans' exit records: %s", err)
             self.threadacct = ThreadAcct(listener, from_zero=self.from_zero)
         return self.threadacct
+
+    def exited(self) -> set[int]:
+        """The tgids of the job's processes that exited in the last EXITED_TICKS ticks (an exit record may be drained
+        a tick before or after its process's exit event), from the node's membership — drained once per agent tick
+        for every job."""
+        if self.slot is None or self.node is None:
+            return set()
+        now = tickmemo.get("job_exited", self.node.exited) if tickmemo.active() else self.node.exited()
+        mine, lost = now.get(self.slot, (set(), 0))
+        self.notes_lost += lost           # processes whose exit note the table lost: their records may be missed
+        self.recent = (self.recent + [mine])[-EXITED_TICKS:]
+        return set().union(*self.recent)
 
     def sample(self) -> dict:
         cur = self._read()
@@ -404,7 +436,7 @@ class CgroupProbe(Probe):
             return delta(cur[k], prev.get(k, cur[k]))
 
         self.peak = max(self.peak, cur.get("peak", 0), cur["mem"])
-        uncounted = self.threadacct.uncounted if self.threadacct is not None else 0
+        uncounted = (self.threadacct.uncounted if self.threadacct is not None else 0) + self.notes_lost
         uncounted, self._uncounted = uncounted - self._uncounted, uncounted
         return {"cpu_user_ns": d("user"), "cpu_system_ns": d("system"), "mem_bytes": cur["mem"],
                 "mem_peak_bytes": self.peak, "mem_anon_bytes": cur["anon"], "mem_file_bytes": cur["file"],
@@ -423,6 +455,9 @@ class CgroupProbe(Probe):
             return os.cpu_count() or 1
 
     def stop(self) -> None:
+        if self.slot is not None and self.node is not None and self.target is not None:
+            self.node.detach(self.target)
+        self.slot = None
         self.target = None
         self.files.close()
         if self.threadacct is not None:

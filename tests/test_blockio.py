@@ -481,9 +481,9 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
     assert bpf_fds("perf") == perf + len(hooks) - raw + len(MEMBERSHIP)
     assert bpf_fds("link") == links + raw
-    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
-    # slots_on, inflight, stats
-    assert bpf_fds("map") == maps + 3 + 3 + 3
+    # the node's job_of_cgroup, job_of_tgid, job_kinds, job_exited, job_exited_n; the module's fds of the first
+    # three (pinned for its loader); slots_on, inflight, stats
+    assert bpf_fds("map") == maps + 5 + 3 + 3
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     probe.stop()
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf

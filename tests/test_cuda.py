@@ -367,8 +367,8 @@ def test_stop_detaches_every_uprobe_and_leaves_no_fd(probe, fakes, progs):
     # a deep mode (5.8+) slots_traced, trace_ring and trace_refused
     assert set(probe.loaded.maps) == {"job_of_cgroup", "job_of_tgid", "job_kinds", "slots_on", "calls", "stats"} | \
         ({"slots_traced", "trace_ring", "trace_refused"} if probe.deep else set())
-    # those, and the node's own fds of its three membership maps
-    assert bpf_fds("map") == before["map"] + len(probe.loaded.maps) + 3
+    # those, and the node's own fds of its five membership maps (the three, job_exited, job_exited_n)
+    assert bpf_fds("map") == before["map"] + len(probe.loaded.maps) + 5
     assert job.probed() == (37, 37) and len(probe.libraries) == 3
     probe.stop()
     assert {k: bpf_fds(k) for k in before} == before

@@ -426,9 +426,9 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # the probe's programs, and its private node's membership handlers; all classic tracepoints: a perf event each
     assert bpf_fds("prog") == before + len(probe.all_handlers()) + len(MEMBERSHIP)
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) + len(MEMBERSHIP)
-    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
-    # slots_on, stats, stalls, oom_victims
-    assert bpf_fds("map") == maps + 3 + 3 + 4
+    # the node's job_of_cgroup, job_of_tgid, job_kinds, job_exited, job_exited_n; the module's fds of the first
+    # three (pinned for its loader); slots_on, stats, stalls, oom_victims
+    assert bpf_fds("map") == maps + 5 + 3 + 4
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     assert probe.loaded.maps["oom_victims"].value_size == ct.sizeof(OomRec)
     probe.stop()

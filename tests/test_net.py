@@ -497,11 +497,11 @@ def test_stop_detaches_and_leaves_no_bpf_fd(probe, make_cgroup):
     assert raw == 3
     assert not probe.hook_handlers()                      # net keeps no per-thread state: no exit/exec program
     # prog: the probe's tracepoint programs, its 2 cgroup_skb programs, and its private node's membership handlers.
-    # map: the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its
-    #   loader); slots_on, stats, peers, socks.
+    # map: the node's job_of_cgroup, job_of_tgid, job_kinds, job_exited, job_exited_n; the module's fds of the
+    #   first three (pinned for its loader); slots_on, stats, peers, socks.
     # link: the 2 cgroup_skb links, and one per raw tracepoint.
     # perf: one per classic tracepoint: the probe's own, and the membership handlers' (sched:*).
-    assert got == {"prog": len(probe.all_handlers()) + 2 + len(MEMBERSHIP), "map": 3 + 3 + 4, "link": 2 + raw,
+    assert got == {"prog": len(probe.all_handlers()) + 2 + len(MEMBERSHIP), "map": 5 + 3 + 4, "link": 2 + raw,
                    "perf": len(probe.all_handlers()) - raw + len(MEMBERSHIP)}
     ids = [_bpf.prog_info(fd).id for fd in probe.loaded.progs.values()]
     probe.stop()

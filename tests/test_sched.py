@@ -526,7 +526,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
     assert bpf_fds("link") == links + raw
-    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
+    # the node's job_of_cgroup, job_of_tgid, job_kinds, job_exited, job_exited_n; the module's fds of the first three;
     # slots_on, start, stats, job_cache, and in_call with the sys_enter hook; idle_task with raw programs (slot_epoch
     # with BTF ones instead), and cpu_clock with BTF ones where the kernel's BTF has the run queue's clock (and
     # read_at where it has the kernel's stamp of a switch-in too); with a deep mode (5.8+) slots_traced,
@@ -534,7 +534,7 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     rq_clock = probe.btf and "cpu_clock" in probe.loaded.maps
     read_at = "read_at" in probe.loaded.maps
     assert read_at <= rq_clock
-    assert bpf_fds("map") == maps + 3 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + read_at + \
+    assert bpf_fds("map") == maps + 5 + 3 + 4 + probe.syscall_hook + probe.raw + rq_clock + read_at + \
         5 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)   # the kernel's size, from the loader
     assert probe.members() == {os.getpid()}

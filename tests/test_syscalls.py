@@ -321,9 +321,10 @@ def test_stop_leaves_no_bpf_program_fd(probe):
     # one attachment per tracepoint, held here: a perf event, or a bpf_link for a raw one
     assert bpf_fds("perf") == perf + len(probe.all_handlers()) - raw + len(MEMBERSHIP)
     assert bpf_fds("link") == links + raw
-    # the node's job_of_cgroup, job_of_tgid, job_kinds; the module's fds of the same three (pinned for its loader);
-    # slots_on, inflight, stats, by_nr, class_of; with a deep mode (5.8+) slots_traced, trace_ring, trace_refused
-    assert bpf_fds("map") == maps + 3 + 3 + 5 + 3 * probe.deep
+    # the node's job_of_cgroup, job_of_tgid, job_kinds, job_exited, job_exited_n; the module's fds of the first
+    # three (pinned for its loader); slots_on, inflight, stats, by_nr, class_of; with a deep mode (5.8+)
+    # slots_traced, trace_ring, trace_refused
+    assert bpf_fds("map") == maps + 5 + 3 + 5 + 3 * probe.deep
     assert probe.loaded.maps["stats"].value_size == ct.sizeof(SlotStats)
     probe.stop()
     assert bpf_fds("prog") == before and bpf_fds("map") == maps and bpf_fds("perf") == perf

@@ -77,6 +77,8 @@ class Job:
         self.refs = 0
         self.cg_ids: set[int] = set()
         self.synced = 0.0
+        self.noted_base = 0    # job_exited_n[slot] when the job took the slot (a slot is reused)
+        self.noted = 0         # its exit notes taken (or counted lost) since
 
 
 class SharedLoad:
@@ -130,6 +132,8 @@ class Node:
                 loaded.maps["job_of_cgroup"].typed(ct.c_uint64, ct.c_uint32)
                 loaded.maps["job_of_tgid"].typed(ct.c_uint32, ct.c_uint32)
                 loaded.maps["job_kinds"].typed(ct.c_uint32, ct.c_uint32)
+                loaded.maps["job_exited"].typed(ct.c_uint32, ct.c_uint32)
+                loaded.maps["job_exited_n"].typed(ct.c_uint32, ct.c_uint64)
             except (KeyError, ValueError) as err:
                 loaded.close()
                 raise ProbeUnavailable(f"membership maps: {err}") from err
@@ -180,6 +184,29 @@ class Node:
             if job.refs <= 0:
                 self._forget(job)
 
+    def exited(self) -> dict[int, tuple[set[int], int]]:
+        """slot → (the tgids of its job's processes that exited since the last call, how many such notes were lost
+        since the last call): the membership program's job_exited, drained — whose an exit record is when its
+        process left the job's tree first (a double fork) — and its per-slot count of notes written, against which
+        what the table no longer held (a burst past its size between two calls) is counted."""
+        out: dict[int, tuple[set[int], int]] = {}
+        if self.loaded is None:
+            return out
+        table, written = self.loaded.maps["job_exited"], self.loaded.maps["job_exited_n"]
+        got: dict[int, set[int]] = {}
+        for tgid, slot in table.items():
+            got.setdefault(int(slot), set()).add(int(tgid))
+            table.delete(tgid)
+        with self._lock:
+            for job in self.jobs.values():
+                n = written.lookup(job.slot) or 0
+                mine = got.get(job.slot, set())
+                job.noted += len(mine)
+                lost = max(0, n - job.noted_base - job.noted)
+                job.noted += lost                  # said once
+                out[job.slot] = (mine, lost)
+        return out
+
     def slot_of(self, target: Target) -> int | None:
         job = self.jobs.get(id(target))
         return None if job is None else job.slot
@@ -209,6 +236,12 @@ class Node:
         follows forks only of processes already in the map, so the tree is scanned again afterwards to catch
         children forked between the first scan and the insert."""
         target = job.target
+        # the slot's exit notes so far are an earlier job's: left behind, never this one's
+        job.noted_base = self.loaded.maps["job_exited_n"].lookup(job.slot) or 0
+        exited = self.loaded.maps["job_exited"]
+        for tgid, slot in exited.items():
+            if slot == job.slot:
+                exited.delete(tgid)
         self._set_kinds()
         if target.kind == "cgroup":
             self._sync_cgroups(job)

@@ -134,7 +134,8 @@ class ThreadAcct:
         self.updates = 0
 
     def update(self, proc: str, pids: list[int], read: Reader = procfs.read_small,
-               cpu: bool = True, quiet: bool = False, launched: list[int] = ()) -> dict[str, int]:
+               cpu: bool = True, quiet: bool = False, launched: list[int] = (),
+               exited: set[int] = frozenset()) -> dict[str, int]:
         """This interval's KEYS summed over the job's threads (CPU 0 when `cpu` is off).
 
         `quiet`: the caller knows that none of the job's threads ran since the last update (its group's CPU usage
@@ -145,13 +146,17 @@ class ThreadAcct:
 
         `launched`: processes the caller started itself (a target's launched_pids): their records, and those of their
         descendants, are the job's even if no walk ever saw them (a job born and gone within its first tick). Each
-        is claimed once: a pid reused after its reaping is someone else."""
+        is claimed once: a pid reused after its reaping is someone else.
+
+        `exited`: processes the node's membership saw exit as the job's (by its group): their records are the job's
+        whoever their parent was at exit — one that left the job's tree first (double-forked, its shell gone) and
+        lived less than a tick is no process's child here."""
         self.updates += 1
         records = self.listener.drain() if self.listener is not None else []
         out = [0, 0, 0, 0]
         now: dict[int, tuple[int, tuple[int, ...]]] = {}
         if self.primed:
-            mine = self.job_records(records, pids, [p for p in launched if p not in self.claimed])
+            mine = self.job_records(records, pids, [p for p in launched if p not in self.claimed], exited=exited)
             if quiet and not mine:
                 return dict.fromkeys(KEYS, 0)
             self._count(mine, now, out)
@@ -171,7 +176,7 @@ class ThreadAcct:
             # threads that exited between the drain above and their read: their records were sent before they
             # left /proc, so they are in the socket now (on a busy host that gap held a SLURM task's whole tail)
             late = self.job_records(self.listener.drain(), pids, [p for p in launched if p not in self.claimed],
-                                    now)
+                                    now, exited)
             self._count(late, now, out)
         self.finished &= listed         # a zombie reaped: its tid may come back as someone else
         # threads gone without a record (no listener, or records the kernel dropped): their tail is lost — counted
@@ -190,14 +195,15 @@ class ThreadAcct:
             self.finished.add(r.tid)
 
     def job_records(self, records: list[ExitRecord], pids: list[int], launched: list[int] = (),
-                    now: dict[int, tuple[int, tuple[int, ...]]] | None = None) -> list[ExitRecord]:
+                    now: dict[int, tuple[int, tuple[int, ...]]] | None = None,
+                    exited: set[int] = frozenset()) -> list[ExitRecord]:
         """The records of the job's threads: read before (or in this walk: `now`), or of a job process (or one the
         target launched), or of a process whose parent is one (a fixed point over the records, for a chain of
         processes that came and went between ticks). A record none of them claims is held for HOLD_UPDATES
         updates: a grandchild that exits just before its parent (which reaps it, then exits) may be drained an
         update before the parent's record that makes it the job's."""
         known = self.last if now is None else {**self.last, **now}
-        procs = set(pids) | {tgid for tgid, _ in known.values()} | set(launched)
+        procs = set(pids) | {tgid for tgid, _ in known.values()} | set(launched) | set(exited)
         out, rest = [], []
         for r, n in self.held + [(r, self.updates) for r in records]:
             if r.tid in known:
