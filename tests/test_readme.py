@@ -2,7 +2,8 @@
 """The README's five-minute tour runs as written: every command of its node part (probes, run, read, summary, report,
 doctor — not the agent, controller, cluster or bench lines, which other tests run) is taken from README.md and run,
 with only its placeholders made real — PID 4242 a live process, `system.slice/my.scope` a group holding one, the
-report's frame file the one the tour wrote. Each must succeed (the doctor: pass or warn, its documented codes)."""
+report's frame file the one the tour wrote — and the jobs made shorter (`--steps 30` → 3, `--seconds 5` → 1: the
+same commands, less of them). Each must succeed (the doctor: pass or warn, its documented codes)."""
 from __future__ import annotations
 
 import os
@@ -62,7 +63,8 @@ def test_the_tours_node_commands_run_as_written(tmp_path, make_cgroup):
             held.append(subprocess.Popen(["sleep", "2"], preexec_fn=lambda: (cg.path / "cgroup.procs").write_text(
                 str(os.getpid()))))
             line = line.replace("system.slice/my.scope", os.path.relpath(cg.path, mount))
-        line = line.replace("/var/lib/jobprobe/train-7.mpk", "job.mpk")
+        line = line.replace("/var/lib/jobprobe/train-7.mpk", "job.mpk").replace("--steps 30", "--steps 3") \
+            .replace("--seconds 5", "--seconds 1")
         try:
             res = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
                                  timeout=240, stdin=subprocess.DEVNULL)
