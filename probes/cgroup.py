@@ -27,7 +27,6 @@ command line read once) — the rest of the job's CPU is its lead processes', th
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import time
 from pathlib import Path
@@ -41,7 +40,6 @@ from jobprobe.kernel import procfs
 from jobprobe.kernel.taskstats import ExitFeed
 from jobprobe.kernel.threadacct import KEYS, Helpers, PerPid, Reader, ThreadAcct, proc_counters
 
-log = logging.getLogger("jobprobe.probes.cgroup")
 EXITED_TICKS = 3            # ticks a process's exit event is kept for its exit record to be claimed
 OPTIONAL_RECHECK_S = 10.0   # a memory or io controller turned on for a group is seen within this
 
@@ -283,7 +281,7 @@ class CgroupProbe(Probe):
     def __init__(self, host=None, node=None):
         super().__init__(host)
         self.node = node                  # the node's membership: whose an exit record is (orphans), where it runs
-        self.slot: int | None = None      # the job's slot there, once the exit records are read
+        self.slot: int | None = None      # the job's slot there, where its eBPF probes put it
         self.recent: list[set[int]] = []  # the job's processes that exited, the last EXITED_TICKS drains
         self.notes_lost = 0               # exit notes the membership table lost (counted in exits_uncounted)
         self.target: Target | None = None
@@ -397,19 +395,12 @@ class CgroupProbe(Probe):
         return cur
 
     def thread_acct(self) -> ThreadAcct:
-        """Made at the first read that needs it: the exit-record listener only where counts come from /proc; with
-        it, the job in the node's membership (its slot), whose exit events say which records are the job's when
-        their process left the job's tree before it ended."""
+        """Made at the first read that needs it: the exit-record listener only where counts come from /proc."""
         if self.threadacct is None:
             try:
                 listener = ExitFeed.subscribe() if self.host.is_root else None
             except ProbeUnavailable:
                 listener = None   # a thread's counts since the last tick are lost at its exit (see ThreadAcct)
-            if listener is not None and self.node is not None and self.slot is None:
-                try:
-                    self.slot = self.node.attach(self.target)
-                except ProbeUnavailable as err:   # no BPF here: orphans' records stay unclaimed (and counted)
-                    log.info("cgroup: no membership for orphans' exit records: %s", err)
             self.threadacct = ThreadAcct(listener, from_zero=self.from_zero)
         return self.threadacct
 
@@ -417,7 +408,11 @@ class CgroupProbe(Probe):
         """The tgids of the job's processes that exited in the last EXITED_TICKS ticks (an exit record may be drained
         a tick before or after its process's exit event), from the node's membership — drained once per agent tick
         for every job."""
-        if self.slot is None or self.node is None:
+        # the job's slot in the node's membership where its eBPF probes put it (asked each tick: a slot is let go
+        # with the job's last eBPF probe, and may be another job's after); the cgroup probe loads no program itself
+        self.slot = self.node.slot_of(self.target) if self.node is not None and self.target is not None else None
+        if self.slot is None:
+            self.recent = []
             return set()
         now = tickmemo.get("job_exited", self.node.exited) if tickmemo.active() else self.node.exited()
         mine, lost = now.get(self.slot, (set(), 0))
@@ -455,8 +450,6 @@ class CgroupProbe(Probe):
             return os.cpu_count() or 1
 
     def stop(self) -> None:
-        if self.slot is not None and self.node is not None and self.target is not None:
-            self.node.detach(self.target)
         self.slot = None
         self.target = None
         self.files.close()

@@ -135,12 +135,13 @@ def signature_rule(cls: type[Probe], sinks) -> dict[str, bool]:
 def test_build_gives_every_probe_the_node_and_sinks_its_constructor_takes(name, monkeypatch):
     """Each registered probe's build(host, node, sinks) constructs it with the host and exactly what its constructor
     was given by the signature rule: an eBPF probe the agent's node (one load of its programs for every job), the
-    self probe the job's sinks, every other probe neither."""
+    cgroup probe too (whose an orphan's exit record is: the node's membership notes), the self probe the job's
+    sinks, every other probe neither."""
     cls = all_probes()[name]
     host, node, sinks = Host(), object(), (lambda: {})
     for given in (sinks, None):
         rule = signature_rule(cls, given)
-        assert rule["node"] == issubclass(cls, BpfProbe), name
+        assert rule["node"] == (issubclass(cls, BpfProbe) or name == "cgroup"), name
         assert rule["sinks"] == (name == "self" and given is not None), name
         seen: dict = {}
         init = cls.__init__
