@@ -155,6 +155,21 @@ def test_the_agents_commands_end_in_output_or_one_error_never_a_traceback(agent_
         agent.detach(job)
 
 
+def test_a_job_asked_for_twice_while_pending_is_answered_as_pending_both_times(agent_socket):
+    """Found by the property test above: a second `attach` of a job still waiting for its processes (a SLURM job
+    or pod not there yet, --wait) was answered without its time left, and the command line died on it
+    (KeyError: 'waiting_s'). Both answers now say pending, the time left and why."""
+    agent, sock = agent_socket
+    argv = ["attach", "--slurm-job", "424242", "--job", "twice", "--wait", "30", "--socket", sock]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            assert main(argv) == 0 and main(argv) == 0
+    finally:
+        agent.detach("twice")
+    assert out.getvalue().count("twice: pending (waiting up to") == 2, out.getvalue()
+
+
 def test_a_cost_summary_of_a_file_that_is_not_a_store_is_one_error(place):
     """Found by the property test above: `query --summary` read a file that is not a store into an sqlite3
     traceback."""

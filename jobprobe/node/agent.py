@@ -158,9 +158,13 @@ class Agent:
                 raise
             key = spec.job or spec_key(spec)
             with self.lock:
-                if key in self.jobs or key in self.pending:
-                    return {"job": key, "state": "already attached" if key in self.jobs else "pending",
+                if key in self.jobs:
+                    return {"job": key, "state": "already attached",
                             "note": "attached once; the second request changed nothing"}
+                if key in self.pending:        # as the first request's answer said it, with the time left
+                    _, deadline, why = self.pending[key]
+                    return {"job": key, "state": "pending", "waiting_s": round(max(0.0, deadline - self.clock()), 1),
+                            "why": why, "note": "asked for once; the second request changed nothing"}
                 self.pending[key] = (spec, self.clock() + wait, str(err))
                 self._save()
             return {"job": key, "state": "pending", "waiting_s": wait, "why": str(err)}
