@@ -15,16 +15,12 @@ from jobprobe.core.frame import MalformedFrame, StreamReader
 
 
 def cmd_controller(args) -> int:
-    import asyncio
+    """`jobprobe controller [run|stats|enroll|tls|mappings]`: each action its own function."""
     try:
-        from jobprobe.cluster.controller import Controller
-        from jobprobe.cluster.metrics import stats
+        import jobprobe.cluster.controller  # noqa: F401 (its packages: nats-py, numpy)
     except ImportError as err:     # a node-only install: the controller's packages are an extra
         raise BadInput(f"controller: {err.name or err} is not installed here (a node-only install): install "
                        "jobprobe[controller] (docs/DEPLOY.md)") from None
-    from jobprobe.cluster.natsserver import LocalNats
-    from jobprobe.cluster.store import Store
-    path = args.store or os.path.join(args.data, "store.db")
     if args.action == "enroll":
         return controller_enroll(args)
     if args.action == "tls":
@@ -36,27 +32,45 @@ def cmd_controller(args) -> int:
     if args.node:
         raise BadInput(f"controller {args.action}: takes no node name (did you mean `controller enroll NODE`?)")
     if args.action == "stats":
-        try:
-            st = stats(Store(path, readonly=True))
-        except FileNotFoundError as err:
-            raise BadInput(str(err)) from None
-        if args.json:
-            print(json.dumps(st, indent=1))
-            return 0
-        print(f"{'node':<20} {'frames':>8} {'dup':>5} {'rej':>5} {'newest age s':>13} {'delay p50/p99 s':>16} "
-              f"{'longest gap s':>14} {'dropped':>8} {'missing':>8} {'clock s':>8}")
-        for node, n in sorted(st["nodes"].items()):
-            d = n.get("arrival_delay_s") or {}
-            print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
-                  f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
-                  f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8} {n.get('missing_frames', 0):>8} "
-                  f"{(n.get('clock') or {}).get('offset_s', '')!s:>8}")
-        for node, n in sorted(st["nodes"].items()):
-            doc = n.get("doctor")
-            if doc and doc["worst"] != "pass":
-                print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
-                                                          else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
+        return controller_stats(args)
+    return controller_run(args)
+
+
+def controller_stats(args) -> int:
+    """Per node: frames, duplicates, refusals, freshness, delay, gaps, drops, clock; doctors not passing."""
+    from jobprobe.cluster.metrics import stats
+    from jobprobe.cluster.store import Store
+    try:
+        st = stats(Store(args.store or os.path.join(args.data, "store.db"), readonly=True))
+    except FileNotFoundError as err:
+        raise BadInput(str(err)) from None
+    if args.json:
+        print(json.dumps(st, indent=1))
         return 0
+    print(f"{'node':<20} {'frames':>8} {'dup':>5} {'rej':>5} {'newest age s':>13} {'delay p50/p99 s':>16} "
+          f"{'longest gap s':>14} {'dropped':>8} {'missing':>8} {'clock s':>8}")
+    for node, n in sorted(st["nodes"].items()):
+        d = n.get("arrival_delay_s") or {}
+        print(f"{node:<20} {n.get('frames', 0):>8} {n.get('duplicates', 0):>5} {n.get('rejected', 0):>5} "
+              f"{n.get('newest_sample_age_s')!s:>13} {str(d.get('median')) + '/' + str(d.get('p99')):>16} "
+              f"{n.get('longest_gap_s')!s:>14} {n.get('dropped_at_source', 0):>8} {n.get('missing_frames', 0):>8} "
+              f"{(n.get('clock') or {}).get('offset_s', '')!s:>8}")
+    for node, n in sorted(st["nodes"].items()):
+        doc = n.get("doctor")
+        if doc and doc["worst"] != "pass":
+            print(f"{node}: doctor {doc['worst']}" + (f" ({', '.join(doc['not_pass'])})" if doc["not_pass"]
+                                                      else "") + (" — NOT READY" if doc["worst"] == "fail" else ""))
+    return 0
+
+
+def controller_run(args) -> int:
+    """The controller: its nats-server (unless --nats), the store, ingestion until SIGINT/SIGTERM."""
+    import asyncio
+
+    from jobprobe.cluster.controller import Controller
+    from jobprobe.cluster.natsserver import LocalNats
+    from jobprobe.cluster.store import Store
+    path = args.store or os.path.join(args.data, "store.db")
     if not (args.raw_minutes >= 0 and args.stream_hours > 0):
         raise BadInput("--raw-minutes: 0 or more; --stream-hours: more than 0")
     from jobprobe.cluster.quota import Limits
