@@ -396,7 +396,10 @@ def test_one_node_flooding_volume_costs_the_other_nodes_nothing():
     assert r["alive"] and r["honest_stored"] == r["honest_distinct"] == r["honest_sent"] > 0, r
     assert r["peak_rss_mib"] <= 120, r
     assert r["rejects_rows"] <= 40 and r["rejects_bytes"] <= 64 << 10, r     # a few kept whole per node and reason
-    assert r["refused"]["bad quota_jobs"] == 10_000 - 512 and r["refused"]["bad quota_frame_size"] == r["beats"], r
+    # every 1 MiB heartbeat refused: by its size, or dropped by the client's full queue — counted either way (a fresh-
+    # clone run lost 1 of 567 to the queue, uncounted, before the drops were refusals)
+    assert r["refused"]["bad quota_jobs"] == 10_000 - 512, r
+    assert r["refused"]["bad quota_frame_size"] + r["refused"].get("bad slow_consumer", 0) == r["beats"], r
     assert r["refused"]["junk quota_frames"] > 0 and r["refused"].get("big quota_bytes", 0) > 0, r
     assert r["store_growth_mib"] <= 40, r
 
@@ -415,3 +418,22 @@ def test_thousands_of_short_jobs_from_fifty_nodes_leave_the_controller_as_it_was
     assert r["alive"] and r["frames_stored"] == r["frames_sent"] == 2500 * 5, r
     assert r["summaries"] >= 2500 - 2 * 50, r        # each job ended and was summarized (the last may be ending)
     assert r["second_half_growth_mib"] < 5, r
+
+
+def test_a_message_the_nats_client_drops_is_a_counted_refusal_of_its_node():
+    """A core NATS subscription whose queue is full drops a message and reports it to the client's error callback
+    (SlowConsumerError): the heartbeats' subscription under a flood of 1 MiB beats does. It is refused and counted
+    against the node whose subject it came on (`slow_consumer`), as every other refusal; any other client error is
+    a log line."""
+    from nats.errors import SlowConsumerError
+
+    from jobprobe.cluster.ingest import client_error
+    from jobprobe.core.wire import beat_subject
+    got = []
+
+    class Ctl:
+        def refuse(self, subject, node, why, size, reason="malformed", body=b"", now=None):
+            got.append((subject, node, reason))
+    client_error(Ctl(), SlowConsumerError(beat_subject("bad"), "", 7, None))
+    client_error(Ctl(), ConnectionResetError("peer gone"))
+    assert got == [(beat_subject("bad"), "bad", "slow_consumer")]

@@ -106,8 +106,8 @@ async def serve(ctl: Controller) -> None:
     except ImportError:
         raise BadInput("the controller needs nats-py: pip install 'jobprobe[controller]'") from None
 
-    async def said(err: Exception) -> None:   # the client's own reports: one line, not a traceback
-        log.warning("nats: %s: %s", type(err).__name__, err)
+    async def said(err: Exception) -> None:
+        client_error(ctl, err)
     opts: dict[str, Any] = {"servers": [u.strip() for u in ctl.url.split(",")], "connect_timeout": 2,
                             "reconnect_time_wait": 0.5, "max_reconnect_attempts": -1, "name": "jobprobe-controller",
                             "error_cb": said}
@@ -262,6 +262,19 @@ async def consume(ctl: Controller, nc: Any, pull: "Puller", lease: Lease, beats:
                 log.warning("retention: %s: %s", type(err).__name__, err)
             ctl.forget(now)
             next_sweep = now + 60
+
+
+def client_error(ctl: Controller, err: Exception) -> None:
+    """What the NATS client reports of itself (its error_cb): one line in the log, not a traceback — and a message
+    it dropped, its subscription's queue full (a flood of 1 MiB heartbeats while the loop was busy), a refusal of
+    the node's like any other, counted, never silent (a flood test lost 1 heartbeat of 567 so)."""
+    from nats.errors import SlowConsumerError
+    subject = getattr(err, "subject", None)
+    if isinstance(err, SlowConsumerError) and isinstance(subject, str):
+        ctl.refuse(subject, _node_of(subject), "dropped by the client: its subscription's queue was full", 0,
+                   "slow_consumer")
+        return
+    log.warning("nats: %s: %s", type(err).__name__, err)
 
 
 def _node_of(subject: str) -> str | None:
