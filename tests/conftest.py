@@ -5,12 +5,14 @@ Kernel-tier tests are marked `kernel`; they skip only when not root, saying so. 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -473,3 +475,24 @@ def samples(node: str, job: str, n: int, start: float = SAMPLES_T0, seq0: int = 
             "net": {"top_peers": [{"addr": "10.0.0.2", "tx_bytes": rnd.randrange(1000)}], "source": "skb"},
             "gpu": {"util_pct": None}}, {"cgroup": "ok", "sched": "ok", "net": "ok", "gpu": "unavailable"}))
     return out
+
+
+@contextlib.contextmanager
+def serving_agent(cfg, persist: bool = False):
+    """The node agent with `cfg`, its control socket served and its ticks running in a thread; stopped after (its
+    jobs' last frames written, its programs released). test_agent, test_ends, test_prometheus, test_trace."""
+    from jobprobe.node.agent import Agent
+    from jobprobe.node.control import ControlServer
+    agent = Agent(cfg)
+    agent.persist = persist
+    server = ControlServer(agent, cfg.socket)
+    server.start()
+    loop = threading.Thread(target=agent.run, daemon=True)
+    loop.start()
+    try:
+        yield agent
+    finally:
+        agent.stop_event.set()
+        loop.join(timeout=10)
+        server.close()
+        agent.close()

@@ -29,6 +29,15 @@ FAKE_CLOCK = ("import sys, time; _real = time.time; _off = float(sys.argv.pop(1)
               " from jobprobe.cli import main; sys.exit(main())")
 
 
+def answering(sock: Path) -> dict | None:
+    """The status an agent answers on its socket, or None while it does not answer yet."""
+    from jobprobe.node.control import call
+    try:
+        return call(str(sock), {"cmd": "status"})
+    except Exception:
+        return None
+
+
 class Site:
     """A NATS server, a controller, agents (each its own node name, spool and control socket), all real."""
 
@@ -58,13 +67,7 @@ class Site:
             + (["--nats-creds", str(creds)] if creds else []) + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,
             stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
         from jobprobe.node.control import call
-
-        def up():
-            try:
-                return call(str(d / "agent.sock"), {"cmd": "status"})
-            except Exception:
-                return None
-        wait_for(up, 60, f"agent {node}")
+        wait_for(lambda: answering(d / "agent.sock"), 60, f"agent {node}")
         sleeper = subprocess.Popen(["sleep", "600"])
         self.sleepers.append(sleeper)
         r = call(str(d / "agent.sock"), {"cmd": "attach", "pid": sleeper.pid, "job": f"job-{node}"})

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IS_ROOT, TESTS, wait_for, workload
+from conftest import IS_ROOT, TESTS, serving_agent, wait_for, workload
 from jobprobe.core.errors import BadInput
 from jobprobe.core.frame import StreamReader
 from jobprobe.kernel import bpf as _bpf
@@ -81,17 +81,8 @@ def agent(tmp_path):
     cfg = Config(interval=0.25, probes="cgroup,sched,perf,self", out=str(tmp_path / "out"),
                  socket=str(tmp_path / "run" / "agent.sock"), state=str(tmp_path / "run" / "jobs.json"),
                  attach_wait=5.0)
-    a = Agent(cfg)
-    a.persist = True
-    server = ControlServer(a, cfg.socket)
-    server.start()
-    loop = threading.Thread(target=a.run, daemon=True)
-    loop.start()
-    yield a
-    a.stop_event.set()
-    loop.join(timeout=10)
-    server.close()
-    a.close()
+    with serving_agent(cfg, persist=True) as a:
+        yield a
 
 
 def frames_of(agent: Agent, job: str) -> list[dict]:

@@ -13,17 +13,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import free_port, until
+from conftest import free_port, serving_agent, until
 from jobprobe.core.frame import StreamReader
 from jobprobe.node.agent import Agent
 from jobprobe.node.config import Config
-from jobprobe.node.control import ControlServer, call
+from jobprobe.node.control import call
 
 pytestmark = pytest.mark.kernel
 REPO = Path(__file__).resolve().parents[1]
@@ -60,16 +59,8 @@ def agent(tmp_path):
     port = free_port()
     cfg = Config(interval=0.25, probes="cgroup", out=str(tmp_path / "out"), socket=str(tmp_path / "run" / "a.sock"),
                  state=str(tmp_path / "run" / "jobs.json"), attach_wait=5.0, prometheus=f"127.0.0.1:{port}")
-    a = Agent(cfg)
-    server = ControlServer(a, cfg.socket)
-    server.start()
-    loop = threading.Thread(target=a.run, daemon=True)
-    loop.start()
-    yield a
-    a.stop_event.set()
-    loop.join(timeout=10)
-    server.close()
-    a.close()
+    with serving_agent(cfg) as a:
+        yield a
 
 
 def last_sample(agent: Agent, job: str) -> dict:

@@ -168,7 +168,7 @@ def test_an_idle_agent_spools_one_heartbeat_per_tick_while_none_waits_and_announ
 @pytest.mark.kernel
 def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_path):
     from jobprobe.node.control import call
-    from natsite import JOBPROBE, NATS, REPO, Site
+    from natsite import JOBPROBE, NATS, REPO, Site, answering
     if not os.path.exists(NATS):
         pytest.skip("nats-server is not installed (scripts/setup.sh)")
     site = Site(tmp_path)
@@ -184,13 +184,7 @@ def test_idle_and_cleanly_stopped_agents_are_not_lost_and_a_killed_one_is(tmp_pa
                  "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"), "--probes", "self",
                  "--interval", "0.25"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(d / "agent.log", "ab"))
             site.agents[node] = p
-
-            def up():
-                try:
-                    return call(str(d / "agent.sock"), {"cmd": "status"})
-                except Exception:
-                    return None
-            wait_for(up, 60, f"agent {node}")
+            wait_for(lambda: answering(d / "agent.sock"), 60, f"agent {node}")
             return p
 
         def events(node: str) -> list[tuple]:

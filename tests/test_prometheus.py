@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, until
+from conftest import free_port, serving_agent, until
 from jobprobe.core.frame import StreamReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -234,22 +234,15 @@ def test_a_probe_switched_on_while_the_job_runs_is_in_metrics_with_help_from_its
     """The real agent with /metrics: a job attached with `cgroup` only, then `+pressure` asked of it at run time —
     its hello never named pressure — has its pressure series from the next ticks, and each HELP line is the field's
     declared meaning (Probe.fields), not its name."""
-    import threading
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from jobprobe.node.agent import Agent
     from jobprobe.node.config import Config
-    from jobprobe.node.control import ControlServer, call
+    from jobprobe.node.control import call
     from jobprobe.node.registry import all_probes
     port = free_port()
     cfg = Config(interval=0.25, probes="cgroup", socket=str(tmp_path / "a.sock"), state=str(tmp_path / "jobs.json"),
                  prometheus=f"127.0.0.1:{port}")
-    agent = Agent(cfg)
-    server = ControlServer(agent, cfg.socket)
-    server.start()
-    loop = threading.Thread(target=agent.run, daemon=True)
-    loop.start()
     cg = make_cgroup()
     job = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: (cg.path / "cgroup.procs").write_text(str(os.getpid())))
 
@@ -257,20 +250,17 @@ def test_a_probe_switched_on_while_the_job_runs_is_in_metrics_with_help_from_its
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         return {f.name: f for f in text_string_to_metric_families(text)}
     try:
-        assert call(cfg.socket, {"cmd": "attach", "cgroup": str(cg.path), "job": "j"}, timeout=60)["ok"]
-        until(lambda: "jobprobe_cgroup_mem_bytes" in families(), 10, "the job's cgroup series")
-        assert not any(n.startswith("jobprobe_pressure") for n in families())
-        r = call(cfg.socket, {"cmd": "probes", "job": "j", "toggle": "+pressure"}, timeout=60)
-        assert r["probes"]["pressure"] == "ok", r
-        fams = until(lambda: (f := families()) and any(n.startswith("jobprobe_pressure") for n in f) and f, 10,
-                     "the pressure series after +pressure")
+        with serving_agent(cfg):
+            assert call(cfg.socket, {"cmd": "attach", "cgroup": str(cg.path), "job": "j"}, timeout=60)["ok"]
+            until(lambda: "jobprobe_cgroup_mem_bytes" in families(), 10, "the job's cgroup series")
+            assert not any(n.startswith("jobprobe_pressure") for n in families())
+            r = call(cfg.socket, {"cmd": "probes", "job": "j", "toggle": "+pressure"}, timeout=60)
+            assert r["probes"]["pressure"] == "ok", r
+            fams = until(lambda: (f := families()) and any(n.startswith("jobprobe_pressure") for n in f) and f, 10,
+                         "the pressure series after +pressure")
     finally:
         job.kill()
         job.wait()
-        agent.stop_event.set()
-        loop.join(timeout=10)
-        server.close()
-        agent.close()
     meaning = all_probes()["cgroup"].fields["mem_bytes"].meaning
     assert fams["jobprobe_cgroup_mem_bytes"].documentation.startswith(meaning), fams["jobprobe_cgroup_mem_bytes"]
     pressure = [f for n, f in fams.items() if n.startswith("jobprobe_pressure")]

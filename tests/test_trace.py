@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import until
+from conftest import serving_agent, until
 from jobprobe.core.frame import StreamReader
 from jobprobe.node.tracewin import Tracer
 
@@ -192,20 +192,16 @@ def test_cooldown_and_the_duty_cap_bound_the_time_traced(tmp_path):
 
 @pytest.mark.kernel
 def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
-    from jobprobe.node.agent import Agent
     from jobprobe.node.config import Config
-    from jobprobe.node.control import ControlServer, call
+    from jobprobe.node.control import call
     cfg = Config(interval=0.5, probes="cgroup,self", out=str(tmp_path / "out"), trace_dir=str(tmp_path / "traces"),
                  socket=str(tmp_path / "run" / "agent.sock"), state=str(tmp_path / "run" / "jobs.json"))
-    agent = Agent(cfg)
-    server = ControlServer(agent, cfg.socket)
-    server.start()
-    loop = threading.Thread(target=agent.run, daemon=True)
-    loop.start()
     (tmp_path / "job.py").write_text(JOB)
     cg = make_cgroup()
     job = cg.spawn([sys.executable, str(tmp_path / "job.py"), str(tmp_path / "pids"), "12"])
-    try:
+    with contextlib.ExitStack() as stack:           # the job killed first, then the agent stopped
+        stack.enter_context(serving_agent(cfg))
+        stack.callback(lambda: (job.kill(), job.wait()))
         until(lambda: (tmp_path / "pids").exists(), 10, "the job to start")
         assert call(cfg.socket, {"cmd": "attach", "cgroup": str(cg.path), "job": "req"})["ok"]
         r = call(cfg.socket, {"cmd": "trace", "job": "req", "duration": 3})
@@ -222,13 +218,6 @@ def test_a_trace_on_request_through_the_agent(tmp_path, make_cgroup):
         pids = set(map(int, (tmp_path / "pids").read_text().split()))
         check_trace(tr["path"], pids, {"busy_main_loop"})
         assert tr["reason"] == "request" and os.path.getsize(tr["path"]) > 0
-    finally:
-        job.kill()
-        job.wait()
-        agent.stop_event.set()
-        loop.join(timeout=10)
-        server.close()
-        agent.close()
 
 
 def test_traces_are_written_0600_in_a_0700_directory(tmp_path):
