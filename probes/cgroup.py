@@ -281,7 +281,6 @@ class CgroupProbe(Probe):
     def __init__(self, host=None, node=None):
         super().__init__(host)
         self.node = node                  # the node's membership: whose an exit record is (orphans), where it runs
-        self.slot: int | None = None      # the job's slot there, where its eBPF probes put it
         self.recent: list[set[int]] = []  # the job's processes that exited, the last EXITED_TICKS drains
         self.notes_lost = 0               # exit notes the membership table lost (counted in exits_uncounted)
         self.target: Target | None = None
@@ -410,12 +409,12 @@ class CgroupProbe(Probe):
         for every job."""
         # the job's slot in the node's membership where its eBPF probes put it (asked each tick: a slot is let go
         # with the job's last eBPF probe, and may be another job's after); the cgroup probe loads no program itself
-        self.slot = self.node.slot_of(self.target) if self.node is not None and self.target is not None else None
-        if self.slot is None:
+        slot = self.node.slot_of(self.target) if self.node is not None and self.target is not None else None
+        if slot is None:
             self.recent = []
             return set()
         now = tickmemo.get("job_exited", self.node.exited) if tickmemo.active() else self.node.exited()
-        mine, lost = now.get(self.slot, (set(), 0))
+        mine, lost = now.get(slot, (set(), 0))
         self.notes_lost += lost           # processes whose exit note the table lost: their records may be missed
         self.recent = (self.recent + [mine])[-EXITED_TICKS:]
         return set().union(*self.recent)
@@ -450,7 +449,6 @@ class CgroupProbe(Probe):
             return os.cpu_count() or 1
 
     def stop(self) -> None:
-        self.slot = None
         self.target = None
         self.files.close()
         if self.threadacct is not None:

@@ -59,18 +59,18 @@ def how(end: dict) -> str:
     return f"{words} ({status})" if status else words
 
 
-def status_of(ends: list[dict[str, int]]) -> dict[str, int]:
-    """The job's status from its lead processes' ends, in the order they came: the first bad one, else the last."""
-    bad = [e for e in ends if e.get("signal") or e.get("exit_code")]
-    return dict(bad[0] if bad else ends[-1]) if ends else {}
-
-
-def record(why: str, status: dict[str, int], removed: bool, never_ran: bool, oom_kills: int) -> dict[str, Any]:
-    """The `end` record: why (text), its cause, the lead's status where known, the OOM kills counted in the job.
-    An OOM kill is the cause where the killer took a process and the lead died of SIGKILL or how it ended is not
-    known (the killer sends SIGKILL; a lead that survived a killed child and exited is its own end)."""
+def record(why: str, status: dict[str, int], removed: bool, never_ran: bool) -> dict[str, Any]:
+    """The `end` record as the agent knows it: why (text), its cause, the lead's status where known."""
     cause = "group_removed" if removed else "signal" if "signal" in status else "exit" if status else \
         "no_process" if never_ran else "exited"
-    if oom_kills > 0 and status.get("signal", 9) == 9 and "exit_code" not in status:
-        cause = "oom_kill"
-    return {"why": why, "cause": cause, **status, **({"oom_kills": oom_kills} if oom_kills > 0 else {})}
+    return {"why": why, "cause": cause, **status}
+
+
+def with_oom(end: dict[str, Any], oom_kills: int) -> dict[str, Any]:
+    """`end` with the OOM kills counted in the job. An OOM kill is the cause where the killer took a process and the
+    lead died of SIGKILL or how it ended is not known (the killer sends SIGKILL; a lead that survived a killed child
+    and exited is its own end)."""
+    if oom_kills <= 0:
+        return end
+    oom = end.get("signal", 9) == 9 and "exit_code" not in end
+    return {**end, **({"cause": "oom_kill"} if oom else {}), "oom_kills": oom_kills}

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 from jobprobe.contract import tickmemo
 from jobprobe.contract.target import Target
+from jobprobe.core import ends
 from jobprobe.core.errors import BadInput, TargetGone
 from jobprobe.core.frame import new_run_id
 from jobprobe.exporters.queued import sink_stats
@@ -350,14 +351,15 @@ class Agent:
             self._end(job, job.ended or job.sampler.end_reason or "ended")
 
     def _check_end(self, job: Job) -> dict | None:
-        """Whether the job has ended (job.ended says why), and then its last frame's end: why, and how its lead
-        process(es) ended where that is known (Sampler.tick adds the cause and the OOM kills)."""
+        """Whether the job has ended (job.ended says why), and then its last frame's end: why, its cause, and how
+        its lead process(es) ended where that is known (Sampler.tick adds the OOM kills)."""
         try:
             job.target.refresh()
+            pids = job.target.pids()
             if job.leads is not None:
-                job.leads.update(job.target.pids())
+                job.leads.update(pids)
             if job.target.kind == "cgroup":
-                has = bool(job.target.pids())
+                has = bool(pids)
                 if job.had_procs and not has:
                     job.ended = f"every process of {job.name} has exited"
                 elif not job.had_procs and not has and time.time() - job.attached_at > self.cfg.attach_wait:
@@ -374,8 +376,8 @@ class Agent:
         if not job.ended:
             return None
         status = job.target.exit_status() or (job.leads.status() if job.leads is not None else {})
-        return {"why": job.ended[:END_WHY], "status": status, "removed": job.removed,
-                "never_ran": not job.had_procs and job.target.kind == "cgroup"}
+        return ends.record(job.ended[:END_WHY], status, job.removed,
+                           never_ran=not job.had_procs and job.target.kind == "cgroup")
 
     def _end(self, job: Job, why: str) -> None:
         """A job that ended by itself, after its last frame."""

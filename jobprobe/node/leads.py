@@ -11,7 +11,6 @@ status: the end says `exited`.
 """
 from __future__ import annotations
 
-from jobprobe.core import ends
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel.procfs import read_ppid
 from jobprobe.kernel.taskstats import ExitFeed, Subscription
@@ -30,7 +29,10 @@ class Leads:
                 self.sub = None
         self.seen: frozenset[int] = frozenset()
         self.leads: set[int] = set()
-        self.ends: list[dict[str, int]] = []
+        # the job's status from its leads' ends as they come: the first bad one, else the last (bounded, however
+        # many leads a long job has)
+        self.first_bad: dict[str, int] | None = None
+        self.last: dict[str, int] | None = None
 
     def update(self, pids: list[int]) -> None:
         """The job's processes now (once per tick): new ones whose parent is not the job's are leads; the exit
@@ -45,12 +47,15 @@ class Leads:
                 pid = rec.tgid or rec.tid
                 if rec.tid == pid and pid in self.leads:
                     self.leads.discard(pid)
-                    self.ends.append(rec.ended())
+                    self.last = rec.ended()
+                    if self.first_bad is None and (self.last.get("signal") or self.last.get("exit_code")):
+                        self.first_bad = self.last
         self.leads &= now      # a lead gone without a record (dropped in a burst): its end is not known
         self.seen = now
 
     def status(self) -> dict[str, int]:
-        return ends.status_of(self.ends)
+        """How the job's leads ended: the first that ended badly, else the last; {} before any did."""
+        return dict(self.first_bad or self.last or {})
 
     def close(self) -> None:
         if self.sub is not None:

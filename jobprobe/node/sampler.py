@@ -278,9 +278,9 @@ class Sampler:
             return self.builder.labels
 
     def tick(self, end: dict | None = None) -> dict:
-        """One sample frame (and its events, stacks, traces); `end`: the job ended, this is its last frame — why,
-        status (its lead's exit_code or signal, where known), removed (its group), never_ran (no process came);
-        the frame's `end` adds the OOM kills counted over the job's life (core/ends.record)."""
+        """One sample frame (and its events, stacks, traces); `end`: the job ended, this is its last frame, and
+        `end` its record as the agent knows it (core/ends.record), to which the OOM kills counted over the job's
+        life are added (core/ends.with_oom)."""
         self.builder.labels = self._labels()
         now = self.clock()
         dt, self._last = now - self._last, now
@@ -317,8 +317,7 @@ class Sampler:
         # kills; the larger of the two each tick
         self.oom_kills += max((values.get(p) or {}).get("oom_kills") or 0 for p in ("cgroup", "memory"))
         if end is not None:
-            end = ends.record(end["why"], end.get("status") or {}, bool(end.get("removed")),
-                              bool(end.get("never_ran")), self.oom_kills)
+            end = ends.with_oom(end, self.oom_kills)
         frame = self.builder.sample(t, dt, values, dict(self.status), reads, end)
         self._emit(frame)
         if self.ruleset is not None:           # rules over the job's recent frames: fired and ended as events
