@@ -169,8 +169,9 @@ class PromSink:
                     end.add_metric([st.node, job, *[st.owner.get(n, "") for n in owner], ends.how(st.end),
                                     ends.cause_of(st.end), str(ends.failed(st.end)).lower()], 1)
             ended = CounterMetricFamily("jobprobe_jobs_ended", "jobs of this node that ended since the agent started, "
-                                        "by cause (exit, signal, oom_kill, group_removed, exited, no_process) and "
-                                        "whether it was a failure", labels=["cause", "failed"])
+                                        "by cause (exit, signal, oom_kill, group_removed, exited, no_process, "
+                                        "timeout, requeued, preempted, node_fail) and whether it was a failure",
+                                        labels=["cause", "failed"])
             for (cause, bad), n in sorted(self.ended.items()):
                 ended.add_metric([cause, bad], n)
         yield from fams.values()

@@ -228,7 +228,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def node_state(self) -> str:
         res = self.run("sinfo", "-h", "-N", "-n", self.node, "-o", "%T", check=False)
-        return res.stdout.strip() if res.returncode == 0 else ""
+        # one line per partition the node is in: the same state on each
+        return (res.stdout.split() or [""])[0] if res.returncode == 0 else ""
 
     def logs(self, lines: int = 15) -> str:
         out = []

@@ -105,6 +105,9 @@ def named_cases() -> list[tuple[str, bytes]]:
         "end exit code 256": encode({**sample(), "end": {"why": "x", "exit_code": 256}}),
         "end signal 0": encode({**sample(), "end": {"why": "x", "signal": 0}}),
         "end a field of its own": encode({**sample(), "end": {"why": "x", "pids": list(range(9))}}),
+        "end a cause of its own": encode({**sample(), "end": {"why": "x", "cause": "gremlins"}}),
+        "end scheduler not text": encode({**sample(), "end": {"why": "x", "cause": "timeout", "scheduler": [1]}}),
+        "end scheduler too long": encode({**sample(), "end": {"why": "x", "cause": "timeout", "scheduler": "x" * 999}}),
         "a map as a map's key": b"\x81\x81\xa1a\x01\x02",     # packed by hand: unhashable where it is read
     }
     return list(cases.items())

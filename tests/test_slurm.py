@@ -300,3 +300,29 @@ def test_slurm_job_whose_script_forks_short_lived_commands(slurm, monkeypatch):
             assert isinstance(target, PidTreeTarget) and target.pids(), target.describe()
     finally:
         slurm.run("scancel", job, check=False)
+
+
+# What SLURM 22.05 (this machine's, tests/slurm_cluster.py) said of jobs as they ended, read with
+# `squeue -O JobID:|,State:|,Reason:|,RestartCnt:|` at their processes' SIGTERM and in their epilogs: a time limit is
+# Reason=TimeLimit while the job completes (a real --time=1 job, 85 s: too long for the suite), TIMEOUT after it; a
+# requeue grows the restart count before the signal (tests/test_slurm_agent.py does that one for real); a preemption
+# shows as PREEMPTED only once the job's epilogs are done.
+@pytest.mark.parametrize("state, reason, restarts, restarts0, cause", [
+    ("COMPLETING", "TimeLimit", "0", "0", "timeout"),
+    ("TIMEOUT", "TimeLimit", "0", "0", "timeout"),
+    ("COMPLETING", "None", "1", "0", "requeued"),
+    ("PENDING", "BeginTime", "1", "0", "requeued"),
+    ("PREEMPTED", "None", "0", "0", "preempted"),
+    ("NODE_FAIL", "NodeDown", "0", "0", "node_fail"),
+    ("COMPLETING", "NonZeroExitCode", "0", "0", None),       # its own exit: the exit code says it
+    ("COMPLETING", "None", "1", "1", None),                  # a run after a requeue, ending by itself
+    ("CANCELLED", "None", "0", "0", None),                   # scancel: the signal says it
+])
+def test_the_schedulers_word_at_a_jobs_end(state, reason, restarts, restarts0, cause):
+    from jobprobe.core import ends
+    from jobprobe.node.targets.slurm import scheduler_cause
+    said = scheduler_cause({"state": state, "reason": reason, "restarts": restarts}, restarts0)
+    assert said.get("cause") == cause, said
+    end = ends.record("every process of 7 has exited", {"signal": 15}, False, False, scheduler=said)
+    assert end["cause"] == (cause or "signal") and end["signal"] == 15
+    assert ends.failed(end) and (cause is None or ends.how(end).endswith("(SIGTERM)")), end

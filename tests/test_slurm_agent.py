@@ -286,6 +286,28 @@ def test_a_job_cancelled_mid_run_is_let_go(site):
     assert [rc for rc, _ in runs(cluster.base, "epilog", job)] == [0]
 
 
+def test_a_job_the_scheduler_requeues_ends_requeued(site):
+    """`scontrol requeue` (what a preemption that requeues does too): SLURM stops the job and queues it again under
+    the same id. Its processes die of SIGTERM, but the end is the scheduler's — its restart count grew."""
+    cluster, agent, jobs = site
+    job = cluster.sbatch("--requeue", "--chdir", str(jobs), "-o", "/dev/null", "-J", "requeued", "--wrap",
+                         burn_script(jobs, 120))
+    try:
+        wait_for(lambda: agent.attached(job), 30, f"job {job} to be attached")
+        wait_for(lambda: cpu(agent.frames(job)) > 0.3e9, 30, f"job {job} to show CPU time")
+        cluster.run("scontrol", "requeue", job)
+        wait_for(lambda: not agent.attached(job), 30, f"the agent to let job {job} go")
+        end = agent.end(job)
+        # SLURM's own word, independently: the job is pending again (once its epilog is done), restarted once
+        wait_for(lambda: cluster.run("squeue", "-h", "-j", job, "-t", "all", "-O", "State:|,RestartCnt:|")
+                 .stdout.split("|")[:2] == ["PENDING", "1"], 30, f"job {job} pending again, restarted once")
+        assert end["cause"] == "requeued" and "restarts 1" in end["scheduler"] and end.get("signal") in (15, 9), end
+        assert any(x.name == "jobprobe_job_end" and x.labels["job"] == job and x.labels["cause"] == "requeued" and
+                   x.labels["failed"] == "true" for x in agent.metrics())
+    finally:
+        cluster.run("scancel", job, check=False)
+
+
 # A job's name is its owner's to write: anything, fields of SLURM's text and a newline with a whole made-up squeue line
 # included (SLURM prints it as it is). Its labels must be its own all the same, and it must be adopted.
 HOSTILE_NAME = "while-down JobId=999 ArrayJobId=5 ArrayTaskId=3 UserId=mallory(7)\n1|mallory|debug|evil|fake"

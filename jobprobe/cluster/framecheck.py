@@ -196,13 +196,15 @@ def _end(end: Any) -> None:
     """A job's last frame's `end` (core/ends.py): why (a string), its cause, exit_code 0..255 or signal 1..127 and
     the OOM kills counted, where known."""
     ok = isinstance(end, dict) and isinstance(end.get("why"), str) and len(end["why"]) <= MAX_NAME and \
-        set(end) <= {"why", "cause", "exit_code", "signal", "oom_kills"} and \
+        set(end) <= {"why", "cause", "exit_code", "signal", "oom_kills", "scheduler"} and \
         ("cause" not in end or end["cause"] in ends.CAUSES) and \
+        ("scheduler" not in end or isinstance(end["scheduler"], str) and len(end["scheduler"]) <= ends.MAX_SCHEDULER) and \
         all(is_int(end[k]) and lo <= end[k] <= hi
             for k, lo, hi in (("exit_code", 0, 255), ("signal", 1, 127), ("oom_kills", 0, 1 << 31)) if k in end)
     if not ok:
         raise MalformedFrame("sample field 'end': expected a map of why (text), cause (one of "
-                             f"{', '.join(ends.CAUSES)}), exit_code 0..255, signal 1..127, oom_kills ≥ 0")
+                             f"{', '.join(ends.CAUSES)}), exit_code 0..255, signal 1..127, oom_kills ≥ 0, "
+                             f"scheduler (text)")
 
 
 def _sample(f: dict, declared: dict | None) -> None:

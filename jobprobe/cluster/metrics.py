@@ -102,7 +102,8 @@ class MetricsCollector:
                 g.add_metric([job, e["how"], e.get("cause", ""), str(not e["ok"]).lower(), e["node"]], 1)
         yield g
         c = CounterMetricFamily("jobprobe_jobs_ended", "jobs summarized since the controller started, by the cause of "
-                                "their end (exit, signal, oom_kill, group_removed, exited, no_process, node_lost; "
+                                "their end (exit, signal, oom_kill, group_removed, exited, no_process, node_lost, "
+                                "timeout, requeued, preempted, node_fail; "
                                 "unknown: no node said) and whether it was a failure", labels=["cause", "failed"])
         for (cause, bad), n in sorted(ctl.ended_by.items()):
             c.add_metric([cause, bad], n)

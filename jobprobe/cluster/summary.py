@@ -165,7 +165,8 @@ def how_it_ended(by_node: dict[str, list[dict]]) -> dict[str, Any] | None:
     t, node, end = bad[0] if bad else max(ends, key=lambda e: (e[0], e[1]))
     return {"node": node, "t": t, "how": job_ends.how(end), "cause": job_ends.cause_of(end), "ok": not bad,
             "why": str(end.get("why", ""))[:200],
-            **{k: end[k] for k in ("exit_code", "signal", "oom_kills") if isinstance(end.get(k), int)}}
+            **{k: end[k] for k in ("exit_code", "signal", "oom_kills") if isinstance(end.get(k), int)},
+            **({"scheduler": end["scheduler"][:200]} if isinstance(end.get("scheduler"), str) else {})}
 
 
 def lost_nodes(by_node: dict[str, list[dict]], events: list[dict]) -> None:

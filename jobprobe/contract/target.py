@@ -65,5 +65,10 @@ class Target:
         {} where it does not (a group or tree it did not start) or it has not ended."""
         return {}
 
+    def scheduler_end(self) -> dict[str, str]:
+        """Asked once the job ended: the scheduler's cause where it ended the job — {"cause": "timeout" | "requeued" |
+        "preempted" | "node_fail", "scheduler": its words} (core/ends.py) —, {} where it did not or cannot say."""
+        return {}
+
     def close(self) -> None:
         """Release what the target made (a cgroup we created, a child we started). Idempotent."""

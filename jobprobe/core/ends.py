@@ -2,8 +2,9 @@
 """How a job ended: the `end` record of its last sample frame (docs/FRAMES.md), read the same way by the agent that
 writes it, the controller and the command line that read it.
 
-`end` = {"why": text, "cause": one of CAUSES, "exit_code": 0..255 | "signal": 1..127, "oom_kills": n}; every key
-but `why` optional (frames of older agents carry only why and the code).
+`end` = {"why": text, "cause": one of CAUSES, "exit_code": 0..255 | "signal": 1..127, "oom_kills": n,
+"scheduler": text}; every key but `why` optional (frames of older agents carry only why and the code). `scheduler` is
+what the job's scheduler said of it as it ended (SLURM's state and reason), where that names a cause.
 """
 from __future__ import annotations
 
@@ -19,8 +20,15 @@ CAUSES = {
     "exited": "every process exited, how is not known",                # no exit record (not root, no taskstats)
     "no_process": "no process ever ran in it",
     "node_lost": "the controller lost its node (said by the controller, never by an agent)",
+    # the scheduler's word, where it ended the job (its lead's exit_code/signal kept beside)
+    "timeout": "the scheduler ended it at its time limit",
+    "requeued": "the scheduler stopped it to run it again (a requeue; a preemption that requeues)",
+    "preempted": "the scheduler stopped it for another job",
+    "node_fail": "the scheduler ended it for its node's failure",
 }
-BAD = {"signal", "oom_kill", "node_lost"}
+MAX_SCHEDULER = 120     # characters of the scheduler's words kept
+BAD = {"signal", "oom_kill", "node_lost", "timeout", "requeued", "preempted", "node_fail"}
+SCHEDULER = ("timeout", "requeued", "preempted", "node_fail")
 
 
 def failed(end: Any) -> bool:
@@ -55,14 +63,21 @@ def how(end: dict) -> str:
     if cause in ("exit", "signal"):
         return status
     words = {"oom_kill": "OOM kill", "group_removed": "group removed", "exited": "exited",
-             "no_process": "no process", "node_lost": "node lost"}[cause]
+             "no_process": "no process", "node_lost": "node lost", "timeout": "time limit", "requeued": "requeued",
+             "preempted": "preempted", "node_fail": "node failure"}[cause]
     return f"{words} ({status})" if status else words
 
 
-def record(why: str, status: dict[str, int], removed: bool, never_ran: bool) -> dict[str, Any]:
-    """The `end` record as the agent knows it: why (text), its cause, the lead's status where known."""
+def record(why: str, status: dict[str, int], removed: bool, never_ran: bool,
+           scheduler: dict[str, str] | None = None) -> dict[str, Any]:
+    """The `end` record as the agent knows it: why (text), its cause, the lead's status where known. `scheduler`
+    ({"cause": one of SCHEDULER, "scheduler": its words}) is the scheduler's cause, which comes first: a job at its
+    time limit is killed by a signal, and that signal is how, not why."""
     cause = "group_removed" if removed else "signal" if "signal" in status else "exit" if status else \
         "no_process" if never_ran else "exited"
+    if scheduler and scheduler.get("cause") in SCHEDULER:
+        return {"why": why, **status, "cause": scheduler["cause"],
+                "scheduler": str(scheduler.get("scheduler", ""))[:MAX_SCHEDULER]}
     return {"why": why, "cause": cause, **status}
 
 
@@ -72,5 +87,5 @@ def with_oom(end: dict[str, Any], oom_kills: int) -> dict[str, Any]:
     and exited is its own end)."""
     if oom_kills <= 0:
         return end
-    oom = end.get("signal", 9) == 9 and "exit_code" not in end
+    oom = end.get("signal", 9) == 9 and "exit_code" not in end and end.get("cause") not in SCHEDULER
     return {**end, **({"cause": "oom_kill"} if oom else {}), "oom_kills": oom_kills}

@@ -376,8 +376,13 @@ class Agent:
         if not job.ended:
             return None
         status = job.target.exit_status() or (job.leads.status() if job.leads is not None else {})
+        try:
+            scheduler = job.target.scheduler_end()
+        except Exception:      # the scheduler's word is a help, never a reason to lose the last frame
+            log.exception("the scheduler's end of %s", job.name)
+            scheduler = {}
         return ends.record(job.ended[:END_WHY], status, job.removed,
-                           never_ran=not job.had_procs and job.target.kind == "cgroup")
+                           never_ran=not job.had_procs and job.target.kind == "cgroup", scheduler=scheduler)
 
     def _end(self, job: Job, why: str) -> None:
         """A job that ended by itself, after its last frame."""

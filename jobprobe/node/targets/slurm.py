@@ -152,10 +152,50 @@ def with_steps(target: CgroupTarget) -> CgroupTarget:
     return target
 
 
+# squeue's state, reason and restart count of one job (-O: fields no job's owner writes, `|` after each)
+STATE_FORMAT = "JobID:|,State:|,Reason:|,RestartCnt:|"
+# SLURM's base states and reasons that name why the scheduler ended a job (squeue's words for them)
+SCHEDULER_STATES = {"TIMEOUT": "timeout", "PREEMPTED": "preempted", "NODE_FAIL": "node_fail"}
+SCHEDULER_REASONS = {"TimeLimit": "timeout", "NodeDown": "node_fail"}
+
+
+def slurm_job_state(job_id: str, squeue: str = "squeue") -> dict[str, str]:
+    """The job's state, reason and restart count as slurmctld has them now: {"state", "reason", "restarts"}, {}
+    where squeue cannot say (the job purged, squeue failing)."""
+    try:
+        out = _squeue(squeue, "--jobs", str(job_id), "--states", "all", "-O", STATE_FORMAT)
+    except BadInput:
+        return {}
+    for line in out.splitlines():
+        cols = line.split("|")
+        if len(cols) >= 4 and cols[0] == str(job_id) and cols[3].isdigit():
+            return {"state": cols[1], "reason": cols[2], "restarts": cols[3]}
+    return {}
+
+
+def scheduler_cause(now: dict[str, str], restarts0: str | None) -> dict[str, str]:
+    """Why the scheduler ended the job, from its state as its processes ended (`now`) and its restart count when it
+    was attached: a time limit (Reason=TimeLimit while it completes, then state TIMEOUT), a requeue (its restart
+    count grew — `scontrol requeue`, a preemption that requeues — or it is pending again), a preemption or a node
+    failure where the state says it. SLURM 22.05 shows a job as COMPLETING with no reason until its epilogs are done:
+    a preemption that cancels reads as the signal it sent."""
+    if not now:
+        return {}
+    words = f"{now['state']}/{now['reason']}"
+    if restarts0 is not None and int(now["restarts"]) > int(restarts0) or now["state"].startswith(("PENDING",
+                                                                                                   "REQUEUE")):
+        return {"cause": "requeued", "scheduler": f"{words}, restarts {now['restarts']}"}
+    cause = SCHEDULER_STATES.get(now["state"]) or SCHEDULER_REASONS.get(now["reason"])
+    return {"cause": cause, "scheduler": words} if cause else {}
+
+
 def with_labels(target: Target, job_id: str, scontrol: str) -> Target:
-    """The job's labels from squeue (the one beside `scontrol`, where that is a path)."""
+    """The job's labels from squeue (the one beside `scontrol`, where that is a path), and its scheduler's word at
+    its end (scheduler_cause; its restart count now, to tell a requeue)."""
     squeue = str(Path(scontrol).with_name("squeue")) if "/" in scontrol else "squeue"
     target.static_labels = slurm_job_labels(job_id, squeue)
+    restarts0 = slurm_job_state(job_id, squeue).get("restarts")
+    target.scheduler_end = lambda: scheduler_cause(slurm_job_state(job_id, squeue), restarts0)  # type: ignore[method-assign]
     return target
 
 
