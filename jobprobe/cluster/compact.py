@@ -34,7 +34,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS paths(id INTEGER PRIMARY KEY, path TEXT NOT NULL UNIQUE);
 CREATE TABLE IF NOT EXISTS blocks(level INTEGER NOT NULL, node TEXT NOT NULL, job TEXT NOT NULL, run TEXT NOT NULL,
     seq0 INTEGER NOT NULL, seq1 INTEGER NOT NULL, t0 REAL NOT NULL, t1 REAL NOT NULL, n INTEGER NOT NULL,
-    data BLOB NOT NULL, received REAL, PRIMARY KEY (level, node, job, run, seq0)) WITHOUT ROWID;
+    data BLOB NOT NULL, received REAL, hour INTEGER, PRIMARY KEY (level, node, job, run, seq0)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_job ON blocks(job, level, t1);
 CREATE INDEX IF NOT EXISTS blocks_t ON blocks(level, t1);
 """
@@ -91,7 +91,7 @@ def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
             _put(db, 1, node, job, run, frames[0]["seq"], frames[-1]["seq"], frames[0]["t"], frames[-1]["t"],
                  len(frames), blocks.encode(frames, book.id), max(r for _, _, r in rows))
             db.execute("DELETE FROM blocks WHERE level IN (10, 60) AND node = ? AND job = ? AND run = ? AND "
-                       "seq0 = ?", (node, job, run, int(frames[0]["t"] // HOUR)))    # a late span: made again
+                       "hour = ?", (node, job, run, int(frames[0]["t"] // HOUR)))    # a late span: made again
             db.executemany("DELETE FROM frames WHERE node = ? AND job = ? AND run = ? AND seq = ?",
                            [(node, job, run, s) for s, _, _ in rows])
             moved += len(rows)
@@ -100,31 +100,37 @@ def compact_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
 
 def rollup_step(db: sqlite3.Connection, book: Paths, before: float) -> int:
     """Roll up to GROUPS_PER_STEP hours of runs whose level-1 blocks are complete (the hour ended before `before`)
-    and not rolled up yet: one level-10 and one level-60 block each (seq0: the hour's number). How many."""
+    and not rolled up yet: one level-10 and one level-60 block each (`hour`: the hour's number; seq0..seq1: the
+    frames rolled up). How many."""
     hours = db.execute(
         "SELECT node, job, run, CAST(t0 / ? AS INTEGER) AS h FROM blocks WHERE level = 1 AND t1 < ? "
-        "GROUP BY node, job, run, h EXCEPT SELECT node, job, run, seq0 FROM blocks WHERE level = 10 LIMIT ?",
+        "GROUP BY node, job, run, h EXCEPT SELECT node, job, run, hour FROM blocks WHERE level = 10 LIMIT ?",
         (HOUR, math.floor(before / HOUR) * HOUR, GROUPS_PER_STEP)).fetchall()
     with db:
         for node, job, run, h in hours:
-            frames, received = [], None
-            for data, got in db.execute("SELECT data, received FROM blocks WHERE level = 1 AND node = ? AND job = ? "
-                                        "AND run = ? AND t0 >= ? AND t0 < ?", (node, job, run, h * HOUR, (h + 1) * HOUR)):
+            frames, received, seqs = [], None, []
+            for data, got, s0, s1 in db.execute(
+                    "SELECT data, received, seq0, seq1 FROM blocks WHERE level = 1 AND node = ? AND job = ? AND "
+                    "run = ? AND t0 >= ? AND t0 < ?", (node, job, run, h * HOUR, (h + 1) * HOUR)):
                 frames += blocks.decode(data, [("t",), ("dt",), ("probes",)], book.path)
                 received = got if received is None or (got is not None and got > received) else received
+                seqs += [s0, s1]
             frames.sort(key=lambda f: f["t"])
             for level in (10, 60):
                 recs = [r for _, r in sorted(rollup(frames, level).items())]
-                _put(db, level, node, job, run, h, h, recs[0]["t0"], recs[-1]["t1"], len(recs),
-                     blocks.encode(recs, book.id), received)
+                _put(db, level, node, job, run, min(seqs), max(seqs), recs[0]["t0"], recs[-1]["t1"], len(recs),
+                     blocks.encode(recs, book.id), received, hour=h)
     return len(hours)
 
 
 def _put(db: sqlite3.Connection, level: int, node: str, job: str, run: str, seq0: int, seq1: int, t0: float,
-         t1: float, n: int, data: bytes, received: float | None) -> None:
-    """received: when its newest frame came (retention counts from it too: a node whose clock is behind)."""
-    db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-               (level, node, job, run, seq0, seq1, t0, t1, n, data, received))
+         t1: float, n: int, data: bytes, received: float | None, hour: int | None = None) -> None:
+    """received: when its newest frame came (retention counts from it too: a node whose clock is behind); hour:
+    the hour's number (UNIX s // 3600) of a rollup, of a level-1 block its t0's."""
+    db.execute("INSERT OR REPLACE INTO blocks(level, node, job, run, seq0, seq1, t0, t1, n, data, received, hour) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+               (level, node, job, run, seq0, seq1, t0, t1, n, data, received,
+                int(t0 // HOUR) if hour is None else hour))
 
 
 def numeric(frame: dict) -> Iterable[tuple[tuple, float]]:

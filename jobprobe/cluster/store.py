@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS delivery(node TEXT PRIMARY KEY, frames INTEGER NOT NU
 
 
 MAX_STORES = 10     # SQLite's limit on attached databases
-VERSION = 2         # PRAGMA user_version of a store this code writes (migrate() brings older ones to it)
+VERSION = 3         # PRAGMA user_version of a store this code writes (migrate() brings older ones to it)
 REJECT_SAMPLES = 3  # refusals kept whole per node, reason and minute (the rest only counted)
 REJECT_BODY = 256   # bytes of a kept refusal's body
 
@@ -78,7 +78,9 @@ REJECT_BODY = 256   # bytes of a kept refusal's body
 def migrate(db: sqlite3.Connection) -> None:
     """An older store brought to VERSION, in one transaction. 0 → 1: `rejects` held one row per refusal and no
     body; its rows are counted into `reject_counts` (reason `unclassified`: their text is kept in rejects). 1 → 2:
-    `blocks.received` (when a block's newest frame came; NULL in older blocks: retention by their own time)."""
+    `blocks.received` (when a block's newest frame came; NULL in older blocks: retention by their own time). 2 → 3:
+    `blocks.hour` (a rollup's hour, which it kept in seq0; seq0..seq1 now the frames it rolled up, where their
+    level-1 blocks are still kept)."""
     version = db.execute("PRAGMA user_version").fetchone()[0]
     if version > VERSION:
         raise ValueError(f"the store is of version {version}, newer than this jobprobe's {VERSION}: upgrade jobprobe")
@@ -91,6 +93,14 @@ def migrate(db: sqlite3.Connection) -> None:
                        "GROUP BY COALESCE(node, ''), CAST(received / 60 AS INTEGER)")
         if version < 2 and "received" not in [r[1] for r in db.execute("PRAGMA table_info(blocks)")]:
             db.execute("ALTER TABLE blocks ADD COLUMN received REAL")
+        if version < 3 and "hour" not in [r[1] for r in db.execute("PRAGMA table_info(blocks)")]:
+            db.execute("ALTER TABLE blocks ADD COLUMN hour INTEGER")
+            db.execute("UPDATE blocks SET hour = CASE WHEN level = 1 THEN CAST(t0 / 3600 AS INTEGER) ELSE seq0 END")
+            # a rollup's seq0..seq1 from its hour's level-1 blocks, where those are kept (else the hour, as before)
+            db.execute("UPDATE OR IGNORE blocks AS r SET (seq0, seq1) = (SELECT MIN(b.seq0), MAX(b.seq1) FROM blocks b "
+                       "WHERE b.level = 1 AND b.node = r.node AND b.job = r.job AND b.run = r.run AND "
+                       "b.hour = r.hour) WHERE r.level IN (10, 60) AND EXISTS (SELECT 1 FROM blocks b WHERE "
+                       "b.level = 1 AND b.node = r.node AND b.job = r.job AND b.run = r.run AND b.hour = r.hour)")
         db.execute(f"PRAGMA user_version = {VERSION}")
 
 # Fencing (docs/ARCHITECTURE.md, "Two controllers, one store"): each controller that takes its partition's lease
