@@ -7,7 +7,8 @@ crash leaves at most the last frame cut short (`jobprobe read` says so and keeps
 frame again, so every file decodes on its own.
 
 Frames hold other users' command lines and stacks (shared SLURM nodes), so every file is 0600 and every directory
-made for them 0700, whatever the umask. `job_filename` (jobprobe/core/names.py) maps a job to its file's name injectively: two jobs never
+made for them 0700, whatever the umask. `job_filename` (jobprobe/core/names.py) maps a job to its file's name
+injectively: two jobs never
 share a file (`a/b` and `a_b` are two files). `--out` may be a shared directory (/tmp): every file is opened through
 jobprobe/core/safefile.py, so a link, a FIFO or another user's file planted at its name is refused, never written.
 """

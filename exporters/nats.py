@@ -11,7 +11,8 @@ A frame travels zlib-compressed (about half its msgpack size); the controller te
 first byte (0x78, zlib's header; a frame's msgpack map never starts so) and inflates it, bounded.
 
 write() never touches the network: it appends the frame to the spool (exporters/spool.py: segment files under
-`spool_dir`, a few MiB each, appended with one write(2)) and returns. A publisher thread sends what the spool holds, in order, a window of
+`spool_dir`, a few MiB each, appended with one write(2)) and returns. A publisher thread sends what the spool
+holds, in order, a window of
 frames in flight at a time, and moves the spool's cursor past each frame only once the server has acked it (its
 PubAck: the frame is in the stream). While the server cannot be reached, frames wait in the spool and go out in
 order when it is back — also after the agent restarts (the spool and its cursor are on disk). When the spool passes

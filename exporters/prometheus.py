@@ -13,7 +13,8 @@ from the fields the probes declare (the hello frame's schema: type, unit, kind),
 - Labels: `node`, `job`, the job's owner — its frames' `labels` (the scheduler's user, account, partition…, or
   attach's `--label`) whose names are allow-listed (`prometheus_labels`: OWNER by default; a value cut at
   MAX_VALUE characters, escaped by the client), on every series of the job, empty for a job that has not that one —
-  and per device where the field is one: `gpu` (its index) for `gpu.gpus[].*`, `nic` for `nic.nics[].*`. Strings, top-N lists (`net.top_peers`, `syscalls.top`) and other maps are never labels:
+  and per device where the field is one: `gpu` (its index) for `gpu.gpus[].*`, `nic` for `nic.nics[].*`. Strings,
+  top-N lists (`net.top_peers`, `syscalls.top`) and other maps are never labels:
   cardinality stays bounded by jobs × devices. At most `max_jobs` jobs are exposed; the others are counted in
   `jobprobe_exporter_jobs_over_cap`. A detached job's series stay 60 s (its last frame is scraped), then go.
 

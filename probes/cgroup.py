@@ -439,7 +439,8 @@ class CgroupProbe(Probe):
                 "helper_cpu_system_ns": cur["helpers"][2], "exits_uncounted": uncounted, **self.throttle.take(),
                 **({"mem_limit_bytes": cur["memlim"]} if "memlim" in cur else {}),
                 **({"oom_kills": d("ooms")} if "ooms" in cur else {}),
-                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}), "cpus_online": tickmemo.get("cpus_online", self._online_cpus)}
+                **({"cpus_allowed": cur["cpus"]} if "cpus" in cur else {}),
+                "cpus_online": tickmemo.get("cpus_online", self._online_cpus)}
 
     def _online_cpus(self) -> int:
         """The node's online CPUs now (once per agent tick for all its jobs; a CPU taken offline leaves them)."""

@@ -11,7 +11,8 @@ job's processes' /proc/PID/maps are read; a library file seen for the first time
 node (a uprobe lives on the file: every process mapping it, now or later, hits it; the programs keep only the job's
 calls, by job_slot_current()). Attaching needs no bcc: the loader only loads the programs (BPF_PROG_TYPE_KPROBE);
 here perf_event_open on the uprobe PMU (type and retprobe bit from sysfs; config1 = path, config2 = file offset from
-the library's .dynsym, jobprobe/kernel/elf.py) and PERF_EVENT_IOC_SET_BPF. Return probes are attached before entry probes,
+the library's .dynsym, jobprobe/kernel/elf.py) and PERF_EVENT_IOC_SET_BPF. Return probes are attached before entry
+probes,
 so that every entry seen has its return seen.
 Oldest kernel: 4.18 (common.h); the uprobe PMU 4.17. Needs root, bcc to compile, and the uprobe PMU.
 Cost: measured in the 6.18 VM (tests/test_cuda.py::test_cost_per_call: wall time of 20k calls on vs off, and

@@ -6,7 +6,8 @@ remapped rows, GPM profiling metrics (Hopper+); XID errors and lost GPUs as even
 Which GPUs are the job's, decided again every tick (a job may open a GPU late), strongest rule first:
   process — one of the job's PIDs is on the GPU's compute, graphics or MPS process list (NVML);
   devices — a job process's device cgroup allows that GPU's /dev/nvidiaN (major 195) and not all GPUs: the v1
-            devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run (jobprobe/kernel/devcg.py);
+            devices.list, or on cgroup v2 the group's device programs (eBPF), read back and run
+            (jobprobe/kernel/devcg.py);
   env     — CUDA_VISIBLE_DEVICES / NVIDIA_VISIBLE_DEVICES in a job process's /proc/PID/environ (indices or UUIDs).
 On a GPU in MIG mode the same holds per MIG device (process: on that device's list; env: its MIG-UUID named), a GPU
 is the job's when one of its MIG devices is, and `mig` lists those devices with their own memory and processes.
@@ -114,7 +115,8 @@ class GpuProbe(Probe):
         "gpus[].gpm_tensor_active_pct": Field("float", "%", "GPM: tensor cores busy, over the interval"),
         "gpus[].gpm_dram_bw_pct": Field("float", "%", "GPM: DRAM bandwidth used vs peak, over the interval"),
         "gpus[].ofu_pct": Field("float", "%", "OFU, Overall FLOP Utilization (arXiv 2605.20799): gpm_tensor_active_pct "
-                                "× sm_clock_mhz / the SM clock's maximum — the share of the GPU's peak tensor FLOP rate "
+                                "× sm_clock_mhz / the SM clock's maximum — the share of the GPU's peak tensor "
+                                "FLOP rate "
                                 "its tensor activity amounts to at the clock it ran; absent without GPM"),
         "gpus[].mig": Field("list[map]", "—", "only on a GPU in MIG mode: the job's MIG devices on it (fields "
                             "gpus[].mig[].*); the GPU's other values are the whole GPU's, shared with other instances"),

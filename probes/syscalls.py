@@ -172,7 +172,8 @@ class InflightRec(ct.Structure):
 
 def zero_reading() -> dict[str, Any]:
     n = len(CLASSES)
-    return {"calls": [0] * n, "ns": [0] * n, "untracked": 0, "unrecorded": 0, "hist": [[0] * NBUCKETS for _ in range(n)],
+    return {"calls": [0] * n, "ns": [0] * n, "untracked": 0, "unrecorded": 0,
+            "hist": [[0] * NBUCKETS for _ in range(n)],
             "by_nr": {}}
 
 

@@ -53,7 +53,8 @@ def main() -> int:
             ratios = [r[0] / c[0] for c, r in zip(compiled, recorded)]
             cc, rc = statistics.median(c[0] for c in compiled), statistics.median(r[0] for r in recorded)
             print(f"{probe:10} {cc:15.2f} {rc:13.2f} {rc / cc:6.2f} {min(ratios):6.2f}-{max(ratios):<6.2f} "
-                  f"{statistics.median(c[1] for c in compiled):16.2f} {statistics.median(r[1] for r in recorded):14.2f}")
+                  f"{statistics.median(c[1] for c in compiled):16.2f} "
+                  f"{statistics.median(r[1] for r in recorded):14.2f}")
     return 0
 
 

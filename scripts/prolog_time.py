@@ -30,7 +30,8 @@ def timed(script: str, env: dict[str, str]) -> float:
 
 def summary(name: str, xs: list[float]) -> str:
     xs = sorted(x * 1000 for x in xs)
-    return (f"{name:<28} n={len(xs)}  median {statistics.median(xs):6.1f} ms  p90 {xs[int(0.9 * (len(xs) - 1))]:6.1f} ms"
+    return (f"{name:<28} n={len(xs)}  median {statistics.median(xs):6.1f} ms  "
+            f"p90 {xs[int(0.9 * (len(xs) - 1))]:6.1f} ms"
             f"  max {xs[-1]:6.1f} ms")
 
 

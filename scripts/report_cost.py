@@ -40,7 +40,8 @@ def make(dir_: Path, nodes: int, seconds: int) -> list[str]:
                                "io_read_bytes": rng.randint(0, 50 << 20), "io_write_bytes": 0},
                     "sched": {"runq_lat_ns": int(rng.uniform(1e7, 3e7)), **{f"offcpu_{r}_ns": int(rng.uniform(1e8, 1e9))
                                                                               for r in report.OFFCPU}},
-                    "net": {"tcp_tx_bytes": rng.randint(1 << 28, 1 << 29), "tcp_rx_bytes": rng.randint(1 << 28, 1 << 29)},
+                    "net": {"tcp_tx_bytes": rng.randint(1 << 28, 1 << 29),
+                            "tcp_rx_bytes": rng.randint(1 << 28, 1 << 29)},
                     "gpu": {"gpus": [{"index": i, "util_gpu_pct": rng.randint(30, 50) if bad else rng.randint(90, 99)}
                                      for i in range(8)]},
                     "self": {"cpu_cores": 0.004, "rss_bytes": 30 << 20}}

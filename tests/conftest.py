@@ -51,7 +51,8 @@ SHARED_UNITS = {"test_slurm.py": "slurm", "test_slurm_agent.py": "slurm"}
 # image's root filesystem alone takes 65 s on a fresh machine; the SLURM unit is its two files). Order only: nothing
 # is skipped.
 LONG_FIRST = ("test_trace.py", "test_nats.py", "test_sched.py", "test_image.py", "test_slurm_agent.py", "test_slurm.py",
-              "test_readme.py", "test_hostile.py", "test_cuda.py", "test_report.py", "test_install.py", "test_partitions.py",
+              "test_readme.py", "test_hostile.py", "test_cuda.py", "test_report.py", "test_install.py",
+              "test_partitions.py",
               "test_agent.py", "test_cgroup.py", "test_auth.py", "test_demo.py", "test_blockio.py", "test_compact.py",
               "test_timeuse.py", "test_prometheus.py", "test_nic.py", "test_syscalls.py", "test_bpfcache.py",
               "test_cli.py", "test_perf.py", "test_bpf_loader.py", "test_net.py", "test_k8s_watch.py", "test_memory.py",

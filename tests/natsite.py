@@ -61,7 +61,8 @@ class Site:
         d = self.tmp / node
         d.mkdir(exist_ok=True)
         self.agents[node] = subprocess.Popen(
-            ([sys.executable, "-c", FAKE_CLOCK, str(clock_s)] if clock_s else JOBPROBE) + ["agent", "--node", node, "--send", self.nats.url, "--spool", str(d / "spool"),
+            ([sys.executable, "-c", FAKE_CLOCK, str(clock_s)] if clock_s else JOBPROBE) + ["agent", "--node", node,
+             "--send", self.nats.url, "--spool", str(d / "spool"),
              "--spool-max-mb", str(spool_mb), "--socket", str(d / "agent.sock"), "--state", str(d / "jobs.json"),
              "--out", str(d / "out"), "--probes", "cgroup,self", "--interval", "0.25"]
             + (["--nats-creds", str(creds)] if creds else []) + (["--nats-ca", str(ca)] if ca else []), cwd=REPO,

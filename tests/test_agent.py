@@ -68,7 +68,8 @@ def kernel_progs(pid: int | str = "self") -> collections.Counter:
     return prog_names(held_prog_ids(pid))
 
 
-OURS = ("job_fork", "job_exit", "job_exec", "on_switch_btf", "on_switch_raw", "on_switch", "on_wakeup_btf", "on_wakeup_raw",
+OURS = ("job_fork", "job_exit", "job_exec", "on_switch_btf", "on_switch_raw", "on_switch", "on_wakeup_btf",
+        "on_wakeup_raw",
         "job_exit_probe")
 
 

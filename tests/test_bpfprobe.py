@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What every eBPF probe shares (jobprobe/contract/bpfprobe.py): the job-membership maps stay exact through exec; bpf_missed
+"""What every eBPF probe shares (jobprobe/contract/bpfprobe.py): the job-membership maps stay exact through exec;
+bpf_missed
 is the interval's skipped runs (the kernel's recursion_misses; the net retransmit test prints real ones)."""
 import subprocess
 import sys

@@ -728,7 +728,8 @@ def test_a_cpu_limit_throttles_a_burner_and_the_probe_says_how_much(make_cgroup)
 
         def kernel():
             kv = {k: int(v) for k, v in (ln.split() for ln in (limit_dir / "cpu.stat").read_text().splitlines())}
-            return kv["nr_periods"], kv["nr_throttled"], kv.get("throttled_usec", 0) * 1000 + kv.get("throttled_time", 0)
+            return (kv["nr_periods"], kv["nr_throttled"],
+                    kv.get("throttled_usec", 0) * 1000 + kv.get("throttled_time", 0))
         probe = CgroupProbe()
         job = subprocess.Popen(workload("burn", 2.5), preexec_fn=lambda: (
             (cg.path / "cgroup.procs").write_text(str(os.getpid())),

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A job's cost from the controller's store and a price file (jobprobe/cluster/cost.py): frames of a job made here on four
+"""A job's cost from the controller's store and a price file (jobprobe/cluster/cost.py): frames of a job made here
+on four
 simulated nodes — one revoked mid-run (the controller's node_lost, then the job restarting on another node), one
 GPU idle for 10 s, a waiting rule on another — stored in a real store; the summary equals the figures computed by
 hand from those frames; a price file with an error is refused with its line."""

@@ -206,7 +206,8 @@ def test_the_clock_verdicts():
 
 
 def test_bpf_fails_for_a_user_without_the_right():
-    r = subprocess.run([*AS_NOBODY, sys.executable, "-m", "jobprobe.cli", "doctor", "--json"], capture_output=True, text=True, cwd=REPO, timeout=60,
+    r = subprocess.run([*AS_NOBODY, sys.executable, "-m", "jobprobe.cli", "doctor", "--json"], capture_output=True,
+                       text=True, cwd=REPO, timeout=60,
                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     c = {x["name"]: x for x in json.loads(r.stdout)["checks"]}
     assert r.returncode == 3 and c["root"]["status"] == "fail" and c["bpf"]["status"] == "fail"

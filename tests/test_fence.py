@@ -52,7 +52,8 @@ def test_a_writer_whose_token_is_not_the_newest_stores_nothing(tmp_path):
     with pytest.raises(Fenced):
         old.add(frames(3, start=1))
     assert keys(path) == [("n1", "j1", "r1", 0)], "a fenced writer's batch was (partly) stored"
-    for write in (lambda: old.reject({("n1", "malformed", 1): [1, 1]}, [(1.0, "s", "n1", "bad", 1, b"")]), lambda: old.forget_before(2e9),
+    for write in (lambda: old.reject({("n1", "malformed", 1): [1, 1]}, [(1.0, "s", "n1", "bad", 1, b"")]),
+                  lambda: old.forget_before(2e9),
                   lambda: old.compact(2e9, 0), lambda: plain.add(frames(1, start=1))):
         with pytest.raises(Fenced):
             write()

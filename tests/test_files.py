@@ -52,7 +52,8 @@ def toml_doc(top: dict, tables: dict[str, list[dict]]) -> str:
     lines = [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in top.items()]
     for name, items in tables.items():
         for item in items:
-            lines += [f"[[{name}]]"] + [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}" for k, v in item.items()]
+            lines += [f"[[{name}]]"] + [f"{json.dumps(k, ensure_ascii=False)} = {toml_value(v)}"
+                                        for k, v in item.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -156,7 +156,8 @@ hostile_scalar = st.one_of(
     st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=50), st.binary(max_size=20), st.booleans(), st.none())
 any_value = st.recursive(hostile_scalar, lambda inner: st.one_of(
-    st.lists(inner, max_size=6), st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5), st.binary(max_size=4)),
+    st.lists(inner, max_size=6), st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5),
+                                                           st.binary(max_size=4)),
                                                  inner, max_size=6)), max_leaves=30)
 
 
@@ -326,7 +327,8 @@ def test_ten_thousand_hostile_bodies_through_nats_stop_nothing_and_cost_no_hones
         assert refused >= len(bodies) * 0.9          # a few random mutations are still valid frames: stored
         c.close()
         # every message acked: nothing pending on the durable consumer
-        out = subprocess.run([sys.executable, "-m", "jobprobe.cli", "controller", "stats", "--json", "--store", str(db)],
+        out = subprocess.run([sys.executable, "-m", "jobprobe.cli", "controller", "stats", "--json", "--store",
+                              str(db)],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["rejected_total"] == refused

@@ -226,7 +226,8 @@ def test_a_three_server_jetstream_cluster_loses_nothing_when_a_server_dies(tmp_p
     for i, (p, c) in enumerate(ports):
         d = tmp_path / f"s{i}"
         d.mkdir()
-        (d / "nats.conf").write_text(f'server_name: s{i}\nlisten: "127.0.0.1:{p}"\njetstream {{ store_dir: "{d}/js" }}\n'
+        (d / "nats.conf").write_text(f'server_name: s{i}\nlisten: "127.0.0.1:{p}"\n'
+                                     f'jetstream {{ store_dir: "{d}/js" }}\n'
                                      f'cluster {{ name: jp, listen: "127.0.0.1:{c}", routes: [{routes}] }}\n')
         servers.append(subprocess.Popen([NATS, "-c", str(d / "nats.conf")], stdout=subprocess.DEVNULL,
                                         stderr=open(d / "log", "wb")))

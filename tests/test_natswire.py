@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The agent's own NATS client (jobprobe/transport/natswire.py), its nkey signing (the `nkeys` package, as nats-py's) and
+"""The agent's own NATS client (jobprobe/transport/natswire.py), its nkey signing (the `nkeys` package, as
+nats-py's) and
 its protocol manners: every path against a real nats-server started here — the server verifying the nonce
 signature is the independent judge of the nkey code —, async INFO against a socket that plays the server, and the
 refusal to send a password in clear."""

@@ -292,7 +292,8 @@ def test_two_rails_a_shaped_one_is_flagged_and_an_even_pair_is_not(make_cgroup, 
         during = smps[:-1]                       # (the last: after the floods stopped, for the byte totals only)
         busy = [s for s in during if s["rails"] == 2]
         shares = [{x["name"]: x["rail_share"] for x in s["nics"]} for s in busy]
-        print(f"rails ({'shaped' if shaped else 'even'}): sent {sent}, B received {({k: rx1[k] - rx0[k] for k in rx0})};"
+        print(f"rails ({'shaped' if shaped else 'even'}): sent {sent}, "
+              f"B received {({k: rx1[k] - rx0[k] for k in rx0})};"
               f" busy intervals {len(busy)}, shares {shares}, slow {[s['rails_slow'] for s in busy]}")
         assert sent == {k: rx1[k] - rx0[k] for k in rx0}
         assert all(s["selected_by"] == f"NCCL_SOCKET_IFNAME=={net.va},{va2}" for s in smps)

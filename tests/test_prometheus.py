@@ -210,7 +210,8 @@ def test_a_jobs_owner_labels_are_on_every_series_escaped_and_only_the_allowed_on
     try:
         for job, labels in (("a", {"user": hostile, "account": "ml-team", "secret": "s3"}), ("b", {})):
             h = sink.for_job(job)
-            h.write({"kind": "hello", "node": "n", "job": job, "schema": schema, **({"labels": labels} if labels else {})},
+            h.write({"kind": "hello", "node": "n", "job": job, "schema": schema,
+                     **({"labels": labels} if labels else {})},
                     b"")
             h.write({"kind": "sample", "node": "n", "job": job, "probes": {"cgroup": {"cpu_user_ns": 10 ** 9,
                                                                                      "mem_bytes": 7}},

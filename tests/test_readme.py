@@ -43,7 +43,8 @@ def tour() -> list[str]:
 def test_the_tour_lists_the_node_commands():
     lines = tour()
     assert lines[0] == "jobprobe probes" and len(lines) >= 14, lines
-    assert any("--probes -perf --pid 4242" in ln for ln in lines) and any(ln.startswith("jobprobe report") for ln in lines)
+    assert any("--probes -perf --pid 4242" in ln for ln in lines) and \
+        any(ln.startswith("jobprobe report") for ln in lines)
 
 
 @pytest.mark.kernel

@@ -49,7 +49,8 @@ def test_expressions_read_the_window_by_each_fields_kind(tmp_path):
     path = rules_file(tmp_path, '''
 [[rule]]
 name = "all"
-when = "rate(cgroup.cpu_user_ns) / 1e9 > 0.89 and cgroup.mem_bytes >= 104.5 and gpu.gpus.util_gpu_pct == 80 and p99(sched.runq_lat_us_log2) > 8 and not share(cgroup.cpu_throttled_ns) > 0"
+when = "rate(cgroup.cpu_user_ns) / 1e9 > 0.89 and cgroup.mem_bytes >= 104.5 and gpu.gpus.util_gpu_pct == 80 and \
+p99(sched.runq_lat_us_log2) > 8 and not share(cgroup.cpu_throttled_ns) > 0"
 window = 10
 hold = 0
 ''')

@@ -1048,7 +1048,8 @@ def side(rfd, wfd, first):
 threads = []
 for _ in range(2):
     (a_r, b_w), (b_r, a_w) = os.pipe(), os.pipe()
-    threads += [threading.Thread(target=side, args=(a_r, a_w, True)), threading.Thread(target=side, args=(b_r, b_w, False))]
+    threads += [threading.Thread(target=side, args=(a_r, a_w, True)),
+                threading.Thread(target=side, args=(b_r, b_w, False))]
 for t in threads:
     t.start()
 print("ready", flush=True)

@@ -66,7 +66,8 @@ def test_slurm_target_takes_the_job_cgroup(tmp_path):
     mountinfo.write_text(f"30 23 0:27 / {mount} rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n")
     t = slurm_target("42", mountinfo=str(mountinfo), scontrol="/nonexistent/scontrol")  # no listpids; no labels
     assert isinstance(t, CgroupTarget)
-    assert t.describe() == {"kind": "cgroup", "job": "42", "cgroup": str(mount / "system.slice/slurmstepd.scope/job_42")}
+    assert t.describe() == {"kind": "cgroup", "job": "42",
+                            "cgroup": str(mount / "system.slice/slurmstepd.scope/job_42")}
     with pytest.raises(BadInput, match="must be a number"):
         slurm_target("42; rm -rf /", mountinfo=str(mountinfo))
 
@@ -118,7 +119,8 @@ def test_a_listpids_answer_that_names_init_or_a_kernel_thread_is_not_the_jobs(tm
         fake_listpids(tmp_path, "5", [child.pid])
         first = tmp_path / "first"
         first.write_text(f"#!/bin/sh\nmv {first} {first}.done\n"
-                         f"printf 'PID      JOBID    STEPID   LOCALID GLOBALID\\n1        5        batch    -       -\\n'\n")
+                         f"printf 'PID      JOBID    STEPID   LOCALID GLOBALID\\n"
+                         f"1        5        batch    -       -\\n'\n")
         first.chmod(0o755)
         twice = tmp_path / "twice"
         twice.write_text(f"#!/bin/sh\n[ -e {first} ] && exec {first} \"$@\"\nexec {tmp_path / 'scontrol'} \"$@\"\n")

@@ -46,7 +46,8 @@ class Agent:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(self.sock), "--state",
              str(self.base / "jobs.json"), "--out", str(self.out), "--interval", "0.5", "--probes", "cgroup,perf",
-             "--slurm", "--slurm-node", self.node, "--prometheus", self.prometheus], cwd=REPO, env=self.env, stdin=subprocess.DEVNULL,
+             "--slurm", "--slurm-node", self.node, "--prometheus", self.prometheus], cwd=REPO, env=self.env,
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(self.base / "agent.log", "ab"))
         wait_for(lambda: self.ready(), 60, "the agent to answer on its socket")
 
@@ -177,7 +178,8 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
     os.chmod(mine, 0o1777)
     out = mine / "nobody.out"
     res = subprocess.run(["runuser", "-u", "nobody", "--", "sbatch", "--parsable", "--chdir", str(jobs), "-o", str(out),
-                          "-J", "mine", "-A", "ml-team", "--wrap", burn_script(jobs, 2)], capture_output=True, text=True,
+                          "-J", "mine", "-A", "ml-team", "--wrap", burn_script(jobs, 2)], capture_output=True,
+                         text=True,
                          env=cluster.env, timeout=30)
     assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]

@@ -73,7 +73,8 @@ def test_a_real_exit_record_holds_the_process_final_io(tmp_path):
         deadline = time.monotonic() + 5
         mine = []
         while not mine and time.monotonic() < deadline:
-            mine = [r for r in listener.drain() if r.tgid == r.tid and r.write_bytes == own & ~1023]   # KiB, as the kernel rounds
+            # KiB, as the kernel rounds
+            mine = [r for r in listener.drain() if r.tgid == r.tid and r.write_bytes == own & ~1023]
             time.sleep(0.05)
         assert own >= 64 << 16 and len(mine) == 1, own
         assert mine[0].ppid == os.getpid() and listener.lost == 0

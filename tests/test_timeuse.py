@@ -198,7 +198,8 @@ def test_a_restarted_job_loses_the_work_since_its_last_checkpoint():
     # an agent restart: the same job's processes, watched by a new run — nothing lost, one startup
     again = run_of(first, "r1", 0.0) + run_of(steady(8, 20), "r3", 20.0, from_start=False)
     d = decompose(again)
-    assert d["restarts"] == d["disruptions"] == 0 and d["buckets"]["lost"] == 0 and d["buckets"]["startup"] == pytest.approx(2.0)
+    assert d["restarts"] == d["disruptions"] == 0 and d["buckets"]["lost"] == 0 and \
+        d["buckets"]["startup"] == pytest.approx(2.0)
 
 
 def test_a_neighbour_there_the_whole_run_is_starved_not_the_jobs_pace():
@@ -572,7 +573,8 @@ def test_a_training_job_with_known_badput(tmp_path):
     # Measured (scripts/timeuse_truth.py, 5 runs, and this test 6 times): waiting for input +1..+5% of the job's
     # blocked wait for its batches (against the calls' whole time, which holds receiving the batch on the trainer's
     # CPU, -5..-13%: CI failed on -12.8% once), checkpointing -6..+3% (192 MiB every 15 steps: -28% once in CI, a
-    # write's CPU lost in the job's own system time; the bound was 20%), startup -3..+6%, computing -2.5..-0.7%. A stall every 12 batches (in nearly every
+    # write's CPU lost in the job's own system time; the bound was 20%), startup -3..+6%, computing -2.5..-0.7%.
+    # A stall every 12 batches (in nearly every
     # interval) read input -13..-3% in 9 runs: docs/TIMEUSE.md, "Where buckets cannot be told apart".
     for bucket, mine in (("startup", "startup_s"), ("waiting_for_input", "input_s"), ("checkpointing", "checkpoint_s")):
         assert abs(b[bucket] - own[mine]) <= 0.10 * own[mine], (bucket, report)

@@ -155,7 +155,8 @@ def test_a_rule_opens_a_window_and_its_trace_shows_the_jobs_python(tmp_path):
     inside = [s for s in later if any(c["tid"] == s["tid"] and c["ts"] <= s["ts"] and
                                       s["ts"] + s["dur"] <= c["ts"] + c["dur"] for c in naps)]
     out = [(s["ts"], s["dur"], [(c["ts"] - s["ts"], c["ts"] + c["dur"] - s["ts"] - s["dur"]) for c in naps
-                                if c["tid"] == s["tid"] and c["ts"] < s["ts"] + s["dur"] and s["ts"] < c["ts"] + c["dur"]])
+                                if c["tid"] == s["tid"] and c["ts"] < s["ts"] + s["dur"] and
+                                   s["ts"] < c["ts"] + c["dur"]])
            for s in later if s not in inside]
     assert len(later) >= 20 and len(inside) >= len(later) - 2, (len(inside), len(later), out)   # (first and last)
     # a sleep far over its 10 ms is one whose timer fired late (a loaded VM: 104 ms once in CI), not two sleeps read

@@ -218,8 +218,10 @@ def markdown(res: dict) -> str:
         f"{res['wire_bytes']} B on the wire with subject, headers and ack: {res['wire_bytes'] / 1024:.2f} KiB/s per "
         f"node at 1 s |",
         f"| {res['nodes']} simulated nodes at 1 s | published {k.get('published_per_s')} frames/s, stored "
-        f"{k.get('stored_per_s')}/s, backlog at the end {k.get('backlog_at_end')} (drained {k.get('drained_after_s')} s "
+        f"{k.get('stored_per_s')}/s, backlog at the end {k.get('backlog_at_end')} "
+        f"(drained {k.get('drained_after_s')} s "
         f"later), all stored: {k.get('all_stored')}; controller {k.get('controller_cores')} cores |",
-        f"| ceiling (a backlog of {c.get('backlog')} frames drained) | {c.get('frames')} frames in {c.get('seconds')} s:"
+        f"| ceiling (a backlog of {c.get('backlog')} frames drained) | {c.get('frames')} frames in "
+        f"{c.get('seconds')} s:"
         f" {c.get('frames_per_s')} frames/s; {c.get('frames_per_core_s')} frames per second of controller CPU |",
     ])

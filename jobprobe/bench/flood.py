@@ -4,7 +4,8 @@
 A real nats-server on loopback and `jobprobe controller` as a process; two honest nodes publish a frame every 0.2 s
 (stamped with the time it was sent) the whole run, while a third, in turn: publishes one small sample for each of
 `names` job names as fast as it can (node `bad`); `garbage_s` seconds of garbage frames (node `junk`); `beats_s`
-seconds of 1 MiB heartbeats (on `bad`'s beat subject); `big` valid event frames of ~0.7 MB (node `big`). Measured: the controller's peak RSS (VmHWM), the honest
+seconds of 1 MiB heartbeats (on `bad`'s beat subject); `big` valid event frames of ~0.7 MB (node `big`).
+Measured: the controller's peak RSS (VmHWM), the honest
 frames' worst delay (stored − sent, from the store), every honest frame stored once, `rejects` rows and bytes, the
 store's growth, refusals by reason.
 """

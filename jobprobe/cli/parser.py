@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "sent to an unverified peer)")
     ag.add_argument("--send", metavar="nats://HOST:PORT", help="every job's frames to the controller's NATS "
                     "JetStream (comma-separate several servers)")
-    ag.add_argument("--spool", metavar="DIR", help="frames waiting for the NATS server (default /var/lib/jobprobe/spool)")
+    ag.add_argument("--spool", metavar="DIR",
+                    help="frames waiting for the NATS server (default /var/lib/jobprobe/spool)")
     ag.add_argument("--spool-max-mb", type=float, metavar="MB", help="the spool's bound (default 256)")
     ag.add_argument("--nats-creds", metavar="FILE", help="this node's NATS credentials: a .creds (JWT + nkey), a .nk "
                     "seed, or a file holding user:password")
@@ -151,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--replicas", type=int, default=1, metavar="N",
                     help="copies of the stream on a JetStream cluster (3 survives the loss of a server; default 1)")
     co.add_argument("--json", action="store_true", help="stats: as JSON")
-    co.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): jobprobe_job_cost_total in "
+    co.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): "
+                    "jobprobe_job_cost_total in "
                     "--metrics")
     co.add_argument("--tsdb", metavar="URL", help="also write every sample to VictoriaMetrics: "
                     "victoriametrics://HOST:8428 (a single node) or …://VMINSERT:8480/insert/0/prometheus")
@@ -239,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks: what the probes cost a job")
     b.set_defaults(func=bench.cmd_bench)
     bsub = b.add_subparsers(dest="bench", required=True, parser_class=Parser)
-    ov = bsub.add_parser("overhead", help="paired runs of CMD without and with each config; slowdown with 95%% interval",
+    ov = bsub.add_parser("overhead",
+                         help="paired runs of CMD without and with each config; slowdown with 95%% interval",
                          usage="jobprobe bench overhead [--config C ...] [options] -- CMD ARGS...")
     ov.add_argument("--config", action="append", metavar="C",
                     help="'std' (standard set), 'std+pystacks', 'std-perf', or a --probes spec ('sched'); repeat")
@@ -325,14 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="jsonl: a frame per line; table: a row per sample; summary: per field n/mean/p50/max/sum")
     rd.set_defaults(func=frames.cmd_read)
     rp = sub.add_parser("report", help="one self-contained HTML page of a job: a verdict, per-node timelines, "
-                        "stragglers and events", usage="jobprobe report (FILE… | --store PATH --job ID | --store PATH --jobs "
+                        "stragglers and events",
+                        usage="jobprobe report (FILE… | --store PATH --job ID | --store PATH --jobs "
                         "[--since 1d]) -o OUT.html")
     rp.add_argument("files", nargs="*", metavar="FILE", help="frame files (the agents' --out, `run --out`)")
     rp.add_argument("--store", metavar="PATH", action="append", help="the controller's store (with --job); "
                     "again, or a directory, for several partitions' stores")
     rp.add_argument("--job", metavar="ID", help="the job, in the store")
     rp.add_argument("-o", "--out", metavar="HTML", default="report.html")
-    rp.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
+    rp.add_argument("--prices", metavar="FILE",
+                    help="a price file (jobprobe/cluster/cost.py): the job's cost at the top")
     rp.add_argument("--jobs", action="store_true", help="with --store: the page of the jobs that ended in --since "
                     "(`jobprobe jobs` as a page), each name linking its own report, written beside it")
     rp.add_argument("--since", default="1d", help="--jobs: how far back (90s, 30m, 12h, 1d, 2w; default 1d)")

@@ -236,7 +236,8 @@ def text(s: dict[str, Any]) -> str:
     cur = s.get("currency", "")
     lines = [f"job {s['job']}: {s['run_hours']:.2f} h of run on {len(s['nodes'])} node(s)"]
     if "cost" in s:
-        lines.append(f"  cost            {s['cost']:,.2f} {cur}  ({s['node_cost']:,.2f} nodes + {s['energy_cost']:,.2f} "
+        lines.append(f"  cost            {s['cost']:,.2f} {cur}  ({s['node_cost']:,.2f} nodes + "
+                     f"{s['energy_cost']:,.2f} "
                      f"energy; {s['cost_per_hour']:,.2f} {cur}/h of run)")
     lines.append(f"  node-hours      {s['node_hours']:.3f}    GPU-hours {s['gpu_hours']:.3f}")
     lines.append(f"  energy          {s['energy_kwh']:.4f} kWh  (CPU+DRAM {s['cpu_energy_j'] / 3.6e6:.4f}, GPU "

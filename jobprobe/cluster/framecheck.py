@@ -198,7 +198,8 @@ def _end(end: Any) -> None:
     ok = isinstance(end, dict) and isinstance(end.get("why"), str) and len(end["why"]) <= MAX_NAME and \
         set(end) <= {"why", "cause", "exit_code", "signal", "oom_kills", "scheduler"} and \
         ("cause" not in end or end["cause"] in ends.CAUSES) and \
-        ("scheduler" not in end or isinstance(end["scheduler"], str) and len(end["scheduler"]) <= ends.MAX_SCHEDULER) and \
+        ("scheduler" not in end or isinstance(end["scheduler"], str) and
+         len(end["scheduler"]) <= ends.MAX_SCHEDULER) and \
         all(is_int(end[k]) and lo <= end[k] <= hi
             for k, lo, hi in (("exit_code", 0, 255), ("signal", 1, 127), ("oom_kills", 0, 1 << 31)) if k in end)
     if not ok:

@@ -378,7 +378,8 @@ text-align: left; vertical-align: top; }} svg {{ max-width: 100%; height: auto; 
 cleared. Dotted: other events (a node lost or back, rules, …).</p>
 {plots}
 <h2>Events</h2>
-<table><tr><th>time (UTC)</th><th>node</th><th>event</th><th>what</th></tr>{rows or '<tr><td colspan=4>none</td></tr>'}</table>
+<table><tr><th>time (UTC)</th><th>node</th><th>event</th><th>what</th></tr>\
+{rows or '<tr><td colspan=4>none</td></tr>'}</table>
 </body></html>
 """
 

@@ -18,7 +18,8 @@ SCHEMA_VERSION = 1
 KINDS = ("hello", "sample", "event", "stacks", "trace", "heartbeat")
 REQUIRED = {"v": int, "kind": str, "node": str, "job": str, "seq": int, "t": (int, float), "dt": (int, float)}
 NODE_JOB = "node"   # the job of a node's own frames (its heartbeats), not one of its jobs
-OPTIONAL = {"run": str, "labels": dict}   # absent in files written before the run id: such frames are valid, just not keyed by run
+# absent in files written before the run id: such frames are valid, just not keyed by run
+OPTIONAL = {"run": str, "labels": dict}
 
 
 class MalformedFrame(JobprobeError):

@@ -20,7 +20,8 @@ Subjects:
 - `_INBOX_JP.<token>.>` — a node's own reply inbox (the JetStream acks of its frames): a node may subscribe to it
   and to nothing of another node's.
 
-`token(node)` is injective (jobprobe/core/names.py): ASCII letters, digits and `-` stay; every other byte of the name's UTF-8 becomes `_xx` (its
+`token(node)` is injective (jobprobe/core/names.py): ASCII letters, digits and `-` stay; every other byte of the
+name's UTF-8 becomes `_xx` (its
 two hex digits), `_` included. So `gpu.017` → `gpu_2e017` and `gpu_017` → `gpu_5f017`: two nodes never share a
 subject, and `node_of(token)` gives the name back.
 """

@@ -64,7 +64,8 @@ def devices(sys_root: str = "/sys") -> dict[str, Function]:
 
 
 def relation(a: Function, b: Function) -> str:
-    """PIX (through one PCIe switch), PXB (through several, no host bridge), PHB (through the host bridge), NODE (same NUMA
+    """PIX (through one PCIe switch), PXB (through several, no host bridge), PHB (through the host bridge),
+    NODE (same NUMA
     node), SYS (across NUMA nodes) — as `nvidia-smi topo -m` says it."""
     if a.host_bridge and a.host_bridge == b.host_bridge:
         common = 0

@@ -1,21 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 """bpf_loader — the short-lived process that holds bcc and LLVM so that the agent never does.
 
-Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX SOCK_SEQPACKET pair).
+Run by jobprobe.kernel.bpfload.load() as `python -m jobprobe.kernel.bpf_loader FD` (FD: its end of an AF_UNIX
+SOCK_SEQPACKET pair).
 Reads one JSON request on stdin: {"text": C source, "cflags": [...], "tracepoints": [["cat:event", "function"]…],
 "cgroups": [["function", "/cgroup2/dir", "cgroup_skb/egress"]…], "uprobes": ["function"…], "pinned": {"map": FD…},
 "pin_dir": "/tmp/jobprobe-pins-XXXX", "cache": {"dir": ..., "name": ...} or null}; with "cache", once loaded it
-writes the module's record there (jobprobe/kernel/bpfcache.py: a next load needs no compile); with "pinned" (maps the agent already holds, passed as inherited fds: the
+writes the module's record there (jobprobe/kernel/bpfcache.py: a next load needs no compile); with "pinned" (maps
+the agent already holds, passed as inherited fds: the
 node's membership maps), it first moves to a mount namespace of its own, mounts a bpffs on "pin_dir" there, pins each
 fd under its name and compiles with -DJOB_PIN_DIR="<pin_dir>", so that the module's BPF_TABLE_PINNED declarations
 (bpf/common.h) open those very maps; the namespace, the mount and the pins vanish with this process, and nothing
 stays in the kernel but what the agent holds by fd. The empty directory itself is the agent's, made before this
 process starts and removed after it exits (jobprobe.kernel.bpfload.pin_dir), so that no way of ending here leaves it
 behind. Then it compiles with bcc,
-attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name (not bcc's auto-attached TRACEPOINT_PROBE: when
+attaches each function to its tracepoint in the given order ("raw:cat:event": as a raw tracepoint program), by name
+(not bcc's auto-attached TRACEPOINT_PROBE: when
 one of several programs fails, bcc 0.26's constructor raises with the earlier ones attached and no object left to
 detach them), then loads each cgroup function as its hook's program type (one function per program type: bcc caches
-by name) and links it to its directory (BPF_LINK_CREATE, jobprobe.kernel.bpf.attach_cgroup), loads each uprobes function as
+by name) and links it to its directory (BPF_LINK_CREATE, jobprobe.kernel.bpf.attach_cgroup), loads each uprobes
+function as
 a kprobe-type program (what uprobes run) without attaching it (the agent attaches it per library file, later), and
 replies with ONE message: JSON metadata plus, as SCM_RIGHTS, the fds of every program, every attachment (perf_event,
 bpf_link) and every map. Any failure replies {"error": ...} with no fds; bcc's compiler and verifier logs go to

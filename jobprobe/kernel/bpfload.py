@@ -194,7 +194,8 @@ def run_loader(name: str, request: str, timeout: float,
     """Run the loader on `request` (it inherits the fds `inherited`) and wait for it to exit; returns its reply's
     metadata, the fds it sent, its pid and the last lines of its log."""
     what = f"cannot load bpf/{name}.c"
-    root = str(Path(__file__).resolve().parents[2])   # the checkout: `-m jobprobe.kernel.bpf_loader` imports from any cwd
+    # the checkout: `-m jobprobe.kernel.bpf_loader` imports from any cwd
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # The loader's log goes to a file, not a pipe: a verifier log can be megabytes and would block a full pipe.

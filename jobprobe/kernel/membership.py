@@ -6,7 +6,8 @@ What: `Node` loads bpf/membership.c once — the maps job_of_cgroup, job_of_tgid
   processes in, sync(target) adds what the kernel cannot see by itself (a group made later, a step started from
   outside the tree), detach(target) takes every entry of the slot out again. Every eBPF probe's module is compiled
   against the same three maps (handed to its loader by fd, pinned where only the loader sees them: bpf/common.h,
-  jobprobe/kernel/bpf_loader.py), so the node runs one set of membership handlers whatever the number of probes and jobs.
+  jobprobe/kernel/bpf_loader.py), so the node runs one set of membership handlers whatever the number of probes
+  and jobs.
   `Node.shared(key, load)` keeps one load of a probe's programs for all the jobs that use it (reference-counted);
   each job's slot bit in the module's `slots_on` says whether that probe counts for that job.
 Slots are reused least-recently-freed first, and a probe zeroes what it kept for a slot when the slot is released

@@ -33,7 +33,8 @@ CMD_ATTR_REGISTER_CPUMASK, CMD_ATTR_DEREGISTER_CPUMASK = 3, 4
 TYPE_PID, TYPE_STATS, TYPE_AGGR_PID = 1, 3, 4
 # Offsets in struct taskstats (append-only across versions; tests/test_taskstats.py checks them against the
 # installed header with the C compiler). ac_tgid came with version 12.
-OFFSETS = {"version": (0, "H"), "ac_exitcode": (4, "I"), "ac_pid": (128, "I"), "ac_ppid": (132, "I"), "ac_utime": (152, "Q"),
+OFFSETS = {"version": (0, "H"), "ac_exitcode": (4, "I"), "ac_pid": (128, "I"), "ac_ppid": (132, "I"),
+           "ac_utime": (152, "Q"),
            "ac_stime": (160, "Q"), "read_bytes": (248, "Q"), "write_bytes": (256, "Q"),
            "cpu_run_virtual_total": (72, "Q"), "ac_comm": (80, "32s"), "ac_tgid": (368, "I")}
 TGID_VERSION = 12

@@ -115,7 +115,8 @@ class ThreadAcct:
     counters (bytes; CPU: ExitRecord.cpu_ns, its exact time on CPU), and what it did since its last read is added.
     Records of threads never read (born and gone between two ticks) count whole when their process is the job's or
     their parent process is (followed down a chain of such short-lived processes) — so the root of a PID tree, reaped
-    outside the job (by slurmstepd, a shell), loses nothing either. Without a listener (no root, no taskstats) a thread's counts since the last tick
+    outside the job (by slurmstepd, a shell), loses nothing either. Without a listener (no root, no taskstats) a
+    thread's counts since the last tick
     are lost at its exit (the cgroup probe then takes CPU per process, with what a parent's cutime/cstime says of the
     children it reaped). A baseline (the first update) counts nothing, unless `from_zero`: then every thread counts
     whole (a job attached as it starts).

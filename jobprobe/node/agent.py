@@ -18,7 +18,8 @@ This module holds the Agent — the job table (attach, pending jobs, detach, the
 status, preload and the tick — and Job. The parts it holds, each made with what it needs and holding no reference
 back to it: the node's sinks, each job's and the heartbeat (NodeSinks, jobprobe/node/nodesinks.py), trace requests
 and scheduled windows (TraceRequests, jobprobe/node/tracereq.py: given the node's name and `held(name)`, the job
-under its lock), the state file and the jobs adopted at start (jobprobe/node/adopt.py: given `attach`). What a job to attach is: jobprobe/node/jobspec.py; the agent's
+under its lock), the state file and the jobs adopted at start (jobprobe/node/adopt.py: given `attach`). What a job
+to attach is: jobprobe/node/jobspec.py; the agent's
 settings: jobprobe/node/config.py.
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@ not a pass.
 
 Checks: root; BPF usable (a two-instruction program loaded, as the probes will); kernel BTF or headers (bcc
 compiles against them); a hardware PMU (perf's hardware counters); cgroup v2 and its controllers; PSI; NVML and
-the driver version; persistence mode and accounting mode (exited processes' GPU use) per GPU; GPUDirect RDMA (nvidia_peermem) where GPUs and RDMA devices meet;
+the driver version; persistence mode and accounting mode (exited processes' GPU use) per GPU; GPUDirect RDMA
+(nvidia_peermem) where GPUs and RDMA devices meet;
 each GPU's nearest RDMA NIC (PCIe switch / host bridge / NUMA node, as `nvidia-smi topo -m` says it); ACS on the
 PCIe bridges between a GPU and its NIC (redirected peer-to-peer traffic: GPUDirect through the root complex);
 RDMA links up; RoCE ECN / PFC / DSCP trust where the driver exposes them in sysfs; MTU and rate alike across
@@ -159,7 +160,8 @@ def check_cgroup(c: Ctx) -> Check:
             (("; " if hybrid else "") + f"controllers missing in cgroup2: {', '.join(missing)}" if missing else "")
         return Check("cgroup_v2", "warn", what + ": jobs in v1 groups are probed by their PIDs",
                      "boot with systemd.unified_cgroup_hierarchy=1 (SLURM: cgroup/v2 plugin)")
-    return Check("cgroup_v2", "pass", f"cgroup2 at {mount}, controllers {' '.join(sorted(have & set(WANT_CONTROLLERS)))}")
+    return Check("cgroup_v2", "pass",
+                 f"cgroup2 at {mount}, controllers {' '.join(sorted(have & set(WANT_CONTROLLERS)))}")
 
 
 def check_psi(c: Ctx) -> Check:
@@ -363,7 +365,8 @@ def check_clock(c: Ctx) -> Check:
 
 
 CHECKS: list[Callable[[Ctx], Check]] = [check_root, check_bpf, check_btf_headers, check_pmu, check_cgroup, check_psi,
-                                        check_nvml, check_persistence, check_accounting, check_gpudirect, check_affinity, check_acs,
+                                        check_nvml, check_persistence, check_accounting, check_gpudirect,
+                                        check_affinity, check_acs,
                                         check_rdma_links, check_roce_qos, check_rails, check_clock]
 
 

@@ -87,7 +87,8 @@ def owner_of(meta: dict) -> str:
     refs = meta.get("ownerReferences")
     if not isinstance(refs, list):
         return ""
-    refs = [r for r in refs if isinstance(r, dict) and isinstance(r.get("kind"), str) and isinstance(r.get("name"), str)]
+    refs = [r for r in refs
+            if isinstance(r, dict) and isinstance(r.get("kind"), str) and isinstance(r.get("name"), str)]
     ref = next((r for r in refs if r.get("controller") is True), refs[0] if refs else None)
     return f"{ref['kind']}/{ref['name']}"[:MAX_LABEL] if ref else ""
 

@@ -7,7 +7,8 @@ ID [--duration S]`). For its duration, for that job only:
 - every Python process of the job is sampled at TRACE_HZ by `py-spy record --format chrometrace --nonblocking`
   (a recorder per process, idle threads included: where a thread waits is the point): one timeline per process
   and thread;
-- the job's probes that have a deep mode record event by event (jobprobe/contract/bpfprobe.py: trace_on / trace_take), and
+- the job's probes that have a deep mode record event by event (jobprobe/contract/bpfprobe.py: trace_on /
+  trace_take), and
   those given for windows only (`syscalls`, `cuda`: off by default for their cost) run for the window's length:
   each off-CPU period of 100 µs or more with its reason and its kernel and user stacks (sched), each syscall of
   100 µs or more (syscalls), each CUDA / NCCL call with its start and end (cuda) — on two tracks per thread beside
@@ -120,7 +121,8 @@ def counters(frame: dict) -> dict[str, dict[str, float]]:
         out["waiting for a CPU (s/s)"] = {"runq": sc["runq_lat_ns"] / 1e9 / dt}
         out["off-CPU by reason (s/s)"] = {r: sc.get(f"offcpu_{r}_ns", 0) / 1e9 / dt for r in OFFCPU}
     if isinstance(net, dict) and "tcp_tx_bytes" in net:
-        out["network (MiB/s)"] = {"tx": net["tcp_tx_bytes"] / 2 ** 20 / dt, "rx": net.get("tcp_rx_bytes", 0) / 2 ** 20 / dt}
+        out["network (MiB/s)"] = {"tx": net["tcp_tx_bytes"] / 2 ** 20 / dt,
+                                  "rx": net.get("tcp_rx_bytes", 0) / 2 ** 20 / dt}
     return out
 
 
@@ -141,7 +143,8 @@ class Window:
         self.recorders: list[tuple[int, subprocess.Popen, Path]] = []
         Dir(str(self.out_dir)).close()     # checked (ours alone, else UnsafeFile), made or narrowed to 0700
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(self.t0))
-        self.path = self.out_dir / f"{job_filename(job)}-{stamp}.trace.json.gz"   # injective: two jobs never share a name
+        # injective: two jobs never share a name
+        self.path = self.out_dir / f"{job_filename(job)}-{stamp}.trace.json.gz"
         for pid in pids if py_spy else ():
             tmp = self.out_dir / f".{job_filename(job)}-{pid}-{os.getpid()}.pyspy.json"
             proc = subprocess.Popen([py_spy, "record", "--pid", str(pid), "--format", "chrometrace", "--rate",

@@ -8,7 +8,8 @@ memory). This speaks the protocol itself
 
     server: INFO {json}                       client: CONNECT {json} / PING, expects PONG (or -ERR '…')
     client: SUB _INBOX.<id>.> 1               the replies (JetStream's PubAcks) come back on it
-    client: HPUB <subject> <reply> <hdr> <total>\\r\\nNATS/1.0\\r\\nNats-Msg-Id: <key>\\r\\nJobprobe-Sent: <t>\\r\\n\\r\\n<payload>\\r\\n
+    client: HPUB <subject> <reply> <hdr> <total>\\r\\nNATS/1.0\\r\\nNats-Msg-Id: <key>\\r\\n
+                 Jobprobe-Sent: <t>\\r\\n\\r\\n<payload>\\r\\n
     server: MSG <reply> 1 <n>\\r\\n{"stream":…,"seq":…}   — the frame is in the stream (or {"error":…})
             HMSG … NATS/1.0 503                          — no stream listens on the subject (no responders)
             PING → PONG; -ERR '…' (a permission refused) noted and said with the failure it causes

@@ -144,7 +144,8 @@ def slurm_running_jobs(node: str, squeue: str = "squeue") -> list[tuple[str, dic
 def step_dirs(target: CgroupTarget) -> list[str]:
     """The step ids of a SLURM job's cgroup2 group: its `step_<id>` children (`batch`, `extern`, `0`, …)."""
     top = target.cgroup_path.rstrip("/")
-    return sorted(d[len(top) + 6:] for d in target.dirs() if d.startswith(top + "/step_") and "/" not in d[len(top) + 1:])
+    return sorted(d[len(top) + 6:] for d in target.dirs()
+                  if d.startswith(top + "/step_") and "/" not in d[len(top) + 1:])
 
 
 def with_steps(target: CgroupTarget) -> CgroupTarget:
