@@ -241,6 +241,26 @@ def test_pods_are_attached_by_annotation_and_let_go_when_they_leave(make_cgroup,
         cpu = sum(f["probes"]["cgroup"]["cpu_user_ns"] + f["probes"]["cgroup"]["cpu_system_ns"]
                   for f in fa if f["kind"] == "sample")
         assert usage_ns > 0.2e9 and abs(cpu - usage_ns) <= 0.02 * usage_ns + 1e6, (cpu, usage_ns)
+
+        # pods that ended, as the kubelet writes it, while their groups still hold a process (a pod's sandbox,
+        # until the kubelet stops it): c's container x OOM-killed, d past its activeDeadlineSeconds — each last
+        # frame's `end` is the pod's word, the agent's own (no process has exited) having none
+        c = pod("c", {**on, "jobprobe.io/probes": "cgroup,bogus"}, phase="Failed")
+        c["status"]["containerStatuses"] = [
+            {"name": "y", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}},
+            {"name": "x", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]
+        d = pod("d", on, phase="Failed")
+        d["status"]["reason"] = "DeadlineExceeded"
+        kubelet.answer = pod_list(pod("b"), c, d)
+        wait_for(lambda: not {"train/c", "train/d"} & set(jobs()), 30, "the ended pods c and d to be let go")
+
+        def end(job):
+            return [f for f in frames(job) if f["kind"] == "sample"][-1].get("end")
+        assert {k: end("train/c").get(k) for k in ("cause", "signal")} == {"cause": "oom_kill", "signal": 9}, \
+            end("train/c")
+        assert "OOMKilled (container x)" in end("train/c")["scheduler"]
+        assert end("train/d")["cause"] == "timeout" and "DeadlineExceeded" in end("train/d")["scheduler"], \
+            end("train/d")
     finally:
         kubelet.stop()
         if burner is not None and burner.poll() is None:
@@ -308,13 +328,26 @@ def fields(keys: list[str], values) -> st.SearchStrategy:
     return st.dictionaries(st.one_of(st.sampled_from(keys), st.text(max_size=3)), values, max_size=len(keys))
 
 
+# an ended pod's status: its containers' ends and its reasons, of the kubelet's shape or any other
+TERMINATED = st.builds(lambda code, reason: {"name": "c",
+                                             "state": {"terminated": {"exitCode": code, "reason": reason}}},
+                       st.one_of(st.integers(-5, 300), JSONISH), st.one_of(st.sampled_from(["OOMKilled", "Error"]),
+                                                                           JSONISH))
+ENDED = fields(["containerStatuses", "conditions", "reason"],
+               st.one_of(JSONISH, st.lists(st.one_of(TERMINATED, JSONISH), max_size=3),
+                         st.sampled_from(["Evicted", "DeadlineExceeded"]),
+                         st.just([{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler"}])))
+
+
 # a pod list's own shape with any values in it: annotated pods with some fields given any JSON value
 POD = st.builds(
     lambda meta, ann, rest: {"metadata": {"uid": "u", "name": "p", **meta,
                                           "annotations": {"jobprobe.io/probe": "true", **ann}}, **rest},
     fields(["uid", "name", "namespace", "annotations"], JSONISH),
     fields(["jobprobe.io/probe", "jobprobe.io/probes"], JSONISH),
-    fields(["spec", "status"], st.one_of(JSONISH, fields(["containers", "phase", "startTime"], JSONISH))))
+    fields(["spec", "status"], st.one_of(JSONISH, fields(["containers", "phase", "startTime"], JSONISH),
+                                         st.builds(lambda phase, rest: {"phase": phase, **rest},
+                                                   st.sampled_from(["Failed", "Succeeded"]), ENDED))))
 
 
 @settings(max_examples=300, deadline=None)
@@ -323,11 +356,16 @@ def test_any_pod_list_is_read_or_refused_as_not_a_pod_list(doc):
     """What the kubelet or the API server answers is read into pods whose every field is what the agent needs (a
     string where it names something), or refused as a whole with ValueError (the watcher keeps its pods and asks
     again later); never another exception."""
+    ended: dict[str, dict] = {}
     try:
-        pods = wanted_pods(doc)
+        pods = wanted_pods(doc, ended=ended)
     except ValueError as err:
         assert str(err) and "\n" not in str(err)
         return
+    from jobprobe.cluster.framecheck import _end
+    from jobprobe.core import ends
+    for end in ended.values():         # how an ended pod ended: what a frame's `end` may hold, or nothing
+        _end(ends.record("the pod ended", end["status"], False, False, scheduler=end))
     for uid, p in pods.items():
         assert uid == p.uid and all(isinstance(v, str) for v in (p.uid, p.name, p.namespace, p.job))
         assert all(isinstance(c, str) for c in p.containers) and (p.probes is None or isinstance(p.probes, str))

@@ -25,10 +25,12 @@ CAUSES = {
     "requeued": "the scheduler stopped it to run it again (a requeue; a preemption that requeues)",
     "preempted": "the scheduler stopped it for another job",
     "node_fail": "the scheduler ended it for its node's failure",
+    "evicted": "the node's kubelet or the API evicted it (node pressure, a drain, a taint)",
 }
 MAX_SCHEDULER = 120     # characters of the scheduler's words kept
-BAD = {"signal", "oom_kill", "node_lost", "timeout", "requeued", "preempted", "node_fail"}
-SCHEDULER = ("timeout", "requeued", "preempted", "node_fail")
+BAD = {"signal", "oom_kill", "node_lost", "timeout", "requeued", "preempted", "node_fail", "evicted"}
+# the causes a scheduler's own word may give (SLURM's state, a pod's status: OOMKilled is the kubelet's word too)
+SCHEDULER = ("timeout", "requeued", "preempted", "node_fail", "evicted", "oom_kill")
 
 
 def failed(end: Any) -> bool:
@@ -64,7 +66,7 @@ def how(end: dict) -> str:
         return status
     words = {"oom_kill": "OOM kill", "group_removed": "group removed", "exited": "exited",
              "no_process": "no process", "node_lost": "node lost", "timeout": "time limit", "requeued": "requeued",
-             "preempted": "preempted", "node_fail": "node failure"}[cause]
+             "preempted": "preempted", "node_fail": "node failure", "evicted": "evicted"}[cause]
     return f"{words} ({status})" if status else words
 
 

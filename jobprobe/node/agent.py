@@ -207,8 +207,10 @@ class Agent:
         log.info("attached %s (%s): %s", job.name, target.describe(), hello["probes"])
         return {"job": job.name, "state": "attached", "probes": hello["probes"], "target": target.describe()}
 
-    def detach(self, name: str, why: str = "detached") -> dict[str, Any]:
-        """A last frame (what happened since the last tick), then the job's probes and sinks are released."""
+    def detach(self, name: str, why: str = "detached", told: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A last frame (what happened since the last tick), then the job's probes and sinks are released. `told`:
+        how the job ended as its scheduler says it (a pod's status: k8s.pod_end), for its last frame's `end` — the
+        scheduler's word over the kernel's, whose leads in a pod include its sandbox."""
         with self.lock:
             if name in self.pending:
                 del self.pending[name]
@@ -226,7 +228,11 @@ class Agent:
         with job.lock:                # a tick that took it before waits here, then finds it released
             try:
                 # an epilog's detach comes after the job's last process: its last frame says how the job ended
-                job.sampler.tick(self._check_end(job))
+                end = self._check_end(job)
+                if told is not None:
+                    end = ends.record(((end or {}).get("why") or why)[:END_WHY], told.get("status") or {},
+                                      bool(end and end.get("cause") == "group_removed"), False, scheduler=told)
+                job.sampler.tick(end)
             except Exception:
                 log.exception("last frame of %s", name)
             self._release(job)

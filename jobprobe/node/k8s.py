@@ -93,11 +93,46 @@ def owner_of(meta: dict) -> str:
     return f"{ref['kind']}/{ref['name']}"[:MAX_LABEL] if ref else ""
 
 
-def wanted_pods(doc: Any, allow: tuple[str, ...] = ()) -> dict[str, Pod]:
+# a pod's own words for why it ended (status.reason, a DisruptionTarget condition's reason) → its end's cause
+POD_CAUSES = {"DeadlineExceeded": "timeout", "Evicted": "evicted", "PreemptionByScheduler": "preempted",
+              "PreemptionByKubeScheduler": "preempted", "EvictionByEvictionAPI": "evicted",
+              "DeletionByTaintManager": "evicted", "TerminationByKubelet": "evicted", "OOMKilled": "oom_kill"}
+
+
+def pod_end(status: dict) -> dict[str, Any]:
+    """How an ended pod ended, from its status as the kubelet wrote it: {"status": {"exit_code": n} or
+    {"signal": n}, "cause": …, "scheduler": its words} (core/ends.record's scheduler). The lead container is the
+    first that ended badly, else the last listed; a runtime's 128 + N is death by signal N. A field of another
+    shape than the kubelet's is left out, never raised: the pod has ended, the rest of the list still counts."""
+    def listed(key: str) -> list:
+        v = status.get(key)
+        return v if isinstance(v, list) else []
+    terminated = []
+    for c in listed("containerStatuses"):
+        term = c.get("state", {}).get("terminated") if isinstance(c, dict) and isinstance(c.get("state"), dict) \
+            else None
+        if isinstance(term, dict) and isinstance(term.get("exitCode"), int) and 0 <= term["exitCode"] <= 255:
+            terminated.append((str(c.get("name", "?"))[:60], term["exitCode"], str(term.get("reason", ""))[:40]))
+    lead = next((t for t in terminated if t[1] != 0), terminated[-1] if terminated else None)
+    reasons = [status.get("reason")] + [c.get("reason") for c in listed("conditions")
+                                        if isinstance(c, dict) and c.get("type") == "DisruptionTarget" and
+                                        c.get("status") == "True"] + [lead[2] if lead else None]
+    cause = next((POD_CAUSES[r] for r in reasons if isinstance(r, str) and r in POD_CAUSES), None)
+    words = "/".join(str(w)[:40] for w in [status.get("phase")] + [r for r in reasons if isinstance(r, str) and r])
+    out: dict[str, Any] = {"status": {}, "scheduler": (words + (f" (container {lead[0]})" if lead else ""))}
+    if lead is not None:
+        out["status"] = {"signal": lead[1] - 128} if 128 < lead[1] < 160 else {"exit_code": lead[1]}
+    if cause:
+        out["cause"] = cause
+    return out
+
+
+def wanted_pods(doc: Any, allow: tuple[str, ...] = (), ended: dict[str, dict] | None = None) -> dict[str, Pod]:
     """The pods of a pod list (a v1 PodList: the kubelet's /pods or the API server's /api/v1/pods) that ask to be
     probed and have not ended, by UID. ValueError when the document is not a pod list — a pod without a name and a
     UID, or a field of another type than a pod list gives it, included: the peer is trusted to send pod lists, not
-    to send good ones. `allow`: the pod labels (keys) copied into the job's labels."""
+    to send good ones. `allow`: the pod labels (keys) copied into the job's labels; `ended`: filled with the ended
+    pods' ends (pod_end) by UID."""
     if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
         raise ValueError("not a pod list (no items)")
     out = {}
@@ -113,6 +148,8 @@ def wanted_pods(doc: Any, allow: tuple[str, ...] = ()) -> dict[str, Pod]:
             continue
         status = _table(item.get("status"), "status")
         if status.get("phase") in ("Succeeded", "Failed"):
+            if ended is not None:
+                ended[uid] = pod_end(status)
             continue
         listed = _table(item.get("spec"), "spec").get("containers") or []
         if not isinstance(listed, list):
@@ -201,6 +238,7 @@ class PodWatcher:
         self.path = pods_path(node)
         self.peer = "kubelet" if node is None else "API server"
         self.attached: dict[str, str] = {}      # pod UID → the job's name in the agent
+        self.ended: dict[str, dict] = {}        # the last list's ended pods: UID → how (pod_end)
         self.failing: str | None = None         # the kind of failure logged last (logged again when it changes)
         self.stop_event = threading.Event()
         self.thread: threading.Thread | None = None
@@ -211,8 +249,11 @@ class PodWatcher:
         if self.token_file:     # read each time: projected service account tokens are rotated
             with open(self.token_file) as f:
                 req.add_header("Authorization", f"Bearer {f.read().strip()}")
+        ended: dict[str, dict] = {}
         with urllib.request.urlopen(req, timeout=self.timeout, context=self.context) as resp:
-            return wanted_pods(json.loads(resp.read(64 << 20)), self.labels)
+            pods = wanted_pods(json.loads(resp.read(64 << 20)), self.labels, ended)
+        self.ended = ended
+        return pods
 
     def poll(self) -> None:
         """Attach the pods that ask for it, detach those that no longer do. Raises what fetch() raises."""
@@ -243,8 +284,11 @@ class PodWatcher:
             log.info("pod %s: %s", pod.job, r["state"])
         for uid in [u for u in self.attached if u not in pods]:
             name = self.attached.pop(uid)
+            end = self.ended.get(uid)
+            why = f"the pod ended: {end['scheduler']}" if end else \
+                f"the pod left the {self.peer}'s list (deleted, or no annotation)"
             try:
-                self.agent.detach(name, why=f"the pod left the {self.peer}'s list (ended, deleted, or no annotation)")
+                self.agent.detach(name, why=why, told=end)
             except BadInput:
                 pass                            # it had already ended by itself
 
