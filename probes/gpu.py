@@ -22,6 +22,7 @@ per tick; no thread, no NVML background polling of our own.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 
 from jobprobe.contract.probe import EVENTS_KEY, Field, Probe
 from jobprobe.contract.target import Target
@@ -154,9 +155,8 @@ class GpuProbe(Probe):
         why = super().check(host)
         if why is not None or self._nv is not None:
             return why
-        try:
-            import pynvml  # noqa: F401
-        except ImportError:
+        # found, not imported: the binding's module costs the agent ~1 MiB on a node with no GPU to read
+        if importlib.util.find_spec("pynvml") is None:
             return "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
         try:
             ctypes.CDLL(LIBRARY)   # the same lookup pynvml makes; nothing is initialized

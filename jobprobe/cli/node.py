@@ -175,6 +175,8 @@ def cmd_agent(args) -> int:
     host = Host()
     if not host.is_root:
         raise BadInput("not root: the agent loads eBPF programs and serves a root-only socket; run it as root")
+    from jobprobe.core.libc import lean_heap
+    lean_heap()                 # before the agent's threads: one malloc arena (docs/ARCHITECTURE.md, "Memory")
     cfg = Config.load(args.config or DEFAULT_CONFIG,
                       {"interval": args.interval, "probes": args.probes, "out": args.out,
                        "out_max_mb": args.out_max_mb, "stdout": args.stdout, "socket": args.socket,

@@ -9,8 +9,9 @@ digits), `_` included (`_` is never in `keep`). Escaping is reversible (`unescap
 """
 from __future__ import annotations
 
-import hashlib
 import string
+
+from jobprobe.core.digest import sha256
 
 SUBJECT_KEEP = frozenset(string.ascii_letters + string.digits + "-")
 FILE_KEEP = SUBJECT_KEEP | {"."}
@@ -58,6 +59,6 @@ def job_filename(job: str) -> str:
     if name.startswith("."):
         name = "_2e" + name[1:]
     if len(name) > MAX_FILE_NAME:
-        digest = hashlib.sha256(job.encode("utf-8", "surrogatepass")).hexdigest()
+        digest = sha256(job.encode("utf-8", "surrogatepass")).hexdigest()
         name = f"{name[:MAX_FILE_NAME - len(digest) - 1]}~{digest}"
     return name

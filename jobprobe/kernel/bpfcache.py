@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +33,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
+
+from jobprobe.core.digest import sha256
 
 FORMAT = 1
 DEFAULT_DIR = "/var/cache/jobprobe/bpf"
@@ -101,7 +102,7 @@ def kernel_identity(sys_root: str = "/sys", proc: str = "/proc") -> str:
             with contextlib.suppress(OSError):
                 parts.append(Path(p).read_text().strip())
         with contextlib.suppress(OSError):
-            parts.append(hashlib.sha256(Path(sys_root, "kernel/btf/vmlinux").read_bytes()).hexdigest())
+            parts.append(sha256(Path(sys_root, "kernel/btf/vmlinux").read_bytes()).hexdigest())
         _kernel = "\n".join(parts)
     return _kernel
 
@@ -113,7 +114,7 @@ def key(text: str, cflags: Sequence[str], tracepoints: Sequence[tuple[str, str]]
     what = {"format": FORMAT, "kernel": kernel_identity(), "text": text, "cflags": list(cflags),
             "tracepoints": [list(t) for t in tracepoints], "cgroups": [[fn, hook] for fn, _, hook in cgroups],
             "uprobes": list(uprobes), "pinned": sorted(pinned)}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+    return sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
 def trusted_dir(d: Path) -> bool:

@@ -39,6 +39,7 @@ from jobprobe.contract.target import Target
 from jobprobe.core import ends
 from jobprobe.core.errors import BadInput, TargetGone
 from jobprobe.core.frame import new_run_id
+from jobprobe.core.libc import trim_heap
 from jobprobe.exporters.queued import sink_stats
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import Node
@@ -54,6 +55,7 @@ from jobprobe.node.tracereq import TraceRequests
 log = logging.getLogger("jobprobe.node.agent")
 
 RECENT = 256     # jobs that ended, remembered (with why) for status and for an epilog's detach that comes after
+TRIM_EVERY = 60  # ticks between two trim_heap() with no change of jobs (what a tick frees piecemeal)
 END_WHY = 200    # characters of why a job ended that its last frame carries (a path in it is the longest part)
 
 
@@ -97,6 +99,7 @@ class Agent:
         self.node = Node(self.host, keep_loads=True)
         self.registry = all_probes()
         self.run_id = new_run_id()
+        self._trim = False          # the job table changed: the heap is given back at the next tick (trim_heap)
         self.jobs: dict[str, Job] = {}
         self.starting: set[str] = set()
         self.pending: dict[str, tuple[JobSpec, float, str]] = {}   # job → (spec, deadline, why it waits)
@@ -201,6 +204,7 @@ class Agent:
                 self.jobs[job.name] = job
                 self.pending.pop(job.name, None)
                 self._save()
+                self._trim = True
         finally:
             with self.lock:
                 self.starting.discard(target.job)
@@ -446,12 +450,20 @@ class Agent:
                 del self.jobs[name]
             self.recent.append({"job": name, "why": why, "t": time.time()})
             del self.recent[:-RECENT]
+            self._trim = True
 
     def run(self, until: Callable[[], bool] = lambda: False, duration: float | None = None) -> str:
         """Tick on the monotonic clock (no drift; overrun ticks are skipped, not fired back to back) until
         stopped, `until()` says so, or `duration` s pass."""
+        ticks = 0
+
         def step() -> str | None:
+            nonlocal ticks
             self.tick()
+            ticks += 1
+            if ticks % TRIM_EVERY == 1 or self._trim:     # the first tick (the start's peak), after each change
+                self._trim = False
+                trim_heap()
             return "done" if until() else None
         return run_ticks(step, self.cfg.interval, self.clock, self.stop_event, duration)
 
