@@ -247,3 +247,30 @@ def test_the_kit_leaves_nothing_in_the_temp_directory(temp_dir):
     with pytest.raises(BadInput, match="exited with code 3.*the job broke"):
         bad.run()
     assert list(temp_dir.iterdir()) == []
+
+
+@pytest.mark.kernel
+def test_the_idle_bench_measures_the_agent_beside_node_exporter_in_the_same_windows(tmp_path):
+    """`jobprobe bench idle` end to end, small: per case both processes' cores and RSS, each case in every run (the
+    order alternating), and the agent's cost per added idle job; bad arguments are one line and exit 2. The figures
+    themselves are the bench's to report (docs/PERFORMANCE.md), not this test's."""
+    j = tmp_path / "idle.json"
+    res = subprocess.run([sys.executable, "-m", "jobprobe.cli", "bench", "idle", "--jobs", "1,3", "--busy", "2",
+                          "--runs", "2", "--seconds", "1.5", "--settle", "1", "--json", j],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(j.read_text())
+    assert [list(run) for run in data["runs"]] == [["idle 1", "idle 3", "busy 2"], ["idle 3", "idle 1", "busy 2"]]
+    for run in data["runs"]:
+        for w in run.values():
+            assert w["agent"]["cores"] > 0 and w["node_exporter"]["cores"] > 0, w
+            assert 10 << 20 < w["agent"]["rss_bytes"] < 200 << 20 and w["node_exporter"]["rss_bytes"] > 1 << 20, w
+    t = data["table"]
+    assert set(t) == {"idle 1", "idle 3", "busy 2", "agent_cores_per_idle_job"}
+    assert t["idle 1"]["agent"]["cores_range"][0] <= t["idle 1"]["agent"]["cores"] <= \
+        t["idle 1"]["agent"]["cores_range"][1]
+    assert "| idle 3 |" in res.stdout and "cost per added idle job" in res.stdout
+    for bad, needle in ((["--jobs", "1,x"], "--jobs"), (["--runs", "0"], "--runs"), (["--busy", "999"], "--busy")):
+        r = subprocess.run([sys.executable, "-m", "jobprobe.cli", "bench", "idle", *bad], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -93,9 +93,23 @@ def _stragglers(args):
     return stragglers.bench_stragglers(args.runs, only, args.seed, progress=sys.stderr), stragglers, 0
 
 
+def _idle(args):
+    from jobprobe.bench import idle
+    try:
+        counts = tuple(int(x) for x in args.jobs.split(","))
+    except ValueError:
+        raise BadInput(f"--jobs: numbers separated by commas, got {args.jobs!r}") from None
+    if not counts or min(counts) < 1 or max(counts) > 1024 or not 0 <= args.busy <= 256:
+        raise BadInput("--jobs: each between 1 and 1024; --busy: 0 to 256")
+    if args.runs < 1 or args.seconds <= 0:
+        raise BadInput("--runs: at least 1; --seconds: more than 0")
+    return idle.bench_idle(counts, args.busy, args.runs, args.seconds, args.settle, args.probes,
+                           progress=sys.stderr), idle, 0
+
+
 # the benchmarks that run no command of the user's: each returns (its result, its module, the exit code)
 RUNNERS = {"events": _events, "agent": _agent, "store": _store, "controller": _controller, "accuracy": _accuracy,
-           "stragglers": _stragglers}
+           "stragglers": _stragglers, "idle": _idle}
 
 
 def _check_config(config: str) -> None:

@@ -284,6 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "controller (the NATS sink's cost included)")
     ba.add_argument("--json", metavar="FILE")
 
+    bi = bsub.add_parser("idle", help="the agent's CPU and RSS with 1, 16, 64, 256 idle jobs and 64 busy ones, "
+                         "beside node_exporter's in the same windows (docs/PERFORMANCE.md)")
+    bi.add_argument("--jobs", default="1,16,64,256", help="numbers of idle jobs (default 1,16,64,256)")
+    bi.add_argument("--busy", type=int, default=64, help="busy jobs after the idle ones (default 64; 0: none)")
+    bi.add_argument("--runs", type=int, default=5, help="fresh agents, counts in alternating order (default 5)")
+    bi.add_argument("--seconds", type=float, default=20.0, help="each window (default 20)")
+    bi.add_argument("--settle", type=float, default=5.0, help="seconds after an attach before a window (default 5)")
+    bi.add_argument("--probes", default="std", help="the agent's --probes (default: standard collection)")
+    bi.add_argument("--json", metavar="FILE")
+
     bc = bsub.add_parser("controller", help="one controller against simulated nodes: keeps up at N nodes, its "
                          "ceiling in frames/s per core, a node's bytes on the wire")
     bc.add_argument("--nodes", type=int, default=2000)
