@@ -67,6 +67,7 @@ def controller_run(args) -> int:
     """The controller: its nats-server (unless --nats), the store, ingestion until SIGINT/SIGTERM."""
     import asyncio
 
+    from jobprobe.cluster import jobs
     from jobprobe.cluster.controller import Controller
     from jobprobe.cluster.natsserver import LocalNats
     from jobprobe.cluster.store import Store
@@ -88,10 +89,14 @@ def controller_run(args) -> int:
         url, creds = local.url, creds or local.creds
     elif args.tls_cert or args.insecure_plaintext:
         raise BadInput("--tls-cert and --insecure-plaintext are for the nats-server the controller starts (no --nats)")
+    if args.suspect_jobs < 0:
+        raise BadInput("--suspect-jobs: 0 (never) or more")
+    suspect_window = jobs.parse_since(args.suspect_window)    # a bad length: one line, exit 2
     store = Store(path)
     ctl = Controller(store, url, retention_s=args.retention_days * 86400, creds=creds, ca=args.ca,
                      replicas=args.replicas, tsdb=args.tsdb, prices=args.prices, part=args.partition,
-                     raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600, limits=limits)
+                     raw_s=args.raw_minutes * 60, stream_s=args.stream_hours * 3600, limits=limits,
+                     suspect_jobs=args.suspect_jobs, suspect_window_s=suspect_window)
     if local is not None:
         local.supervise()          # from now on a server that exits is started again (natsserver.py)
         ctl.server = local
@@ -236,6 +241,22 @@ def cmd_jobs(args) -> int:
         raise BadInput(f"jobs: {' '.join(args.store)}: {err}") from None
     print(json.dumps(rs, indent=1) if args.format == "json" else jobs.as_csv(rs) if args.format == "csv"
           else jobs.text(rs), end="\n" if args.format == "json" else "")
+    return 0
+
+
+def cmd_nodes(args) -> int:
+    import sqlite3
+
+    from jobprobe.cluster import jobs, nodes
+    from jobprobe.cluster.store import Store
+    since = jobs.parse_since(args.since)          # a bad window: one line, before anything is read
+    if args.suspect_jobs < 1:
+        raise BadInput("--suspect-jobs: at least 1")
+    try:
+        rs = nodes.rows(Store(args.store, readonly=True), since, min_jobs=args.suspect_jobs)
+    except (OSError, ValueError, sqlite3.Error) as err:     # not there, not a store
+        raise BadInput(f"nodes: {' '.join(args.store)}: {err}") from None
+    print(nodes.as_json(rs) if args.format == "json" else nodes.text(rs), end="\n" if args.format == "json" else "")
     return 0
 
 

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="its nats-server's data and the default store (default /var/lib/jobprobe/controller)")
     co.add_argument("--store", metavar="PATH", help="the store (default DATA/store.db)")
     co.add_argument("--retention-days", type=float, default=7.0, metavar="D", help="frames older go (default 7)")
+    co.add_argument("--suspect-jobs", type=int, default=3, metavar="K", help="a node named the straggler of K "
+                    "distinct jobs within --suspect-window gets a node_suspect event (default 3; 0: never)")
+    co.add_argument("--suspect-window", default="7d", metavar="LEN", help="how far back a node's stragglers count "
+                    "(90s, 30m, 12h, 1d, 2w; default 7d)")
     co.add_argument("--stream-hours", type=float, default=168.0, metavar="H", help="how long the stream keeps "
                     "frames no controller took (its max_age; default 168: a week)")
     co.add_argument("--raw-minutes", type=float, default=10.0, metavar="M", help="samples kept whole as JSON this "
@@ -376,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     jb.add_argument("--sort", choices=["start", "wall", "goodput", "job", "badput"], default="start",
                     help="newest start first (default); wall, badput: largest first; goodput: lowest first")
     jb.set_defaults(func=cluster.cmd_jobs)
+    nd = sub.add_parser("nodes", help="the nodes named stragglers in a window, the most time lost to them first; "
+                        "suspects: named in job after job", usage="jobprobe nodes --store PATH [--since 7d] "
+                        "[--suspect-jobs K] [--format text|json]")
+    nd.add_argument("--store", metavar="PATH", action="append", required=True, help="the controller's store; "
+                    "again, or a directory, for several partitions' stores")
+    nd.add_argument("--since", default="7d", help="how far back (90s, 30m, 12h, 1d, 2w; default 7d)")
+    nd.add_argument("--suspect-jobs", type=int, default=3, metavar="K", help="a suspect: named in K distinct jobs "
+                    "(default 3)")
+    nd.add_argument("--format", choices=["text", "json"], default="text")
+    nd.set_defaults(func=cluster.cmd_nodes)
     return p
 
 

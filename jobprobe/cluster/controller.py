@@ -36,6 +36,7 @@ from typing import Any
 from jobprobe.cluster import framecheck
 from jobprobe.cluster.clocks import Clocks
 from jobprobe.cluster.ingest import StoreDown, serve
+from jobprobe.cluster.nodes import SUSPECT_JOBS, SUSPECT_WINDOW_S, Suspects
 from jobprobe.cluster.quota import Limits, Quotas
 from jobprobe.cluster.refusals import Refusals, WrongSubject, inflate
 from jobprobe.cluster.store import Store
@@ -76,7 +77,8 @@ class Controller:
     def __init__(self, store: Store, nats_url: str, retention_s: float = 7 * 86400, creds: str | None = None,
                  ca: str | None = None, replicas: int = 1, tsdb: str | None = None, prices: str | None = None,
                  part: tuple[int, int] = (0, 1), raw_s: float = 600.0, stream_s: float = 7 * 86400.0,
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, suspect_jobs: int = SUSPECT_JOBS,
+                 suspect_window_s: float = SUSPECT_WINDOW_S):
         self.store, self.url, self.retention_s, self.creds, self.ca = store, nats_url, retention_s, creds, ca
         if not (isinstance(part, tuple) and len(part) == 2 and 0 <= part[0] < part[1] <= 1024):
             raise BadInput(f"partition {part!r}: expected I/N, 0 ≤ I < N ≤ 1024")
@@ -90,6 +92,7 @@ class Controller:
         self.refusals = Refusals()
         self.clocks = Clocks()
         self.ended_by: dict[tuple, int] = {}   # jobs summarized since the start, by (cause, failed) (/metrics)
+        self.suspects = Suspects(store, suspect_jobs, suspect_window_s)   # nodes named in job after job
         self._given: dict[tuple[str, str], int] = {}   # (node, job) → the last seq an event of this batch took
         self.refused_by: dict[str, int] = {}           # reason → refusals (a handful of reasons: bounded)
         self.counts = {"stored": 0, "duplicates": 0, "rejected": 0, "consumer_errors": 0}
@@ -283,6 +286,10 @@ class Controller:
         for node, job, name, body in self.stragglers.feed(frames):
             log.warning("job %s: %s %s", job, name, body.get("reason", node))
             out.append(self.node_event(node, job, name, now, body))
+            suspect = self.suspects.check(node, job, now) if name == "straggler" else None
+            if suspect is not None:        # named in job after job: the node's own record (cluster/nodes.py)
+                log.warning("node %s: %s", node, suspect["reason"])
+                out.append(self.node_event(node, job, "node_suspect", now, suspect))
         return out
 
     def summaries(self, frames: list[dict], now: float) -> list[dict]:

@@ -80,6 +80,12 @@ class MetricsCollector:
         n = CounterMetricFamily("jobprobe_stragglers_named", "straggler events since the controller started")
         n.add_metric([], ctl.stragglers.named)
         yield n
+        g = GaugeMetricFamily("jobprobe_node_suspect", "1 for a node named the straggler of --suspect-jobs distinct "
+                              "jobs within --suspect-window (a node_suspect event; `jobprobe nodes` has its record)",
+                              labels=["node"])
+        for node in ctl.suspects.open(now):
+            g.add_metric([node], 1)
+        yield g
         e = CounterMetricFamily("jobprobe_job_energy_joules", "energy the job drew (CPU packages and DRAM by its CPU "
                                 "share, GPUs by their share), from the samples stored since the controller started",
                                 labels=["job"])
