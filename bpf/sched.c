@@ -9,8 +9,9 @@
  *     io       uninterruptible sleep (prev_state D: disk I/O, reads through the page cache, kernel mutexes);
  *     lock     interruptible sleep inside a futex wait (locks, condition variables, semaphores, the GIL);
  *     sleep    interruptible sleep inside nanosleep / clock_nanosleep (timers);
- *     wait     every other sleep (poll/epoll/select, pipe and socket reads, wait4, stopped/traced);
- *     and for the four sleeps only their blocked part, to the wakeup; from the wakeup to running again is
+ *     wait     every other sleep (poll/epoll/select, pipe and socket reads, wait4);
+ *     stopped  stopped or traced (prev_state T, t: SIGSTOP, a debugger): paused, not waiting for anything;
+ *     and for the five sleeps only their blocked part, to the wakeup; from the wakeup to running again is
  *     `wakeup` (waiting for a CPU after a sleep). Each reason also counts its finished periods.
  *   run-queue latency: from becoming runnable (wakeup, or preemption) to running, log2 µs histogram + sum.
  * Times are kept so that user space can tell the time spent off CPU *within* an interval, also of threads still
@@ -74,6 +75,8 @@
 /* Reported prev_state bits (include/linux/sched.h TASK_REPORT, as the tracepoint's print fmt shows them). */
 #define STATE_S 0x01           /* interruptible sleep */
 #define STATE_D 0x02           /* uninterruptible sleep */
+#define STATE_T 0x04           /* stopped (SIGSTOP, SIGTSTP; a job-control stop) */
+#define STATE_TRACED 0x08      /* stopped by a tracer */
 #define STATE_EXITING 0x30     /* X (dead) and Z (zombie): a task's last switch-out; it will never run again */
 /* Preempted on its way to sleep (raw and BTF programs: preempt set, its raw state not TASK_RUNNING): involuntary,
  * off CPU as preempted, but not waiting on a run queue — it is picked again only to finish going to sleep, and
@@ -89,6 +92,7 @@
 #define R_LOCK 3
 #define R_SLEEP 4
 #define R_WAIT 5
+#define R_STOPPED 7            /* after T_WAKEUP (6): the time categories' last index */
 
 struct off_rec {
     u64 out_ns;   /* switch-out time; 0: never ran (a new task) */
@@ -117,10 +121,11 @@ typedef u64 task_key;
 typedef u32 task_key;
 #endif
 
-/* Time categories: the index into done_ns / open_n / open_ns (R_* 1..5 are the reasons, events[] uses them too). */
+/* Time categories: the index into done_ns / open_n / open_ns (R_* 1..5 and 7 are the reasons, events[] uses them
+ * too). */
 #define T_RUNQ 0               /* runnable, waiting for a CPU: a preemption, a woken sleeper, a new task */
 #define T_WAKEUP 6             /* of an off-CPU period that was a sleep, from its wakeup to running again */
-#define NTIMES 8               /* 7 used; a power of two so that an index can be masked for the verifier */
+#define NTIMES 8               /* all used; a power of two so that an index can be masked for the verifier */
 
 struct slot_stats {
     u64 seq_done;              /* writes of the time arrays finished: the FIRST member (see write_begin) */
@@ -377,6 +382,8 @@ static inline u32 offcpu_reason(long state, u32 tid, task_key task)
         return R_PREEMPT;
     if (state & STATE_D)
         return R_IO;
+    if (state & (STATE_T | STATE_TRACED))
+        return R_STOPPED;
 #if defined(SYSCALL_FROM_REGS)
     if (state & STATE_S) {
         u32 r = syscall_now(task);

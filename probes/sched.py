@@ -49,8 +49,10 @@ from jobprobe.kernel.schedread import (
 )
 from jobprobe.kernel.symbols import KernelSymbols, UserSymbols
 
-REASONS = ("preempt", "io", "lock", "sleep", "wait")
-TIMES = ("runq", *REASONS, "wakeup")            # bpf/sched.c's category of each index
+REASONS = ("preempt", "io", "lock", "sleep", "wait", "stopped")
+# bpf/sched.c's category of each index: T_RUNQ, R_PREEMPT..R_WAIT, T_WAKEUP, R_STOPPED
+TIMES = ("runq", *REASONS[:5], "wakeup", "stopped")
+REASON_OF = {TIMES.index(r): r for r in REASONS}  # a record's R_* → its name
 SYSCALL_REASONS = ("lock", "sleep")   # told apart from wait only where the syscall a sleeper is in is known
 # (tracepoint, handler in bpf/sched.c); the membership handlers of bpf/common.h come first (BpfProbe).
 HANDLERS = (
@@ -216,7 +218,9 @@ _REASON_MEANING = {
             "wakeup; None where the syscall cannot be told (then in wait)",
     "sleep": "asleep in nanosleep / clock_nanosleep (time.sleep), to the wakeup; None where the syscall cannot be "
              "told (then in wait)",
-    "wait": "in any other sleep (poll/epoll/select, pipe and socket reads, wait4, stopped), to the wakeup",
+    "wait": "in any other sleep (poll/epoll/select, pipe and socket reads, wait4), to the wakeup",
+    "stopped": "stopped or traced (SIGSTOP, SIGTSTP, a debugger: state T or t), to the SIGCONT's wakeup — paused, "
+               "not waiting for anything",
 }
 
 
@@ -227,7 +231,7 @@ def _fields() -> dict[str, Field]:
                                       "(preempted, or yielded)"),
         "offcpu_ns": Field("int", "ns", "time the job's threads spent off CPU (asleep or waiting for a CPU) within "
                            "the interval, threads still off CPU at the tick included (≤ dt per thread); the sum of "
-                           "offcpu_{preempt,io,lock,sleep,wait,wakeup}_ns"),
+                           "offcpu_{preempt,io,lock,sleep,wait,stopped,wakeup}_ns"),
         "runq_lat_us_log2": Field("list[int]", "count", f"run-queue latency histogram of the waits that ended in the "
                                   f"interval: bucket i counts waits of [2^i, 2^(i+1)) µs (bucket 0: [0, 2)), "
                                   f"{NBUCKETS} buckets, the last open-ended"),
@@ -348,7 +352,7 @@ class SchedProbe(BpfProbe):
         users: dict[int, UserSymbols] = {}
         out = []
         for r in records:
-            reason = REASONS[r.reason - 1] if 1 <= r.reason <= len(REASONS) else "new"
+            reason = REASON_OF.get(r.reason, "new")
             args: dict[str, Any] = {"reason": reason}
             if r.enq_ns and r.reason != 1:
                 args["runq_us"] = round(max(0, r.in_ns - r.enq_ns) / 1e3, 1)

@@ -10,6 +10,7 @@ import ctypes as ct
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from jobprobe import bpf
 from jobprobe.contract.bpfprobe import MISSED
 from jobprobe.core.errors import ProbeUnavailable
 from jobprobe.kernel import bpf as _bpf
+from jobprobe.kernel import procfs
 from jobprobe.kernel.bpf import trim_log
 from jobprobe.kernel.host import Host
 from jobprobe.kernel.membership import MEMBERSHIP, Node, exit_has_group_dead, proc_gone
@@ -103,8 +105,7 @@ def test_open_periods_count_up_to_the_reading_across_cpus():
     CPU 1 (its close there: open_n -1, modulo 2^64) at 3000 ns. Read at 10000 ns: the sleep counts 2000 (done), the
     preemption 6000 (open, counted to the reading) and the wakeup wait 7000 (open since 3000)."""
     u = lambda x: x % (1 << 64)   # noqa: E731  what a u64 column holds
-    times = ("runq", *REASONS, "wakeup")
-    idx = {n: i for i, n in enumerate(times)}
+    idx = {n: i for i, n in enumerate(TIMES)}
     cpu0 = {"done_ns": [0] * NTIMES, "open_n": [0] * NTIMES, "open_ns": [0] * NTIMES}
     cpu1 = {"done_ns": [0] * NTIMES, "open_n": [0] * NTIMES, "open_ns": [0] * NTIMES}
     cpu0["open_n"][idx["sleep"]] += 1
@@ -241,8 +242,8 @@ def test_python_and_c_agree_on_layout():
     assert ct.sizeof(SlotStats) == 8 * (2 + len(COUNTERS) + len(ARRAYS) * NTIMES + NBUCKETS)
     assert re.search(rf"#define NTIMES {NTIMES}\b", src) and re.search(r"#define T_RUNQ 0\b", src)
     assert re.search(rf"#define T_WAKEUP {TIMES.index('wakeup')}\b", src)
-    for i, r in enumerate(REASONS, 1):
-        assert re.search(rf"#define R_{r.upper()} {i}\b", src), r
+    for r in REASONS:
+        assert re.search(rf"#define R_{r.upper()} {TIMES.index(r)}\b", src), r
     for _, fn in SchedProbe().all_handlers():
         assert re.search(rf"^int {fn}\((struct (tracepoint__|bpf_raw_tracepoint_args)|u64 \*ctx\))", src, re.M), fn
 
@@ -259,12 +260,13 @@ def offcpu_parts(s: dict) -> int:
 
 def test_interval_splits_offcpu_by_reason():
     before = zero_reading()
-    parts = {"preempt": 5, "io": 7, "lock": 11, "sleep": 13, "wait": 17, "wakeup": 19}
+    parts = {"preempt": 5, "io": 7, "lock": 11, "sleep": 13, "wait": 17, "wakeup": 19, "stopped": 23}
     now = {**zero_reading(), "times": [parts.get(n, 0) for n in TIMES],
-           "events": [{"lock": 3, "io": 2}.get(n, 0) for n in TIMES]}
+           "events": [{"lock": 3, "io": 2, "stopped": 1}.get(n, 0) for n in TIMES]}
     out = interval(now, before)
     assert (out["offcpu_io_ns"], out["offcpu_lock_ns"], out["offcpu_lock_events"]) == (7, 11, 3)
-    assert offcpu_parts(out) == out["offcpu_ns"] == 72
+    assert (out["offcpu_stopped_ns"], out["offcpu_stopped_events"]) == (23, 1)
+    assert offcpu_parts(out) == out["offcpu_ns"] == 95
     # Without the sys_enter hook lock and sleep are unknown, not zero: their time is in wait.
     out = interval(now, before, syscall_reasons=False)
     assert out["offcpu_lock_ns"] is None and out["offcpu_sleep_events"] is None and out["offcpu_wait_ns"] == 17
@@ -705,6 +707,39 @@ def test_pipe_reads_are_wait(by_source, make_cgroup):
     assert ref["lines"] == n
     check_reason(s, "wait", ref)
     assert s["offcpu_wait_ns"] >= 0.9 * (n - 1) * ms * 1e6
+
+
+@pytest.mark.kernel
+def test_a_stopped_process_is_stopped_not_waiting(by_source, make_cgroup):
+    """SIGSTOP, then SIGCONT 1.5 s later, to a sleeping process of the job: the time between them is `stopped`
+    (its own reason), not `wait` — a paused rank must not look like one waiting for its peers. Checked against the
+    test's own clock between the two signals and the kernel's word that the process was stopped (state T)."""
+    cg = make_cgroup()
+    by_source.start(CgroupTarget(str(cg.path)))
+    proc = cg.spawn(["sleep", "30"])
+    try:
+        time.sleep(0.3)
+        by_source.sample()
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert wait_for(lambda: procfs.read_stat("/proc", proc.pid).state == "T", 5), "the process did not stop"
+        time.sleep(1.5)
+        os.kill(proc.pid, signal.SIGCONT)
+        cont = time.monotonic()
+        stopped = cont - t0
+        time.sleep(0.2)
+        s = by_source.sample()
+        after = time.monotonic() - cont
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"stopped {stopped * 1e3:.1f} ms by the test's clock: " + " ".join(
+        f"{r} {(s[f'offcpu_{r}_ns'] or 0) / 1e6:.1f}" for r in REASONS))
+    assert offcpu_parts(s) == s["offcpu_ns"] and s["offcpu_stopped_events"] == 1
+    # from the stop's switch-out (after SIGSTOP, a few µs) to SIGCONT's wakeup (before the test reads its clock)
+    assert stopped - 0.02 <= s["offcpu_stopped_ns"] / 1e9 <= stopped + 0.002, (s["offcpu_stopped_ns"], stopped)
+    # the rest of its time asleep is after SIGCONT (its sleep restarted: restart_syscall, a wait), none before it
+    assert s["offcpu_wait_ns"] + (s["offcpu_sleep_ns"] or 0) <= (after + 0.02) * 1e9, s
 
 
 # serial: beside other tests' load on the same CPU the preempted time read 2.4% above run_delay (bound 2%):

@@ -13,7 +13,7 @@ import ctypes as ct
 from typing import Any
 
 NBUCKETS = 27   # bpf/sched.c NBUCKETS
-NTIMES = 8      # bpf/sched.c NTIMES: time categories, indexes T_RUNQ 0, R_* 1..5 (the off-CPU reasons), T_WAKEUP 6
+NTIMES = 8      # bpf/sched.c NTIMES: time categories: T_RUNQ 0, R_* 1..5 and 7 (off-CPU reasons), T_WAKEUP 6
 # bpf/sched.c struct slot_stats' scalars, in order
 COUNTERS = ("voluntary", "involuntary", "runq_events", "switch_ins_missed", "switch_in_missed_ns")
 ARRAYS = ("events", "done_ns", "open_n", "open_ns")      # then its arrays of NTIMES (then runq_hist)
