@@ -7,7 +7,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from jobprobe.cluster.stragglers import StragglerWatch, Window, causes, figures
+import pytest
+
+from jobprobe.cluster.stragglers import UNKNOWN_OPEN_S, StragglerWatch, Window, causes, figures
 from jobprobe.core.schema import FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,11 +47,12 @@ def test_the_detector_reads_every_figure_from_fields_probes_send():
 
 
 def frame(node: str, t: float, cpu=0.9e9, throttled=0, runq=0.02e9, wait=0.3e9, retrans=0, gpu=None, limit=None,
-          nic=None, rdma=None, mem_stall=None):
+          nic=None, rdma=None, mem_stall=None, stopped=0, dstate=0):
     cg = {"cpu_user_ns": int(cpu), "cpu_system_ns": 0, "cpu_throttled_ns": int(throttled)}
     if limit:
         cg["cpu_limit_cores"] = limit
-    probes = {"cgroup": cg, "sched": {"runq_lat_ns": int(runq), "offcpu_lock_ns": int(wait), "offcpu_wait_ns": 0},
+    probes = {"cgroup": cg, "sched": {"runq_lat_ns": int(runq), "offcpu_lock_ns": int(wait), "offcpu_wait_ns": 0,
+                                      "offcpu_stopped_ns": int(stopped), "offcpu_io_ns": int(dstate)},
               "net": {"tcp_tx_bytes": 10 << 20, "tcp_rx_bytes": 10 << 20, "tcp_retransmits": retrans}}
     if gpu:
         probes["gpu"] = {"gpus": [gpu]}
@@ -611,3 +614,33 @@ def test_the_nodes_that_waited_for_the_one_named_are_said_when_each_waits_about_
     # a peer with its own gap below 0 (waiting more than usual against its peers): that one, as before
     w = Waits(Table(), np.array([-0.2, 0.09, 0.0])).part(0, ["a", "b", "c"], {"a": 0, "b": 1, "c": 2})
     assert w.waited_by("b") == ["c"]
+
+
+@pytest.mark.parametrize("how, said", [
+    ({"cpu": 0.0, "wait": 0.0, "stopped": 1.0e9}, "paused: its threads were stopped"),       # SIGSTOP
+    ({"cpu": 0.05e9, "wait": 0.05e9, "dstate": 0.9e9}, "blocked in the kernel"),           # a hung file system
+    ({"cpu": 0.3e9, "wait": 0.05e9}, "no figure of its node moved"),                        # a GPU, a link, a bug
+])
+def test_a_node_everyone_waits_for_with_no_cause_is_named_unknown_with_what_its_threads_did(how, said):
+    """Node b does less than usual while the others wait for it, and no figure of its node moved (its threads
+    stopped; in uninterruptible sleep; or nothing a probe sees): named all the same, cause `unknown`, after the
+    longer hold, and cleared once the others stop waiting for it. Seen failing before the verdict: never named."""
+    w = StragglerWatch()
+    stall = lambda n, t: (how if n == "b" else {"wait": 0.9e9}) if 1060 <= t < 1120 else {}
+    ev = run(w, 200, stall, noisy=True)
+    assert [(e[1], e[3]) for e in ev] == [("b", "straggler"), ("b", "straggler_end")], ev
+    t_open, _, _, _, body = ev[0]
+    assert 1060 + UNKNOWN_OPEN_S <= t_open <= 1060 + 12, t_open
+    assert body["causes"] == ["unknown"] and said in body["reason"] and "cause unknown" in body["reason"], body
+    assert body["waited_by"] == ["a", "c"] and body["evidence"]["unknown"]["value"] >= 0.3
+    assert 1120 < ev[1][0] <= 1120 + 13, ev[1]
+    assert w.open() == []
+
+
+def test_a_node_waited_for_that_does_more_is_imbalance_never_unknown():
+    """The job's own imbalance (b given more work: its CPU up) is not a node fault of unknown cause."""
+    w = StragglerWatch()
+    more = lambda n, t: ({"cpu": 1.35e9, "wait": 0.05e9} if n == "b" else {"wait": 0.7e9}) if 1060 <= t < 1130 \
+        else {}
+    ev = run(w, 200, more)
+    assert all(e[4].get("causes") != ["unknown"] for e in ev) and [e[3] for e in ev if e[3] == "straggler"] == [], ev

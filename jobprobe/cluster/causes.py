@@ -71,6 +71,10 @@ def _figures(probes: dict) -> dict[str, float]:
         out["runq_ns"] = sc["runq_lat_ns"]
     if "offcpu_lock_ns" in sc:
         out["wait_ns"] = sc.get("offcpu_lock_ns", 0) + sc.get("offcpu_wait_ns", 0)
+    if "offcpu_stopped_ns" in sc:           # what a node waited for with no cause was doing (unknown_cause)
+        out["stopped_ns"] = sc["offcpu_stopped_ns"]
+    if "offcpu_io_ns" in sc:
+        out["dstate_ns"] = sc["offcpu_io_ns"]
     cu = probes.get("cuda") or {}
     if "sync_ns" in cu:       # NCCL: a rank waits for its peers inside the CUDA synchronize and NCCL calls, where it
         gpu_wait = cu["sync_ns"] + sum(v for k, v in cu.items()                          # may spin on its CPU:
@@ -124,7 +128,8 @@ def _figures(probes: dict) -> dict[str, float]:
 # every figure _figures gives, summed over a window (and `limit`, the newest value, not a sum)
 SUMMED = ("cpu_ns", "throttled_ns", "mem_dt", "mem_full", "runq_ns", "wait_ns", "gpu_dt", "gpu_util", "gpu_clock",
           "gpu_throttled", "mem_stall_ns", "io_stall_ns", "reclaim_ns", "tx_bytes", "rx_bytes", "retrans", "rtt_w",
-          "rtt_n", "ras_dt", "ras_behind", "nic_held", "nic_drops", "rail_dt", "rail_slow", "rdma_dt", "rdma_fatal")
+          "rtt_n", "ras_dt", "ras_behind", "nic_held", "nic_drops", "rail_dt", "rail_slow", "rdma_dt", "rdma_fatal",
+          "stopped_ns", "dstate_ns")
 
 
 @dataclass
@@ -173,7 +178,8 @@ VALUES = (("throttled", "throttled_ns", None, 1e9), ("runq", "runq_ns", None, 1e
           ("rdma_fatal", "rdma_fatal", "rdma_dt", None), ("mem_stall", "mem_stall_ns", None, 1e9),
           ("io_stall", "io_stall_ns", None, 1e9), ("reclaim", "reclaim_ns", None, 1e9), ("wait", "wait_ns", None, 1e9),
           ("cpu", "cpu_ns", None, 1e9), ("ras_behind", "ras_behind", "ras_dt", None),
-          ("mem_full", "mem_full", "mem_dt", None))
+          ("mem_full", "mem_full", "mem_dt", None), ("stopped", "stopped_ns", None, 1e9),
+          ("dstate", "dstate_ns", None, 1e9))
 FIGURES = tuple(f for f, _, _, _ in VALUES)
 
 # How far a figure must move from the node's own baseline to count as evidence (in the direction of its cause), by
@@ -352,7 +358,8 @@ def evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
                            ("tx_bytes", 1, "tx_bytes_per_s"), ("rx_bytes", 1, "rx_bytes_per_s"),
                            ("retrans", 1, "retransmits_per_s"), ("nic_held", 1, "nic_queue_held_per_s"),
                            ("nic_drops", 1, "nic_drops_per_s"), ("mem_stall_ns", 1e9, "mem_stall_s_per_s"),
-                           ("io_stall_ns", 1e9, "io_stall_s_per_s"), ("reclaim_ns", 1e9, "reclaim_s_per_s")):
+                           ("io_stall_ns", 1e9, "io_stall_s_per_s"), ("reclaim_ns", 1e9, "reclaim_s_per_s"),
+                           ("stopped_ns", 1e9, "stopped_s_per_s"), ("dstate_ns", 1e9, "dstate_s_per_s")):
         v = w.rate(k)
         if v is None:
             continue
@@ -376,6 +383,30 @@ def evidence(w: Window, wins: dict[str, Window], me: str) -> dict[str, float]:
     if w.limit:
         out["cpu_limit_cores"] = w.limit
     return out
+
+
+STOPPED_SHARE = 0.3     # s per s of its threads stopped: paused
+DSTATE_RISE = 0.3       # s per s more in uninterruptible sleep than its usual: blocked in the kernel
+
+
+def unknown_cause(mine: dict[str, float | None], base: Any, gap: float) -> Cause:
+    """The cause `unknown` of a node the others wait for with no figure of its node moved, and what its threads were
+    doing instead, from its own off-CPU reasons and CPU (`base(figure)`: its own usual value, or None): paused
+    (stopped or traced), blocked in the kernel (uninterruptible sleep up from its usual), or neither — a GPU, a
+    link or a bug no probe of the node sees."""
+    stopped, dstate, cpu = mine.get("stopped"), mine.get("dstate"), mine.get("cpu")
+    d0, c0 = base("dstate"), base("cpu")
+    if stopped is not None and stopped >= STOPPED_SHARE:
+        what = f"paused: its threads were stopped {stopped:.2f} s per s (SIGSTOP, a debugger)"
+    elif dstate is not None and dstate - (d0 or 0.0) >= DSTATE_RISE:
+        what = f"blocked in the kernel: its threads in uninterruptible sleep {dstate:.2f} s per s" + \
+            (f", usually {d0:.2f}" if d0 is not None else "")
+    else:
+        what = "no figure of its node moved"
+    if cpu is not None:
+        what += f"; its CPU {cpu:.2f} cores" + (f", usually {c0:.2f}" if c0 is not None else "")
+    return Cause("unknown", round(gap, 3), 0.0, f"cause unknown — {what}; the others waited {gap:.2f} s per s "
+                 "more for it than is usual")
 
 
 def straggler_body(n: str, w: Window, wins: dict[str, Window], found: list[Cause], since: float | None,

@@ -22,7 +22,11 @@ per job, at every tick, it compares the nodes over the last `window` seconds (10
   its baseline, and the others waited for it at least as usual; over the window a third of both rises: the job gave
   it more work — not its node's fault; on a machine the ranks share, its peers' CPU falls as its own rises, so the
   ratio moves where its own CPU alone hardly does. The slice decides because a 10 s window takes 10 s to fill
-  with a change that is the same every step after it); each names the nodes that waited for it.
+  with a change that is the same every step after it); each names the nodes that waited for it. A node waited for
+  0.3 s/s beyond its usual gap, doing less than usual (its CPU at most 0.8 of its own) with no cause moved — or
+  whose threads are stopped (SIGSTOP, a debugger: whatever else moved follows from that) — is a `straggler` of
+  cause `unknown`, after 6 s, its reason saying what its threads did: paused, blocked in the kernel, or nothing
+  seen (a GPU, a link, a bug no probe of the node reads); it ends when the others wait for it less than half that.
 
 An event opens after its verdict has held for `open_s` (4 s; one comparison without it forgiven), and closes
 (`straggler_end`, `imbalance_end`) after `close_s` (3 s) in which it did not hold at the lower clearing bounds over
@@ -44,6 +48,7 @@ from jobprobe.cluster.causes import (
     MOVED,
     STALL_FIGURES,
     STALL_RISES,
+    STOPPED_SHARE,
     WAITED_STALLS,
     Cause,
     Others,
@@ -57,16 +62,22 @@ from jobprobe.cluster.causes import (
     imbalance_body,
     moved,
     straggler_body,
+    unknown_cause,
 )
 from jobprobe.cluster.peers import BASE_ROW, Part, Sums, Table
 from jobprobe.cluster.waits import WAITED_S, Waits
 
 WINDOW_S = 10.0
+STRAGGLER_KINDS = ("straggler", "unknown")   # a node's open event that is a `straggler` (unknown: its cause)
 EVERY_S = 1.0             # a decision every tick, over the window and its newest slice
 SLICE_S = 3.0             # the newest slice, in which a cause must hold too (not only in the window's average)
 OPEN_S = 4.0              # held this long (one comparison's miss forgiven): a burst of 2 s names nobody
 CLOSE_S = 3.0             # an open event ends after this long without it (at the lower clearing bounds)
 MISSES = 1                # comparisons without it that do not break a hold (a noisy second)
+UNKNOWN_GAP = 0.3         # a node the others wait for this much more than usual (s/s), with no cause moved and ...
+UNKNOWN_CPU = 0.8         # ... its CPU at most this share of its usual (doing less, not more: not the job's own
+                          # imbalance, whose CPU rises) is named with cause `unknown` (unknown_cause says what its
+UNKNOWN_OPEN_S = 6.0      # threads did instead), once it held this long: longer than a cause, which says more
 BASE_EVERY_S = 5.0        # a node's figures join its baseline this often while the job is in step
 KEEP_S = 60.0             # frames kept per node (a little more than a window, for late nodes)
 IMBALANCE_SHARE = 1.18    # a node waited for, whose CPU over its peers' median rose this much over its usual
@@ -201,7 +212,7 @@ class StragglerWatch:
     def open(self) -> list[tuple[str, str]]:
         """(job, node) of the stragglers named now (not the imbalances: no node is at fault)."""
         return [(j, n) for j, jt in self.jobs.items() for n, nt in jt.nodes.items()
-                if nt.open_since is not None and nt.kind == "straggler"]
+                if nt.open_since is not None and nt.kind in STRAGGLER_KINDS]
 
     def _compare(self, jobs: list[tuple[str, JobTrack]]) -> list[tuple[str, str, str, dict[str, Any]]]:
         """Compare each of these jobs whose every live node has reported a tick more (`every`) since its last
@@ -263,7 +274,7 @@ class StragglerWatch:
             if nt.open_since is None:
                 kind, found = self._verdict(n, w, recent, wins, mine, nt, waits, someone_waited_for)
                 if kind == "imbalance" and any(m != r and live[m] and ((o := job.nodes[sums.names[m]]).open_since
-                                                                       is not None or o.kind == "straggler")
+                                                                       is not None or o.kind in STRAGGLER_KINDS)
                                                for m in job.busy):
                     # another node is (or is becoming) the straggler: this one may have got the CPU it let go — not
                     # named now, and not in step either (its figures must not join its baseline: once the straggler
@@ -278,10 +289,10 @@ class StragglerWatch:
                     nt.misses += 1
                     if nt.misses > MISSES:
                         nt.hold_since, nt.first_seen, nt.kind, nt.misses = None, None, "", 0
-                if kind and horizon - nt.hold_since >= self.open_s:
+                if kind and horizon - nt.hold_since >= (UNKNOWN_OPEN_S if kind == "unknown" else self.open_s):
                     nt.open_since, nt.quiet_since = horizon, None
                     nt.causes = tuple(c.name for c in found)
-                    if kind == "straggler":
+                    if kind in STRAGGLER_KINDS:
                         self.named += 1
                         events.append((n, name, "straggler", straggler_body(n, w, wins.windows(), found,
                                                                             nt.first_seen, waits.waited_by(n))))
@@ -295,10 +306,10 @@ class StragglerWatch:
             else:
                 nt.quiet_since = horizon if nt.quiet_since is None else nt.quiet_since
                 if horizon - nt.quiet_since >= self.close_s:
-                    end = "straggler_end" if nt.kind == "straggler" else "imbalance_end"
-                    what = "back in step with its peers" if nt.kind == "straggler" else "no longer waited for"
+                    end = "straggler_end" if nt.kind in STRAGGLER_KINDS else "imbalance_end"
+                    what = "back in step with its peers" if nt.kind in STRAGGLER_KINDS else "no longer waited for"
                     events.append((n, name, end, {
-                        "straggler" if nt.kind == "straggler" else "node": n,
+                        "straggler" if nt.kind in STRAGGLER_KINDS else "node": n,
                         "duration_s": round(horizon - (nt.first_seen or nt.open_since), 1),
                         "reason": f"{n} is {what}", "evidence": evidence(w, wins.windows(), n)}))
                     nt.open_since, nt.hold_since, nt.first_seen, nt.kind, nt.causes = None, None, None, "", ()
@@ -330,7 +341,10 @@ class StragglerWatch:
         work = (sbase != 0) & (cbase != 0) & (at_least(waits.gaps, IMBALANCE_WAIT) | waits.behind) & \
             at_least(t.col("cpu_share"), (1 + (IMBALANCE_SHARE - 1) * IMBALANCE_WINDOW) * sbase) & \
             at_least(t.col("cpu"), (1 + (IMBALANCE_CPU - 1) * IMBALANCE_WINDOW) * cbase)
-        return could_name(t) | stall | work
+        # waited for by UNKNOWN_GAP more than usual, its CPU down to UNKNOWN_CPU of its own: a cause `unknown`
+        stuck = (np.nan_to_num(waits.gaps, nan=-1.0) >= 0.99 * UNKNOWN_GAP) & (cbase > 0) & \
+            (np.nan_to_num(t.col("cpu"), nan=np.inf) <= 1.01 * UNKNOWN_CPU * cbase)
+        return could_name(t) | stall | work | stuck
 
     def _verdict(self, n: str, w: Window, recent: "Slice", everyone: Others, mine: dict[str, float | None],
                  nt: NodeTrack, waits: Waits, someone_waited_for: bool) -> tuple[str, list[Cause]]:
@@ -371,10 +385,19 @@ class StragglerWatch:
                                        what.format(x=x, b=b, m=m) + at_limit(cause, mine)))
         if someone_waited_for and waits.waiting(n):
             return "", []                   # it waits for another: whatever else it shows is not why the job is slow
+        if waited and (mine.get("stopped") or 0.0) >= STOPPED_SHARE and waits.waited_by_more_than(n, UNKNOWN_GAP):
+            # its threads stopped (SIGSTOP, a debugger): what else moved — its GPU idle, its traffic gone — follows
+            return "unknown", [unknown_cause(mine, nt.baseline, waits.gap_of(n))]
         if found:
             return "straggler", found
         if _more_work(n, mine, nt, waits, IMBALANCE_WINDOW, IMBALANCE_WAIT) and recent.more_work(n, nt):
             return "imbalance", []
+        cpu, usual = mine.get("cpu"), nt.baseline("cpu")
+        if waited and waits.waited_by_more_than(n, UNKNOWN_GAP) and cpu is not None and usual and \
+                cpu <= UNKNOWN_CPU * usual:
+            # everyone waits for it and it does less than usual, and no figure of its node says why: named all the
+            # same, with what its threads were doing instead (paused, blocked in the kernel, or nothing seen)
+            return "unknown", [unknown_cause(mine, nt.baseline, waits.gap_of(n))]
         return "", []
 
     @staticmethod
@@ -392,6 +415,8 @@ class StragglerWatch:
         waited = waits.waited_for(n)
         if nt.kind == "imbalance":
             return _more_work(n, mine, nt, waits, 0.5, 0.0)
+        if nt.kind == "unknown":        # nothing else holds it: still waited for, at half the bound that named it
+            return waits.waited_by_more_than(n, UNKNOWN_GAP / 2)
         found = causes(w, everyone, clearing=True, mine=mine)
         if any(c.name in nt.causes for c in found) or (waited and found):
             return True
