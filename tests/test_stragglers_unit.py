@@ -644,3 +644,33 @@ def test_a_node_waited_for_that_does_more_is_imbalance_never_unknown():
         else {}
     ev = run(w, 200, more)
     assert all(e[4].get("causes") != ["unknown"] for e in ev) and [e[3] for e in ev if e[3] == "straggler"] == [], ev
+
+
+def test_two_nodes_equally_slow_are_both_named_each_with_its_cause():
+    """Four nodes; b CPU-throttled and c paused at once, equally late: the others wait for both, each is named with
+    its own cause (cpu_throttled; unknown, paused), and nobody else."""
+    w = StragglerWatch()
+
+    def two(n, t):
+        if not 1060 <= t < 1120:
+            return {}
+        return {"b": {"throttled": 0.6e9, "limit": 0.25, "wait": 0.05e9, "cpu": 0.25e9},
+                "c": {"cpu": 0.0, "wait": 0.0, "stopped": 1.0e9}}.get(n, {"wait": 0.9e9})
+    ev = run(w, 200, two, nodes=("a", "b", "c", "d"))
+    opened = {e[1]: e[4] for e in ev if e[3] == "straggler"}
+    assert sorted(opened) == ["b", "c"] and sorted(e[1] for e in ev if e[3] == "straggler_end") == ["b", "c"], ev
+    assert opened["b"]["causes"] == ["cpu_throttled"] and opened["c"]["causes"] == ["unknown"], opened
+    assert "paused" in opened["c"]["reason"] and set(opened["b"]["waited_by"]) >= {"a", "d"}
+
+
+def test_a_node_slowed_but_not_the_bottleneck_is_not_named():
+    """b throttled hard, c a little (its limit hit 20% of the time) but still waiting for b: only b is named."""
+    w = StragglerWatch()
+
+    def one_and_a_half(n, t):
+        if not 1060 <= t < 1120:
+            return {}
+        return {"b": {"throttled": 0.6e9, "limit": 0.25, "wait": 0.05e9, "cpu": 0.25e9},
+                "c": {"throttled": 0.2e9, "limit": 0.8, "wait": 0.5e9, "cpu": 0.6e9}}.get(n, {"wait": 0.9e9})
+    ev = run(w, 200, one_and_a_half, nodes=("a", "b", "c", "d"))
+    assert [(e[1], e[3]) for e in ev] == [("b", "straggler"), ("b", "straggler_end")], ev

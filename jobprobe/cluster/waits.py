@@ -14,6 +14,8 @@ from jobprobe.cluster.peers import Table
 # the signature of being waited for: the peers' median wait over the node's, in s of thread sleep per s, at least
 WAITED_S = 0.05
 WAITED_SHARE = 0.05       # ... and this share of the peers' median wait (a median mostly of threads that always sleep)
+SLOWER_S = 0.2            # a node waited for that waits this much more than the least-waiting node waited for (s/s)
+SLOWER_SHARE = 1 / 3      # ... and this share of its own gap, waits for that one: it is not the bottleneck
 
 
 class Waits:
@@ -42,7 +44,7 @@ class Waits:
         self.behind_peers = np.add.reduceat(self.behind, t.starts, dtype=np.int64)[t.seg] - self.behind
         self.bound = np.maximum(WAITED_S, WAITED_SHARE * med)
         self.is_waited = (self.gaps >= self.bound) | self.behind
-        self.starts = t.starts
+        self.starts, self.seg = t.starts, t.seg
 
     def part(self, j: int, names: list[str], rows: dict[str, int]) -> "Waits":
         """Job j's (`names`, and each name's place among them)."""
@@ -55,7 +57,18 @@ class Waits:
 
     @cached_property
     def is_waiting(self) -> np.ndarray:
-        return (-self.gaps >= self.bound) | ((self.ras == 0) & (self.behind_peers > 0))
+        """Waits for a peer: more than its peers' median by the bound, or NCCL says a peer is behind, or — waited for
+        itself, where several are — it waits SLOWER_S more than the least-waiting of those, each against its own
+        usual (a rank slowed, but keeping up with a slower one: that one is the bottleneck, not it)."""
+        x = self.med - self.gaps                 # its wait less its usual excess over its peers (x + its usual gap)
+        waited_x = np.where(self.is_waited & ~np.isnan(x), x, np.inf)
+        if hasattr(self, "seg"):                 # the whole table: each job's least
+            least = np.minimum.reduceat(waited_x, self.starts)[self.seg]
+        else:                                    # one job's part
+            least = np.full(len(waited_x), waited_x.min() if len(waited_x) else np.inf)
+        behind = self.is_waited & np.isfinite(least) & \
+            (np.nan_to_num(x, nan=-np.inf) - least >= np.maximum(SLOWER_S, SLOWER_SHARE * self.gaps))
+        return (-self.gaps >= self.bound) | ((self.ras == 0) & (self.behind_peers > 0)) | behind
 
     @cached_property
     def gap(self) -> dict[str, tuple[float, float]]:
