@@ -72,9 +72,10 @@ def generate(path: Path, nodes: int, hours: float, end: float, say=lambda s: Non
             spliced = {c[0]: c for c in templates[(node + s) % TEMPLATES][1]}
             spliced.update({c[0]: c for c in keys})
             rows.append((1, name, job, run, s * n, s * n + n - 1, ts + 1.0, ts + n, n,
-                         blocks.pack(n, list(spliced.values())), ts + n))
+                         blocks.pack(n, list(spliced.values())), ts + n, int((ts + 1.0) // compact.HOUR)))
         with st.db:
-            st.db.executemany("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            st.db.executemany("INSERT OR REPLACE INTO blocks(level, node, job, run, seq0, seq1, t0, t1, n, data, "
+                              "received, hour) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
         total += spans * n
         if node % 50 == 49:
             say(f"{node + 1} nodes written ({time.monotonic() - t0:.0f} s)")
