@@ -45,7 +45,7 @@ class Agent:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jobprobe.cli", "agent", "--socket", str(self.sock), "--state",
-             str(self.base / "jobs.json"), "--out", str(self.out), "--interval", "0.5", "--probes", "cgroup,perf",
+             str(self.base / "jobs.json"), "--out", str(self.out), "--interval", "0.5", "--probes", "cgroup,perf,nic",
              "--slurm", "--slurm-node", self.node, "--prometheus", self.prometheus], cwd=REPO, env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(self.base / "agent.log", "ab"))
@@ -206,6 +206,13 @@ def test_a_job_of_an_unprivileged_user_is_probed_from_its_first_process_to_its_l
     assert any(f.get("labels", {}).get("slurm_steps") == "batch" for f in frames if f["kind"] == "sample"), \
         [f["labels"] for f in frames]
     assert [f["seq"] for f in frames] == list(range(len(frames)))
+    # `nic` from the prolog's attach to the job's end, in the job's network namespace (the node's, here): the
+    # interfaces the kernel lists there, in every sample
+    samples = [f for f in frames if f["kind"] == "sample"]
+    assert all(f["status"].get("nic") == "ok" for f in samples), [f["status"] for f in samples]
+    here = set(os.listdir("/sys/class/net"))
+    assert all(f["probes"]["nic"]["netns"] == "host" and f["probes"]["nic"]["nics"] and
+               {n["name"] for n in f["probes"]["nic"]["nics"]} <= here for f in samples[1:]), samples[-1]["probes"]
     # The job's own account (getrusage at its exit) against the sum of its frames, the part before the attach
     # included (from_start): per-thread clock ticks at each read (10 ms each, a few reads) and the interpreter's
     # teardown after it printed are the difference: 40 ms + 2%.
