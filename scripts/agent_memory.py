@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -16,8 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobprobe.bench.agent import AgentUnderTest  # noqa: E402
-from jobprobe.bench.overhead import _rmdir  # noqa: E402
+from jobprobe.bench.agent import AgentUnderTest, JobGroups  # noqa: E402
 from jobprobe.kernel.host import find_cgroup2_mount  # noqa: E402
 
 
@@ -37,17 +35,9 @@ def by_mapping(pid: int) -> collections.Counter:
 
 
 def measure(n: int, settle: float) -> collections.Counter:
-    base = Path(find_cgroup2_mount(), "jobprobe-bench", f"memory-{os.getpid()}")
-    base.mkdir(parents=True, exist_ok=True)
-    procs, groups = [], []
+    jobs = JobGroups(Path(find_cgroup2_mount(), "jobprobe-bench", f"memory-{os.getpid()}"))
     try:
-        for i in range(n):
-            g = base / f"job-{i}"
-            g.mkdir(exist_ok=True)
-            groups.append(g)
-            tasks = g / "cgroup.procs"
-            procs.append(subprocess.Popen(["sleep", "1000000"],
-                                          preexec_fn=lambda t=tasks: t.write_text(str(os.getpid()))))
+        groups = [jobs.add(f"job-{i}", ["sleep", "1000000"]) for i in range(n)]
         with tempfile.TemporaryDirectory(prefix="jobprobe-memory-") as work:
             agent = AgentUnderTest(Path(work), "std", 1.0)
             try:
@@ -58,12 +48,7 @@ def measure(n: int, settle: float) -> collections.Counter:
             finally:
                 agent.close()
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        for g in groups:
-            _rmdir(g)
-        _rmdir(base)
+        jobs.close()
 
 
 def main() -> int:

@@ -55,6 +55,36 @@ def rss(pid: int) -> int:
     return 0
 
 
+class JobGroups:
+    """cgroup2 groups of their own under `base`, each with one process started in it (a bench's jobs); close()
+    kills the processes and removes the groups, and `base`."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        base.mkdir(parents=True, exist_ok=True)
+        self.jobs: dict[Path, subprocess.Popen] = {}
+
+    def add(self, name: str, argv: list[str]) -> Path:
+        g = self.base / name
+        g.mkdir(exist_ok=True)
+        tasks = g / "cgroup.procs"
+        self.jobs[g] = subprocess.Popen(argv, preexec_fn=lambda: tasks.write_text(str(os.getpid())),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return g
+
+    def remove(self, groups: list[Path]) -> None:
+        for g in groups:
+            proc = self.jobs.pop(g, None)
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+            _rmdir(g)
+
+    def close(self) -> None:
+        self.remove(list(self.jobs))
+        _rmdir(self.base)
+
+
 class AgentUnderTest:
     def __init__(self, work: Path, probes: str, interval: float, extra: list[str] | None = None):
         self.work, self.sock = work, str(work / "agent.sock")
@@ -113,19 +143,11 @@ def bench_agent(counts: tuple[int, ...] = (1, 16, 64), n: int = 50_000, idle_s: 
 
 def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, probes: str, peer: bool, progress,
                  nats: bool, work: Path, mount: Path) -> dict:
-    base = Path(mount, "jobprobe-bench", f"agent-{os.getpid()}")
-    base.mkdir(parents=True, exist_ok=True)
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
-    groups: list[Path] = []
-    sleepers: list[subprocess.Popen] = []
+    jobs = JobGroups(Path(mount, "jobprobe-bench", f"agent-{os.getpid()}"))
 
     def idle_job(i: int) -> Path:
-        g = base / f"idle-{i}"
-        g.mkdir(exist_ok=True)
-        procs = g / "cgroup.procs"
-        sleepers.append(subprocess.Popen(["sleep", "100000"], preexec_fn=lambda: procs.write_text(str(os.getpid()))))
-        groups.append(g)
-        return g
+        return jobs.add(f"idle-{i}", ["sleep", "100000"])
 
     result: dict = {"probes": probes, "n": n, "per_event": {}, "cycles": cycles}
     extra: list[str] = []
@@ -140,6 +162,7 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
                                       stderr=subprocess.DEVNULL)
         extra = ["--send", local.url, "--spool", str(work / "spool")]
         result["nats"] = True
+    work_group = jobs.base / "workload"
     agent = AgentUnderTest(work, probes, 1.0, extra)
     peer_proc = None
     try:
@@ -147,9 +170,7 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
             peer_proc = subprocess.Popen(["runqlat-bpfcc", "3600", "1"], stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL)
             peer_proc.stdout.readline()          # "Tracing ..." once attached
-        work_group = base / "workload"
         work_group.mkdir(exist_ok=True)
-        groups.append(work_group)
         idle = [idle_job(i) for i in range(max(5, max(counts) - 1))]
         # attach to first frame, on a fresh job each time
         latencies = []
@@ -210,12 +231,8 @@ def _bench_agent(counts: tuple[int, ...], n: int, idle_s: float, cycles: int, pr
             local.stop()
         if peer_proc is not None:
             stop_child(peer_proc, 30)
-        for p in sleepers:
-            p.kill()
-            p.wait()
-        for g in groups:
-            _rmdir(g)
-        _rmdir(base)
+        _rmdir(work_group)
+        jobs.close()
     return result
 
 

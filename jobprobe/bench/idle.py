@@ -21,8 +21,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from jobprobe.bench.agent import AgentUnderTest, rss
-from jobprobe.bench.overhead import _rmdir, free_port, scratch
+from jobprobe.bench.agent import AgentUnderTest, JobGroups, rss
+from jobprobe.bench.overhead import free_port, scratch
 from jobprobe.core.child import stop_child
 from jobprobe.core.errors import BadInput
 from jobprobe.kernel.host import find_cgroup2_mount
@@ -104,24 +104,11 @@ def bench_idle(counts: tuple[int, ...] = (1, 16, 64, 256), busy: int = 64, runs:
     if mount is None:
         raise BadInput("no cgroup2 hierarchy mounted")
     say = (lambda s: (progress.write(s + "\n"), progress.flush())) if progress else (lambda s: None)
-    base = Path(mount, "jobprobe-bench", f"idle-{os.getpid()}")
-    base.mkdir(parents=True, exist_ok=True)
-    procs: list[subprocess.Popen] = []
-    groups: list[Path] = []
-
-    def job(i: int, argv: list[str]) -> Path:
-        g = base / f"job-{i}"
-        g.mkdir(exist_ok=True)
-        tasks = g / "cgroup.procs"
-        procs.append(subprocess.Popen(argv, preexec_fn=lambda: tasks.write_text(str(os.getpid())),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        groups.append(g)
-        return g
-
+    jobs = JobGroups(Path(mount, "jobprobe-bench", f"idle-{os.getpid()}"))
     res: dict = {"probes": probes, "seconds": seconds, "runs": [], "counts": list(counts), "busy": busy}
     ne = None
     try:
-        idle = [job(i, ["sleep", "1000000"]) for i in range(max(counts))]
+        idle = [jobs.add(f"job-{i}", ["sleep", "1000000"]) for i in range(max(counts))]
         ne = NodeExporter()
         for r in range(runs):
             order = list(counts) if r % 2 == 0 else list(reversed(counts))
@@ -144,7 +131,7 @@ def bench_idle(counts: tuple[int, ...] = (1, 16, 64, 256), busy: int = 64, runs:
                         for i in sorted(attached):
                             agent.ctl(cmd="detach", job=f"idle-{i}")
                         # the busy jobs run only in their own windows: they would load the idle ones' machine
-                        hot = [job(len(idle) + r * busy + i, [sys.executable, "-c", BUSY]) for i in range(busy)]
+                        hot = [jobs.add(f"busy-{r}-{i}", [sys.executable, "-c", BUSY]) for i in range(busy)]
                         for i, g in enumerate(hot):
                             agent.ctl(cmd="attach", cgroup=str(g), job=f"busy-{i}")
                         time.sleep(settle)
@@ -153,22 +140,14 @@ def bench_idle(counts: tuple[int, ...] = (1, 16, 64, 256), busy: int = 64, runs:
                         say(f"run {r + 1}: {busy} busy: " + line(run[f"busy {busy}"]))
                         for i in range(len(hot)):
                             agent.ctl(cmd="detach", job=f"busy-{i}")
-                        for p in procs[len(idle):]:
-                            p.kill()
-                            p.wait()
-                        del procs[len(idle):]
+                        jobs.remove(hot)
                 finally:
                     agent.close()
             res["runs"].append(run)
     finally:
         if ne is not None:
             ne.close()
-        for p in procs:
-            p.kill()
-            p.wait()
-        for g in groups:
-            _rmdir(g)
-        _rmdir(base)
+        jobs.close()
     res["table"] = table(res)
     return res
 

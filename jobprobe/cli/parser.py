@@ -372,9 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     jb = sub.add_parser("jobs", help="the jobs that ended in a window: owner, nodes, wall, how each ended, goodput, "
                         "largest badput, stragglers", usage="jobprobe jobs --store PATH [--since 1d] "
                         "[--format text|json|csv] [--sort start|wall|goodput|job|badput]")
-    jb.add_argument("--store", metavar="PATH", action="append", required=True, help="the controller's store; "
-                    "again, or a directory, for several partitions' stores")
-    jb.add_argument("--since", default="1d", help="how far back (90s, 30m, 12h, 1d, 2w; default 1d)")
+    store_window(jb, "1d")
     jb.add_argument("--format", choices=["text", "json", "csv"], default="text")
     jb.add_argument("--prices", metavar="FILE", help="a price file (jobprobe/cluster/cost.py): each job's cost")
     jb.add_argument("--sort", choices=["start", "wall", "goodput", "job", "badput"], default="start",
@@ -383,14 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
     nd = sub.add_parser("nodes", help="the nodes named stragglers in a window, the most time lost to them first; "
                         "suspects: named in job after job", usage="jobprobe nodes --store PATH [--since 7d] "
                         "[--suspect-jobs K] [--format text|json]")
-    nd.add_argument("--store", metavar="PATH", action="append", required=True, help="the controller's store; "
-                    "again, or a directory, for several partitions' stores")
-    nd.add_argument("--since", default="7d", help="how far back (90s, 30m, 12h, 1d, 2w; default 7d)")
+    store_window(nd, "7d")
     nd.add_argument("--suspect-jobs", type=int, default=3, metavar="K", help="a suspect: named in K distinct jobs "
                     "(default 3)")
     nd.add_argument("--format", choices=["text", "json"], default="text")
     nd.set_defaults(func=cluster.cmd_nodes)
     return p
+
+
+def store_window(p: argparse.ArgumentParser, since: str) -> None:
+    """--store (one or more) and --since: the window of a store's events a listing reads (jobs, nodes)."""
+    p.add_argument("--store", metavar="PATH", action="append", required=True, help="the controller's store; "
+                   "again, or a directory, for several partitions' stores")
+    p.add_argument("--since", default=since, help=f"how far back (90s, 30m, 12h, 1d, 2w; default {since})")
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
