@@ -285,6 +285,7 @@ class SchedProbe(BpfProbe):
         kernel can, else the hook. btf: BTF tracepoint programs with records in task storage (None: where the
         kernel can; False: raw ones with a hash of records, whose entries user space can list)."""
         super().__init__(host, node)
+        self._raw, self._cols = b"", {}     # the slot's last copy and its sum over CPUs (reading)
         machine = machine or platform.machine()
         self.from_regs = syscall_source == "regs" or (syscall_source is None and syscall_from_regs(self.host))
         # Why lock and sleep are not told apart from wait (None: they are); decided once, from the host.
@@ -426,7 +427,9 @@ class SchedProbe(BpfProbe):
                 raise ValueError(f"the sched counters of slot {self.slot} stayed torn over {10 * READ_TRIES} copies")
             return {**self._last, "torn_reads": self._last["torn_reads"] + 1}
         self.read_ns = t1
-        out = slot_columns(raw, ncpus)
+        if raw != self._raw:           # an idle job's copy is the same bytes tick after tick: summed once
+            self._raw, self._cols = raw, slot_columns(raw, ncpus)
+        out = {k: list(v) if isinstance(v, list) else v for k, v in self._cols.items()}
         out["times"] = time_totals(out, t1)      # open periods counted up to the instant after the copy
         out["hist"] = out.pop("runq_hist")
         out.update(t=t1, lag=t1 - t0, node=node)

@@ -53,7 +53,7 @@ def slot_columns(raw: bytes, ncpus: int) -> dict[str, Any]:
     """One slot's per-CPU copies summed over CPUs, by struct member ({name: int or list}); the seqcount left out."""
     words = memoryview(raw).cast("Q")
     per = len(words) // ncpus
-    cols = [sum(words[c * per + i] for c in range(ncpus)) for i in range(1, WORDS - 1)]
+    cols = [sum(words[i::per]) for i in range(1, WORDS - 1)]      # member i of every CPU's copy: a strided view
     out, i = {}, 0
     for name, typ in SlotStats._fields_[1:-1]:
         n = ct.sizeof(typ) // 8
