@@ -27,21 +27,17 @@ def records(store: Any, since_s: float, now: float | None = None, node: str | No
     causes ({cause: episodes}), last (UNIX s of its newest naming)}. Only nodes named at least once."""
     now = time.time() if now is None else now
     out: dict[str, dict] = {}
-    summaries: dict[str, dict] = {}
-    where = "event IN ('straggler', 'straggler_end', 'summary') AND t >= ?"
-    args: list[Any] = [now - since_s]
-    for n, job, t, event, body in store.sql(f"SELECT node, job, t, event, body FROM events WHERE {where} "
-                                            "ORDER BY t", tuple(args))[1]:
+    # a straggler's events are stored under the node they name (Controller.node_event): only that node's are read
+    q, args = "SELECT job, t, event, body FROM events WHERE event IN ('straggler', 'straggler_end') AND t >= ?", \
+        [now - since_s]
+    if node is not None:
+        q, args = q + " AND node = ?", args + [node]
+    for job, t, event, body in store.sql(q + " ORDER BY t", tuple(args))[1]:
         try:
             b = json.loads(body)
         except (TypeError, ValueError):
             continue
-        if not isinstance(b, dict):
-            continue
-        if event == "summary":
-            summaries[job] = b                       # the newest of each job
-            continue
-        named = b.get("straggler")
+        named = b.get("straggler") if isinstance(b, dict) else None
         if not isinstance(named, str) or (node is not None and named != node):
             continue
         r = out.setdefault(named, {"episodes": 0, "jobs": set(), "seconds": 0.0, "lost_s": 0.0,
@@ -58,8 +54,16 @@ def records(store: Any, since_s: float, now: float | None = None, node: str | No
                 r["causes"]["unknown"] += 1
         elif isinstance(b.get("duration_s"), (int, float)):
             r["seconds"] += float(b["duration_s"])
-    for job, s in summaries.items():
-        waited = s.get("waited_for")
+    # the jobs' summaries: only their waited_for, the newest of each job (a summary is the job's whole account)
+    waited_for: dict[str, Any] = {}
+    for job, waited in store.sql("SELECT job, json_extract(body, '$.waited_for') FROM events WHERE event = "
+                                 "'summary' AND t >= ? ORDER BY t", (now - since_s,))[1]:
+        waited_for[job] = waited
+    for job, text in waited_for.items():
+        try:
+            waited = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            continue
         for named, lost in (waited.items() if isinstance(waited, dict) else ()):
             if named in out and job in out[named]["jobs"] and isinstance(lost, (int, float)):
                 out[named]["lost_s"] += float(lost)

@@ -53,6 +53,7 @@ class Waits:
         for k in ("gaps", "med", "x", "raw", "ras", "behind", "behind_peers", "bound", "is_waited"):
             setattr(w, k, getattr(self, k)[at])
         w.names, w.rows = names, rows
+        w.starts, w.seg = np.zeros(1, dtype=np.int64), np.zeros(len(names), dtype=np.int64)   # one job
         return w
 
     @cached_property
@@ -62,10 +63,7 @@ class Waits:
         usual (a rank slowed, but keeping up with a slower one: that one is the bottleneck, not it)."""
         x = self.med - self.gaps                 # its wait less its usual excess over its peers (x + its usual gap)
         waited_x = np.where(self.is_waited & ~np.isnan(x), x, np.inf)
-        if hasattr(self, "seg"):                 # the whole table: each job's least
-            least = np.minimum.reduceat(waited_x, self.starts)[self.seg]
-        else:                                    # one job's part
-            least = np.full(len(waited_x), waited_x.min() if len(waited_x) else np.inf)
+        least = np.minimum.reduceat(waited_x, self.starts)[self.seg]     # each job's
         behind = self.is_waited & np.isfinite(least) & \
             (np.nan_to_num(x, nan=-np.inf) - least >= np.maximum(SLOWER_S, SLOWER_SHARE * self.gaps))
         return (-self.gaps >= self.bound) | ((self.ras == 0) & (self.behind_peers > 0)) | behind
